@@ -1,0 +1,381 @@
+"""Mask -> column intervals.
+
+The canonical form is an int32 tensor ``[B|1, H|1, kv_len, 4]`` holding, per key column j,
+(LTS, LTE, UTS, UTE): rows ``[LTS, LTE) ∪ [UTS, UTE)`` of column j are masked. Memory is
+O(kv_len); nothing of size q_len x kv_len is built here (except by `intervals_to_dense`,
+which exists for tests and pictures).
+
+Canonical means: both intervals lie in [0, q_len]; an empty interval is (0, 0); when both are
+non-empty they are disjoint, do not touch, and the lower-row one sits in the (UTS, UTE) slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import specs
+
+_EMPTY = 0
+
+
+class _Geometry:
+    """Maps absolute positions to query rows for one (q_len, kv_len): row = pos - offset."""
+
+    def __init__(self, q_len: int, kv_len: int, device: torch.device) -> None:
+        self.q_len, self.kv_len, self.device = q_len, kv_len, device
+        self.offset = kv_len - q_len
+        self.cols = torch.arange(kv_len, device=device, dtype=torch.int64)
+
+    def rows(self, pos: torch.Tensor | int) -> torch.Tensor:
+        if not isinstance(pos, torch.Tensor):
+            pos = torch.tensor(pos, device=self.device, dtype=torch.int64)
+        return (pos - self.offset).clamp(0, self.q_len)
+
+    def full_like_cols(self, value: int) -> torch.Tensor:
+        return torch.full((self.kv_len,), value, device=self.device, dtype=torch.int64)
+
+
+def _pack(lts, lte, uts, ute) -> torch.Tensor:
+    """Broadcast four [..., Sk] tensors to [B|1, H|1, Sk, 4] (int64, not yet canonical)."""
+    parts = torch.broadcast_tensors(lts, lte, uts, ute)
+    out = torch.stack(parts, dim=-1)
+    while out.dim() < 4:
+        out = out.unsqueeze(0)
+    return out
+
+
+def canonicalize(iv: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Merge each column's two intervals into the canonical form (see module docstring)."""
+    return _merge(iv.view(*iv.shape[:-1], 2, 2), q_len, what="mask")
+
+
+def _merge(ivs: torch.Tensor, q_len: int, what: str) -> torch.Tensor:
+    """ivs: [B, H, Sk, k, 2] (start, end) intervals per column, any order, possibly empty or
+    overlapping. Returns their union as canonical int32 [B, H, Sk, 4]; raises if a column needs
+    more than two disjoint intervals."""
+    start = ivs[..., 0].clamp(0, q_len)
+    end = ivs[..., 1].clamp(0, q_len)
+    empty = end <= start
+    # empties sort last and never merge
+    start = torch.where(empty, q_len + 1, start)
+    end = torch.where(empty, q_len + 1, end)
+    start, order = start.sort(dim=-1)
+    end = end.gather(-1, order)
+    # an interval opens a new group when it starts after every earlier end (touching merges)
+    prev_end = torch.cummax(end, dim=-1).values
+    prev_end = torch.cat([torch.full_like(prev_end[..., :1], -1), prev_end[..., :-1]], dim=-1)
+    new_group = (start > prev_end) & (start <= q_len)
+    group = torch.cumsum(new_group.to(torch.int64), dim=-1) - 1  # -1 before the first group
+    n_groups = new_group.sum(-1)
+    if bool((n_groups > 2).any()):
+        bad = (n_groups > 2).nonzero()[0].tolist()
+        b, h, j = bad
+        raise ValueError(
+            f"{what}: column {j} (batch {b}, head {h}) needs {int(n_groups[b, h, j])} disjoint masked "
+            f"row intervals, but a column holds at most 2 ([LTS, LTE) and [UTS, UTE))"
+        )
+    big = q_len + 1
+    valid = start <= q_len
+    g0 = valid & (group == 0)
+    g1 = valid & (group == 1)
+    s0 = torch.where(g0, start, big).amin(-1)
+    e0 = torch.where(g0, end, -1).amax(-1)
+    s1 = torch.where(g1, start, big).amin(-1)
+    e1 = torch.where(g1, end, -1).amax(-1)
+    has0, has1 = n_groups >= 1, n_groups >= 2
+    # two groups: the later one is the "lower" (LTS, LTE) interval; one group: lower slot
+    lts = torch.where(has1, s1, torch.where(has0, s0, _EMPTY))
+    lte = torch.where(has1, e1, torch.where(has0, e0, _EMPTY))
+    uts = torch.where(has1, s0, _EMPTY)
+    ute = torch.where(has1, e0, _EMPTY)
+    return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32)
+
+
+# --- builders ------------------------------------------------------------------------
+
+
+def _causal_upper(g: _Geometry) -> torch.Tensor:
+    """Upper end of the causal triangle: rows whose absolute position is < j are masked."""
+    return g.rows(g.cols)
+
+
+def _no_interval(g: _Geometry) -> torch.Tensor:
+    return g.full_like_cols(0)
+
+
+def _full(m, g):
+    z = _no_interval(g)
+    return _pack(z, z, z, z)
+
+
+def _causal(m, g):
+    z = _no_interval(g)
+    return _pack(z, z, z, _causal_upper(g))
+
+
+def _sliding_window(m, g):
+    left, right = m.params()["left"], m.params()["right"]
+    lts = g.rows(g.cols + left + 1)
+    ute = g.rows(g.cols - right)
+    return _pack(lts, g.full_like_cols(g.q_len), _no_interval(g), ute)
+
+
+def _rows_per_batch(name: str, lengths: list, g: _Geometry) -> list[list[int]]:
+    rows = lengths if isinstance(lengths[0], list) else [lengths]
+    for b, row in enumerate(rows):
+        if sum(row) != g.kv_len:
+            where = f"{name}[{b}]" if len(rows) > 1 else name
+            raise ValueError(f"{where} must sum to kv_len={g.kv_len}, got {sum(row)}")
+    return rows
+
+
+def _doc_bounds(seqlens: list[int], g: _Geometry):
+    """Per key column: start and end (absolute) of its document, and its document index."""
+    lens = torch.tensor(seqlens, device=g.device, dtype=torch.int64)
+    ends = torch.cumsum(lens, 0)
+    starts = ends - lens
+    doc = torch.repeat_interleave(torch.arange(len(seqlens), device=g.device), lens, output_size=g.kv_len)
+    return starts[doc], ends[doc], doc
+
+
+def _document(m, g):
+    p = m.params()
+    out = []
+    for row in _rows_per_batch("seqlens", p["seqlens"], g):
+        start, end, _ = _doc_bounds(row, g)
+        upper = g.cols if p["causal"] else start
+        out.append(_pack(g.rows(end), g.full_like_cols(g.q_len), _no_interval(g), g.rows(upper)))
+    return torch.cat(out, dim=0)
+
+
+def _prefix_lm(m, g):
+    prefix = m.params()["prefix_len"]
+    z = _no_interval(g)
+    ute = torch.where(g.cols < prefix, 0, _causal_upper(g))
+    return _pack(z, z, z, ute)
+
+
+def _prefix_lm_document(m, g):
+    p = m.params()
+    seq_rows = _rows_per_batch("seqlens", p["seqlens"], g)
+    pre_rows = p["prefix_lens"] if isinstance(p["prefix_lens"][0], list) else [p["prefix_lens"]]
+    out = []
+    for seqlens, prefixes in zip(seq_rows, pre_rows):
+        start, end, doc = _doc_bounds(seqlens, g)
+        prefix = torch.tensor(prefixes, device=g.device, dtype=torch.int64)[doc]
+        upper = torch.where(g.cols < start + prefix, start, g.cols)
+        out.append(_pack(g.rows(end), g.full_like_cols(g.q_len), _no_interval(g), g.rows(upper)))
+    return torch.cat(out, dim=0)
+
+
+def _share_question(m, g):
+    p = m.params()
+    seqlens = [p["question_len"], *p["answer_lens"]] if p["question_len"] > 0 else list(p["answer_lens"])
+    if sum(seqlens) != g.kv_len:
+        raise ValueError(
+            f"question_len + sum(answer_lens) must equal kv_len={g.kv_len}, got {sum(seqlens)}"
+        )
+    _, end, _ = _doc_bounds(seqlens, g)
+    lts = torch.where(g.cols < p["question_len"], g.q_len, g.rows(end))
+    return _pack(lts, g.full_like_cols(g.q_len), _no_interval(g), _causal_upper(g))
+
+
+def _global_sliding_window(m, g):
+    p = m.params()
+    n_global, left, right = p["global_tokens"], p["left"], p["right"]
+    is_global = g.cols < n_global
+    lts = torch.where(is_global, g.q_len, g.rows(g.cols + left + 1))
+    uts = g.full_like_cols(int(g.rows(n_global)))
+    ute = torch.where(is_global, 0, g.rows(g.cols - right))
+    return _pack(lts, g.full_like_cols(g.q_len), uts, ute)
+
+
+def _causal_blockwise(m, g):
+    rows = _rows_per_batch("seqlens", m.params()["seqlens"], g)
+    out = []
+    for seqlens in rows:
+        _, end, doc = _doc_bounds(seqlens, g)
+        last_start = g.kv_len - seqlens[-1]
+        in_last = doc == len(seqlens) - 1
+        lts = torch.where(in_last, g.q_len, g.rows(end))
+        lte = torch.where(in_last, g.q_len, g.rows(torch.tensor(last_start, device=g.device)))
+        out.append(_pack(lts, lte, _no_interval(g), _causal_upper(g)))
+    return torch.cat(out, dim=0)
+
+
+def _qk_sparse(m, g):
+    lts = g.full_like_cols(g.q_len)
+    lte = g.full_like_cols(g.q_len)
+    for off, length in m.params()["maskout"]:
+        if off + length > g.kv_len:
+            raise ValueError(f"maskout span ({off}, {length}) ends past kv_len={g.kv_len}")
+        span = (g.cols >= off) & (g.cols < off + length)
+        lts = torch.where(span, g.rows(g.cols), lts)
+        lte = torch.where(span, g.rows(torch.tensor(off + length, device=g.device)), lte)
+    return _pack(lts, lte, _no_interval(g), _causal_upper(g))
+
+
+def _random_eviction(m, g):
+    p = m.params()
+    n_evict = max(0, g.kv_len - p["start_row"])
+    gen = torch.Generator().manual_seed(p["seed"])
+    per_head = []
+    for _ in range(p["num_heads"]):
+        # position start_row + t evicts the t-th key of a random order of the earlier keys
+        evict_at = torch.full((g.kv_len,), g.kv_len, dtype=torch.int64)
+        order = torch.randperm(max(g.kv_len - 1, 0), generator=gen)[:n_evict]
+        evict_at[order] = torch.arange(p["start_row"], p["start_row"] + len(order))
+        cols = torch.arange(g.kv_len)
+        evict_at = torch.maximum(evict_at, cols + 1)  # a key is always seen by its own position
+        per_head.append(evict_at)
+    lts_abs = torch.stack(per_head).to(g.device)  # [H, Sk]
+    lts = g.rows(lts_abs)
+    z = _no_interval(g)
+    return _pack(lts, g.full_like_cols(g.q_len), z, _causal_upper(g))
+
+
+def _explicit_rows(name: str, t: torch.Tensor, g: _Geometry) -> torch.Tensor:
+    if t.shape[-1] != g.kv_len:
+        raise ValueError(f"{name} must cover kv_len={g.kv_len} key columns, got {t.shape[-1]}")
+    t = t.to(device=g.device, dtype=torch.int64)
+    bad = (t < 0) | (t > g.q_len)
+    if bool(bad.any()):
+        pos = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"{name} holds row {int(t[tuple(pos)])} at column {pos[-1]}, outside [0, q_len={g.q_len}]"
+        )
+    return t
+
+
+def _check_ordered(lo_name, lo, hi_name, hi):
+    bad = hi < lo
+    if bool(bad.any()):
+        pos = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"reversed interval at column {pos[-1]}: {lo_name}={int(lo[tuple(pos)])} > {hi_name}={int(hi[tuple(pos)])}"
+        )
+
+
+def _column_intervals(m, g):
+    p = m.params()
+    lts = _explicit_rows("lts", p["lts"], g)
+    lte = _explicit_rows("lte", p["lte"], g) if "lte" in p else g.full_like_cols(g.q_len)
+    ute = _explicit_rows("ute", p["ute"], g) if "ute" in p else g.full_like_cols(0)
+    uts = _explicit_rows("uts", p["uts"], g) if "uts" in p else torch.zeros_like(ute)
+    lts, lte = torch.broadcast_tensors(lts, lte)
+    uts, ute = torch.broadcast_tensors(uts, ute)
+    _check_ordered("lts", lts, "lte", lte)
+    _check_ordered("uts", uts, "ute", ute)
+    if lts.dim() == 2:  # (H, Sk): heads, not batch
+        lts, lte, uts, ute = (t.unsqueeze(0) for t in (lts, lte, uts, ute))
+    return _pack(lts, lte, uts, ute)
+
+
+def _from_startend(m, g):
+    p = m.params()
+    idx, causal = p["startend_row_indices"], p["causal"]
+    if idx.shape[2] != g.kv_len:
+        raise ValueError(
+            f"startend_row_indices must have kv_len={g.kv_len} columns (dim 2), got shape {tuple(idx.shape)}"
+        )
+    idx = _explicit_rows("startend_row_indices", idx.movedim(-1, 0), g)  # [n, B, H, Sk]
+    n = idx.shape[0]
+    q_end = g.full_like_cols(g.q_len)
+    if causal:
+        lte = idx[1] if n == 2 else q_end
+        _check_ordered("startend_row_indices[..., 0] (LTS)", idx[0], "startend_row_indices[..., 1] (LTE)", lte)
+        return _pack(idx[0], lte, _no_interval(g), _causal_upper(g))
+    if n == 2:
+        return _pack(idx[0], q_end, _no_interval(g), idx[1])
+    _check_ordered("startend_row_indices[..., 0] (LTS)", idx[0], "startend_row_indices[..., 1] (LTE)", idx[1])
+    _check_ordered("startend_row_indices[..., 2] (UTS)", idx[2], "startend_row_indices[..., 3] (UTE)", idx[3])
+    return _pack(idx[0], idx[1], idx[2], idx[3])
+
+
+def _combined(m, g):
+    a = build_intervals(m.a, g.q_len, g.kv_len, g.device).long()
+    b = build_intervals(m.b, g.q_len, g.kv_len, g.device).long()
+    a, b = torch.broadcast_tensors(a, b)
+    a, b = a.view(*a.shape[:-1], 2, 2), b.view(*b.shape[:-1], 2, 2)
+    if m.op == "and":  # attend where both attend: masked where either masks
+        ivs = torch.cat([a, b], dim=-2)
+    else:  # attend where either attends: masked where both mask (pairwise intersections)
+        start = torch.maximum(a[..., :, None, 0], b[..., None, :, 0])
+        end = torch.minimum(a[..., :, None, 1], b[..., None, :, 1])
+        ivs = torch.stack([start, end], dim=-1).flatten(-3, -2)
+    return _merge(ivs, g.q_len, what=repr(m))
+
+
+_BUILDERS = {
+    "full": _full,
+    "causal": _causal,
+    "sliding_window": _sliding_window,
+    "document": _document,
+    "prefix_lm": _prefix_lm,
+    "prefix_lm_document": _prefix_lm_document,
+    "share_question": _share_question,
+    "global_sliding_window": _global_sliding_window,
+    "causal_blockwise": _causal_blockwise,
+    "qk_sparse": _qk_sparse,
+    "random_eviction": _random_eviction,
+    "column_intervals": _column_intervals,
+    "from_startend_row_indices": _from_startend,
+    "and": _combined,
+    "or": _combined,
+}
+
+
+def build_intervals(mask: specs.Mask, q_len: int, kv_len: int, device=None) -> torch.Tensor:
+    """Canonical int32 [B|1, H|1, kv_len, 4] column intervals of `mask` on `device`."""
+    if not isinstance(mask, specs.Mask):
+        raise TypeError(f"mask must be a flexmask.masks.Mask, got {type(mask).__name__}")
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    g = _Geometry(q_len, kv_len, device)
+    raw = _BUILDERS[mask.kind](mask, g)
+    if mask.kind in ("and", "or"):
+        return raw
+    return canonicalize(raw, q_len)
+
+
+# --- views used by tests, pictures and FLOP counting ---------------------------------
+
+
+def intervals_to_dense(iv: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Boolean [B, H, q_len, kv_len], True = attend. O(q_len * kv_len): tests and pictures only."""
+    rows = torch.arange(q_len, device=iv.device).view(1, 1, q_len, 1)
+    lts, lte, uts, ute = (iv[..., i].unsqueeze(-2) for i in range(4))
+    masked = ((rows >= lts) & (rows < lte)) | ((rows >= uts) & (rows < ute))
+    return ~masked
+
+
+def unmasked_count(iv: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Number of attending (query, key) pairs per [B, H], in O(kv_len)."""
+    masked = (iv[..., 1] - iv[..., 0]) + (iv[..., 3] - iv[..., 2])  # canonical: disjoint
+    return (q_len - masked.long()).sum(-1)
+
+
+def picture(iv: torch.Tensor, q_len: int, max_size: int = 64) -> str:
+    """ASCII drawing of the first batch row / head, in cells of ceil(len / max_size)."""
+    kv_len = iv.shape[2]
+    if q_len == 0 or kv_len == 0:
+        return "(empty)"
+    step_q = -(-q_len // max_size)
+    step_k = -(-kv_len // max_size)
+    cells_q, cells_k = -(-q_len // step_q), -(-kv_len // step_k)
+    # count attending pairs per cell from the intervals, row by row of cells (O(cells * kv_len))
+    lines = []
+    cols_cell = torch.arange(kv_len) // step_k
+    one = iv[0, 0].long()
+    for cq in range(cells_q):
+        r0, r1 = cq * step_q, min((cq + 1) * step_q, q_len)
+        overlap = (one[:, 1].clamp(r0, r1) - one[:, 0].clamp(r0, r1)) + (
+            one[:, 3].clamp(r0, r1) - one[:, 2].clamp(r0, r1)
+        )
+        attend = (r1 - r0) - overlap
+        total = torch.zeros(cells_k, dtype=torch.long).index_add_(0, cols_cell, attend)
+        size = torch.zeros(cells_k, dtype=torch.long).index_add_(0, cols_cell, torch.full_like(attend, r1 - r0))
+        lines.append("".join("#" if t == s else "." if t == 0 else "+" for t, s in zip(total.tolist(), size.tolist())))
+    return "\n".join(lines)

@@ -1,0 +1,415 @@
+"""Declarative mask builders.
+
+A `Mask` is a cheap, device-free description of who attends whom. It holds only its
+parameters; `flexmask.masks.intervals` turns it into column intervals for a concrete
+(q_len, kv_len, device), and `flexmask.masks.compiler` turns those into tile tables.
+
+Positions: query row i sits at the absolute position ``i + (kv_len - q_len)`` (bottom-right
+alignment, as FlashAttention >= 2.1), so every builder that compares positions agrees with
+`causal()` when q_len != kv_len, and a decode step (q_len = 1) sees the last row.
+
+Pictures below: rows are queries, columns are keys, ``#`` attends, ``.`` is masked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "Mask",
+    "full",
+    "causal",
+    "sliding_window",
+    "document",
+    "prefix_lm",
+    "prefix_lm_document",
+    "share_question",
+    "global_sliding_window",
+    "causal_blockwise",
+    "qk_sparse",
+    "random_eviction",
+    "column_intervals",
+    "from_startend_row_indices",
+]
+
+
+class Mask:
+    """Base class of every mask. Compose with ``&`` (attend where both attend) and ``|``
+    (attend where either attends).
+
+    ``to_dense(q_len, kv_len)`` gives a boolean tensor (True = attend): shape (q_len, kv_len)
+    when the mask is the same for every batch row and head, else (B|1, H|1, q_len, kv_len).
+    """
+
+    kind: str = "mask"
+
+    def __init__(self) -> None:
+        # compiled tile tables, keyed by (q_len, kv_len, device, block sizes); see api.py
+        self._compiled_cache: dict = {}
+
+    # -- description -----------------------------------------------------------------
+    def params(self) -> dict:
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={_short(v)}" for k, v in self.params().items())
+        return f"masks.{self.kind}({args})"
+
+    def __str__(self) -> str:
+        return f"{self!r}\n{self.show(16, 16)}"
+
+    # -- composition -----------------------------------------------------------------
+    def __and__(self, other: Mask) -> Mask:
+        if not isinstance(other, Mask):
+            return NotImplemented
+        return Combined("and", self, other)
+
+    def __or__(self, other: Mask) -> Mask:
+        if not isinstance(other, Mask):
+            return NotImplemented
+        return Combined("or", self, other)
+
+    # -- materialisation (delegated, so this module stays free of the interval math) ----
+    def intervals(self, q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """int32 [B|1, H|1, kv_len, 4] (LTS, LTE, UTS, UTE): masked rows of each key column."""
+        from .intervals import build_intervals
+
+        return build_intervals(self, q_len, kv_len, device)
+
+    def to_dense(self, q_len: int, kv_len: int) -> torch.Tensor:
+        from .intervals import intervals_to_dense
+
+        dense = intervals_to_dense(self.intervals(q_len, kv_len, "cpu"), q_len)
+        if dense.shape[0] == 1 and dense.shape[1] == 1:
+            return dense[0, 0]
+        return dense
+
+    def density(self, q_len: int, kv_len: int) -> float:
+        """Fraction of (query, key) pairs that attend, averaged over batch rows and heads."""
+        from .intervals import unmasked_count
+
+        counts = unmasked_count(self.intervals(q_len, kv_len, "cpu"), q_len)
+        return float(counts.double().mean()) / max(1, q_len * kv_len)
+
+    def show(self, q_len: int, kv_len: int, max_size: int = 64) -> str:
+        """ASCII picture; larger masks are drawn in cells of several rows/columns:
+        ``#`` all attend, ``.`` none, ``+`` some."""
+        from .intervals import picture
+
+        return picture(self.intervals(q_len, kv_len, "cpu"), q_len, max_size)
+
+
+class Combined(Mask):
+    """``a & b`` or ``a | b``; the masked intervals are merged per column."""
+
+    def __init__(self, op: str, a: Mask, b: Mask) -> None:
+        super().__init__()
+        self.op, self.a, self.b = op, a, b
+        self.kind = op
+
+    def __repr__(self) -> str:
+        sym = "&" if self.op == "and" else "|"
+        return f"({self.a!r} {sym} {self.b!r})"
+
+
+def _short(v):
+    if isinstance(v, torch.Tensor):
+        return f"tensor{tuple(v.shape)}"
+    if isinstance(v, (list, tuple)) and len(v) > 6:
+        return f"[{', '.join(map(str, v[:3]))}, ... ({len(v)} items)]"
+    return v
+
+
+def _check_int(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_lengths(name: str, values, minimum: int = 0) -> list:
+    """A list of non-negative ints, or a list of such lists (one per batch row)."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) == 0:
+        raise TypeError(f"{name} must be a non-empty list of ints (or one list per batch row), got {values!r}")
+    if all(isinstance(v, Sequence) and not isinstance(v, str) for v in values):
+        return [_check_lengths(f"{name}[{b}]", row, minimum) for b, row in enumerate(values)]
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = int(v)
+        out.append(_check_int(f"{name}[{i}]", v, minimum))
+    return out
+
+
+class _Simple(Mask):
+    def __init__(self, kind: str, **params) -> None:
+        super().__init__()
+        self.kind = kind
+        self._params = params
+
+    def params(self) -> dict:
+        return dict(self._params)
+
+
+def full() -> Mask:
+    """Everyone attends everyone.
+    ::
+        ####
+        ####
+        ####
+    """
+    return _Simple("full")
+
+
+def causal() -> Mask:
+    """Key j is attended by query i iff ``j <= i + (kv_len - q_len)`` (bottom-right aligned).
+    ::
+        q_len = kv_len = 4      q_len = 2, kv_len = 4
+        #...                    ###.
+        ##..                    ####
+        ###.
+        ####
+    """
+    return _Simple("causal")
+
+
+def sliding_window(left: int, right: int = 0) -> Mask:
+    """Query at absolute position p attends keys in ``[p - left, p + right]`` (FlashAttention's
+    ``window_size=(left, right)``). ``right=0`` is a causal window.
+    ::
+        left=1, right=0         left=1, right=1
+        #.....                  ##....
+        ##....                  ###...
+        .##...                  .###..
+        ..##..                  ..###.
+    """
+    return _Simple("sliding_window", left=_check_int("left", left), right=_check_int("right", right))
+
+
+def document(seqlens, causal: bool = True) -> Mask:
+    """Packed documents: attend within the same document (and ``j <= i`` if causal).
+    ``seqlens`` lists the lengths of the packed documents over the key positions; one list
+    for the whole batch, or one list per batch row. Each list must sum to kv_len.
+    ::
+        seqlens=[2, 3], causal      causal=False
+        #....                       ##...
+        ##...                       ##...
+        ..#..                       ..###
+        ..##.                       ..###
+        ..###                       ..###
+    """
+    return _Simple("document", seqlens=_check_lengths("seqlens", seqlens, 1), causal=bool(causal))
+
+
+def prefix_lm(prefix_len: int) -> Mask:
+    """Keys before ``prefix_len`` are seen by everyone (bidirectional prefix), the rest causally.
+    ::
+        prefix_len=2
+        ##...
+        ##...
+        ###..
+        ####.
+        #####
+    """
+    return _Simple("prefix_lm", prefix_len=_check_int("prefix_len", prefix_len))
+
+
+def prefix_lm_document(seqlens, prefix_lens) -> Mask:
+    """Packed documents, each with a bidirectional prefix and a causal rest.
+    ``seqlens`` and ``prefix_lens`` are parallel lists (or one pair of lists per batch row),
+    with ``prefix_lens[d] <= seqlens[d]``.
+    ::
+        seqlens=[3, 3], prefix_lens=[2, 1]
+        ##....
+        ##....
+        ###...
+        ...#..
+        ...##.
+        ...###
+    """
+    seqlens = _check_lengths("seqlens", seqlens, 1)
+    prefix_lens = _check_lengths("prefix_lens", prefix_lens, 0)
+    rows_s = seqlens if isinstance(seqlens[0], list) else [seqlens]
+    rows_p = prefix_lens if isinstance(prefix_lens[0], list) else [prefix_lens]
+    if len(rows_s) != len(rows_p) or any(len(s) != len(p) for s, p in zip(rows_s, rows_p)):
+        raise ValueError(
+            f"prefix_lens must have one entry per document of seqlens, got seqlens={seqlens} and prefix_lens={prefix_lens}"
+        )
+    for s_row, p_row in zip(rows_s, rows_p):
+        for d, (s, p) in enumerate(zip(s_row, p_row)):
+            if p > s:
+                raise ValueError(f"prefix_lens[{d}]={p} is longer than its document seqlens[{d}]={s}")
+    return _Simple("prefix_lm_document", seqlens=seqlens, prefix_lens=prefix_lens)
+
+
+def share_question(question_len: int, answer_lens) -> Mask:
+    """One question followed by several answers (reward modelling / DPO): everything is causal,
+    every answer sees the question and itself, never another answer.
+    ``question_len + sum(answer_lens)`` must equal kv_len.
+    ::
+        question_len=2, answer_lens=[2, 2]
+        #.....
+        ##....
+        ###...
+        ####..
+        ##..#.
+        ##..##
+    """
+    return _Simple(
+        "share_question",
+        question_len=_check_int("question_len", question_len),
+        answer_lens=_check_lengths("answer_lens", answer_lens, 1),
+    )
+
+
+def global_sliding_window(global_tokens: int, left: int, right: int | None = None) -> Mask:
+    """Bidirectional sliding window ``[p - left, p + right]`` plus ``global_tokens`` global
+    tokens at the start: every query sees them and they see every key. ``right`` defaults to
+    ``left``.
+    ::
+        global_tokens=1, left=1, right=1
+        ######
+        ###...
+        ####..
+        #.###.
+        #..###
+        #...##
+    """
+    right = left if right is None else right
+    return _Simple(
+        "global_sliding_window",
+        global_tokens=_check_int("global_tokens", global_tokens),
+        left=_check_int("left", left),
+        right=_check_int("right", right),
+    )
+
+
+def causal_blockwise(seqlens) -> Mask:
+    """In-context learning blocks: causal within each block, blocks do not see each other,
+    except the last block, which sees every earlier block (and itself causally).
+    ``seqlens`` must sum to kv_len.
+    ::
+        seqlens=[2, 2, 2]
+        #.....
+        ##....
+        ..#...
+        ..##..
+        #####.
+        ######
+    """
+    return _Simple("causal_blockwise", seqlens=_check_lengths("seqlens", seqlens, 1))
+
+
+def qk_sparse(maskout) -> Mask:
+    """Causal, with key spans hidden from the queries of the same span: for each
+    ``(offset, length)`` in ``maskout``, queries in ``[offset, offset + length)`` do not see
+    keys in that span; later queries see them again (FlashMask's QK-sparse family).
+    ::
+        maskout=[(2, 2)]
+        #.....
+        ##....
+        ##....
+        ##....
+        ######
+    """
+    if isinstance(maskout, Sequence) and len(maskout) == 2 and all(isinstance(x, int) for x in maskout):
+        maskout = [tuple(maskout)]
+    pairs = []
+    last_end = 0
+    for i, pair in enumerate(maskout):
+        if not (isinstance(pair, Sequence) and len(pair) == 2):
+            raise TypeError(f"maskout[{i}] must be an (offset, length) pair, got {pair!r}")
+        off = _check_int(f"maskout[{i}].offset", pair[0])
+        length = _check_int(f"maskout[{i}].length", pair[1], 1)
+        if off < last_end:
+            raise ValueError(f"maskout spans must be sorted and disjoint; maskout[{i}] starts at {off} < {last_end}")
+        last_end = off + length
+        pairs.append((off, length))
+    return _Simple("qk_sparse", maskout=pairs)
+
+
+def random_eviction(start_row: int, seed: int = 0, num_heads: int = 1) -> Mask:
+    """Causal, with a KV cache that evicts one random earlier key at each position from
+    ``start_row`` on: once evicted, a key is masked for every later query. Seeded, so the
+    same arguments always give the same mask; ``num_heads > 1`` draws one pattern per head.
+    ::
+        start_row=2 (one draw)
+        #....
+        ##...
+        .##..
+        .#.#.
+        .#..#
+    """
+    return _Simple(
+        "random_eviction",
+        start_row=_check_int("start_row", start_row),
+        seed=_check_int("seed", seed),
+        num_heads=_check_int("num_heads", num_heads, 1),
+    )
+
+
+def column_intervals(lts, lte=None, uts=None, ute=None) -> Mask:
+    """Explicit masked row intervals per key column: rows ``[lts, lte) ∪ [uts, ute)`` of
+    column j are masked (row indices, 0-based, end exclusive, within [0, q_len]).
+
+    Each argument is an integer tensor (or list) of shape (kv_len,), (H, kv_len) or
+    (B, H, kv_len); missing ones default to ``lte = q_len`` (mask to the end) and an empty
+    upper interval (``uts = 0`` when only ``ute`` is given).
+    """
+    tensors = {}
+    for name, value in (("lts", lts), ("lte", lte), ("uts", uts), ("ute", ute)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value)
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+        if value.dim() not in (1, 2, 3):
+            raise ValueError(f"{name} must have shape (kv_len,), (H, kv_len) or (B, H, kv_len), got {tuple(value.shape)}")
+        tensors[name] = value
+    if "lts" not in tensors:
+        raise ValueError("lts is required")
+    if "uts" in tensors and "ute" not in tensors:
+        raise ValueError("uts was given without ute")
+    lengths = {name: t.shape[-1] for name, t in tensors.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"lts/lte/uts/ute must all cover the same number of key columns, got {lengths}")
+    return _Simple("column_intervals", **tensors)
+
+
+_STARTEND_WIDTHS = {True: (1, 2), False: (2, 4)}
+
+
+def from_startend_row_indices(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
+    """FlashMask's convention: int32 tensor [B, H, kv_len, n].
+
+    ======  ===  ==========================================================
+    causal  n    masked rows of column j
+    ======  ===  ==========================================================
+    True    1    [LTS_j, q_len) plus the causal triangle
+    True    2    [LTS_j, LTE_j) plus the causal triangle
+    False   2    [LTS_j, q_len) ∪ [0, UTE_j)   (the columns hold LTS, UTE)
+    False   4    [LTS_j, LTE_j) ∪ [UTS_j, UTE_j)
+    ======  ===  ==========================================================
+    """
+    idx = startend_row_indices
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"startend_row_indices must be a torch.Tensor, got {type(idx).__name__}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"startend_row_indices must be int32 (or int64), got dtype {idx.dtype}")
+    if idx.dim() != 4:
+        raise ValueError(f"startend_row_indices must have rank 4 [B, H, kv_len, n], got shape {tuple(idx.shape)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    n = idx.shape[-1]
+    if n not in _STARTEND_WIDTHS[causal]:
+        raise ValueError(
+            f"startend_row_indices with causal={causal} must have last dimension in "
+            f"{_STARTEND_WIDTHS[causal]}, got {n}"
+        )
+    return _Simple("from_startend_row_indices", startend_row_indices=idx, causal=causal)

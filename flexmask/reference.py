@@ -1,0 +1,69 @@
+"""The dense oracle: readable attention in float64 (or any dtype) on any device.
+
+This is the specification the kernels are judged against; kernels never import it. It builds
+the full (q_len, kv_len) mask, so use it on test-sized inputs only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .masks.compiler import CompiledMask
+from .masks.intervals import intervals_to_dense
+from .masks.specs import Mask
+
+
+def dense_mask(mask, q_len: int, kv_len: int, device=None) -> torch.Tensor | None:
+    """Boolean [B|1, H|1, q_len, kv_len] (True = attend) for None, a Mask, a CompiledMask or a
+    boolean tensor."""
+    if mask is None:
+        return None
+    if isinstance(mask, CompiledMask):
+        return intervals_to_dense(mask.intervals.to(device), q_len)
+    if isinstance(mask, Mask):
+        return intervals_to_dense(mask.intervals(q_len, kv_len, device), q_len)
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        return mask.to(device)
+    raise TypeError(f"mask must be None, a Mask, a CompiledMask or a bool tensor, got {type(mask).__name__}")
+
+
+def _expand_mask_heads(allowed: torch.Tensor, hq: int, hkv: int) -> torch.Tensor:
+    """A mask head dimension of Hkv means one mask per KV head, shared by its query group."""
+    hm = allowed.shape[1]
+    if hm == hq or hm == 1:
+        return allowed
+    if hm == hkv:
+        return allowed.repeat_interleave(hq // hkv, dim=1)
+    raise ValueError(f"mask has {hm} heads; expected 1, Hq={hq} or Hkv={hkv}")
+
+
+def attention(q, k, v, mask=None, scale=None, dtype=torch.float64):
+    """softmax(q k^T * scale + mask) v, with rows that attend nothing giving 0 and LSE -inf.
+
+    q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq % Hkv == 0. Returns (out, lse): out in
+    `dtype` (B, Hq, Sq, D), lse (natural log) in `dtype` (B, Hq, Sq). Pass the input dtype to
+    get "the same math in the input dtype", the baseline of the tolerance rule.
+    """
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    group = hq // hkv
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    allowed = dense_mask(mask, sq, sk, q.device)
+    if allowed is None:
+        allowed = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=q.device)
+    allowed = _expand_mask_heads(allowed, hq, hkv)
+    # rows that attend nothing: computed on zeros (finite, so autograd stays NaN-free), then zeroed
+    empty = ~allowed.any(-1)
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(empty.unsqueeze(-1), 0.0)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
+    out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse.masked_fill(empty, float("-inf"))
