@@ -57,8 +57,16 @@ class Mask:
         args = ", ".join(f"{k}={_short(v)}" for k, v in self.params().items())
         return f"masks.{self.kind}({args})"
 
+    def natural_length(self) -> int | None:
+        """The sequence length the mask's own parameters imply (e.g. the sum of seqlens), if any."""
+        return None
+
     def __str__(self) -> str:
-        return f"{self!r}\n{self.show(16, 16)}"
+        n = self.natural_length() or 16
+        try:
+            return f"{self!r}\n{self.show(n, n, max_size=32)}"
+        except ValueError as err:  # parameters that only fit other lengths
+            return f"{self!r}\n(no picture at length {n}: {err})"
 
     # -- composition -----------------------------------------------------------------
     def __and__(self, other: Mask) -> Mask:
@@ -109,6 +117,9 @@ class Combined(Mask):
         self.op, self.a, self.b = op, a, b
         self.kind = op
 
+    def natural_length(self) -> int | None:
+        return self.a.natural_length() or self.b.natural_length()
+
     def __repr__(self) -> str:
         sym = "&" if self.op == "and" else "|"
         return f"({self.a!r} {sym} {self.b!r})"
@@ -154,6 +165,19 @@ class _Simple(Mask):
 
     def params(self) -> dict:
         return dict(self._params)
+
+    def natural_length(self) -> int | None:
+        p = self._params
+        if "seqlens" in p:
+            first = p["seqlens"][0] if isinstance(p["seqlens"][0], list) else p["seqlens"]
+            return sum(first)
+        if "answer_lens" in p:
+            return p["question_len"] + sum(p["answer_lens"])
+        if "startend_row_indices" in p:
+            return p["startend_row_indices"].shape[2]
+        if "lts" in p:
+            return p["lts"].shape[-1]
+        return None
 
 
 def full() -> Mask:

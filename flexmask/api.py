@@ -1,0 +1,184 @@
+"""Public entry points: validation with clear errors, mask resolution, dispatch. No math here."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .autograd import attention_fwd
+from .kernels import configs
+from .kernels.forward import _forward_kernel
+from .masks import specs
+from .masks.compiler import CompiledMask, build_tables
+from .masks.intervals import build_intervals
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def compile_mask(mask, q_len: int, kv_len: int, *, device=None, block_m: int | None = None,
+                 block_n: int | None = None) -> CompiledMask:
+    """Compile a mask for one (q_len, kv_len, device) into tile tables, once; pass the result
+    as `mask=` to every layer of that shape (and it serves the backward pass too).
+
+    `device` defaults to CUDA when available. `block_m` x `block_n` is the tile of the tables
+    (powers of two in [16, 256]; the default suits the kernels on that device).
+    """
+    if mask is None:
+        mask = specs.full()
+    if isinstance(mask, CompiledMask):
+        raise TypeError("mask is already a CompiledMask; pass it to flexmask.attention directly")
+    if not isinstance(mask, specs.Mask):
+        raise TypeError(f"mask must be a flexmask.masks.Mask or None, got {type(mask).__name__}")
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    default_m, default_n = configs.default_tile(device)
+    block_m = default_m if block_m is None else block_m
+    block_n = default_n if block_n is None else block_n
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or not configs.is_valid_tile(value):
+            raise ValueError(f"{name} must be a power of two in [16, 256], got {value!r}")
+    intervals = build_intervals(mask, q_len, kv_len, device)
+    return build_tables(intervals, q_len, kv_len, block_m, block_n, source=mask)
+
+
+def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> CompiledMask:
+    if isinstance(mask, CompiledMask):
+        if (mask.q_len, mask.kv_len) != (q_len, kv_len):
+            raise ValueError(
+                f"mask was compiled for (q_len, kv_len)=({mask.q_len}, {mask.kv_len}), "
+                f"got q_len={q_len}, kv_len={kv_len}"
+            )
+        if mask.device != device:
+            raise ValueError(f"mask was compiled for device {mask.device}, got inputs on {device}")
+        return mask
+    if mask is not None and not isinstance(mask, specs.Mask):
+        raise TypeError(f"mask must be None, a flexmask.masks.Mask or a CompiledMask, got {type(mask).__name__}")
+    spec = specs.full() if mask is None else mask
+    cache = _FULL_CACHE if mask is None else spec._compiled_cache
+    key = (q_len, kv_len, str(device))
+    if key not in cache:
+        if len(cache) >= 16:  # a bounded cache: masks are usually reused for a few shapes
+            cache.pop(next(iter(cache)))
+        cache[key] = compile_mask(spec, q_len, kv_len, device=device)
+    return cache[key]
+
+
+_FULL_CACHE: dict = {}
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, H, S, D), got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, Hkv, Sk, D), got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got q={q.shape[0]}, k={k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head dim, got q={q.shape[3]}, k={k.shape[3]}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"the number of query heads must be a multiple of the KV heads, got Hq={hq}, Hkv={hkv}")
+    if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {q.shape[3]}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"q is on {q.device}: the flexmask kernels run on CUDA, or on the CPU only under the Triton "
+            f"interpreter (set TRITON_INTERPRET=1 before importing flexmask)"
+        )
+
+
+def _interpreting() -> bool:
+    return not hasattr(_forward_kernel, "run") or type(_forward_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_mask_heads(cm: CompiledMask, batch: int, hq: int, hkv: int) -> None:
+    if cm.batch not in (1, batch):
+        raise ValueError(f"mask has batch size {cm.batch}; expected 1 or B={batch}")
+    if cm.heads not in (1, hq, hkv):
+        raise ValueError(f"mask has {cm.heads} heads; expected 1, Hq={hq} or Hkv={hkv}")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: bool = False):
+    """Attention with a FlashMask-style column-interval mask.
+
+    q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq % Hkv == 0 (GQA/MQA by indexing). Any
+    strides with a contiguous last dimension (a ``.transpose(1, 2)`` of (B, S, H, D) works
+    without a copy). fp16/bf16 are the fast path; fp32 is computed exactly in fp32.
+
+    mask: None (full attention), a `flexmask.masks.Mask` (compiled once per shape and device,
+    then cached on the mask), or a `CompiledMask` from `flexmask.compile_mask`.
+    When Sq != Sk, query row i sits at position ``i + Sk - Sq`` (bottom-right alignment)::
+
+        causal(), Sq=2, Sk=5:   ####.
+                                #####
+
+    scale defaults to 1/sqrt(D). Rows that attend nothing give output 0 and LSE -inf (and zero
+    gradients). Returns out (B, Hq, Sq, D), and with return_lse=True also the natural-log
+    log-sum-exp (B, Hq, Sq) float32.
+    """
+    _check_qkv(q, k, v)
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+
+    if sq == 0 or sk == 0:  # nothing to attend: zeros, LSE -inf, zero gradients
+        out = q * 0.0
+        lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+
+    cm = _resolve_mask(mask, sq, sk, q.device)
+    _check_mask_heads(cm, batch, hq, hkv)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    out, lse = attention_fwd(
+        q, k, v,
+        cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
+        cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
+        cm.batch, cm.heads, cm.block_m, cm.block_n, float(scale),
+    )
+    return (out, lse) if return_lse else out
+
+
+def flashmask_attention(query, key, value, startend_row_indices=None, *, causal: bool = False,
+                        softmax_scale: float | None = None, return_softmax_lse: bool = False):
+    """Drop-in for FlashMask users: (B, S, H, D) layout and `startend_row_indices`
+    (int32 [B, Hm, Sk, n], the table of `masks.from_startend_row_indices`). With no indices,
+    `causal` selects causal or full attention. The layout change is a view, never a copy.
+    Returns out (B, Sq, Hq, D), and the LSE (B, Hq, Sq) when return_softmax_lse=True."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D tensor (B, S, H, D), got {shape}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if startend_row_indices is None:
+        mask = specs.causal() if causal else None
+    else:
+        mask = specs.from_startend_row_indices(startend_row_indices, causal)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out, lse = attention(q, k, v, mask, scale=softmax_scale, return_lse=True)
+    out = out.transpose(1, 2)
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,89 @@
+"""The attention op as `torch.library` custom ops with autograd, so it runs under
+`torch.compile(fullgraph=True)` without graph breaks. The forward saves only
+(q, k, v, o, lse) and the mask tables."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .kernels.backward import attention_backward
+from .kernels.forward import attention_forward
+
+
+def _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
+            mask_batch, mask_heads, tile_m, tile_n, q_len, kv_len):
+    """The slice of a CompiledMask that the kernels read, rebuilt from the op's arguments."""
+    return SimpleNamespace(
+        kernel_intervals=intervals, fwd_offsets=fwd_offsets, fwd_num_full=fwd_num_full, fwd_blocks=fwd_blocks,
+        bwd_offsets=bwd_offsets, bwd_num_full=bwd_num_full, bwd_blocks=bwd_blocks,
+        batch=mask_batch, heads=mask_heads, block_m=tile_m, block_n=tile_n,
+        num_q_blocks=-(-q_len // tile_m), num_kv_blocks=-(-kv_len // tile_n),
+    )
+
+
+@torch.library.custom_op("flexmask::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor,
+    intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
+    bwd_offsets: Tensor, bwd_num_full: Tensor, bwd_blocks: Tensor,
+    mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
+                 mask_batch, mask_heads, tile_m, tile_n, q.shape[2], k.shape[2])
+    return attention_forward(q, k, v, cm, scale)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
+      mask_batch, mask_heads, tile_m, tile_n, scale):
+    b, h, s, d = q.shape
+    return q.new_empty(b, h, s, d), q.new_empty(b, h, s, dtype=torch.float32)
+
+
+@torch.library.custom_op("flexmask::attention_bwd", mutates_args=())
+def attention_bwd(
+    do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+    intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
+    bwd_offsets: Tensor, bwd_num_full: Tensor, bwd_blocks: Tensor,
+    mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
+                 mask_batch, mask_heads, tile_m, tile_n, q.shape[2], k.shape[2])
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    return attention_backward(do, dlse, q, k, v, o, lse, cm, scale)
+
+
+@attention_bwd.register_fake
+def _(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full,
+      bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_TABLE_ARGS = slice(3, 10)  # positions of the mask tensors in attention_fwd's arguments
+_INT_ARGS = slice(10, 15)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, *inputs[_TABLE_ARGS])
+    ctx.consts = inputs[_INT_ARGS]
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, *tables = ctx.saved_tensors
+    if do is None:  # only the LSE was used
+        do = torch.zeros_like(o)
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    # d lse / d s is the softmax itself, so the backward folds dlse into D = rowsum(dO * O) - dlse
+    dq, dk, dv = attention_bwd(do, dlse, q, k, v, o, lse, *tables, *ctx.consts)
+    return dq, dk, dv, *([None] * 12)
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,289 @@
+"""FlashAttention-2 backward in Triton: preprocess, dK/dV, dQ.
+
+preprocess  D = rowsum(dO * O) - dLSE, and the LSE in log2 units with empty rows at +inf
+            (so P = exp2(s - lse) is exactly 0 there, never NaN).
+dK/dV       one program per (BLOCK_N kv rows, batch x kv head); walks the q-blocks that the
+            backward table lists for its kv-block, for every query head of its GQA group, so
+            the group is reduced in registers: no atomics, no repeated K/V.
+dQ          one program per (BLOCK_M q rows, batch x query head); walks the forward table.
+Both passes recompute P from the saved LSE. Nothing is accumulated with atomics, so the
+gradients are bitwise identical from run to run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import backward_config
+from .forward import LOG2E, mask_broadcast, precision_for
+from .masking import mask_row, masked_elements, masked_elements_t
+
+
+@triton.jit(do_not_specialize=["Sq"])
+def _preprocess_kernel(
+    O, DO, DLSE, LSE, DELTA, LSE2,
+    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    Sq, HQ,
+    HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    m_md = (o_m[:, None] < Sq) & (o_d[None, :] < HEAD_DIM)
+    p_o = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + o_m[:, None].to(tl.int64) * stride_om + o_d[None, :]
+    p_do = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + o_m[:, None].to(tl.int64) * stride_dom + o_d[None, :]
+    b_o = tl.load(p_o, mask=m_md, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(p_do, mask=m_md, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+    delta = tl.sum(b_o * b_do, 1)  # [BLOCK_M]
+    o_row = pid_bh.to(tl.int64) * Sq + o_m
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + o_row, mask=o_m < Sq, other=0.0)
+    lse = tl.load(LSE + o_row, mask=o_m < Sq, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + o_row, delta, mask=o_m < Sq)
+    tl.store(LSE2 + o_row, lse2, mask=o_m < Sq)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, b_k, b_v,
+    p_q, p_do, stride_qm, stride_dom, p_lse2, p_delta,
+    p_blocks, t_lo, t_hi,
+    o_n, o_d, p_intv, Sq, Sk, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    o_bm = tl.arange(0, BLOCK_M)
+    m_d = o_d[None, :] < HEAD_DIM
+    for t in range(t_lo, t_hi):
+        m = tl.load(p_blocks + t)
+        for i in tl.static_range(TILE_M // BLOCK_M):
+            start_m = m * TILE_M + i * BLOCK_M
+            o_m = start_m + o_bm
+            in_q = o_m < Sq
+            off_q = start_m.to(tl.int64) * stride_qm + o_bm[:, None] * stride_qm + o_d[None, :]
+            off_do = start_m.to(tl.int64) * stride_dom + o_bm[:, None] * stride_dom + o_d[None, :]
+            b_q = tl.load(p_q + off_q, mask=in_q[:, None] & m_d, other=0.0)  # [BLOCK_M, BLOCK_D]
+            b_do = tl.load(p_do + off_do, mask=in_q[:, None] & m_d, other=0.0)  # [BLOCK_M, BLOCK_D]
+            b_lse2 = tl.load(p_lse2 + o_m, mask=in_q, other=float("inf"))  # [BLOCK_M]
+            b_delta = tl.load(p_delta + o_m, mask=in_q, other=0.0)  # [BLOCK_M]
+            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+            b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
+            if MASKED:
+                b_pt = tl.where(masked_elements_t(p_intv, o_n, o_m, Sk), 0.0, b_pt)
+            dv = tl.dot(b_pt.to(b_do.dtype), b_do, dv, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
+            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+            b_dst = b_pt * (b_dpt - b_delta[None, :])
+            dk = tl.dot(b_dst.to(b_q.dtype), b_q, dk, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "NKB"])
+def _dkdv_kernel(
+    Q, K, V, DO, LSE2, DELTA, DK, DV,
+    INTV, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    Sq, Sk, NKB, HQ, HKV, GROUP,
+    MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    start_n = pid_n * BLOCK_N
+    o_n = start_n + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_nd = (o_n[:, None] < Sk) & (o_d[None, :] < HEAD_DIM)
+    off_k = b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + o_n[:, None].to(tl.int64) * stride_kn + o_d[None, :]
+    off_v = b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + o_n[:, None].to(tl.int64) * stride_vn + o_d[None, :]
+    b_k = tl.load(K + off_k, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+    b_v = tl.load(V + off_v, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        row = mask_row(b, h, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+        seg = row * NKB + start_n // TILE_N
+        t_lo = tl.load(BWD_OFFSETS + seg)
+        t_mid = t_lo + tl.load(BWD_NUM_FULL + seg)
+        t_hi = tl.load(BWD_OFFSETS + seg + 1)
+        p_intv = INTV + row.to(tl.int64) * 4 * Sk
+        p_q = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        p_do = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        bh = b.to(tl.int64) * HQ + h
+        p_lse2 = LSE2 + bh * Sq
+        p_delta = DELTA + bh * Sq
+        dk, dv = _dkdv_tiles(
+            dk, dv, b_k, b_v, p_q, p_do, stride_qm, stride_dom, p_lse2, p_delta, BWD_BLOCKS, t_lo, t_mid,
+            o_n, o_d, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_M, TILE_M, False, PRECISION,
+        )
+        dk, dv = _dkdv_tiles(
+            dk, dv, b_k, b_v, p_q, p_do, stride_qm, stride_dom, p_lse2, p_delta, BWD_BLOCKS, t_mid, t_hi,
+            o_n, o_d, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_M, TILE_M, True, PRECISION,
+        )
+
+    dk *= sm_scale
+    off_dk = b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + o_n[:, None].to(tl.int64) * stride_dkn + o_d[None, :]
+    off_dv = b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + o_n[:, None].to(tl.int64) * stride_dvn + o_d[None, :]
+    tl.store(DK + off_dk, dk.to(DK.dtype.element_ty), mask=m_nd)
+    tl.store(DV + off_dv, dv.to(DV.dtype.element_ty), mask=m_nd)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, b_q, b_do, b_lse2, b_delta,
+    p_k, p_v, stride_kn, stride_vn,
+    p_blocks, t_lo, t_hi,
+    o_m, o_d, p_intv, Sk, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    o_bn = tl.arange(0, BLOCK_N)
+    m_d = o_d[None, :] < HEAD_DIM
+    for t in range(t_lo, t_hi):
+        n = tl.load(p_blocks + t)
+        for j in tl.static_range(TILE_N // BLOCK_N):
+            start_n = n * TILE_N + j * BLOCK_N
+            o_n = start_n + o_bn
+            if MASKED:
+                m_kv = (o_n[:, None] < Sk) & m_d
+            else:
+                m_kv = m_d
+            off_k = start_n.to(tl.int64) * stride_kn + o_bn[:, None] * stride_kn + o_d[None, :]
+            off_v = start_n.to(tl.int64) * stride_vn + o_bn[:, None] * stride_vn + o_d[None, :]
+            b_k = tl.load(p_k + off_k, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_v = tl.load(p_v + off_v, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+            b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
+            if MASKED:
+                b_p = tl.where(masked_elements(p_intv, o_m, o_n, Sk), 0.0, b_p)
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            dq = tl.dot(b_ds.to(b_k.dtype), b_k, dq, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
+    return dq
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "NQB"])
+def _dq_kernel(
+    Q, K, V, DO, LSE2, DELTA, DQ,
+    INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    Sq, Sk, NQB, HQ, GROUP,
+    MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    start_m = pid_m * BLOCK_M
+    o_m = start_m + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    in_q = o_m < Sq
+    m_md = in_q[:, None] & (o_d[None, :] < HEAD_DIM)
+
+    row = mask_row(b, h, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+    seg = row * NQB + start_m // TILE_M
+    t_lo = tl.load(FWD_OFFSETS + seg)
+    t_mid = t_lo + tl.load(FWD_NUM_FULL + seg)
+    t_hi = tl.load(FWD_OFFSETS + seg + 1)
+    p_intv = INTV + row.to(tl.int64) * 4 * Sk
+
+    off_q = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + o_m[:, None].to(tl.int64) * stride_qm + o_d[None, :]
+    off_do = b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + o_m[:, None].to(tl.int64) * stride_dom + o_d[None, :]
+    b_q = tl.load(Q + off_q, mask=m_md, other=0.0)  # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(DO + off_do, mask=m_md, other=0.0)  # [BLOCK_M, BLOCK_D]
+    o_row = pid_bh.to(tl.int64) * Sq + o_m
+    b_lse2 = tl.load(LSE2 + o_row, mask=in_q, other=float("inf"))  # [BLOCK_M]
+    b_delta = tl.load(DELTA + o_row, mask=in_q, other=0.0)  # [BLOCK_M]
+
+    p_k = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
+    p_v = V + b.to(tl.int64) * stride_vb + (h // GROUP).to(tl.int64) * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq = _dq_tiles(
+        dq, b_q, b_do, b_lse2, b_delta, p_k, p_v, stride_kn, stride_vn, FWD_BLOCKS, t_lo, t_mid,
+        o_m, o_d, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_N, TILE_N, False, PRECISION,
+    )
+    dq = _dq_tiles(
+        dq, b_q, b_do, b_lse2, b_delta, p_k, p_v, stride_kn, stride_vn, FWD_BLOCKS, t_mid, t_hi,
+        o_m, o_d, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_N, TILE_N, True, PRECISION,
+    )
+    dq *= sm_scale
+    off_dq = b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + o_m[:, None].to(tl.int64) * stride_dqm + o_d[None, :]
+    tl.store(DQ + off_dq, dq.to(DQ.dtype.element_ty), mask=m_md)
+
+
+def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float):
+    """Gradients (dq, dk, dv) of `attention_forward`; dlse (or None) is the gradient of the LSE."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    block_d = max(16, triton.next_power_of_2(d))
+    delta = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    pre_m = 64
+    _preprocess_kernel[(triton.cdiv(sq, pre_m), batch * hq)](
+        o, do, dlse if dlse is not None else lse, lse, delta, lse2,
+        o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        sq, hq,
+        HAS_DLSE=dlse is not None, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
+    )
+
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    cfg_kv, cfg_q = backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
+    mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
+    precision = precision_for(q.dtype)
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, TILE_M=cm.block_m, TILE_N=cm.block_n, PRECISION=precision)
+    _dkdv_kernel[(triton.cdiv(sk, cfg_kv.block_n), batch * hkv)](
+        q, k, v, do, lse2, delta, dk, dv,
+        cm.kernel_intervals, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        sq, sk, cm.num_kv_blocks, hq, hkv, hq // hkv,
+        mb, mdiv, mh,
+        scale * LOG2E, scale,
+        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, **common,
+        num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+    )
+    _dq_kernel[(triton.cdiv(sq, cfg_q.block_m), batch * hq)](
+        q, k, v, do, lse2, delta, dq,
+        cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        sq, sk, cm.num_q_blocks, hq, hq // hkv,
+        mb, mdiv, mh,
+        scale * LOG2E, scale,
+        BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **common,
+        num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+    )
+    return dq, dk, dv
