@@ -41,13 +41,14 @@ def forward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], dev
     tile_m, tile_n = tile
     if torch.device(device).type != "cuda":
         return LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1)
+    # measured on an H200 with benchmarks/tune_configs.py (bf16, 32K tokens, causal and SWA)
     block_d = _head_block(head_dim)
     if dtype == torch.float32:
         cfg = LaunchConfig(64, 32 if block_d > 64 else 64, 4, 2)
     elif block_d <= 64:
-        cfg = LaunchConfig(128, 128, 8, 3)
+        cfg = LaunchConfig(128, 64, 4, 3)
     elif block_d <= 128:
-        cfg = LaunchConfig(128, 64, 8, 3)
+        cfg = LaunchConfig(128, 128, 8, 3)
     else:
         cfg = LaunchConfig(64, 32, 4, 2)
     return LaunchConfig(min(cfg.block_m, tile_m), min(cfg.block_n, tile_n), cfg.num_warps, cfg.num_stages)
@@ -63,7 +64,9 @@ def backward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], de
     block_d = _head_block(head_dim)
     if dtype == torch.float32 or block_d > 128:
         dkdv, dq = LaunchConfig(32, 64, 4, 2), LaunchConfig(64, 32, 4, 2)
+    elif block_d <= 64:
+        dkdv, dq = LaunchConfig(64, 128, 8, 3), LaunchConfig(64, 64, 4, 3)
     else:
-        dkdv, dq = LaunchConfig(64, 128, 8, 3), LaunchConfig(128, 64, 8, 3)
+        dkdv, dq = LaunchConfig(64, 128, 8, 2), LaunchConfig(128, 64, 8, 3)
     clip = lambda c: LaunchConfig(min(c.block_m, tile_m), min(c.block_n, tile_n), c.num_warps, c.num_stages)
     return clip(dkdv), clip(dq)

@@ -1,0 +1,129 @@
+"""Speed floor check of the kernels (issues 3 and 4): forward and backward TFLOP/s of flexmask
+beside torch.compile(flex_attention) in the same process, bf16, D=128, 16 heads, 32K tokens.
+
+FlexAttention gets its natural mask_mod for each family (its fastest form), built with
+create_block_mask outside the timed region. TFLOP/s count unmasked elements only (backward =
+2.5x forward). Writes a CSV (GPU, versions, command, date in every row).
+
+    PYTHONPATH=$PWD python3 -m benchmarks.speed_check --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import sys
+
+import torch
+import triton
+
+import flexmask
+from flexmask import masks
+from flexmask.masks.intervals import unmasked_count
+
+
+def _doc_lens(s: int) -> list[int]:
+    gen = torch.Generator().manual_seed(0)
+    cuts = sorted(torch.randperm(s - 1, generator=gen)[: max(1, s // 4096) - 1].add(1).tolist())
+    bounds = [0, *cuts, s]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def families(s: int, device):
+    """name -> (flexmask Mask, flex mask_mod)."""
+    lens = _doc_lens(s)
+    doc_id = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+    return {
+        "causal": (masks.causal(), lambda b, h, q, kv: q >= kv),
+        "sliding_window_1024": (masks.sliding_window(1024), lambda b, h, q, kv: (q >= kv) & (q - kv <= 1024)),
+        "causal_document": (masks.document(lens), lambda b, h, q, kv: (doc_id[q] == doc_id[kv]) & (q >= kv)),
+    }
+
+
+def bench(fn, warmup=25, rep=100):
+    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
+    return ms
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=None, help="default: 32K tokens / seq")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--families", nargs="*", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = ap.parse_args(argv)
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention)
+    dev = "cuda"
+    s, h, d = args.seq, args.heads, args.head_dim
+    b = args.batch or max(1, 32768 // s)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.speed_check", *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    rows = []
+    fams = families(s, dev)
+    for name in args.families or list(fams):
+        mask, mask_mod = fams[name]
+        cm = flexmask.compile_mask(mask, s, s, device=dev)
+        pairs = int(unmasked_count(cm.intervals, s).sum()) * b * h // (cm.batch * cm.heads)
+        fwd_flops = 4.0 * d * pairs
+        block_mask = create_block_mask(mask_mod, None, None, s, s, device=dev, _compile=True)
+
+        def run_fm():
+            return flexmask.attention(q, k, v, cm)
+
+        def run_flex():
+            return flex(q, k, v, block_mask=block_mask)
+
+        for provider, fn in (("flexmask", run_fm), ("flex_attention", run_flex)):
+            out = fn()
+            fwd = bench(fn)
+            out.backward(do, retain_graph=True)
+            bwd = bench(lambda: out.backward(do, retain_graph=True))
+            for direction, (med, p20, p80), flops in (("fwd", fwd, fwd_flops), ("bwd", bwd, 2.5 * fwd_flops)):
+                rows.append({
+                    **meta, "family": name, "provider": provider, "direction": direction,
+                    "batch": b, "heads": h, "seq": s, "head_dim": d, "density": pairs / (b * h * s * s),
+                    "ms": med, "ms_p20": p20, "ms_p80": p80, "tflops": flops / med * 1e-9,
+                })
+            q.grad = k.grad = v.grad = None
+        ref = run_flex().float()
+        err = ((run_fm().float() - ref).norm() / ref.norm()).item()
+        for r in rows:
+            if r["family"] == name:
+                r["rel_err_vs_flex"] = err
+
+    for r in rows:
+        base = next(x for x in rows if x["family"] == r["family"] and x["direction"] == r["direction"]
+                    and x["provider"] == "flex_attention")
+        r["ratio_vs_flex"] = base["ms"] / r["ms"]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"speed_check_S{s}_D{d}.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"{'family':22} {'provider':15} {'dir':4} {'ms':>8} {'TFLOP/s':>8} {'x flex':>7} {'err':>8}")
+    for r in rows:
+        print(f"{r['family']:22} {r['provider']:15} {r['direction']:4} {r['ms']:8.3f} {r['tflops']:8.1f} "
+              f"{r['ratio_vs_flex']:7.2f} {r['rel_err_vs_flex']:8.1e}")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
