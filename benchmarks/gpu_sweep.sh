@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The full GPU sweep on one H100/H200, in about 8 minutes of wall time. From the repo root:
+#
+#     PYTHONPATH=$PWD bash benchmarks/gpu_sweep.sh
+#
+# Writes gpu.csv and the PNG plots into $OUT if set, else benchmarks/results/. Needs torch with
+# CUDA, triton, matplotlib and tqdm; no network. Exits nonzero when a flexmask configuration
+# fails its cross-check against FlexAttention (or does not run); the CSV is complete anyway.
+#
+# Three runs append to one CSV, each with its own command line in its rows, in order of
+# importance, each given a deadline (seconds from the start) after which the configurations it
+# has not started are recorded as "SKIP: time budget":
+#   A  D=128 at 32K (+ the sliding-window density sweep) and 8K, every provider     by 210 s
+#   B  D=128 at 128K: flexmask, FlexAttention, SDPA cuDNN (full/causal)              by 370 s
+#   C  D=64 at 8K and 32K: flexmask, FlexAttention, SDPA cuDNN and flash             by 430 s
+# A configuration already started finishes, so the total runs a little past 430 s (FlexAttention
+# compiles per shape and mask layout, outside the timed regions). PHASES="B" (say) reruns only
+# some of them, appending to the existing CSV; the plots and the README table keep the latest row
+# of each configuration.
+set -uo pipefail
+
+OUT="${OUT:-benchmarks/results}"
+PYTHON="${PYTHON:-python}"
+PHASES="${PHASES:-A B C}"
+mkdir -p "$OUT"
+unset TRITON_INTERPRET  # real kernels, not the CPU interpreter
+
+T0=$(date +%s)
+status=0
+append=()
+if [[ "$PHASES" != "A B C" && -s "$OUT/gpu.csv" ]]; then
+  append=(--append)
+fi
+
+budget_until() {  # seconds left until T0 + $1 (0 when past)
+  local left=$((T0 + $1 - $(date +%s)))
+  echo $((left > 0 ? left : 0))
+}
+
+run() {
+  echo "+ $PYTHON -m benchmarks.run $*" >&2
+  "$PYTHON" -m benchmarks.run --out "$OUT" --name gpu --no-plots --warmup 25 --rep 100 "${append[@]}" "$@" || status=1
+  append=(--append)
+}
+
+# 128K order: causal first (the cuDNN comparison), then the sparse families, the densest last, so
+# that a cut loses the fewest configurations
+FAMILIES_128K=causal,sliding_window,global_sliding_window,causal_document,prefix_lm_document,document,causal_blockwise,share_question,random_eviction,qk_sparse,prefix_lm_causal,full
+
+for phase in $PHASES; do
+  case "$phase" in
+    A) run --shapes 32K:128,8K:128 --sweep-shapes 32K:128 \
+           --providers flexmask,flex,sdpa_cudnn,sdpa_flash,sdpa_mask --dense-mask-budget-gb 1 \
+           --time-budget "$(budget_until 210)" ;;
+    B) run --shapes 128K:128 --sweep-shapes none --families "$FAMILIES_128K" \
+           --providers flexmask,flex,sdpa_cudnn --build-reps 5 \
+           --time-budget "$(budget_until 370)" ;;
+    C) run --shapes 8K:64,32K:64 --sweep-shapes none \
+           --providers flexmask,flex,sdpa_cudnn,sdpa_flash \
+           --time-budget "$(budget_until 430)" ;;
+    *) echo "unknown phase $phase (expected A, B or C)" >&2; status=2 ;;
+  esac
+done
+
+"$PYTHON" -m benchmarks.plots "$OUT/gpu.csv" --out "$OUT" || status=1
+echo "sweep took $(( $(date +%s) - T0 )) s; results in $OUT (exit $status)" >&2
+exit $status

@@ -1,0 +1,164 @@
+"""Results rows: the environment stamp, the CSV file and the console table.
+
+Every CSV row carries the GPU name, the torch and triton versions, the exact command line and
+the date, so a results file is self-describing (and the README table is generated from it).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import shlex
+import sys
+from collections.abc import Iterable, Sequence
+
+COLUMNS = (
+    # environment
+    "date", "gpu", "torch", "triton", "command", "mode",
+    # configuration
+    "family", "params", "batch", "heads", "kv_heads", "seqlen", "head_dim", "dtype", "density",
+    "provider", "status",
+    # time (ms): median, p20, p80
+    "fwd_ms", "fwd_p20_ms", "fwd_p80_ms",
+    "bwd_ms", "bwd_p20_ms", "bwd_p80_ms",
+    "fwd_bwd_ms", "fwd_bwd_p20_ms", "fwd_bwd_p80_ms",
+    # throughput on unmasked elements, and the speedup over FlexAttention (its time / ours)
+    "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops",
+    "fwd_vs_flex", "bwd_vs_flex", "fwd_bwd_vs_flex",
+    # masks and memory
+    "mask_build_ms", "mask_build_from_intervals_ms", "mask_bytes", "peak_extra_mem_mb",
+    "tiles_full", "tiles_partial", "tiles_skip",
+    # correctness
+    "check_against", "err_out", "err_dq", "err_dk", "err_dv", "tolerance", "check",
+)
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as typed: ``python -m benchmarks.run ...``."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return ("python -m benchmarks.run " + shlex.join(args)).strip()
+
+
+def environment(mode: str, argv: Sequence[str] | None = None) -> dict:
+    import torch
+    import triton
+
+    if torch.cuda.is_available() and mode == "gpu":
+        gpu = torch.cuda.get_device_name()
+    else:
+        gpu = "cpu (TRITON_INTERPRET=1)"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": command_line(argv),
+        "mode": mode,
+    }
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+class CsvWriter:
+    """Writes rows as they are produced (a run cut short still leaves its results)."""
+
+    def __init__(self, path: str, append: bool = False) -> None:
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        exists = append and os.path.exists(path) and os.path.getsize(path) > 0
+        if exists:
+            with open(path, newline="") as f:
+                header = next(csv.reader(f), [])
+            if tuple(header) != COLUMNS:
+                raise ValueError(f"{path} has different columns; write to a new file or drop --append")
+        self._file = open(path, "a" if exists else "w", newline="")  # noqa: SIM115 (closed by close())
+        self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        if not exists:
+            self._writer.writeheader()
+
+    def write(self, rows: Iterable[dict]) -> None:
+        for row in rows:
+            unknown = set(row) - set(COLUMNS)
+            if unknown:
+                raise KeyError(f"unknown result columns {sorted(unknown)}")
+            self._writer.writerow({k: _cell(row.get(k)) for k in COLUMNS})
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_csv(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(value) -> float | None:
+    if value in (None, ""):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _fmt(value, spec: str) -> str:
+    v = _num(value)
+    return "" if v is None else format(v, spec)
+
+
+def human_bytes(value) -> str:
+    v = _num(value)
+    if v is None:
+        return ""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if v >= size:
+            return f"{v / size:.1f}{unit}"
+    return f"{v:.0f}B"
+
+
+def _status(row: dict) -> str:
+    status = row.get("status") or ""
+    check = row.get("check") or ""
+    if status == "ok" and check and check != "pass":
+        return check
+    return status
+
+
+TABLE = (
+    # header, width (negative: left-aligned; 0: last column), formatter
+    ("family", -22, lambda r: str(r.get("family", ""))),
+    ("S", 7, lambda r: str(r.get("seqlen", ""))),
+    ("D", 4, lambda r: str(r.get("head_dim", ""))),
+    ("dens", 6, lambda r: _fmt(r.get("density"), ".3f")),
+    ("provider", -10, lambda r: str(r.get("provider", ""))),
+    ("fwd ms", 9, lambda r: _fmt(r.get("fwd_ms"), ".3f")),
+    ("bwd ms", 9, lambda r: _fmt(r.get("bwd_ms"), ".3f")),
+    ("f+b ms", 9, lambda r: _fmt(r.get("fwd_bwd_ms"), ".3f")),
+    ("f+b TF/s", 9, lambda r: _fmt(r.get("fwd_bwd_tflops"), ".1f")),
+    ("vs flex", 8, lambda r: _fmt(r.get("fwd_bwd_vs_flex"), ".2f")),
+    ("build ms", 9, lambda r: _fmt(r.get("mask_build_ms"), ".3f")),
+    ("mask", 7, lambda r: human_bytes(r.get("mask_bytes"))),
+    ("peak MB", 8, lambda r: _fmt(r.get("peak_extra_mem_mb"), ".0f")),
+    ("err", 8, lambda r: _fmt(max((_num(r.get(k)) or 0.0) for k in ("err_out", "err_dq", "err_dk", "err_dv")) if r.get("err_out") not in (None, "") else None, ".1e")),
+    ("status", 0, _status),
+)
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """A fixed-width table of the rows (CSV dicts or result dicts)."""
+    def align(text: str, width: int) -> str:
+        return text.ljust(-width) if width < 0 else text.rjust(width)
+
+    head = "  ".join(align(h, w) for h, w, _ in TABLE)
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        lines.append("  ".join(align(fmt(row), w) for _, w, fmt in TABLE).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""Smoke tests of the benchmark suite (benchmarks/).
+
+The CPU mode of ``python -m benchmarks.run`` runs in a subprocess on three families (kernels
+under the Triton interpreter, checked against the dense reference); the FlexAttention mask_mod
+that the GPU sweep derives from our intervals is checked against the dense mask; the README
+table is regenerated from a CSV.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks import families, providers, readme_table, report
+from flexmask.masks.intervals import intervals_to_dense
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_cpu_mode_runs_three_families_against_the_reference(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--families", "causal,document,random_eviction",
+           "--seqlens", "100", "--out", str(tmp_path), "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _read_csv(tmp_path / "quick.csv")
+    assert [r["family"] for r in rows] == ["causal", "document", "random_eviction"]
+    for row in rows:
+        assert row["status"] == "ok" and row["check"] == "pass", row
+        assert row["mode"] == "quick" and row["torch"] == torch.__version__ and row["date"]
+        assert row["command"].startswith("python -m benchmarks.run --quick --families causal,document")
+        assert float(row["fwd_bwd_ms"]) > 0 and 0 < float(row["density"]) < 1
+    assert "random_eviction" in proc.stdout  # the table
+
+
+def test_flex_mask_mod_matches_the_intervals():
+    """The GPU cross-check is only as good as the FlexAttention mask built from our intervals."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    s, batch, heads = 97, 2, 4
+    for case in families.cases_for(families.FAMILIES, s, batch, heads):
+        iv = case.make().intervals(s, s, "cpu")
+        mask_mod, _ = providers.intervals_mask_mod(iv, heads)
+        want = intervals_to_dense(iv, s).expand(batch, heads, s, s)
+        assert torch.equal(create_mask(mask_mod, batch, heads, s, s, device="cpu"), want), case.family
+        assert torch.equal(providers.dense_mask(iv, s, heads, rows_per_chunk=13).expand_as(want), want)
+
+
+def test_readme_table_is_generated_between_the_markers(tmp_path):
+    env = {"date": "2026-11-22T00:00:00+00:00", "gpu": "Test GPU", "torch": "2.11", "triton": "3.6",
+           "command": "python -m benchmarks.run --shapes 8K:128", "mode": "gpu"}
+    base = dict(env, family="causal", params="", batch=4, heads=16, kv_heads=16, seqlen=8192, head_dim=128,
+                dtype="bfloat16", density=0.5)
+    writer = report.CsvWriter(str(tmp_path / "gpu.csv"))
+    writer.write([
+        dict(base, provider="flexmask", status="ok", fwd_tflops=412.3, bwd_tflops=301.0, fwd_bwd_tflops=330.4,
+             fwd_vs_flex=1.31, bwd_vs_flex=1.2, fwd_bwd_vs_flex=1.25, mask_build_ms=0.21, mask_bytes=4096,
+             check="pass"),
+        dict(base, provider="flex", status="ok", fwd_tflops=314.7, bwd_tflops=250.8, fwd_bwd_tflops=264.3,
+             mask_build_ms=3.5, mask_bytes=9000),
+        dict(base, provider="sdpa_cudnn", status="OOM"),
+    ])
+    writer.close()
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n<!-- results:start -->\nold\n<!-- results:end -->\ntail\n")
+    assert readme_table.main([str(tmp_path / "gpu.csv"), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# title\n<!-- results:start -->\n") and text.endswith("<!-- results:end -->\ntail\n")
+    assert "old" not in text and "Test GPU" in text
+    assert "| causal | 8K | 4 | 0.500 | 412 / 315 | 301 / 251 | 330 / 264 | 1.31x / 1.20x / 1.25x |" in text
+    assert "OOM" in text
+    assert readme_table.main([str(tmp_path / "gpu.csv"), "--readme", str(readme), "--check"]) == 0
