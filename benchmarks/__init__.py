@@ -4,6 +4,7 @@ Run ``python -m benchmarks.run --help``. Modules, one job each:
 
   families    the mask families, parameterised by the sequence length
   providers   the attention implementations under test (flexmask, FlexAttention, SDPA)
+  flex_masks  hand-written FlexAttention mask_mods per family (the optional flex_native provider)
   timing      do_bench wrappers (forward, backward, forward+backward), build timers, peak memory
   flops       FLOPs on unmasked elements and TFLOP/s
   checks      relative errors and tolerances of the correctness cross-checks
@@ -12,4 +13,6 @@ Run ``python -m benchmarks.run --help``. Modules, one job each:
   report      CSV rows, environment stamp, the console table
   plots       PNG plots from a results CSV
   readme_table  the README results table, regenerated from a CSV
+
+gpu_sweep.sh runs the full GPU sweep (about 8 minutes on one H100/H200).
 """

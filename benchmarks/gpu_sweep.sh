@@ -16,11 +16,15 @@
 # A configuration already started finishes, so the total runs a little past 430 s (FlexAttention
 # compiles per shape and mask layout, outside the timed regions). PHASES="B" (say) reruns only
 # some of them, appending to the existing CSV; the plots and the README table keep the latest row
-# of each configuration.
+# of each configuration. Optional, not in the default:
+#   D  D=128 at 32K with FlexAttention's hand-written mask_mods too (flex_native): what the
+#      generic interval-reading mask_mod costs FlexAttention (one compile per family; deadline
+#      $DEADLINE_D, default 450 s from the start: run it alone, PHASES=D)
+# The log ends with the results table in markdown (python -m benchmarks.readme_table --print).
 set -uo pipefail
 
 OUT="${OUT:-benchmarks/results}"
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
 PHASES="${PHASES:-A B C}"
 mkdir -p "$OUT"
 unset TRITON_INTERPRET  # real kernels, not the CPU interpreter
@@ -38,8 +42,10 @@ budget_until() {  # seconds left until T0 + $1 (0 when past)
 }
 
 run() {
-  echo "+ $PYTHON -m benchmarks.run $*" >&2
-  "$PYTHON" -m benchmarks.run --out "$OUT" --name gpu --no-plots --warmup 25 --rep 100 "${append[@]}" "$@" || status=1
+  local cmd=("$PYTHON" -m benchmarks.run --gpu --out "$OUT" --name gpu --no-plots --no-progress
+             --warmup 25 --rep 100 "${append[@]}" "$@")
+  echo "+ ${cmd[*]}" >&2
+  "${cmd[@]}" || status=1
   append=(--append)
 }
 
@@ -58,10 +64,13 @@ for phase in $PHASES; do
     C) run --shapes 8K:64,32K:64 --sweep-shapes none \
            --providers flexmask,flex,sdpa_cudnn,sdpa_flash \
            --time-budget "$(budget_until 430)" ;;
-    *) echo "unknown phase $phase (expected A, B or C)" >&2; status=2 ;;
+    D) run --shapes 32K:128 --sweep-shapes none --providers flexmask,flex,flex_native \
+           --time-budget "$(budget_until "${DEADLINE_D:-450}")" ;;
+    *) echo "unknown phase $phase (expected A, B, C or D)" >&2; status=2 ;;
   esac
 done
 
 "$PYTHON" -m benchmarks.plots "$OUT/gpu.csv" --out "$OUT" || status=1
+"$PYTHON" -m benchmarks.readme_table "$OUT/gpu.csv" --print || status=1
 echo "sweep took $(( $(date +%s) - T0 )) s; results in $OUT (exit $status)" >&2
 exit $status

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from .families import SWEEP
 
-PROVIDER_ORDER = ("flexmask", "flex", "sdpa_cudnn", "sdpa_flash", "sdpa_mask")
+PROVIDER_ORDER = ("flexmask", "flex", "flex_native", "sdpa_cudnn", "sdpa_flash", "sdpa_mask")
 DIRECTION_TITLES = {"fwd": "forward", "bwd": "backward", "fwd_bwd": "forward + backward"}
 _KEY = ("family", "params", "seqlen", "head_dim", "batch", "heads", "kv_heads", "dtype", "provider")
 

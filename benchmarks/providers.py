@@ -9,6 +9,8 @@ when not), `Provider.skip_reason(setup)` why it cannot run this configuration (a
   flexmask     flexmask.attention with a CompiledMask from flexmask.compile_mask
   flex         torch.compile(flex_attention) with a BlockMask from create_block_mask(_compile=True),
                whose mask_mod reads the same canonical column intervals as flexmask
+  flex_native  the same with each family's hand-written mask_mod (optional: it compiles
+               FlexAttention once per family and shape)
   sdpa_cudnn   SDPA's cuDNN backend (full and causal only)
   sdpa_flash   SDPA's flash backend (full and causal only)
   sdpa_mask    SDPA's memory-efficient backend with a dense boolean mask, where it fits
@@ -148,19 +150,37 @@ def _compiled_create_block_mask() -> Callable:
     return torch.compile(create_block_mask)
 
 
+def _closure_tensors(fn: Callable, seen: set | None = None) -> list[torch.Tensor]:
+    """Tensors a mask_mod reads through its closure (nested functions included)."""
+    seen = set() if seen is None else seen
+    found = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        if isinstance(value, torch.Tensor) and id(value) not in seen:
+            seen.add(id(value))
+            found.append(value)
+        elif callable(value) and getattr(value, "__closure__", None) and id(value) not in seen:
+            seen.add(id(value))
+            found += _closure_tensors(value, seen)
+    return found
+
+
 class Flex(Provider):
     name, label = "flex", "FlexAttention"
+
+    def mask_mod(self, setup: Setup) -> Callable:
+        return intervals_mask_mod(setup.intervals, setup.heads)[0]
 
     def prepare(self, setup: Setup) -> Prepared:
         iv, s, dev = setup.intervals, setup.seqlen, setup.device
         mask_batch = 1 if iv.shape[0] == 1 else setup.batch
         mask_heads = 1 if iv.shape[1] == 1 else setup.heads
-        mask_mod, captured = intervals_mask_mod(iv, setup.heads)
+        mask_mod = self.mask_mod(setup)
         block_mask = build_block_mask(mask_mod, mask_batch, mask_heads, s, dev)
         build_ms = time_host(lambda: build_block_mask(mask_mod, mask_batch, mask_heads, s, dev),
                              setup.build_reps, device=dev)
-        # the BlockMask's tensors plus the intervals its mask_mod reads on partial blocks
-        mask_bytes = _tensor_bytes(block_mask.as_tuple()) + _tensor_bytes(captured)
+        # the BlockMask's tensors plus what its mask_mod reads on partial blocks
+        mask_bytes = _tensor_bytes(block_mask.as_tuple()) + _tensor_bytes(_closure_tensors(mask_mod))
         flex = compiled_flex_attention()
         gqa = setup.heads != setup.kv_heads
         return Prepared(
@@ -168,6 +188,20 @@ class Flex(Provider):
             build_ms=build_ms,
             mask_bytes=mask_bytes,
         )
+
+
+class FlexNative(Flex):
+    name, label = "flex_native", "FlexAttention (hand-written mask_mod)"
+
+    def applies(self, case: Case) -> bool:
+        from .flex_masks import NATIVE_KINDS
+
+        return case.make().kind in NATIVE_KINDS
+
+    def mask_mod(self, setup: Setup) -> Callable:
+        from .flex_masks import native_mask_mod
+
+        return native_mask_mod(setup.case.make(), setup.seqlen, setup.device)
 
 
 def _gqa_kwargs(setup: Setup) -> dict:
@@ -252,6 +286,7 @@ def registry() -> dict[str, Provider]:
     providers = [
         Flexmask(),
         Flex(),
+        FlexNative(),
         SdpaBackend("sdpa_cudnn", "CUDNN_ATTENTION", "SDPA cuDNN"),
         SdpaBackend("sdpa_flash", "FLASH_ATTENTION", "SDPA flash"),
         SdpaDenseMask(),

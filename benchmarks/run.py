@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="CPU mode: kernels under TRITON_INTERPRET=1 at tiny sizes vs the reference "
                         "(automatic without CUDA)")
+    p.add_argument("--gpu", action="store_true", help="require the GPU mode (an error without CUDA)")
     p.add_argument("--families", default="all",
                    help="comma-separated mask families, or 'all' (default); see benchmarks/families.py")
     p.add_argument("--seqlens", help="comma-separated sequence lengths (default 8K,32K,128K; quick: 150)")
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SEQLEN:HEAD_DIM list where the sliding-window density sweep runs, or 'none' "
                         "(default 32K:128; quick: none)")
     p.add_argument("--providers", default=GPU_PROVIDERS,
-                   help=f"comma-separated providers (default {GPU_PROVIDERS}); the CPU mode runs flexmask only")
+                   help=f"comma-separated providers (default {GPU_PROVIDERS}; also flex_native, "
+                        "FlexAttention with hand-written mask_mods); the CPU mode runs flexmask only")
     p.add_argument("--directions", default="fwd,bwd,fwd_bwd", help="comma-separated, of fwd,bwd,fwd_bwd")
     p.add_argument("--tokens", type=parse_size, default=32768, help="tokens per batch: B = max(1, tokens / S)")
     p.add_argument("--batch", type=int, help="fixed batch size (overrides --tokens; quick default 1)")
@@ -164,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     start = time.monotonic()
-    quick = args.quick or not _cuda_available()
+    if args.quick and args.gpu:
+        raise SystemExit("--quick and --gpu exclude each other")
+    cuda = _cuda_available()
+    if args.gpu and not cuda:
+        raise SystemExit("--gpu: no CUDA device is available (the CPU mode is --quick)")
+    quick = args.quick or not cuda
     if quick:
         _use_interpreter(argv)
     elif os.environ.get("TRITON_INTERPRET") == "1":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import families, providers, readme_table, report
+from benchmarks import families, flex_masks, providers, readme_table, report
 from flexmask.masks.intervals import intervals_to_dense
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,16 +45,21 @@ def test_cpu_mode_runs_three_families_against_the_reference(tmp_path):
     assert "random_eviction" in proc.stdout  # the table
 
 
-def test_flex_mask_mod_matches_the_intervals():
-    """The GPU cross-check is only as good as the FlexAttention mask built from our intervals."""
+def test_flex_mask_mods_match_the_intervals():
+    """The GPU cross-check is only as good as the FlexAttention masks built for each family."""
     from torch.nn.attention.flex_attention import create_mask
 
     s, batch, heads = 97, 2, 4
     for case in families.cases_for(families.FAMILIES, s, batch, heads):
-        iv = case.make().intervals(s, s, "cpu")
-        mask_mod, _ = providers.intervals_mask_mod(iv, heads)
+        mask = case.make()
+        iv = mask.intervals(s, s, "cpu")
         want = intervals_to_dense(iv, s).expand(batch, heads, s, s)
+        mask_mod, _ = providers.intervals_mask_mod(iv, heads)
         assert torch.equal(create_mask(mask_mod, batch, heads, s, s, device="cpu"), want), case.family
+        native = flex_masks.native_mask_mod(mask, s, "cpu")
+        assert (native is None) == (mask.kind not in flex_masks.NATIVE_KINDS)
+        if native is not None:
+            assert torch.equal(create_mask(native, batch, heads, s, s, device="cpu"), want), case.family
         assert torch.equal(providers.dense_mask(iv, s, heads, rows_per_chunk=13).expand_as(want), want)
 
 
