@@ -2,9 +2,8 @@
 
 Per configuration: the canonical intervals are built once on the GPU; FLOPs and density come
 from them; each provider prepares its mask outside the timed region, runs one forward +
-backward (warm-up, compilation, and the outputs of the correctness cross-check), then
-forward, backward and forward+backward are timed with do_bench and the peak memory of one
-forward+backward is taken. flexmask's outputs and gradients are compared with FlexAttention's.
+backward (warm-up and compilation; its peak memory; the outputs of the correctness
+cross-check), then forward, backward and forward+backward are timed with do_bench. flexmask's outputs and gradients are compared with FlexAttention's.
 """
 
 from __future__ import annotations
@@ -93,18 +92,13 @@ def _measure(provider: Provider, setup: Setup, q, k, v, dout, opts: Options, flo
     row["mask_bytes"] = prep.mask_bytes
     for key, value in prep.info.items():
         row[f"tiles_{key}"] = value
-    outputs = checks.forward_backward(prep.attn, q, k, v, dout)
+    outputs, peak = timing.with_peak_memory(lambda: checks.forward_backward(prep.attn, q, k, v, dout),
+                                            setup.device)
+    row["peak_extra_mem_mb"] = None if peak is None else peak / 2**20
     if provider.name not in CHECKED:
         outputs = None
     times = timing.bench_gpu(prep.attn, q, k, v, dout, opts.directions, opts.warmup, opts.rep)
     _timing_columns(row, times, flop)
-
-    def step():
-        prep.attn(q, k, v).backward(dout)
-
-    row["peak_extra_mem_mb"] = timing.peak_extra_memory(step, setup.device) / 2**20
-    for t in (q, k, v):
-        t.grad = None
     row["status"] = "ok"
     return outputs
 

@@ -11,9 +11,9 @@
 # importance, each given a deadline (seconds from the start) after which the configurations it
 # has not started are recorded as "SKIP: time budget":
 #   A  D=128 at 32K (+ the sliding-window density sweep) and 8K, every provider     by 210 s
-#   B  D=128 at 128K: flexmask, FlexAttention, SDPA cuDNN (full/causal)              by 370 s
-#   C  D=64 at 8K and 32K: flexmask, FlexAttention, SDPA cuDNN and flash             by 430 s
-# A configuration already started finishes, so the total runs a little past 430 s (FlexAttention
+#   B  D=128 at 128K: flexmask, FlexAttention, SDPA cuDNN (full/causal)              by 390 s
+#   C  D=64 at 32K and 8K: flexmask, FlexAttention, SDPA cuDNN and flash             by 460 s
+# A configuration already started finishes, so the total runs a little past 460 s (FlexAttention
 # compiles per shape and mask layout, outside the timed regions). PHASES="B" (say) reruns only
 # some of them, appending to the existing CSV; the plots and the README table keep the latest row
 # of each configuration. Optional, not in the default:
@@ -60,10 +60,10 @@ for phase in $PHASES; do
            --time-budget "$(budget_until 210)" ;;
     B) run --shapes 128K:128 --sweep-shapes none --families "$FAMILIES_128K" \
            --providers flexmask,flex,sdpa_cudnn --build-reps 5 \
-           --time-budget "$(budget_until 370)" ;;
-    C) run --shapes 8K:64,32K:64 --sweep-shapes none \
+           --time-budget "$(budget_until 390)" ;;
+    C) run --shapes 32K:64,8K:64 --sweep-shapes none \
            --providers flexmask,flex,sdpa_cudnn,sdpa_flash \
-           --time-budget "$(budget_until 430)" ;;
+           --time-budget "$(budget_until 460)" ;;
     D) run --shapes 32K:128 --sweep-shapes none --providers flexmask,flex,flex_native \
            --time-budget "$(budget_until "${DEADLINE_D:-450}")" ;;
     *) echo "unknown phase $phase (expected A, B, C or D)" >&2; status=2 ;;

@@ -106,12 +106,14 @@ def time_host(fn: Callable, reps: int, warm: int = 2, device: torch.device | Non
     return statistics.median(samples)
 
 
-def peak_extra_memory(fn: Callable, device: torch.device) -> int:
-    """Bytes allocated at the peak of `fn()` above what was allocated before it (inputs, masks
-    and other providers' results excluded)."""
+def with_peak_memory(fn: Callable, device: torch.device):
+    """(fn(), bytes allocated at the peak of the call above what was allocated before it):
+    inputs, masks and other providers' results are excluded. Without CUDA the bytes are None."""
+    if device.type != "cuda":
+        return fn(), None
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    fn()
+    result = fn()
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    return result, torch.cuda.max_memory_allocated(device) - before
