@@ -60,26 +60,28 @@ def _dkdv_tiles(
 ):
     o_bm = tl.arange(0, BLOCK_M)
     m_d = o_d[None, :] < HEAD_DIM
+    m_dt = o_d[:, None] < HEAD_DIM
     for t in range(t_lo, t_hi):
         m = tl.load(p_blocks + t)
         for i in tl.static_range(TILE_M // BLOCK_M):
             start_m = m * TILE_M + i * BLOCK_M
             o_m = start_m + o_bm
             in_q = o_m < Sq
-            off_q = start_m.to(tl.int64) * stride_qm + o_bm[:, None] * stride_qm + o_d[None, :]
+            # q is loaded already transposed, so s^T and dK read one shared-memory copy of it
+            off_qt = start_m.to(tl.int64) * stride_qm + o_bm[None, :] * stride_qm + o_d[:, None]
             off_do = start_m.to(tl.int64) * stride_dom + o_bm[:, None] * stride_dom + o_d[None, :]
-            b_q = tl.load(p_q + off_q, mask=in_q[:, None] & m_d, other=0.0)  # [BLOCK_M, BLOCK_D]
+            b_qt = tl.load(p_q + off_qt, mask=in_q[None, :] & m_dt, other=0.0)  # [BLOCK_D, BLOCK_M]
             b_do = tl.load(p_do + off_do, mask=in_q[:, None] & m_d, other=0.0)  # [BLOCK_M, BLOCK_D]
             b_lse2 = tl.load(p_lse2 + o_m, mask=in_q, other=float("inf"))  # [BLOCK_M]
             b_delta = tl.load(p_delta + o_m, mask=in_q, other=0.0)  # [BLOCK_M]
-            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+            b_st = tl.dot(b_k, b_qt, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
             b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
             if MASKED:
                 b_pt = tl.where(masked_elements_t(p_intv, o_n, o_m, Sk), 0.0, b_pt)
             dv = tl.dot(b_pt.to(b_do.dtype), b_do, dv, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
             b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
             b_dst = b_pt * (b_dpt - b_delta[None, :])
-            dk = tl.dot(b_dst.to(b_q.dtype), b_q, dk, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
+            dk = tl.dot(b_dst.to(b_qt.dtype), tl.trans(b_qt), dk, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
     return dk, dv
 
 

@@ -339,6 +339,7 @@ def qk_sparse(maskout) -> Mask:
         ##....
         ##....
         ##....
+        #####.
         ######
     """
     if isinstance(maskout, Sequence) and len(maskout) == 2 and all(isinstance(x, int) for x in maskout):
@@ -362,12 +363,13 @@ def random_eviction(start_row: int, seed: int = 0, num_heads: int = 1) -> Mask:
     ``start_row`` on: once evicted, a key is masked for every later query. Seeded, so the
     same arguments always give the same mask; ``num_heads > 1`` draws one pattern per head.
     ::
-        start_row=2 (one draw)
-        #....
-        ##...
-        .##..
-        .#.#.
-        .#..#
+        start_row=3, seed=0
+        #.....
+        ##....
+        ###...
+        ####..
+        .####.
+        ..##.#
     """
     return _Simple(
         "random_eviction",
