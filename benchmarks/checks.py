@@ -4,8 +4,18 @@ GPU mode: flexmask's output and gradients against FlexAttention's on the same in
 relative Frobenius error ``||a - b|| / ||b||`` with a bf16-sensible threshold (two fp32-
 accumulating kernels that round to the same 16-bit type differ by about one rounding).
 
-CPU mode: flexmask against `flexmask.reference` in float64, by the project's rule: the kernel's
-max error is at most twice the error of the same math done in the input dtype, plus a floor.
+CPU mode: flexmask against `flexmask.reference` in float64, by the project's rule (DESIGN.md
+section 4, as in tests/conftest.py), per tensor of out, dq, dk, dv:
+
+    max|got - ref64| <= 2 * max|ref_lowp - ref64| + floor * max|ref64|,  floor = max(eps(dtype), 1e-6)
+
+where ref_lowp is the same math done in the input dtype. The floor matters only where ref_lowp
+is (nearly) exact: one machine epsilon of the input dtype for the final rounding, and 1e-6 for
+the kernel's fp32 exp2-domain arithmetic (P recomputed from the LSE), which dominates only for
+fp32 inputs (tests/conftest.py explains both). Where the exact tensor is all zeros (dk when
+every row attends one key) the largest value of the four tensors sets the scale. The same rule is applied to the
+relative Frobenius error, which catches errors spread over many small values that the max
+misses.
 """
 
 from __future__ import annotations
@@ -16,9 +26,12 @@ import torch
 
 # relative Frobenius error allowed between two implementations, per input dtype
 CROSS_CHECK_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 2e-3}
-# absolute floor of the CPU-mode rule, per input dtype
-REFERENCE_FLOOR = {torch.bfloat16: 1e-3, torch.float16: 1e-4, torch.float32: 1e-5}
 TENSORS = ("out", "dq", "dk", "dv")
+FP32_ARITHMETIC_FLOOR = 1e-6
+
+
+def reference_floor(dtype: torch.dtype) -> float:
+    return max(torch.finfo(dtype).eps, FP32_ARITHMETIC_FLOOR)
 
 
 def forward_backward(attn: Callable, q, k, v, dout) -> dict[str, torch.Tensor]:
@@ -65,15 +78,26 @@ def reference_outputs(q, k, v, dout, mask, dtype: torch.dtype) -> dict[str, torc
 
 
 def reference_check(got: dict, exact: dict, same_dtype: dict, dtype: torch.dtype) -> tuple[bool, dict]:
-    """The project's rule, per tensor: max|got - exact| <= 2 * max|same_dtype - exact| + floor.
-    Returns (ok, {name: (kernel error, baseline error)})."""
-    floor = REFERENCE_FLOOR.get(dtype, 1e-5)
+    """The project's rule (module docstring), per tensor of out, dq, dk, dv.
+    Returns (ok, {name: (kernel error, bound, "max abs" or "relative")})."""
+    eps = reference_floor(dtype)
+    largest = max((float(exact[n].abs().max()) for n in TENSORS if exact[n].numel()), default=0.0)
     ok, detail = True, {}
     for name in TENSORS:
         g, e, s = got[name].double(), exact[name].double(), same_dtype[name].double()
-        err = float((g - e).abs().max()) if g.numel() else 0.0
-        base = float((s - e).abs().max()) if s.numel() else 0.0
-        if not (err <= 2 * base + floor):  # also catches NaN
+        if not g.numel():
+            detail[name] = (0.0, 0.0, "max abs")
+            continue
+        scale = float(e.abs().max()) or largest
+        err = float((g - e).abs().max())
+        bound = 2 * float((s - e).abs().max()) + eps * scale
+        rel, rel_bound = relative_error(g, e), 2 * relative_error(s, e) + eps
+        if not (err <= bound):  # also catches NaN
             ok = False
-        detail[name] = (err, base)
+            detail[name] = (err, bound, "max abs")
+        elif not (rel <= rel_bound) and float(e.abs().max()) > 0:
+            ok = False
+            detail[name] = (rel, rel_bound, "relative")
+        else:
+            detail[name] = (err, bound, "max abs")
     return ok, detail

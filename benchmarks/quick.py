@@ -1,8 +1,8 @@
 """The CPU mode: flexmask's kernels under TRITON_INTERPRET=1 at tiny sizes, checked against the
 dense float64 reference for every family (output and gradients).
 
-The rule is the project's: per tensor, the kernel's max error is at most twice the error of
-the same math done in the input dtype, plus a small floor. Times are wall-clock of one call
+The rule is the project's (see `checks`): per tensor, the kernel's max error is at most twice
+the error of the same math done in the input dtype, plus a floor relative to the largest value. Times are wall-clock of one call
 under the interpreter: they show the harness works, not how fast anything is.
 """
 
@@ -18,8 +18,8 @@ from .timing import time_host
 
 
 def _describe(detail: dict) -> str:
-    name, (err, base) = max(detail.items(), key=lambda kv: kv[1][0] - 2 * kv[1][1])
-    return f"{name}: err {err:.2e} vs same-dtype {base:.2e}"
+    name, (err, bound, kind) = max(detail.items(), key=lambda kv: kv[1][0] / max(kv[1][1], 1e-300))
+    return f"{name}: {kind} error {err:.2e} > bound {bound:.2e}"
 
 
 def run_case(case: families.Case, batch: int, head_dim: int, opts: Options, env: dict, log) -> dict:
@@ -63,7 +63,7 @@ def run_case(case: families.Case, batch: int, head_dim: int, opts: Options, env:
         for name in checks.TENSORS:
             row[f"err_{name}"] = checks.relative_error(got[name], exact[name])
         row["check_against"] = "reference float64"
-        row["tolerance"] = f"2x {row['dtype']} error + {checks.REFERENCE_FLOOR.get(dtype, 1e-5):g}"
+        row["tolerance"] = f"2x {row['dtype']} error + {checks.reference_floor(dtype):.1e} x max|ref|"
         row["check"] = "pass" if ok else f"FAIL: {_describe(detail)}"
         row["status"] = "ok"
     except Exception as err:  # noqa: BLE001 (any failure is recorded and fails the run)
