@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if the README's block is out of date")
     args = p.parse_args(argv)
 
+    if not os.path.exists(args.csv):
+        print(f"no results CSV at {args.csv}; run benchmarks/gpu_sweep.sh first (or pass a CSV)", file=sys.stderr)
+        return 1
     rel = os.path.relpath(os.path.abspath(args.csv), REPO)
     block = markdown(read_csv(args.csv), rel if not rel.startswith("..") else os.path.basename(args.csv))
     if args.print:
