@@ -43,14 +43,14 @@ def forward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], dev
         return LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1)
     # measured on an H200 with benchmarks/tune_configs.py (bf16, 32K tokens, causal and SWA)
     block_d = _head_block(head_dim)
-    if dtype == torch.float32:
+    if block_d > 128:  # large heads: one pipeline stage keeps the tiles in shared memory
+        cfg = LaunchConfig(32 if dtype == torch.float32 else 64, 32, 4, 1)
+    elif dtype == torch.float32:
         cfg = LaunchConfig(64, 32 if block_d > 64 else 64, 4, 2)
     elif block_d <= 64:
         cfg = LaunchConfig(128, 64, 4, 3)
-    elif block_d <= 128:
-        cfg = LaunchConfig(128, 128, 8, 3)
     else:
-        cfg = LaunchConfig(64, 32, 4, 2)
+        cfg = LaunchConfig(128, 128, 8, 3)
     return LaunchConfig(min(cfg.block_m, tile_m), min(cfg.block_n, tile_n), cfg.num_warps, cfg.num_stages)
 
 
@@ -62,7 +62,10 @@ def backward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], de
         c = LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1)
         return c, c
     block_d = _head_block(head_dim)
-    if dtype == torch.float32 or block_d > 128:
+    if block_d > 128:
+        small = 16 if dtype == torch.float32 else 32
+        dkdv, dq = LaunchConfig(small, 32, 4, 1), LaunchConfig(32, small, 4, 1)
+    elif dtype == torch.float32:
         dkdv, dq = LaunchConfig(32, 64, 4, 2), LaunchConfig(64, 32, 4, 2)
     elif block_d <= 64:
         dkdv, dq = LaunchConfig(64, 128, 8, 3), LaunchConfig(64, 64, 4, 3)
