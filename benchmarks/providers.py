@@ -126,8 +126,11 @@ def intervals_mask_mod(intervals: torch.Tensor, heads: int) -> tuple[Callable, l
 
 @functools.cache
 def compiled_flex_attention() -> Callable:
+    import torch._functorch.config as functorch_config
     from torch.nn.attention.flex_attention import flex_attention
 
+    # the timing loop replays backward with retain_graph=True, which donated buffers forbid
+    functorch_config.donated_buffer = False
     return torch.compile(flex_attention, dynamic=False)
 
 
