@@ -1,0 +1,286 @@
+"""Bad input gets a ValueError or TypeError that names the argument (STYLE.md 14), raised
+by the builders, by the interval/table compilation, or by the public functions."""
+
+import math
+
+import pytest
+import torch
+
+import flexmask
+from flexmask import masks
+
+from conftest import make_qkv
+
+
+def idx(*shape, fill=0):
+    """An int32 startend_row_indices tensor of `shape` filled with `fill`."""
+    return torch.full(shape, fill, dtype=torch.int32)
+
+
+def rows(*values, n=10):
+    """An int64 per-column row tensor of length n: `values` first, then the last one repeated."""
+    return torch.tensor(list(values) + [values[-1]] * (n - len(values)))
+
+
+startend = masks.from_startend_row_indices
+REVERSED_N2 = torch.tensor([5, 3], dtype=torch.int32).expand(1, 1, 10, 2)  # LTS=5 > LTE=3
+REVERSED_N4 = torch.tensor([0, 0, 7, 6], dtype=torch.int32).expand(1, 1, 10, 4)  # UTS=7 > UTE=6
+
+
+def q_k_v(b=1, hq=2, hkv=2, sq=20, sk=20, d=16, dtype=torch.float32):
+    return make_qkv(b, hq, hkv, sq, sk, d, dtype)
+
+
+# --- mask parameters ------------------------------------------------------------------------
+
+SPEC_ERRORS = [
+    # (id, builder call, exception, pattern naming the argument)
+    ("window-left-negative", lambda: masks.sliding_window(-1), ValueError, r"left.*-1"),
+    ("window-right-negative", lambda: masks.sliding_window(4, -2), ValueError, r"right.*-2"),
+    ("window-left-float", lambda: masks.sliding_window(2.5), TypeError, r"left"),
+    ("window-left-bool", lambda: masks.sliding_window(True), TypeError, r"left"),
+    ("global-tokens-negative", lambda: masks.global_sliding_window(-1, 3), ValueError, r"global_tokens"),
+    ("global-left-negative", lambda: masks.global_sliding_window(2, -3), ValueError, r"left"),
+    ("global-right-negative", lambda: masks.global_sliding_window(2, 3, -1), ValueError, r"right"),
+    ("prefix-negative", lambda: masks.prefix_lm(-5), ValueError, r"prefix_len"),
+    ("seqlens-empty", lambda: masks.document([]), TypeError, r"seqlens"),
+    ("seqlens-zero", lambda: masks.document([3, 0, 4]), ValueError, r"seqlens\[1\]"),
+    ("seqlens-negative", lambda: masks.document([3, -4]), ValueError, r"seqlens\[1\]"),
+    ("seqlens-float", lambda: masks.document([3.0, 4]), TypeError, r"seqlens\[0\]"),
+    ("seqlens-string", lambda: masks.document("abc"), TypeError, r"seqlens"),
+    ("blockwise-seqlens-zero", lambda: masks.causal_blockwise([0, 5]), ValueError, r"seqlens\[0\]"),
+    ("prefix-lens-too-long", lambda: masks.prefix_lm_document([4, 5], [2, 6]), ValueError, r"prefix_lens\[1\]"),
+    ("prefix-lens-count", lambda: masks.prefix_lm_document([4, 5], [2]), ValueError, r"prefix_lens"),
+    ("prefix-lens-negative", lambda: masks.prefix_lm_document([4, 5], [2, -1]), ValueError, r"prefix_lens\[1\]"),
+    ("question-negative", lambda: masks.share_question(-1, [3]), ValueError, r"question_len"),
+    ("answer-zero", lambda: masks.share_question(2, [3, 0]), ValueError, r"answer_lens\[1\]"),
+    ("maskout-unsorted", lambda: masks.qk_sparse([(10, 5), (2, 3)]), ValueError, r"maskout"),
+    ("maskout-overlap", lambda: masks.qk_sparse([(2, 5), (6, 3)]), ValueError, r"maskout"),
+    ("maskout-zero-length", lambda: masks.qk_sparse([(2, 0)]), ValueError, r"maskout\[0\]\.length"),
+    ("maskout-negative-offset", lambda: masks.qk_sparse([(-2, 3)]), ValueError, r"maskout\[0\]\.offset"),
+    ("maskout-not-pairs", lambda: masks.qk_sparse([(1, 2, 3)]), TypeError, r"maskout\[0\]"),
+    ("eviction-start-negative", lambda: masks.random_eviction(-1), ValueError, r"start_row"),
+    ("eviction-heads-zero", lambda: masks.random_eviction(3, num_heads=0), ValueError, r"num_heads"),
+    ("intervals-float", lambda: masks.column_intervals(torch.zeros(5)), TypeError, r"lts.*dtype"),
+    ("intervals-bool", lambda: masks.column_intervals([0, 1], torch.ones(2, dtype=torch.bool)), TypeError, r"lte"),
+    ("intervals-rank", lambda: masks.column_intervals(torch.zeros(1, 1, 1, 5, dtype=torch.long)), ValueError, r"lts"),
+    ("intervals-lengths", lambda: masks.column_intervals([0, 1, 2], [3, 3]), ValueError, r"lts.*lte"),
+    ("intervals-uts-alone", lambda: masks.column_intervals([0, 1], uts=[0, 0]), ValueError, r"uts"),
+    ("intervals-lts-missing", lambda: masks.column_intervals(None, [3, 3]), ValueError, r"lts"),
+    ("startend-not-tensor", lambda: startend([[[[0]]]], causal=True), TypeError, r"startend_row_indices"),
+    ("startend-float", lambda: startend(torch.zeros(1, 1, 8, 1), True), TypeError, r"startend_row_indices.*dtype"),
+    ("startend-rank3", lambda: startend(idx(1, 8, 1), True), ValueError, r"startend_row_indices.*rank"),
+    ("startend-rank5", lambda: startend(idx(1, 1, 1, 8, 1), True), ValueError, r"startend_row_indices.*rank"),
+    ("startend-causal-n4", lambda: startend(idx(1, 1, 8, 4), True), ValueError, r"startend_row_indices.*causal=True"),
+    ("startend-causal-n3", lambda: startend(idx(1, 1, 8, 3), True), ValueError, r"startend_row_indices.*causal=True"),
+    ("startend-bidir-n1", lambda: startend(idx(1, 1, 8, 1), False), ValueError, r"startend_row_indices.*causal=False"),
+    ("startend-bidir-n3", lambda: startend(idx(1, 1, 8, 3), False), ValueError, r"startend_row_indices.*causal=False"),
+    ("startend-causal-not-bool", lambda: startend(idx(1, 1, 8, 1), causal=1), TypeError, r"causal"),
+]
+
+
+@pytest.mark.parametrize("build, exc, pattern", [c[1:] for c in SPEC_ERRORS], ids=[c[0] for c in SPEC_ERRORS])
+def test_builder_rejects(build, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        build()
+
+
+# errors that need the lengths, raised when the intervals are built (to_dense, compile_mask,
+# attention): each is checked through both to_dense and compile_mask
+SQ, SK = 12, 10
+LENGTH_ERRORS = [
+    ("seqlens-sum", lambda: masks.document([3, 4]), r"seqlens must sum to kv_len=10, got 7"),
+    ("seqlens-sum-bidir", lambda: masks.document([3, 8], causal=False), r"seqlens.*kv_len=10.*11"),
+    ("seqlens-per-batch-sum", lambda: masks.document([[5, 5], [5, 6]]), r"seqlens\[1\].*kv_len=10.*11"),
+    ("prefix-doc-seqlens-sum", lambda: masks.prefix_lm_document([3, 4], [1, 1]), r"seqlens.*kv_len=10"),
+    ("blockwise-seqlens-sum", lambda: masks.causal_blockwise([3, 4, 5]), r"seqlens.*kv_len=10.*12"),
+    ("share-question-sum", lambda: masks.share_question(4, [3, 4]), r"answer_lens.*kv_len=10.*11"),
+    ("maskout-past-end", lambda: masks.qk_sparse([(8, 5)]), r"maskout.*kv_len=10"),
+    ("intervals-negative", lambda: masks.column_intervals(rows(0, -1, 0)), r"lts.*-1.*column 1"),
+    ("intervals-past-q-len", lambda: masks.column_intervals(rows(0), rows(13, 12)), r"lte.*13.*column 0"),
+    ("intervals-ute-past-q-len", lambda: masks.column_intervals(rows(0), ute=rows(*[0] * 9, 20)), r"ute.*20.*column 9"),
+    ("intervals-reversed", lambda: masks.column_intervals(rows(5), rows(*[6] * 9, 2)), r"reversed.*column 9.*lts=5.*lte=2"),
+    ("intervals-reversed-upper", lambda: masks.column_intervals(rows(0), uts=rows(4), ute=rows(3, 4)),
+     r"reversed.*column 0.*uts=4.*ute=3"),
+    ("intervals-wrong-width", lambda: masks.column_intervals(rows(0, n=9)), r"lts.*kv_len=10.*9"),
+    ("startend-wrong-length", lambda: startend(idx(1, 1, 9, 1), True), r"startend_row_indices.*kv_len=10"),
+    ("startend-row-negative", lambda: startend(idx(1, 1, 10, 1, fill=-3), True), r"startend_row_indices.*-3"),
+    ("startend-row-past-q-len", lambda: startend(idx(1, 1, 10, 2, fill=13), False), r"startend_row_indices.*13"),
+    ("startend-reversed", lambda: startend(REVERSED_N2, True), r"reversed.*startend_row_indices"),
+    ("startend-reversed-n4", lambda: startend(REVERSED_N4, False), r"reversed.*startend_row_indices"),
+]
+
+
+@pytest.mark.parametrize("build, pattern", [c[1:] for c in LENGTH_ERRORS], ids=[c[0] for c in LENGTH_ERRORS])
+@pytest.mark.parametrize("where", ["to_dense", "compile_mask"])
+def test_mask_rejected_at_lengths(build, pattern, where):
+    mask = build()
+    with pytest.raises(ValueError, match=pattern):
+        if where == "to_dense":
+            mask.to_dense(SQ, SK)
+        else:
+            flexmask.compile_mask(mask, SQ, SK, device="cpu")
+
+
+def test_mask_rejected_by_attention():
+    """A spec that does not fit the inputs' lengths fails inside attention with the same
+    message."""
+    q, k, v = q_k_v(sq=SQ, sk=SK)
+    with pytest.raises(ValueError, match=r"seqlens must sum to kv_len=10, got 7"):
+        flexmask.attention(q, k, v, mask=masks.document([3, 4]))
+
+
+# --- compile_mask -----------------------------------------------------------------------------
+
+COMPILE_ERRORS = [
+    ("block-m-not-pow2", dict(block_m=24), ValueError, r"block_m.*24"),
+    ("block-n-not-pow2", dict(block_n=48), ValueError, r"block_n.*48"),
+    ("block-m-too-small", dict(block_m=8), ValueError, r"block_m.*8"),
+    ("block-n-too-big", dict(block_n=512), ValueError, r"block_n.*512"),
+    ("block-m-zero", dict(block_m=0), ValueError, r"block_m"),
+    ("block-m-float", dict(block_m=32.0), ValueError, r"block_m"),
+    ("block-n-bool", dict(block_n=True), ValueError, r"block_n"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [c[1:] for c in COMPILE_ERRORS], ids=[c[0] for c in COMPILE_ERRORS])
+def test_compile_mask_rejects_blocks(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        flexmask.compile_mask(masks.causal(), 64, 64, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, exc, pattern",
+    [
+        ((masks.causal(), 0, 10), ValueError, r"q_len.*0"),
+        ((masks.causal(), 10, -1), ValueError, r"kv_len.*-1"),
+        ((masks.causal(), 10.0, 10), ValueError, r"q_len"),
+        (("causal", 10, 10), TypeError, r"mask.*str"),
+    ],
+    ids=["q_len-zero", "kv_len-negative", "q_len-float", "mask-string"],
+)
+def test_compile_mask_rejects_arguments(args, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        flexmask.compile_mask(*args, device="cpu")
+
+
+def test_compile_mask_rejects_compiled_mask():
+    cm = flexmask.compile_mask(masks.causal(), 16, 16, device="cpu")
+    with pytest.raises(TypeError, match=r"CompiledMask"):
+        flexmask.compile_mask(cm, 16, 16, device="cpu")
+
+
+# --- attention: q, k, v ----------------------------------------------------------------------
+
+
+def _qkv_case(name):
+    q, k, v = q_k_v()
+    if name == "q-rank":
+        return (q[0], k, v), ValueError, r"\bq\b.*4 dimensions.*\(2, 20, 16\)"
+    if name == "k-rank":
+        return (q, k.unsqueeze(0), v), ValueError, r"\bk\b.*4 dimensions"
+    if name == "v-rank":
+        return (q, k, v[0, 0]), ValueError, r"\bv\b.*4 dimensions"
+    if name == "q-not-tensor":
+        return (q.numpy(), k, v), TypeError, r"\bq\b.*Tensor"
+    if name == "q-int":
+        return (q.to(torch.int32), k, v), TypeError, r"\bq\b.*int32"
+    if name == "v-float64":
+        return (q, k, v.double()), TypeError, r"\bv\b.*float64"
+    if name == "dtype-mismatch":
+        return (q, k.half(), v.half()), TypeError, r"dtype.*q=torch.float32.*k=torch.float16"
+    if name == "device-mismatch":
+        return (q, k.to("meta"), v), ValueError, r"device.*k=meta"
+    if name == "batch-mismatch":
+        return (q, torch.cat([k, k]), torch.cat([v, v])), ValueError, r"batch.*q=1.*k=2"
+    if name == "head-dim-mismatch":
+        return (q, k[..., :8], v[..., :8]), ValueError, r"head dim.*q=16.*k=8"
+    if name == "kv-shape-mismatch":
+        return (q, k, v[:, :, :10]), ValueError, r"\bk and v\b.*shape"
+    if name == "gqa-not-divisible":
+        q3, k2, v2 = make_qkv(1, 3, 2, 20, 20, 16, torch.float32)
+        return (q3, k2, v2), ValueError, r"Hq=3, Hkv=2"
+    if name == "head-dim-too-big":
+        q9, k9, v9 = make_qkv(1, 1, 1, 4, 4, 257, torch.float32)
+        return (q9, k9, v9), ValueError, r"head dim.*257"
+    raise KeyError(name)
+
+
+QKV_CASES = [
+    "q-rank", "k-rank", "v-rank", "q-not-tensor", "q-int", "v-float64", "dtype-mismatch", "device-mismatch",
+    "batch-mismatch", "head-dim-mismatch", "kv-shape-mismatch", "gqa-not-divisible", "head-dim-too-big",
+]
+
+
+@pytest.mark.parametrize("name", QKV_CASES)
+def test_attention_rejects_qkv(name):
+    args, exc, pattern = _qkv_case(name)
+    with pytest.raises(exc, match=pattern):
+        flexmask.attention(*args, mask=masks.causal())
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, math.nan, math.inf, "0.1", True, torch.tensor(0.1)], ids=lambda x: repr(x))
+def test_attention_rejects_scale(scale):
+    q, k, v = q_k_v()
+    with pytest.raises(ValueError, match=r"scale"):
+        flexmask.attention(q, k, v, scale=scale)
+
+
+def test_attention_rejects_return_lse_non_bool():
+    q, k, v = q_k_v()
+    with pytest.raises(TypeError, match=r"return_lse"):
+        flexmask.attention(q, k, v, return_lse=1)
+
+
+@pytest.mark.parametrize("mask", ["causal", torch.ones(20, 20, dtype=torch.bool), 3], ids=["str", "bool-tensor", "int"])
+def test_attention_rejects_mask_type(mask):
+    q, k, v = q_k_v()
+    with pytest.raises(TypeError, match=r"mask"):
+        flexmask.attention(q, k, v, mask=mask)
+
+
+@pytest.mark.parametrize("lengths", [(20, 21), (19, 20), (21, 21)], ids=lambda x: str(x))
+def test_attention_rejects_compiled_mask_for_other_lengths(lengths):
+    q, k, v = q_k_v(sq=20, sk=20)
+    cm = flexmask.compile_mask(masks.causal(), *lengths, device="cpu")
+    with pytest.raises(ValueError, match=rf"mask.*\({lengths[0]}, {lengths[1]}\).*q_len=20, kv_len=20"):
+        flexmask.attention(q, k, v, mask=cm)
+
+
+def test_attention_rejects_mask_batch():
+    q, k, v = q_k_v(b=2)
+    per_batch = masks.document([[10, 10], [5, 15], [20]])  # three batch rows for B=2
+    with pytest.raises(ValueError, match=r"batch size 3.*B=2"):
+        flexmask.attention(q, k, v, mask=per_batch)
+    with pytest.raises(ValueError, match=r"batch size 3.*B=2"):
+        flexmask.attention(q, k, v, mask=flexmask.compile_mask(per_batch, 20, 20, device="cpu"))
+
+
+@pytest.mark.parametrize("mask_heads", [3, 8])
+def test_attention_rejects_mask_heads(mask_heads):
+    q, k, v = make_qkv(1, 4, 2, 20, 20, 16, torch.float32)
+    with pytest.raises(ValueError, match=rf"mask has {mask_heads} heads.*Hq=4.*Hkv=2"):
+        flexmask.attention(q, k, v, mask=masks.random_eviction(5, num_heads=mask_heads))
+
+
+# --- flashmask_attention --------------------------------------------------------------------------
+
+
+def test_flashmask_attention_rejects():
+    q, k, v = (t.transpose(1, 2) for t in q_k_v())  # (B, S, H, D)
+    with pytest.raises(ValueError, match=r"query.*4-D"):
+        flashmask_call(q[0], k, v)
+    with pytest.raises(ValueError, match=r"value.*4-D"):
+        flashmask_call(q, k, "v")
+    with pytest.raises(TypeError, match=r"causal"):
+        flashmask_call(q, k, v, causal="yes")
+    with pytest.raises(ValueError, match=r"startend_row_indices.*causal=True"):
+        flashmask_call(q, k, v, startend_row_indices=idx(1, 1, 20, 4), causal=True)
+    with pytest.raises(ValueError, match=r"startend_row_indices.*kv_len=20"):
+        flashmask_call(q, k, v, startend_row_indices=idx(1, 1, 19, 1), causal=True)
+    with pytest.raises(ValueError, match=r"scale"):
+        flashmask_call(q, k, v, softmax_scale=-1.0)
+
+
+def flashmask_call(q, k, v, **kwargs):
+    return flexmask.flashmask_attention(q, k, v, **kwargs)

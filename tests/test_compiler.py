@@ -1,0 +1,265 @@
+"""The tile-table compiler (DESIGN.md 3.1) against a brute-force dense classification.
+
+`CompiledMask.tile_classes()` must equal (`torch.equal`) the exact class of every tile of the
+dense mask (all attend -> FULL, none -> SKIP, else PARTIAL; tiles clipped at Sq and Sk), and
+the forward/backward lists that the kernels walk must visit exactly the non-skipped tiles,
+FULL ones first, with the ragged last kv-block always on the bounds-checked (partial) path.
+"""
+
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import flexmask
+from flexmask import masks
+from flexmask.masks import FULL, PARTIAL, SKIP
+
+from conftest import FAMILIES, dense_from_intervals, make_mask, random_row_intervals
+
+BLOCKS = [(16, 16), (16, 32), (32, 16), (64, 64)]
+SHAPES = [(197, 197), (63, 197), (197, 63), (1, 197), (128, 128), (100, 33)]
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def brute_force_classes(dense: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
+    """int8 [B, H, NQB, NKB] from a boolean [B, H, Sq, Sk] mask, tile by tile."""
+    b, h, sq, sk = dense.shape
+    nq, nk = cdiv(sq, block_m), cdiv(sk, block_n)
+    out = torch.empty(b, h, nq, nk, dtype=torch.int8)
+    for m in range(nq):
+        for n in range(nk):
+            tile = dense[:, :, m * block_m:(m + 1) * block_m, n * block_n:(n + 1) * block_n]
+            attend_all = tile.flatten(2).all(-1)
+            attend_none = ~tile.flatten(2).any(-1)
+            out[:, :, m, n] = torch.where(attend_all, FULL, torch.where(attend_none, SKIP, PARTIAL)).to(torch.int8)
+    return out
+
+
+def check_lists(cm, classes):
+    """The forward and backward lists agree with the exact classes (see module docstring)."""
+    nrows = cm.batch * cm.heads
+    nq, nk = cm.num_q_blocks, cm.num_kv_blocks
+    ragged_n = nk - 1 if cm.kv_len % cm.block_n else None
+    cls = classes.reshape(nrows, nq, nk).tolist()
+    visited = int((classes != SKIP).sum())
+    assert cm.num_tiles_visited == visited
+
+    for name, offsets, num_full, blocks, n_seg, n_other in (
+        ("fwd", cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, nq, nk),  # per q-block: kv-blocks
+        ("bwd", cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, nk, nq),  # per kv-block: q-blocks
+    ):
+        assert offsets.dtype == num_full.dtype == blocks.dtype == torch.int32, name
+        assert offsets.shape == (nrows * n_seg + 1,) and num_full.shape == (nrows * n_seg,), name
+        assert int(offsets[0]) == 0 and int(offsets[-1]) == visited, name
+        assert bool((offsets[1:] >= offsets[:-1]).all()), f"{name}: offsets not monotone"
+        offsets, num_full, blocks = offsets.tolist(), num_full.tolist(), blocks.tolist()
+
+        def tile(s, o):  # (q-block, kv-block) of entry o in segment s
+            return (s, o) if name == "fwd" else (o, s)
+
+        for row in range(nrows):
+            for s in range(n_seg):
+                seg = row * n_seg + s
+                listed = blocks[offsets[seg]:offsets[seg + 1]]
+                expected = {o for o in range(n_other) if cls[row][tile(s, o)[0]][tile(s, o)[1]] != SKIP}
+                assert len(listed) == len(set(listed)), f"{name} row {row} seg {s}: duplicates {listed}"
+                assert set(listed) == expected, f"{name} row {row} seg {s}: lists {sorted(listed)}, non-skip {sorted(expected)}"
+                nf = num_full[seg]
+                for t, o in enumerate(listed):
+                    m, n = tile(s, o)
+                    kernel_full = cls[row][m][n] == FULL and n != ragged_n
+                    assert kernel_full == (t < nf), (
+                        f"{name} row {row} seg {s}: tile (m={m}, n={n}) of class {cls[row][m][n]} "
+                        f"listed at position {t}, with {nf} FULL first"
+                    )
+
+
+def check_compiled(mask, sq, sk, block_m, block_n):
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=block_m, block_n=block_n)
+    assert (cm.q_len, cm.kv_len, cm.block_m, cm.block_n) == (sq, sk, block_m, block_n)
+    assert cm.num_q_blocks == cdiv(sq, block_m) and cm.num_kv_blocks == cdiv(sk, block_n)
+    dense = dense_from_intervals(cm.intervals, sq)
+    # the tables were built from the mask's own intervals
+    assert torch.equal(cm.intervals, mask.intervals(sq, sk, "cpu"))
+    classes = cm.tile_classes()
+    expected = brute_force_classes(dense, block_m, block_n)
+    assert classes.dtype == torch.int8
+    assert torch.equal(classes, expected), (
+        f"{int((classes != expected).sum())} tiles misclassified; first at "
+        f"{(classes != expected).nonzero()[0].tolist()} got {int(classes[tuple((classes != expected).nonzero()[0])])}"
+    )
+    check_lists(cm, classes)
+    summary = cm.summary()
+    assert summary["full"] == int((expected == FULL).sum()) and summary["partial"] == int((expected == PARTIAL).sum())
+    assert summary["skip"] == int((expected == SKIP).sum())
+    return cm
+
+
+@pytest.mark.parametrize("block_m, block_n", BLOCKS, ids=[f"{m}x{n}" for m, n in BLOCKS])
+@pytest.mark.parametrize("sq, sk", SHAPES, ids=[f"S{a}" if a == b else f"Sq{a}-Sk{b}" for a, b in SHAPES])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tile_classes_exact(family, sq, sk, block_m, block_n):
+    check_compiled(make_mask(family, sq, sk, batch=2, heads=2), sq, sk, block_m, block_n)
+
+
+def piecewise_intervals(b, h, sq, sk, block, gen):
+    """Random intervals held constant over runs of columns and often on block boundaries, so
+    that whole tiles come out FULL or SKIP as well as PARTIAL."""
+    lts, lte, uts, ute = random_row_intervals((b, h, sk), sq, gen)
+    run_starts = torch.rand(sk, generator=gen) < 1.5 / block
+    run_starts[0] = True
+    run_id = torch.cumsum(run_starts.long(), 0) - 1
+    first_col = torch.nonzero(run_starts).flatten()[run_id]
+
+    def snap(t):  # half of the values moved down to a block boundary
+        return torch.where(torch.rand(t.shape, generator=gen) < 0.5, torch.clamp((t // block) * block, max=sq), t)
+
+    return [snap(t[..., first_col]) for t in (lts, lte, uts, ute)]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sq=st.integers(1, 150),
+    sk=st.integers(1, 150),
+    block_m=st.sampled_from([16, 32, 64]),
+    block_n=st.sampled_from([16, 32, 64]),
+    b=st.integers(1, 2),
+    h=st.integers(1, 2),
+    piecewise=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tile_classes_random_intervals(sq, sk, block_m, block_n, b, h, piecewise, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if piecewise:
+        lts, lte, uts, ute = piecewise_intervals(b, h, sq, sk, min(block_m, block_n), gen)
+        lts, lte = torch.minimum(lts, lte), torch.maximum(lts, lte)
+        uts, ute = torch.minimum(uts, ute), torch.maximum(uts, ute)
+    else:
+        lts, lte, uts, ute = random_row_intervals((b, h, sk), sq, gen)
+    mask = masks.column_intervals(lts, lte, uts, ute)
+    check_compiled(mask, sq, sk, block_m, block_n)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (64, 32)], ids=["16x16", "64x32"])
+@pytest.mark.parametrize("sq, sk", [(197, 197), (63, 197), (197, 63)], ids=lambda x: str(x))
+def test_tile_classes_compositions(sq, sk, block_m, block_n):
+    gen_masks = [
+        masks.causal() & masks.sliding_window(50, 0),
+        make_mask("document_bidir", sq, sk) & masks.sliding_window(20, 20),
+        make_mask("random_eviction_per_head", sq, sk) & make_mask("document_per_batch", sq, sk),
+        masks.prefix_lm(30) | masks.sliding_window(5, 5),
+        make_mask("column_intervals", sq, sk) | masks.causal(),
+    ]
+    for mask in gen_masks:
+        check_compiled(mask, sq, sk, block_m, block_n)
+
+
+def test_extreme_masks():
+    """All-masked and all-attending masks, and a single attending element."""
+    sq, sk = 100, 70
+    everything = masks.column_intervals(torch.zeros(sk, dtype=torch.long), torch.full((sk,), sq))
+    cm = check_compiled(everything, sq, sk, 32, 32)
+    assert cm.num_tiles_visited == 0 and int((cm.tile_classes() != SKIP).sum()) == 0
+    cm = check_compiled(masks.full(), sq, sk, 32, 32)
+    assert bool((cm.tile_classes() == FULL).all())
+    lts = torch.zeros(sk, dtype=torch.long)
+    lte = torch.full((sk,), sq)
+    lts[41], lte[41] = 58, sq  # only rows 0..57 of column 41 attend ...
+    uts = torch.zeros(sk, dtype=torch.long)
+    ute = torch.zeros(sk, dtype=torch.long)
+    ute[41] = 57  # ... minus rows 0..56: exactly one element, (57, 41)
+    cm = check_compiled(masks.column_intervals(lts, lte, uts, ute), sq, sk, 16, 16)
+    assert cm.num_tiles_visited == 1 and int(cm.tile_classes()[0, 0, 57 // 16, 41 // 16]) == PARTIAL
+
+
+@pytest.mark.parametrize("sk, block_n", [(64, 32), (65, 32), (97, 32), (33, 16)], ids=lambda x: str(x))
+def test_ragged_last_kv_block_is_listed_partial(sk, block_n):
+    """A full mask has only FULL tiles, yet the kernels must bounds-check the ragged last
+    kv-block: it is listed after the FULL ones, not among them."""
+    sq = 40
+    cm = check_compiled(masks.full(), sq, sk, 16, block_n)
+    nq, nk = cm.num_q_blocks, cm.num_kv_blocks
+    ragged = sk % block_n != 0
+    assert cm.fwd_num_full.tolist() == [nk - ragged] * nq
+    assert cm.bwd_num_full.tolist() == [nq] * (nk - 1) + [0 if ragged else nq]
+
+
+def test_tables_are_reused_across_lengths_and_masks():
+    """A CompiledMask records its own lengths and blocks; compiling the same spec again gives
+    equal tables."""
+    m = make_mask("document", 197, 197)
+    a = flexmask.compile_mask(m, 197, 197, device="cpu", block_m=32, block_n=16)
+    b = flexmask.compile_mask(m, 197, 197, device="cpu", block_m=32, block_n=16)
+    for name in ("intervals", "fwd_offsets", "fwd_num_full", "fwd_blocks", "bwd_offsets", "bwd_num_full", "bwd_blocks"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.source is m
+    assert "CompiledMask" in repr(a)
+
+
+def test_default_blocks_on_cpu():
+    cm = flexmask.compile_mask(masks.causal(), 100, 100, device="cpu")
+    assert cm.device.type == "cpu"
+    assert (cm.block_m, cm.block_n) == (64, 64)
+    assert cm.q_len == 100 and cm.kv_len == 100
+
+
+# --- compile cost: O(Sk + tiles visited), never O(Sq x Sk) ------------------------------------
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Records, for every aten op run inside it, the size of the tensors it returns: the
+    largest one and the total. Deterministic, unlike timings or the RSS."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.largest_op, self.total = 0, None, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.total += t.numel()
+                if t.numel() > self.largest:
+                    self.largest, self.largest_op = t.numel(), func
+        return out
+
+
+def compile_recorded(mask, s, block):
+    with AllocationRecorder() as rec:
+        t0 = time.perf_counter()
+        cm = flexmask.compile_mask(mask, s, s, device="cpu", block_m=block, block_n=block)
+        elapsed = time.perf_counter() - t0
+    return cm, rec, elapsed
+
+
+@pytest.mark.parametrize(
+    "mask, block",
+    [(masks.causal(), 256), (masks.sliding_window(1024), 64), (masks.document([2**16] * 16), 64)],
+    ids=["causal-256", "sliding_window-64", "document-64"],
+)
+def test_compile_one_million_tokens(mask, block):
+    """Sq = Sk = 2^20: a dense mask would hold 2^40 elements. No tensor the compiler creates
+    may exceed a small multiple of Sk + tiles visited; the wall-time bound is generous for a
+    slow, shared CPU (it takes a few seconds)."""
+    s = 2**20
+    cm, rec, elapsed = compile_recorded(mask, s, block)
+    assert cm.num_q_blocks == s // block
+    bound = 16 * (s + cm.num_tiles_visited)
+    assert rec.largest <= bound, f"{rec.largest_op} made a tensor of {rec.largest} elements (bound {bound})"
+    assert elapsed < 120.0, f"compile took {elapsed:.1f} s"
+
+
+def test_compile_work_linear_in_sk():
+    """At a fixed window the tiles visited grow like Sk, so the elements the compiler
+    allocates in all must grow like Sk too: 4x longer, at most ~4x the work."""
+    _, small, _ = compile_recorded(masks.sliding_window(512), 2**16, 64)
+    _, large, _ = compile_recorded(masks.sliding_window(512), 2**18, 64)
+    assert large.total <= 4.5 * small.total, f"{small.total} elements allocated at 64K, {large.total} at 256K"
