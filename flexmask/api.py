@@ -106,11 +106,28 @@ def _interpreting() -> bool:
     return not hasattr(_forward_kernel, "run") or type(_forward_kernel).__name__ == "InterpretedFunction"
 
 
-def _check_mask_heads(cm: CompiledMask, batch: int, hq: int, hkv: int) -> None:
-    if cm.batch not in (1, batch):
-        raise ValueError(f"mask has batch size {cm.batch}; expected 1 or B={batch}")
-    if cm.heads not in (1, hq, hkv):
-        raise ValueError(f"mask has {cm.heads} heads; expected 1, Hq={hq} or Hkv={hkv}")
+def _check_mask_heads(mask_batch: int, mask_heads: int, batch: int, hq: int, hkv: int) -> None:
+    if mask_batch not in (1, batch):
+        raise ValueError(f"mask has batch size {mask_batch}; expected 1 or B={batch}")
+    if mask_heads not in (1, hq, hkv):
+        raise ValueError(f"mask has {mask_heads} heads; expected 1, Hq={hq} or Hkv={hkv}")
+
+
+def _table_args(cm: CompiledMask) -> tuple:
+    """What the custom op takes from a CompiledMask: its tables, then (batch, heads, tile)."""
+    return (
+        cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
+        cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
+        cm.batch, cm.heads, cm.block_m, cm.block_n,
+    )
+
+
+@torch.compiler.assume_constant_result
+def _spec_table_args(mask, q_len: int, kv_len: int, device: torch.device) -> tuple:
+    """Under torch.compile, a mask spec is compiled while the graph is traced (cached on the
+    spec as in eager mode) and its tables enter the graph as constants: the compilation's
+    data-dependent sizes never reach the tracer."""
+    return _table_args(_resolve_mask(mask, q_len, kv_len, device))
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -150,15 +167,13 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
 
-    cm = _resolve_mask(mask, sq, sk, q.device)
-    _check_mask_heads(cm, batch, hq, hkv)
+    if isinstance(mask, CompiledMask) or not torch.compiler.is_compiling():
+        tables = _table_args(_resolve_mask(mask, sq, sk, q.device))
+    else:  # a spec (or None) inside torch.compile: its tables are constants of the graph
+        tables = _spec_table_args(mask, sq, sk, q.device)
+    _check_mask_heads(tables[-4], tables[-3], batch, hq, hkv)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = attention_fwd(
-        q, k, v,
-        cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
-        cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
-        cm.batch, cm.heads, cm.block_m, cm.block_n, float(scale),
-    )
+    out, lse = attention_fwd(q, k, v, *tables, float(scale))
     return (out, lse) if return_lse else out
 
 

@@ -41,7 +41,7 @@ def attention_fwd(
 def _(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
       mask_batch, mask_heads, tile_m, tile_n, scale):
     b, h, s, d = q.shape
-    return q.new_empty(b, h, s, d), q.new_empty(b, h, s, dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
 
 
 @torch.library.custom_op("flexmask::attention_bwd", mutates_args=())

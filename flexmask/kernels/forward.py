@@ -140,7 +140,7 @@ def attention_forward(q, k, v, cm, scale: float):
     (Sq, Sk) on q's device. Returns (o (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    o = torch.empty(batch, hq, sq, d, dtype=q.dtype, device=q.device)
+    o = torch.empty_like(q)  # q's memory layout: (B, S, H, D) views stay (B, S, H, D) buffers
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
     cfg = forward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
     block_d = max(16, triton.next_power_of_2(d))

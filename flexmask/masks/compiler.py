@@ -47,13 +47,13 @@ class CompiledMask:
     block_n: int
     intervals: torch.Tensor  # int32 [Bm, Hm, kv_len, 4] canonical (LTS, LTE, UTS, UTE)
     kernel_intervals: torch.Tensor  # int32 [Bm*Hm, 4, kv_len] planar, for coalesced loads
-    runs: torch.Tensor  # int32 [R, 4] (segment = row*NKB + n, m_start, m_end, class); exact, non-skip
     fwd_offsets: torch.Tensor  # int32 [Bm*Hm*NQB + 1]
     fwd_num_full: torch.Tensor  # int32 [Bm*Hm*NQB]
     fwd_blocks: torch.Tensor  # int32 [T] kv-block indices
     bwd_offsets: torch.Tensor  # int32 [Bm*Hm*NKB + 1]
     bwd_num_full: torch.Tensor  # int32 [Bm*Hm*NKB]
     bwd_blocks: torch.Tensor  # int32 [T] q-block indices
+    bwd_exact: torch.Tensor  # int8 [T] exact class (FULL/PARTIAL) of each tile of bwd_blocks
     num_tiles_visited: int
     source: object = None  # the Mask it came from, if any
 
@@ -80,22 +80,20 @@ class CompiledMask:
     def tile_classes(self) -> torch.Tensor:
         """int8 [Bm, Hm, NQB, NKB] of SKIP/PARTIAL/FULL (exact). O(tiles): for tests and plots."""
         nq, nk = self.num_q_blocks, self.num_kv_blocks
-        out = torch.zeros(self.batch * self.heads * nk, nq, dtype=torch.int8, device=self.device)
-        runs = self.runs.long()
-        if runs.numel():
-            lengths = runs[:, 2] - runs[:, 1]
-            idx = torch.repeat_interleave(torch.arange(len(runs), device=self.device), lengths)
-            first = torch.cumsum(lengths, 0) - lengths
-            m = runs[idx, 1] + torch.arange(len(idx), device=self.device) - first[idx]
-            out[runs[idx, 0], m] = runs[idx, 3].to(torch.int8)
+        n_segments = self.batch * self.heads * nk
+        out = torch.zeros(n_segments, nq, dtype=torch.int8, device=self.device)
+        t = self.num_tiles_visited
+        if t:
+            counts = self.bwd_offsets[1:].long() - self.bwd_offsets[:-1].long()
+            seg = torch.repeat_interleave(torch.arange(n_segments, device=self.device), counts, output_size=t)
+            out[seg, self.bwd_blocks[:t].long()] = self.bwd_exact[:t]
         return out.view(self.batch, self.heads, nk, nq).transpose(-1, -2).contiguous()
 
     def summary(self) -> dict:
         """Tile counts per class (summed over mask rows) and the table memory in bytes."""
-        runs = self.runs.long()
-        lengths = runs[:, 2] - runs[:, 1]
-        full = int(lengths[runs[:, 3] == FULL].sum())
-        partial = int(lengths[runs[:, 3] == PARTIAL].sum())
+        t = self.num_tiles_visited
+        full = int((self.bwd_exact[:t] == FULL).sum())
+        partial = t - full
         total = self.batch * self.heads * self.num_q_blocks * self.num_kv_blocks
         tensors = [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
         return {
@@ -103,7 +101,7 @@ class CompiledMask:
             "full": full,
             "partial": partial,
             "skip": total - full - partial,
-            "table_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "table_bytes": sum(x.numel() * x.element_size() for x in tensors),
         }
 
     def __repr__(self) -> str:
@@ -126,87 +124,90 @@ def _block_ranges(start: torch.Tensor, end: torch.Tensor, q_len: int, block_m: i
     return (cov_lo, cov_hi), (touch_lo, touch_hi)
 
 
-def classify_runs(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int, block_n: int) -> torch.Tensor:
-    """Exact tile classes as runs: int64 [R, 4] of (segment, m_start, m_end, class), sorted by
-    (segment, m_start), covering every q-block of every segment (SKIP runs included)."""
+def classify_runs(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int, block_n: int):
+    """Exact tile classes as runs, without compaction (so without a host sync).
+
+    Returns per sorted event position: (segment, m_start, m_end, class, is_run) where the
+    positions with is_run True are the runs: q-blocks [m_start, m_end) of segment
+    (= mask row * NKB + kv-block) have `class`. The runs cover every q-block of every segment."""
     dev = intervals.device
     n_rows = intervals.shape[0] * intervals.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
     iv = intervals.reshape(n_rows, kv_len, 4).long()
     col = torch.arange(kv_len, device=dev)
-    seg = (torch.arange(n_rows, device=dev)[:, None] * n_kb + col // block_n).expand(n_rows, kv_len)
+    seg = torch.arange(n_rows, device=dev)[:, None] * n_kb + col // block_n  # [rows, Sk]
 
-    cover_l, touch_l = _block_ranges(iv[..., 0], iv[..., 1], q_len, block_m, n_qb)
-    cover_u, touch_u = _block_ranges(iv[..., 2], iv[..., 3], q_len, block_m, n_qb)
-    # events: (segment, q-block, d_cover, d_touch)
-    ev_m = torch.stack([cover_l[0], cover_l[1], cover_u[0], cover_u[1], touch_l[0], touch_l[1], touch_u[0], touch_u[1]], -1)
-    d_cover = torch.tensor([1, -1, 1, -1, 0, 0, 0, 0], device=dev)
-    d_touch = torch.tensor([0, 0, 0, 0, 1, -1, 1, -1], device=dev)
+    # both intervals at once: [rows, Sk, 2] starts and ends
+    (cov_lo, cov_hi), (touch_lo, touch_hi) = _block_ranges(iv[..., 0::2], iv[..., 1::2], q_len, block_m, n_qb)
+    # events: (segment, q-block) keys with (d_cover, d_touch) packed into one int64 delta
+    ev_m = torch.cat([cov_lo, cov_hi, touch_lo, touch_hi], -1)  # [rows, Sk, 8]
     key = (seg[..., None] * (n_qb + 1) + ev_m).reshape(-1)
-    d_cover = d_cover.expand(n_rows, kv_len, 8).reshape(-1)
-    d_touch = d_touch.expand(n_rows, kv_len, 8).reshape(-1)
-    # every segment starts a run at q-block 0
-    base = torch.arange(n_rows * n_kb, device=dev) * (n_qb + 1)
-    key = torch.cat([base, key])
-    zeros = torch.zeros_like(base)
-    d_cover = torch.cat([zeros, d_cover])
-    d_touch = torch.cat([zeros, d_touch])
+    one_cover, one_touch = 1 << 32, 1
+    delta = torch.tensor([one_cover, one_cover, -one_cover, -one_cover, one_touch, one_touch, -one_touch, -one_touch],
+                         device=dev).repeat(n_rows * kv_len)
+    # every segment starts a run at q-block 0 (zero delta)
+    key = torch.cat([torch.arange(n_rows * n_kb, device=dev) * (n_qb + 1), key])
+    delta = torch.cat([torch.zeros(n_rows * n_kb, dtype=torch.int64, device=dev), delta])
 
     key, order = torch.sort(key)
-    cover = torch.cumsum(d_cover[order], 0)
-    touch = torch.cumsum(d_touch[order], 0)
-    last = torch.ones_like(key, dtype=torch.bool)
-    last[:-1] = key[1:] != key[:-1]
-    key, cover, touch = key[last], cover[last], touch[last]
+    running = torch.cumsum(delta[order], 0)
+    cover = (running + (1 << 31)) >> 32  # the touch count stays within +-2^31
+    touch = running - (cover << 32)
+    is_run = torch.ones_like(key, dtype=torch.bool)
+    is_run[:-1] = key[1:] != key[:-1]  # last event of each key carries the run's counts
 
     run_seg = key // (n_qb + 1)
     run_m0 = key % (n_qb + 1)
-    next_same = torch.zeros_like(last[: len(key)])
-    next_same[:-1] = run_seg[1:] == run_seg[:-1]
-    run_m1 = torch.where(next_same, torch.roll(run_m0, -1), n_qb)
+    next_key = torch.roll(key, -1)
+    next_same_seg = torch.zeros_like(is_run)
+    next_same_seg[:-1] = (next_key[:-1] // (n_qb + 1)) == run_seg[:-1]
+    run_m1 = torch.where(next_same_seg, next_key % (n_qb + 1), n_qb)
     n_cols = (kv_len - (run_seg % n_kb) * block_n).clamp(max=block_n)
     cls = torch.where(cover == n_cols, SKIP, torch.where(touch == 0, FULL, PARTIAL))
-    keep = run_m1 > run_m0
-    return torch.stack([run_seg, run_m0, run_m1, cls], -1)[keep]
+    is_run &= run_m1 > run_m0
+    return run_seg, run_m0, run_m1, cls, is_run
 
 
 def _csr(segment: torch.Tensor, is_full: torch.Tensor, n_segments: int):
-    counts = torch.bincount(segment, minlength=n_segments)
-    offsets = torch.zeros(n_segments + 1, dtype=torch.int64, device=segment.device)
+    """Offsets and FULL counts per segment, by scatter-add (bincount would sync the host)."""
+    dev = segment.device
+    counts = torch.zeros(n_segments, dtype=torch.int64, device=dev).index_add_(0, segment, torch.ones_like(segment))
+    num_full = torch.zeros(n_segments, dtype=torch.int64, device=dev).index_add_(0, segment, is_full.long())
+    offsets = torch.zeros(n_segments + 1, dtype=torch.int64, device=dev)
     offsets[1:] = torch.cumsum(counts, 0)
-    num_full = torch.bincount(segment[is_full], minlength=n_segments)
     return offsets.to(torch.int32), num_full.to(torch.int32)
 
 
 def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int, block_n: int, source=None) -> CompiledMask:
-    """Compile canonical intervals [Bm, Hm, kv_len, 4] into a CompiledMask."""
+    """Compile canonical intervals [Bm, Hm, kv_len, 4] into a CompiledMask. One host sync (the
+    number of tiles visited, to size the tables)."""
     dev = intervals.device
     n_rows = intervals.shape[0] * intervals.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
-    runs = classify_runs(intervals, q_len, kv_len, block_m, block_n)
-    runs = runs[runs[:, 3] != SKIP]
+    run_seg, run_m0, run_m1, cls, is_run = classify_runs(intervals, q_len, kv_len, block_m, block_n)
+    visit = is_run & (cls != SKIP)
+    lengths = torch.where(visit, run_m1 - run_m0, 0)
+    total = int(lengths.sum())
 
-    # what the kernels do: the ragged last kv-block always takes the bounds-checked path
-    n_of_run = runs[:, 0] % n_kb
-    ragged_tail = (kv_len % block_n != 0) & (n_of_run == n_kb - 1)
-    kernel_full = (runs[:, 3] == FULL) & ~ragged_tail
+    # the kernels' view: the ragged last kv-block always takes the bounds-checked path
+    ragged_tail = (kv_len % block_n != 0) & (run_seg % n_kb == n_kb - 1)
+    kernel_full = (cls == FULL) & ~ragged_tail
 
-    # backward view straight from the runs: order (segment, FULL first, m)
-    order = torch.argsort((runs[:, 0] * 2 + (~kernel_full).long()) * (n_qb + 1) + runs[:, 1])
-    runs_b, full_b = runs[order], kernel_full[order]
-    lengths = runs_b[:, 2] - runs_b[:, 1]
-    total = int(lengths.sum()) if len(lengths) else 0
-    run_of_tile = torch.repeat_interleave(torch.arange(len(runs_b), device=dev), lengths, output_size=total)
+    run_of_tile = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths, output_size=total)
     first = torch.cumsum(lengths, 0) - lengths
-    tile_m = runs_b[run_of_tile, 1] + torch.arange(total, device=dev) - first[run_of_tile]
-    tile_seg = runs_b[run_of_tile, 0]
-    tile_full = full_b[run_of_tile]
+    tile_m = run_m0[run_of_tile] + torch.arange(total, device=dev) - first[run_of_tile]
+    tile_seg = run_seg[run_of_tile]
+    tile_full = kernel_full[run_of_tile]
+    tile_exact = cls[run_of_tile].to(torch.int8)
+
+    # backward view: order (segment, FULL first, m)
+    order = torch.argsort((tile_seg * 2 + (~tile_full).long()) * n_qb + tile_m)
     bwd_offsets, bwd_num_full = _csr(tile_seg, tile_full, n_rows * n_kb)
 
     # forward view: order (mask row, m, FULL first, n)
     row, n = tile_seg // n_kb, tile_seg % n_kb
     fwd_seg = row * n_qb + tile_m
-    order = torch.argsort((fwd_seg * 2 + (~tile_full).long()) * n_kb + n)
+    fwd_order = torch.argsort((fwd_seg * 2 + (~tile_full).long()) * n_kb + n)
     fwd_offsets, fwd_num_full = _csr(fwd_seg, tile_full, n_rows * n_qb)
 
     def blocks(t):  # never hand a kernel a zero-size buffer
@@ -220,13 +221,13 @@ def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int,
         block_n=block_n,
         intervals=intervals,
         kernel_intervals=intervals.reshape(n_rows, kv_len, 4).permute(0, 2, 1).contiguous(),
-        runs=runs.to(torch.int32),
         fwd_offsets=fwd_offsets,
         fwd_num_full=fwd_num_full,
-        fwd_blocks=blocks(n[order]),
+        fwd_blocks=blocks(n[fwd_order]),
         bwd_offsets=bwd_offsets,
         bwd_num_full=bwd_num_full,
-        bwd_blocks=blocks(tile_m),
+        bwd_blocks=blocks(tile_m[order]),
+        bwd_exact=tile_exact[order] if total else torch.zeros(1, dtype=torch.int8, device=dev),
         num_tiles_visited=total,
         source=source,
     )

@@ -45,8 +45,22 @@ def _pack(lts, lte, uts, ute) -> torch.Tensor:
 
 
 def canonicalize(iv: torch.Tensor, q_len: int) -> torch.Tensor:
-    """Merge each column's two intervals into the canonical form (see module docstring)."""
-    return _merge(iv.view(*iv.shape[:-1], 2, 2), q_len, what="mask")
+    """Each column's two intervals in the canonical form (see module docstring): elementwise,
+    no sort and no host sync, so that compiling a built-in mask stays cheap on the GPU."""
+    a0, a1, b0, b1 = (iv[..., i].clamp(0, q_len) for i in range(4))
+    a_empty, b_empty = a1 <= a0, b1 <= b0
+    both = ~a_empty & ~b_empty
+    merged = both & (torch.maximum(a0, b0) <= torch.minimum(a1, b1))  # overlap or touch
+    two = both & ~merged
+    a_first = a0 <= b0
+    one_s = torch.where(merged, torch.minimum(a0, b0), torch.where(a_empty, b0, a0))
+    one_e = torch.where(merged, torch.maximum(a1, b1), torch.where(a_empty, b1, a1))
+    none = a_empty & b_empty
+    lts = torch.where(two, torch.where(a_first, b0, a0), torch.where(none, _EMPTY, one_s))
+    lte = torch.where(two, torch.where(a_first, b1, a1), torch.where(none, _EMPTY, one_e))
+    uts = torch.where(two, torch.where(a_first, a0, b0), _EMPTY)
+    ute = torch.where(two, torch.where(a_first, a1, b1), _EMPTY)
+    return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32)
 
 
 def _merge(ivs: torch.Tensor, q_len: int, what: str) -> torch.Tensor:
@@ -216,22 +230,29 @@ def _qk_sparse(m, g):
 
 
 def _random_eviction(m, g):
+    """A random-replacement KV cache of start_row keys: from position start_row on, each
+    position replaces one uniformly drawn cache slot with its own key, so the key that slot
+    held is masked from that position on. Vectorised: sorting the positions by slot, the key a
+    position evicts is the one written by the previous position in its slot (or the slot's
+    initial key, keys 0..start_row-1 in slots 0..start_row-1)."""
     p = m.params()
-    n_evict = max(0, g.kv_len - p["start_row"])
+    slots, s = p["start_row"], g.kv_len
     gen = torch.Generator().manual_seed(p["seed"])
+    steps = torch.arange(min(slots, s), s)
     per_head = []
     for _ in range(p["num_heads"]):
-        # position start_row + t evicts the t-th key of a random order of the earlier keys
-        evict_at = torch.full((g.kv_len,), g.kv_len, dtype=torch.int64)
-        order = torch.randperm(max(g.kv_len - 1, 0), generator=gen)[:n_evict]
-        evict_at[order] = torch.arange(p["start_row"], p["start_row"] + len(order))
-        cols = torch.arange(g.kv_len)
-        evict_at = torch.maximum(evict_at, cols + 1)  # a key is always seen by its own position
+        evict_at = torch.full((s,), s, dtype=torch.int64)
+        if slots > 0 and len(steps):
+            slot = torch.randint(0, slots, (len(steps),), generator=gen)
+            order = torch.argsort(slot * s + steps)
+            by_slot, step = slot[order], steps[order]
+            after_same_slot = torch.zeros_like(by_slot, dtype=torch.bool)
+            after_same_slot[1:] = by_slot[1:] == by_slot[:-1]
+            evicted = torch.where(after_same_slot, torch.roll(step, 1), by_slot)
+            evict_at[evicted] = step
         per_head.append(evict_at)
-    lts_abs = torch.stack(per_head).to(g.device)  # [H, Sk]
-    lts = g.rows(lts_abs)
-    z = _no_interval(g)
-    return _pack(lts, g.full_like_cols(g.q_len), z, _causal_upper(g))
+    lts = g.rows(torch.stack(per_head).to(g.device))  # [H, Sk]
+    return _pack(lts, g.full_like_cols(g.q_len), _no_interval(g), _causal_upper(g))
 
 
 def _explicit_rows(name: str, t: torch.Tensor, g: _Geometry) -> torch.Tensor:

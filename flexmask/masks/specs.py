@@ -359,17 +359,18 @@ def qk_sparse(maskout) -> Mask:
 
 
 def random_eviction(start_row: int, seed: int = 0, num_heads: int = 1) -> Mask:
-    """Causal, with a KV cache that evicts one random earlier key at each position from
-    ``start_row`` on: once evicted, a key is masked for every later query. Seeded, so the
-    same arguments always give the same mask; ``num_heads > 1`` draws one pattern per head.
+    """Causal, with a random-replacement KV cache of ``start_row`` keys: from position
+    ``start_row`` on, each position evicts one random earlier key still in the cache (and adds
+    its own); once evicted, a key is masked for every later query. Seeded, so the same
+    arguments always give the same mask; ``num_heads > 1`` draws one pattern per head.
     ::
         start_row=3, seed=0
         #.....
         ##....
         ###...
-        ####..
-        .####.
-        ..##.#
+        ##.#..
+        .#.##.
+        .#..##
     """
     return _Simple(
         "random_eviction",
