@@ -52,9 +52,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="*", default=[8192, 32768, 131072, 1048576])
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--devices", nargs="*", default=None, help="default: cpu, and cuda when present")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args(argv)
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     meta = {
         "torch": torch.__version__,
         "command": " ".join(["python", "-m", "benchmarks.bench_compile", *sys.argv[1:]]),
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
                 print(f"{name:24} {family:15} Sk={s:>8}  {ms:9.3f} ms  peak {peak / 2**20:8.1f} MB  "
                       f"tables {summary['table_bytes'] / 2**20:7.2f} MB")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "compile_cost.csv")
+    path = os.path.join(args.out, f"compile_cost_{'_'.join(devices)}.csv")
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
