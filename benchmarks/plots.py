@@ -31,10 +31,14 @@ def _num(value):
 
 
 def latest(rows: Sequence[dict]) -> list[dict]:
-    """One row per configuration and provider (the last one)."""
+    """One row per configuration and provider: the last one, except that a later "SKIP" (a run
+    that measured nothing) never hides an earlier result."""
     by_key = {}
     for row in rows:
-        by_key[tuple(row.get(k) for k in _KEY)] = row
+        key = tuple(row.get(k) for k in _KEY)
+        if str(row.get("status", "")).startswith("SKIP") and key in by_key:
+            continue
+        by_key[key] = row
     return list(by_key.values())
 
 
