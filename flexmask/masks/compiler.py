@@ -179,29 +179,29 @@ def _csr(segment: torch.Tensor, is_full: torch.Tensor, n_segments: int):
 
 
 def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int, block_n: int, source=None) -> CompiledMask:
-    """Compile canonical intervals [Bm, Hm, kv_len, 4] into a CompiledMask. One host sync (the
-    number of tiles visited, to size the tables)."""
+    """Compile canonical intervals [Bm, Hm, kv_len, 4] into a CompiledMask. Two host syncs: the
+    number of runs and the number of tiles visited, which size the tables."""
     dev = intervals.device
     n_rows = intervals.shape[0] * intervals.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
     run_seg, run_m0, run_m1, cls, is_run = classify_runs(intervals, q_len, kv_len, block_m, block_n)
-    visit = is_run & (cls != SKIP)
-    lengths = torch.where(visit, run_m1 - run_m0, 0)
-    total = int(lengths.sum())
-
     # the kernels' view: the ragged last kv-block always takes the bounds-checked path
     ragged_tail = (kv_len % block_n != 0) & (run_seg % n_kb == n_kb - 1)
     kernel_full = (cls == FULL) & ~ragged_tail
 
-    run_of_tile = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths, output_size=total)
+    # the visited runs (one host sync), ordered (segment, FULL first, m): expanding them tile by
+    # tile gives the backward view directly, with no sort over tiles
+    runs = torch.nonzero(is_run & (cls != SKIP)).squeeze(1)
+    runs = runs[torch.argsort((run_seg[runs] * 2 + (~kernel_full[runs]).long()) * (n_qb + 1) + run_m0[runs])]
+    lengths = run_m1[runs] - run_m0[runs]
+    total = int(lengths.sum()) if len(runs) else 0
+    run_of_tile = runs[torch.repeat_interleave(torch.arange(len(runs), device=dev), lengths, output_size=total)]
     first = torch.cumsum(lengths, 0) - lengths
-    tile_m = run_m0[run_of_tile] + torch.arange(total, device=dev) - first[run_of_tile]
+    tile_rank = torch.arange(total, device=dev) - torch.repeat_interleave(first, lengths, output_size=total)
+    tile_m = run_m0[run_of_tile] + tile_rank
     tile_seg = run_seg[run_of_tile]
     tile_full = kernel_full[run_of_tile]
     tile_exact = cls[run_of_tile].to(torch.int8)
-
-    # backward view: order (segment, FULL first, m)
-    order = torch.argsort((tile_seg * 2 + (~tile_full).long()) * n_qb + tile_m)
     bwd_offsets, bwd_num_full = _csr(tile_seg, tile_full, n_rows * n_kb)
 
     # forward view: order (mask row, m, FULL first, n)
@@ -226,8 +226,8 @@ def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int,
         fwd_blocks=blocks(n[fwd_order]),
         bwd_offsets=bwd_offsets,
         bwd_num_full=bwd_num_full,
-        bwd_blocks=blocks(tile_m[order]),
-        bwd_exact=tile_exact[order] if total else torch.zeros(1, dtype=torch.int8, device=dev),
+        bwd_blocks=blocks(tile_m),
+        bwd_exact=tile_exact if total else torch.zeros(1, dtype=torch.int8, device=dev),
         num_tiles_visited=total,
         source=source,
     )
