@@ -103,7 +103,7 @@ def _check_qkv(q, k, v) -> None:
 
 
 def _interpreting() -> bool:
-    return not hasattr(_forward_kernel, "run") or type(_forward_kernel).__name__ == "InterpretedFunction"
+    return type(_forward_kernel).__name__ == "InterpretedFunction"
 
 
 def _check_mask_heads(mask_batch: int, mask_heads: int, batch: int, hq: int, hkv: int) -> None:

@@ -501,3 +501,17 @@ def test_family_catalogue_is_valid_at_every_length(s):
     """Every catalogue family builds at s (guards the helpers the other test files rely on)."""
     for family, (sq, sk) in itertools.product(FAMILIES, [(s, s), (1, s)]):
         make_mask(family, sq, sk).intervals(sq, sk)
+
+
+def test_column_intervals_accepts_the_canonical_tensor():
+    """The [B|1, H|1, Sk, 4] tensor of DESIGN.md 2.1 passed alone means the same as its four
+    columns passed separately."""
+    gen = torch.Generator().manual_seed(3)
+    iv = torch.sort(torch.randint(0, 12, (2, 3, 9, 4), generator=gen), dim=-1).values.to(torch.int32)
+    whole = masks.column_intervals(iv).to_dense(11, 9)
+    parts = masks.column_intervals(*iv.unbind(-1)).to_dense(11, 9)
+    assert torch.equal(whole, parts)
+    rows = torch.arange(11).view(1, 1, 11, 1)
+    lts, lte, uts, ute = (iv[..., i].unsqueeze(-2) for i in range(4))
+    expected = ~(((rows >= lts) & (rows < lte)) | ((rows >= uts) & (rows < ute)))
+    assert torch.equal(whole, expected)

@@ -386,8 +386,11 @@ def column_intervals(lts, lte=None, uts=None, ute=None) -> Mask:
 
     Each argument is an integer tensor (or list) of shape (kv_len,), (H, kv_len) or
     (B, H, kv_len); missing ones default to ``lte = q_len`` (mask to the end) and an empty
-    upper interval (``uts = 0`` when only ``ute`` is given).
+    upper interval (``uts = 0`` when only ``ute`` is given). The canonical tensor
+    [B|1, H|1, kv_len, 4] of (LTS, LTE, UTS, UTE) may also be passed alone as ``lts``.
     """
+    if isinstance(lts, torch.Tensor) and lts.dim() == 4 and lts.shape[-1] == 4 and lte is uts is ute is None:
+        lts, lte, uts, ute = lts.unbind(-1)
     tensors = {}
     for name, value in (("lts", lts), ("lte", lte), ("uts", uts), ("ute", ute)):
         if value is None:
