@@ -13,7 +13,7 @@
 #   A  D=128 at 32K (+ the sliding-window density sweep) and 8K, every provider     by 210 s
 #   B  D=128 at 128K: flexmask, FlexAttention, SDPA cuDNN (full/causal)              by 390 s
 #   C  D=64 at 32K and 8K: flexmask, FlexAttention, SDPA cuDNN and flash             by 460 s
-# A configuration already started finishes, so the total runs a little past 460 s (FlexAttention
+# (DEADLINE_A/B/C override them.) A configuration already started finishes, so the total runs a little past 460 s (FlexAttention
 # compiles per shape and mask layout, outside the timed regions). PHASES="B" (say) reruns only
 # some of them, appending to the existing CSV; the plots and the README table keep the latest row
 # of each configuration. Optional, not in the default:
@@ -57,13 +57,13 @@ for phase in $PHASES; do
   case "$phase" in
     A) run --shapes 32K:128,8K:128 --sweep-shapes 32K:128 \
            --providers flexmask,flex,sdpa_cudnn,sdpa_flash,sdpa_mask --dense-mask-budget-gb 1 \
-           --time-budget "$(budget_until 210)" ;;
+           --time-budget "$(budget_until "${DEADLINE_A:-210}")" ;;
     B) run --shapes 128K:128 --sweep-shapes none --families "$FAMILIES_128K" \
            --providers flexmask,flex,sdpa_cudnn --build-reps 5 \
-           --time-budget "$(budget_until 390)" ;;
+           --time-budget "$(budget_until "${DEADLINE_B:-390}")" ;;
     C) run --shapes 32K:64,8K:64 --sweep-shapes none \
            --providers flexmask,flex,sdpa_cudnn,sdpa_flash \
-           --time-budget "$(budget_until 460)" ;;
+           --time-budget "$(budget_until "${DEADLINE_C:-460}")" ;;
     D) run --shapes 32K:128 --sweep-shapes none --providers flexmask,flex,flex_native \
            --time-budget "$(budget_until "${DEADLINE_D:-450}")" ;;
     *) echo "unknown phase $phase (expected A, B, C or D)" >&2; status=2 ;;

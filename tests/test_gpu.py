@@ -131,3 +131,34 @@ def test_dtypes_and_head_dims(dtype, head_dim, hq, hkv, sq, sk):
     for name, got, r, l in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref, low):
         err, base = _err(got, r), _err(l, r)
         assert err <= 2 * base + floor, f"{name}: error {err:.2e} vs same math in {dtype}: {base:.2e}"
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("family", ["sliding_window", "causal_document"])
+def test_load_paths(family, head_dim, use_tma):
+    """TMA descriptor loads and pointer loads, each forced in the forward and the backward
+    (the defaults pick one per head dim), with ragged lengths."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flexmask.kernels.backward import attention_backward
+    from flexmask.kernels.forward import attention_forward
+
+    torch.manual_seed(head_dim + use_tma)
+    dev, sq, sk = "cuda", 8192 - 77, 8192 - 77
+    q = torch.randn(1, 4, sq, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, sk, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 2, sk, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(1, 4, sq, head_dim, device=dev, dtype=torch.bfloat16)
+    mask = {"sliding_window": masks.sliding_window(1024),
+            "causal_document": masks.document([sq // 2 - 77, sq // 4 + 77, sq - sq // 2 - sq // 4])}[family]
+    cm = flexmask.compile_mask(mask, sq, sk, device=dev)
+    scale = head_dim ** -0.5
+    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), cm, scale, use_tma=use_tma)
+    grads = attention_backward(do, None, q.detach(), k.detach(), v.detach(), out, lse, cm, scale, use_tma=use_tma)
+    ref = rowblock_attention(q, k, v, cm, torch.float32, do)
+    low = rowblock_attention(q, k, v, cm, torch.bfloat16, do)
+    for name, got, r, l in zip(("out", "dq", "dk", "dv"), (out, *grads), ref, low):
+        assert not got.isnan().any(), name
+        err, base = _err(got, r), _err(l, r)
+        assert err <= 2 * base + 1e-3, f"{name}: error {err:.2e} vs bf16 math {base:.2e}"

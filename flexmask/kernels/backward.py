@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import backward_config
+from .configs import backward_config, backward_uses_tma
 from .forward import LOG2E, mask_broadcast, precision_for
-from .masking import mask_row, masked_elements, masked_elements_t
+from .masking import block_source, column_intervals, load_block, mask_row, masked_elements, masked_elements_t
+from .tma import prepare_tma, tma_enabled
 
 
 @triton.jit(do_not_specialize=["Sq"])
@@ -52,41 +53,43 @@ def _preprocess_kernel(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, b_k, b_v,
-    p_q, p_do, stride_qm, stride_dom, p_lse2, p_delta,
+    q_src, do_src, stride_qm, stride_dom, p_lse2, p_delta,
     p_blocks, t_lo, t_hi,
-    o_n, o_d, p_intv, Sq, Sk, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    o_n, p_intv, Sq, Sk, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     o_bm = tl.arange(0, BLOCK_M)
-    m_d = o_d[None, :] < HEAD_DIM
-    m_dt = o_d[:, None] < HEAD_DIM
-    for t in range(t_lo, t_hi):
+    if MASKED:
+        lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)  # this program's columns, once
+    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
         m = tl.load(p_blocks + t)
         for i in tl.static_range(TILE_M // BLOCK_M):
             start_m = m * TILE_M + i * BLOCK_M
             o_m = start_m + o_bm
-            in_q = o_m < Sq
-            # q is loaded already transposed, so s^T and dK read one shared-memory copy of it
-            off_qt = start_m.to(tl.int64) * stride_qm + o_bm[None, :] * stride_qm + o_d[:, None]
-            off_do = start_m.to(tl.int64) * stride_dom + o_bm[:, None] * stride_dom + o_d[None, :]
-            b_qt = tl.load(p_q + off_qt, mask=in_q[None, :] & m_dt, other=0.0)  # [BLOCK_D, BLOCK_M]
-            b_do = tl.load(p_do + off_do, mask=in_q[:, None] & m_d, other=0.0)  # [BLOCK_M, BLOCK_D]
-            b_lse2 = tl.load(p_lse2 + o_m, mask=in_q, other=float("inf"))  # [BLOCK_M]
-            b_delta = tl.load(p_delta + o_m, mask=in_q, other=0.0)  # [BLOCK_M]
-            b_st = tl.dot(b_k, b_qt, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+            b_q = load_block(q_src, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
+            b_do = load_block(do_src, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
+            if EVEN_M:
+                b_lse2 = tl.load(p_lse2 + o_m)  # [BLOCK_M]
+                b_delta = tl.load(p_delta + o_m)  # [BLOCK_M]
+            else:
+                b_lse2 = tl.load(p_lse2 + o_m, mask=o_m < Sq, other=float("inf"))
+                b_delta = tl.load(p_delta + o_m, mask=o_m < Sq, other=0.0)
+            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
             b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
             if MASKED:
-                b_pt = tl.where(masked_elements_t(p_intv, o_n, o_m, Sk), 0.0, b_pt)
+                b_pt = tl.where(masked_elements_t(lts, l_width, uts, u_width, o_m), 0.0, b_pt)
             dv = tl.dot(b_pt.to(b_do.dtype), b_do, dv, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
             b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
             b_dst = b_pt * (b_dpt - b_delta[None, :])
-            dk = tl.dot(b_dst.to(b_qt.dtype), tl.trans(b_qt), dk, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
+            dk = tl.dot(b_dst.to(b_q.dtype), b_q, dk, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "NKB"])
-def _dkdv_kernel(
+@triton.jit
+def _dkdv_program(
+    pid, PROGRAMS_PER_BH,
     Q, K, V, DO, LSE2, DELTA, DK, DV,
     INTV, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS,
     stride_qb, stride_qh, stride_qm,
@@ -100,20 +103,23 @@ def _dkdv_kernel(
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """dK, dV of BLOCK_N kv rows of one (batch, kv head), summed over its query-head group."""
+    # kv-blocks in order within a (batch, kv head): under causal-like masks the first ones see
+    # the most query rows, so the heaviest programs start first
+    pid_n = pid % PROGRAMS_PER_BH
+    pid_bh = pid // PROGRAMS_PER_BH
     b = pid_bh // HKV
     hk = pid_bh % HKV
     start_n = pid_n * BLOCK_N
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
-    m_nd = (o_n[:, None] < Sk) & (o_d[None, :] < HEAD_DIM)
-    off_k = b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + o_n[:, None].to(tl.int64) * stride_kn + o_d[None, :]
-    off_v = b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + o_n[:, None].to(tl.int64) * stride_vn + o_d[None, :]
-    b_k = tl.load(K + off_k, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
-    b_v = tl.load(V + off_v, mask=m_nd, other=0.0)  # [BLOCK_N, BLOCK_D]
+    p_k = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    p_v = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    b_k = load_block(p_k, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, False, not EVEN_N)  # [BLOCK_N, BLOCK_D]
+    b_v = load_block(p_v, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, False, not EVEN_N)  # [BLOCK_N, BLOCK_D]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
@@ -127,19 +133,24 @@ def _dkdv_kernel(
         p_intv = INTV + row.to(tl.int64) * 4 * Sk
         p_q = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         p_do = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        q_src = block_source(p_q, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        do_src = block_source(p_do, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        q_src_masked = block_source(p_q, Sq, stride_qm, HEAD_DIM, MASKED_BLOCK, BLOCK_D, USE_TMA)
+        do_src_masked = block_source(p_do, Sq, stride_dom, HEAD_DIM, MASKED_BLOCK, BLOCK_D, USE_TMA)
         bh = b.to(tl.int64) * HQ + h
         p_lse2 = LSE2 + bh * Sq
         p_delta = DELTA + bh * Sq
         dk, dv = _dkdv_tiles(
-            dk, dv, b_k, b_v, p_q, p_do, stride_qm, stride_dom, p_lse2, p_delta, BWD_BLOCKS, t_lo, t_mid,
-            o_n, o_d, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_M, TILE_M, False, PRECISION,
+            dk, dv, b_k, b_v, q_src, do_src, stride_qm, stride_dom, p_lse2, p_delta, BWD_BLOCKS, t_lo, t_mid,
+            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, TILE_M, False, PRECISION, USE_TMA, EVEN_M, NUM_STAGES,
         )
         dk, dv = _dkdv_tiles(
-            dk, dv, b_k, b_v, p_q, p_do, stride_qm, stride_dom, p_lse2, p_delta, BWD_BLOCKS, t_mid, t_hi,
-            o_n, o_d, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_M, TILE_M, True, PRECISION,
+            dk, dv, b_k, b_v, q_src_masked, do_src_masked, stride_qm, stride_dom, p_lse2, p_delta, BWD_BLOCKS, t_mid, t_hi,
+            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_M, True, PRECISION, USE_TMA, EVEN_M, MASKED_STAGES,
         )
 
     dk *= sm_scale
+    m_nd = (o_n[:, None] < Sk) & (o_d[None, :] < HEAD_DIM)
     off_dk = b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + o_n[:, None].to(tl.int64) * stride_dkn + o_d[None, :]
     off_dv = b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + o_n[:, None].to(tl.int64) * stride_dvn + o_d[None, :]
     tl.store(DK + off_dk, dk.to(DK.dtype.element_ty), mask=m_nd)
@@ -149,39 +160,39 @@ def _dkdv_kernel(
 @triton.jit
 def _dq_tiles(
     dq, b_q, b_do, b_lse2, b_delta,
-    p_k, p_v, stride_kn, stride_vn,
+    k_src, v_src, stride_kn, stride_vn,
     p_blocks, t_lo, t_hi,
-    o_m, o_d, p_intv, Sk, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    o_m, p_intv, Sk, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     o_bn = tl.arange(0, BLOCK_N)
-    m_d = o_d[None, :] < HEAD_DIM
-    for t in range(t_lo, t_hi):
+    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
         n = tl.load(p_blocks + t)
         for j in tl.static_range(TILE_N // BLOCK_N):
             start_n = n * TILE_N + j * BLOCK_N
             o_n = start_n + o_bn
-            if MASKED:
-                m_kv = (o_n[:, None] < Sk) & m_d
+            if MASKED:  # FULL tiles lie inside [0, Sk)
+                lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)
+                b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
+                b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
             else:
-                m_kv = m_d
-            off_k = start_n.to(tl.int64) * stride_kn + o_bn[:, None] * stride_kn + o_d[None, :]
-            off_v = start_n.to(tl.int64) * stride_vn + o_bn[:, None] * stride_vn + o_d[None, :]
-            b_k = tl.load(p_k + off_k, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-            b_v = tl.load(p_v + off_v, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+                b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
+                b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
             b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
             if MASKED:
-                b_p = tl.where(masked_elements(p_intv, o_m, o_n, Sk), 0.0, b_p)
+                b_p = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), 0.0, b_p)
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
             b_ds = b_p * (b_dp - b_delta[:, None])
             dq = tl.dot(b_ds.to(b_k.dtype), b_k, dq, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
     return dq
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "NQB"])
-def _dq_kernel(
+@triton.jit
+def _dq_program(
+    pid, PROGRAMS_PER_BH,
     Q, K, V, DO, LSE2, DELTA, DQ,
     INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
     stride_qb, stride_qh, stride_qm,
@@ -194,17 +205,19 @@ def _dq_kernel(
     qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """dQ of BLOCK_M query rows of one (batch, query head)."""
+    # q-blocks in reverse: the last rows of causal-like masks are the heaviest, so they start first
+    pid_m = PROGRAMS_PER_BH - 1 - pid % PROGRAMS_PER_BH
+    pid_bh = pid // PROGRAMS_PER_BH
     b = pid_bh // HQ
     h = pid_bh % HQ
     start_m = pid_m * BLOCK_M
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     in_q = o_m < Sq
-    m_md = in_q[:, None] & (o_d[None, :] < HEAD_DIM)
 
     row = mask_row(b, h, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
     seg = row * NQB + start_m // TILE_M
@@ -213,32 +226,95 @@ def _dq_kernel(
     t_hi = tl.load(FWD_OFFSETS + seg + 1)
     p_intv = INTV + row.to(tl.int64) * 4 * Sk
 
-    off_q = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + o_m[:, None].to(tl.int64) * stride_qm + o_d[None, :]
-    off_do = b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + o_m[:, None].to(tl.int64) * stride_dom + o_d[None, :]
-    b_q = tl.load(Q + off_q, mask=m_md, other=0.0)  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(DO + off_do, mask=m_md, other=0.0)  # [BLOCK_M, BLOCK_D]
+    p_q = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    p_do = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    b_q = load_block(p_q, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, False, not EVEN_M)  # [BLOCK_M, BLOCK_D]
+    b_do = load_block(p_do, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, False, not EVEN_M)  # [BLOCK_M, BLOCK_D]
     o_row = pid_bh.to(tl.int64) * Sq + o_m
     b_lse2 = tl.load(LSE2 + o_row, mask=in_q, other=float("inf"))  # [BLOCK_M]
     b_delta = tl.load(DELTA + o_row, mask=in_q, other=0.0)  # [BLOCK_M]
 
     p_k = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
     p_v = V + b.to(tl.int64) * stride_vb + (h // GROUP).to(tl.int64) * stride_vh
+    k_src = block_source(p_k, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = block_source(p_v, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    k_src_masked = block_source(p_k, Sk, stride_kn, HEAD_DIM, MASKED_BLOCK, BLOCK_D, USE_TMA)
+    v_src_masked = block_source(p_v, Sk, stride_vn, HEAD_DIM, MASKED_BLOCK, BLOCK_D, USE_TMA)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq = _dq_tiles(
-        dq, b_q, b_do, b_lse2, b_delta, p_k, p_v, stride_kn, stride_vn, FWD_BLOCKS, t_lo, t_mid,
-        o_m, o_d, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_N, TILE_N, False, PRECISION,
+        dq, b_q, b_do, b_lse2, b_delta, k_src, v_src, stride_kn, stride_vn, FWD_BLOCKS, t_lo, t_mid,
+        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES,
     )
     dq = _dq_tiles(
-        dq, b_q, b_do, b_lse2, b_delta, p_k, p_v, stride_kn, stride_vn, FWD_BLOCKS, t_mid, t_hi,
-        o_m, o_d, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_N, TILE_N, True, PRECISION,
+        dq, b_q, b_do, b_lse2, b_delta, k_src_masked, v_src_masked, stride_kn, stride_vn, FWD_BLOCKS, t_mid, t_hi,
+        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES,
     )
     dq *= sm_scale
+    m_md = in_q[:, None] & (o_d[None, :] < HEAD_DIM)
     off_dq = b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + o_m[:, None].to(tl.int64) * stride_dqm + o_d[None, :]
     tl.store(DQ + off_dq, dq.to(DQ.dtype.element_ty), mask=m_md)
 
 
-def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float):
-    """Gradients (dq, dk, dv) of `attention_forward`; dlse (or None) is the gradient of the LSE."""
+@triton.jit(do_not_specialize=["Sq", "Sk", "NKB", "PROGRAMS_PER_BH"])
+def _dkdv_kernel(
+    Q, K, V, DO, LSE2, DELTA, DK, DV,
+    INTV, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    Sq, Sk, NKB, HQ, HKV, GROUP,
+    MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    qk_scale, sm_scale, PROGRAMS_PER_BH,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
+    PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr,
+):
+    _dkdv_program(
+        tl.program_id(0), PROGRAMS_PER_BH,
+        Q, K, V, DO, LSE2, DELTA, DK, DV, INTV, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+        Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, TILE_M, TILE_N, PRECISION, USE_TMA, EVEN_M, EVEN_N,
+        NUM_STAGES, MASKED_BLOCK, MASKED_STAGES,
+    )
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "PROGRAMS_PER_BH"])
+def _dq_kernel(
+    Q, K, V, DO, LSE2, DELTA, DQ,
+    INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    Sq, Sk, NQB, HQ, GROUP,
+    MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    qk_scale, sm_scale, PROGRAMS_PER_BH,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
+    PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr,
+):
+    _dq_program(
+        tl.program_id(0), PROGRAMS_PER_BH,
+        Q, K, V, DO, LSE2, DELTA, DQ, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
+        Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, TILE_M, TILE_N, PRECISION, USE_TMA, EVEN_M, EVEN_N,
+        NUM_STAGES, MASKED_BLOCK, MASKED_STAGES,
+    )
+
+
+def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=None, use_tma=None):
+    """Gradients (dq, dk, dv) of `attention_forward`; dlse (or None) is the gradient of the LSE.
+    `configs` ((dK/dV, dQ) LaunchConfigs) and `use_tma` override the defaults (tuning, tests)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
@@ -255,11 +331,17 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float):
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    cfg_kv, cfg_q = backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
+    cfg_kv, cfg_q = configs or backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
+    tma = tma_enabled(backward_uses_tma(d, q.dtype, q.device) if use_tma is None else use_tma, q, k, v, do)
+    if tma:
+        prepare_tma(q.device)
     mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
     precision = precision_for(q.dtype)
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d, TILE_M=cm.block_m, TILE_N=cm.block_n, PRECISION=precision)
-    _dkdv_kernel[(triton.cdiv(sk, cfg_kv.block_n), batch * hkv)](
+    # whole tiles need no bounds checks
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d, TILE_M=cm.block_m, TILE_N=cm.block_n, PRECISION=precision,
+                  USE_TMA=tma, EVEN_M=sq % cm.block_m == 0, EVEN_N=sk % cm.block_n == 0)
+    kv_per_bh = triton.cdiv(sk, cfg_kv.block_n)
+    _dkdv_kernel[(kv_per_bh * batch * hkv,)](
         q, k, v, do, lse2, delta, dk, dv,
         cm.kernel_intervals, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
@@ -270,11 +352,13 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float):
         dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, cm.num_kv_blocks, hq, hkv, hq // hkv,
         mb, mdiv, mh,
-        scale * LOG2E, scale,
-        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, **common,
-        num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+        scale * LOG2E, scale, kv_per_bh,
+        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, NUM_STAGES=cfg_kv.num_stages,
+        MASKED_BLOCK=min(cfg_kv.step_masked or cfg_kv.block_m, cfg_kv.block_m), MASKED_STAGES=cfg_kv.stages_masked,
+        **common, num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
-    _dq_kernel[(triton.cdiv(sq, cfg_q.block_m), batch * hq)](
+    q_per_bh = triton.cdiv(sq, cfg_q.block_m)
+    _dq_kernel[(q_per_bh * batch * hq,)](
         q, k, v, do, lse2, delta, dq,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
@@ -284,8 +368,9 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float):
         dq.stride(0), dq.stride(1), dq.stride(2),
         sq, sk, cm.num_q_blocks, hq, hq // hkv,
         mb, mdiv, mh,
-        scale * LOG2E, scale,
-        BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, **common,
-        num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+        scale * LOG2E, scale, q_per_bh,
+        BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, NUM_STAGES=cfg_q.num_stages,
+        MASKED_BLOCK=min(cfg_q.step_masked or cfg_q.block_n, cfg_q.block_n), MASKED_STAGES=cfg_q.stages_masked,
+        **common, num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
     )
     return dq, dk, dv

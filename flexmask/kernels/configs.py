@@ -27,10 +27,24 @@ def is_valid_tile(size: int) -> bool:
 
 @dataclass(frozen=True)
 class LaunchConfig:
+    """block_m x block_n per step; PARTIAL tiles may take a smaller step along the walked
+    dimension (`masked_block`: kv columns in the forward and dQ, q rows in dK/dV) and fewer
+    pipeline stages (`masked_stages`): the mask arithmetic needs registers, and the two tile
+    loops share the shared-memory budget."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    masked_block: int | None = None
+    masked_stages: int | None = None
+
+    @property
+    def step_masked(self) -> int:
+        return self.masked_block or 0
+
+    @property
+    def stages_masked(self) -> int:
+        return self.masked_stages or self.num_stages
 
 
 def _head_block(head_dim: int) -> int:
@@ -40,18 +54,20 @@ def _head_block(head_dim: int) -> int:
 def forward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], device) -> LaunchConfig:
     tile_m, tile_n = tile
     if torch.device(device).type != "cuda":
-        return LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1)
-    # measured on an H200 with benchmarks/tune_configs.py (bf16, 32K tokens, causal and SWA)
+        return LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1, masked_block=min(32, tile_n))
+    # measured on an H200 with benchmarks/tune_configs.py and tune_variants.py (bf16, 32K tokens;
+    # causal, sliding window, causal document). The smaller PARTIAL step keeps the mask
+    # arithmetic out of register spills (ptxas reports them at 128 columns and D=128).
     block_d = _head_block(head_dim)
     if block_d > 128:  # large heads: one pipeline stage keeps the tiles in shared memory
         cfg = LaunchConfig(32 if dtype == torch.float32 else 64, 32, 4, 1)
     elif dtype == torch.float32:
         cfg = LaunchConfig(64, 32 if block_d > 64 else 64, 4, 2)
     elif block_d <= 64:
-        cfg = LaunchConfig(128, 64, 4, 3)
+        cfg = LaunchConfig(128, 64, 4, 3, masked_block=32)
     else:
-        cfg = LaunchConfig(128, 128, 8, 3)
-    return LaunchConfig(min(cfg.block_m, tile_m), min(cfg.block_n, tile_n), cfg.num_warps, cfg.num_stages)
+        cfg = LaunchConfig(128, 128, 8, 3, masked_block=64)
+    return _clip(cfg, tile_m, tile_n, step=tile_n)
 
 
 def backward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], device) -> tuple[LaunchConfig, LaunchConfig]:
@@ -59,8 +75,8 @@ def backward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], de
     dQ: block_m q rows per program, block_n kv columns per step."""
     tile_m, tile_n = tile
     if torch.device(device).type != "cuda":
-        c = LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1)
-        return c, c
+        return (LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1, masked_block=min(32, tile_m)),
+                LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1, masked_block=min(32, tile_n)))
     block_d = _head_block(head_dim)
     if block_d > 128:
         small = 16 if dtype == torch.float32 else 32
@@ -68,8 +84,25 @@ def backward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], de
     elif dtype == torch.float32:
         dkdv, dq = LaunchConfig(32, 64, 4, 2), LaunchConfig(64, 32, 4, 2)
     elif block_d <= 64:
-        dkdv, dq = LaunchConfig(64, 128, 8, 3), LaunchConfig(64, 64, 4, 3)
+        dkdv, dq = LaunchConfig(64, 128, 8, 3, masked_block=32, masked_stages=2), LaunchConfig(64, 64, 4, 3)
     else:
-        dkdv, dq = LaunchConfig(64, 128, 8, 2), LaunchConfig(128, 64, 8, 3)
-    clip = lambda c: LaunchConfig(min(c.block_m, tile_m), min(c.block_n, tile_n), c.num_warps, c.num_stages)
-    return clip(dkdv), clip(dq)
+        dkdv, dq = LaunchConfig(64, 128, 8, 3, masked_block=32, masked_stages=2), LaunchConfig(128, 64, 8, 3)
+    return _clip(dkdv, tile_m, tile_n, step=tile_m), _clip(dq, tile_m, tile_n, step=tile_n)
+
+
+def _clip(cfg: LaunchConfig, tile_m: int, tile_n: int, step: int) -> LaunchConfig:
+    masked = min(cfg.masked_block, step) if cfg.masked_block else None
+    return LaunchConfig(min(cfg.block_m, tile_m), min(cfg.block_n, tile_n), cfg.num_warps, cfg.num_stages,
+                        masked, cfg.masked_stages)
+
+
+def forward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
+    """TMA descriptor loads of K/V in the forward: measured no faster than pointer loads there."""
+    return False
+
+
+def backward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
+    """TMA descriptor loads in dK/dV and dQ: faster on an H200 at head dim 128 in 16-bit types
+    (causal and causal document; sliding window a little slower), slower at 64."""
+    return (torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and 64 < _head_block(head_dim) <= 128)

@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import forward_config
-from .masking import mask_row, masked_elements
+from .configs import forward_config, forward_uses_tma
+from .masking import block_source, column_intervals, load_block, mask_row, masked_elements
+from .tma import prepare_tma, tma_enabled
 
 LOG2E = 1.4426950408889634
 
@@ -24,29 +25,28 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tiles(
     acc, l_i, m_i, b_q,
-    p_k, p_v, stride_kn, stride_vn,
+    k_src, v_src, stride_kn, stride_vn,
     p_blocks, t_lo, t_hi,
-    o_m, o_d, p_intv, Sk, qk_scale,
+    o_m, p_intv, Sk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     o_bn = tl.arange(0, BLOCK_N)
-    m_d = o_d[None, :] < HEAD_DIM
-    for t in range(t_lo, t_hi):
+    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
         n = tl.load(p_blocks + t)
         for j in tl.static_range(TILE_N // BLOCK_N):
             start_n = n * TILE_N + j * BLOCK_N
             o_n = start_n + o_bn
-            p_kt = p_k + start_n.to(tl.int64) * stride_kn + o_bn[:, None] * stride_kn + o_d[None, :]
-            p_vt = p_v + start_n.to(tl.int64) * stride_vn + o_bn[:, None] * stride_vn + o_d[None, :]
+            # FULL tiles lie inside [0, Sk): the ragged last column tile is always PARTIAL
             if MASKED:
-                m_kv = (o_n[:, None] < Sk) & m_d
+                lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)
+                b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
             else:
-                m_kv = m_d
-            b_k = tl.load(p_kt, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+                b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
             if MASKED:
-                b_s = tl.where(masked_elements(p_intv, o_m, o_n, Sk), float("-inf"), b_s)
+                b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
                 m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
                 m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while nothing seen
             else:
@@ -55,7 +55,10 @@ def _attend_tiles(
             b_p = tl.math.exp2(b_s * qk_scale - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
             alpha = tl.math.exp2(m_i - m_pivot)  # [BLOCK_M]
             l_i = l_i * alpha + tl.sum(b_p, 1)
-            b_v = tl.load(p_vt, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+            if MASKED:
+                b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
+            else:
+                b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
             acc = acc * alpha[:, None]
             acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
             m_i = m_new
@@ -75,7 +78,8 @@ def _forward_kernel(
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    MASKED_BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
 ):
     # heaviest q-blocks (last rows of causal-like masks) are scheduled first
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -96,25 +100,29 @@ def _forward_kernel(
     p_q = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     p_k = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
     p_v = V + b.to(tl.int64) * stride_vb + (h // GROUP).to(tl.int64) * stride_vh
-    m_q = (o_m[:, None] < Sq) & (o_d[None, :] < HEAD_DIM)
-    b_q = tl.load(p_q + o_m[:, None].to(tl.int64) * stride_qm + o_d[None, :], mask=m_q, other=0.0)  # [BLOCK_M, BLOCK_D]
+    k_src = block_source(p_k, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = block_source(p_v, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    k_src_masked = block_source(p_k, Sk, stride_kn, HEAD_DIM, MASKED_BLOCK_N, BLOCK_D, USE_TMA)
+    v_src_masked = block_source(p_v, Sk, stride_vn, HEAD_DIM, MASKED_BLOCK_N, BLOCK_D, USE_TMA)
+    b_q = load_block(p_q, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, False, not EVEN_M)  # [BLOCK_M, BLOCK_D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, b_q, p_k, p_v, stride_kn, stride_vn, FWD_BLOCKS, t_lo, t_mid,
-        o_m, o_d, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION,
+        acc, l_i, m_i, b_q, k_src, v_src, stride_kn, stride_vn, FWD_BLOCKS, t_lo, t_mid,
+        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES,
     )
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, b_q, p_k, p_v, stride_kn, stride_vn, FWD_BLOCKS, t_mid, t_hi,
-        o_m, o_d, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, True, PRECISION,
+        acc, l_i, m_i, b_q, k_src_masked, v_src_masked, stride_kn, stride_vn, FWD_BLOCKS, t_mid, t_hi,
+        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK_N, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES,
     )
 
     empty = l_i == 0.0
     b_o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     p_o = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    m_q = (o_m[:, None] < Sq) & (o_d[None, :] < HEAD_DIM)
     tl.store(p_o + o_m[:, None].to(tl.int64) * stride_om + o_d[None, :], b_o.to(O.dtype.element_ty), mask=m_q)
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + o_m, lse, mask=o_m < Sq)
 
@@ -135,14 +143,18 @@ def precision_for(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def attention_forward(q, k, v, cm, scale: float):
+def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None):
     """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), last dim contiguous; cm a CompiledMask for
-    (Sq, Sk) on q's device. Returns (o (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32)."""
+    (Sq, Sk) on q's device. Returns (o (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32).
+    `config` (a LaunchConfig) and `use_tma` override the defaults (for tuning and tests)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)  # q's memory layout: (B, S, H, D) views stay (B, S, H, D) buffers
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
-    cfg = forward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
+    cfg = config or forward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
+    tma = tma_enabled(forward_uses_tma(d, q.dtype, q.device) if use_tma is None else use_tma, k, v)
+    if tma:
+        prepare_tma(q.device)
     block_d = max(16, triton.next_power_of_2(d))
     mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
     grid = (triton.cdiv(sq, cfg.block_m), batch * hq)
@@ -158,7 +170,10 @@ def attention_forward(q, k, v, cm, scale: float):
         scale * LOG2E,
         HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TILE_M=cm.block_m, TILE_N=cm.block_n,
-        PRECISION=precision_for(q.dtype),
+        MASKED_BLOCK_N=min(cfg.step_masked or cfg.block_n, cfg.block_n),
+        NUM_STAGES=cfg.num_stages, MASKED_STAGES=cfg.stages_masked,
+        PRECISION=precision_for(q.dtype), USE_TMA=tma,
+        EVEN_M=sq % cm.block_m == 0, EVEN_N=sk % cm.block_n == 0,  # whole tiles: no bounds checks
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse
