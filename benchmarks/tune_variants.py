@@ -26,14 +26,12 @@ from flexmask.kernels.configs import LaunchConfig
 from .speed_check import families
 
 # (block_m, block_n, num_warps, num_stages, masked_block, masked_stages); see LaunchConfig
-FWD = {128: [(128, 128, 8, 3, 64, 3), (128, 128, 8, 3, 32, 2), (128, 64, 8, 3, 32, 3), (128, 64, 8, 3, 64, 3)],
-       64: [(128, 64, 4, 3, 64, 3), (128, 64, 4, 3, 32, 3), (128, 128, 8, 3, 64, 3)]}
-DKDV = {128: [(64, 128, 8, 2, 64, 2), (64, 128, 8, 2, 32, 2), (64, 128, 8, 3, 32, 2), (64, 128, 8, 3, 16, 2),
-              (32, 128, 8, 3, 16, 2), (32, 128, 8, 4, 32, 2)],
-        64: [(64, 128, 8, 3, 64, 3), (64, 128, 8, 3, 32, 2), (32, 128, 4, 3, 32, 3)]}
-DQ = {128: [(128, 64, 8, 3, 64, 3), (128, 64, 8, 3, 32, 2)],
+FWD = {128: [(128, 128, 8, 3, 64, 2), (128, 128, 8, 3, 64, 3), (128, 128, 8, 3, 32, 2)],
+       64: [(128, 64, 4, 3, 32, 3), (128, 64, 4, 3, 64, 3), (128, 64, 4, 3, 64, 2)]}
+DKDV = {128: [(64, 128, 8, 3, 32, 2), (64, 128, 8, 3, 64, 2)],
+        64: [(64, 128, 8, 3, 32, 2), (64, 128, 8, 3, 64, 2)]}
+DQ = {128: [(128, 64, 8, 3, 64, 2), (128, 64, 8, 3, 32, 2)],
       64: [(64, 64, 4, 3, 64, 3), (64, 64, 4, 3, 32, 3)]}
-
 
 def _time(fn, rep):
     try:
@@ -104,7 +102,7 @@ def main(argv=None):
                              "torch": torch.__version__, "triton": triton.__version__})
             print(f"  [{time.time() - t0:.0f} s]", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "tune_variants.csv")
+    path = os.path.join(args.out, f"tune_variants_D{'_'.join(map(str, args.head_dims))}.csv")
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -114,11 +114,11 @@ def _check_mask_heads(mask_batch: int, mask_heads: int, batch: int, hq: int, hkv
 
 
 def _table_args(cm: CompiledMask) -> tuple:
-    """What the custom op takes from a CompiledMask: its tables, then (batch, heads, tile)."""
+    """What the custom op takes from a CompiledMask: its tables, then (batch, heads, tile, tiles visited)."""
     return (
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
-        cm.batch, cm.heads, cm.block_m, cm.block_n,
+        cm.batch, cm.heads, cm.block_m, cm.block_n, cm.num_tiles_visited,
     )
 
 
@@ -171,7 +171,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         tables = _table_args(_resolve_mask(mask, sq, sk, q.device))
     else:  # a spec (or None) inside torch.compile: its tables are constants of the graph
         tables = _spec_table_args(mask, sq, sk, q.device)
-    _check_mask_heads(tables[-4], tables[-3], batch, hq, hkv)
+    _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out, lse = attention_fwd(q, k, v, *tables, float(scale))
     return (out, lse) if return_lse else out

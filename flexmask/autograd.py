@@ -15,12 +15,12 @@ from .kernels.forward import attention_forward
 
 
 def _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
-            mask_batch, mask_heads, tile_m, tile_n, q_len, kv_len):
+            mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q_len, kv_len):
     """The slice of a CompiledMask that the kernels read, rebuilt from the op's arguments."""
     return SimpleNamespace(
         kernel_intervals=intervals, fwd_offsets=fwd_offsets, fwd_num_full=fwd_num_full, fwd_blocks=fwd_blocks,
         bwd_offsets=bwd_offsets, bwd_num_full=bwd_num_full, bwd_blocks=bwd_blocks,
-        batch=mask_batch, heads=mask_heads, block_m=tile_m, block_n=tile_n,
+        batch=mask_batch, heads=mask_heads, block_m=tile_m, block_n=tile_n, num_tiles_visited=tiles_visited,
         num_q_blocks=-(-q_len // tile_m), num_kv_blocks=-(-kv_len // tile_n),
     )
 
@@ -30,16 +30,16 @@ def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor,
     intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
     bwd_offsets: Tensor, bwd_num_full: Tensor, bwd_blocks: Tensor,
-    mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, scale: float,
+    mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, tiles_visited: int, scale: float,
 ) -> tuple[Tensor, Tensor]:
     cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
-                 mask_batch, mask_heads, tile_m, tile_n, q.shape[2], k.shape[2])
+                 mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
     return attention_forward(q, k, v, cm, scale)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
-      mask_batch, mask_heads, tile_m, tile_n, scale):
+      mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale):
     b, h, s, d = q.shape
     return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
 
@@ -49,10 +49,10 @@ def attention_bwd(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
     bwd_offsets: Tensor, bwd_num_full: Tensor, bwd_blocks: Tensor,
-    mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, scale: float,
+    mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, tiles_visited: int, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
-                 mask_batch, mask_heads, tile_m, tile_n, q.shape[2], k.shape[2])
+                 mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
     if do.stride(-1) != 1:
         do = do.contiguous()
     return attention_backward(do, dlse, q, k, v, o, lse, cm, scale)
@@ -60,12 +60,12 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full,
-      bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, scale):
+      bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 _TABLE_ARGS = slice(3, 10)  # positions of the mask tensors in attention_fwd's arguments
-_INT_ARGS = slice(10, 15)
+_INT_ARGS = slice(10, 16)
 
 
 def _setup_context(ctx, inputs, output):
@@ -83,7 +83,7 @@ def _backward(ctx, do, dlse):
         dlse = dlse.contiguous()
     # d lse / d s is the softmax itself, so the backward folds dlse into D = rowsum(dO * O) - dlse
     dq, dk, dv = attention_bwd(do, dlse, q, k, v, o, lse, *tables, *ctx.consts)
-    return dq, dk, dv, *([None] * 12)
+    return dq, dk, dv, *([None] * 13)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -7,11 +7,14 @@ forced and checked against the float64 reference under the DESIGN.md section 4 r
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flexmask
 from flexmask.kernels.backward import attention_backward
 from flexmask.kernels.configs import LaunchConfig
 from flexmask.kernels.forward import attention_forward
+from flexmask.kernels.masking import column_intervals, masked_elements, row_stats
 from flexmask.kernels.tma import tma_aligned, tma_enabled
 
 from conftest import assert_close_to_reference, default_floor, make_mask, make_qkv, reference_grads
@@ -99,3 +102,46 @@ def test_misaligned_tensors_fall_back_to_pointers():
 def test_tma_alignment_rule(shape, strides, ok):
     t = torch.zeros(shape, dtype=BF16) if strides is None else torch.empty_strided(shape, strides, dtype=BF16)
     assert tma_aligned(t) is ok
+
+
+def test_backward_tma_follows_the_walk_length():
+    """TMA descriptors cost a fixed amount per program: only long walks take them."""
+    from flexmask.kernels.configs import TMA_MIN_TILES_PER_PROGRAM, backward_uses_tma
+
+    long_walk, short_walk = TMA_MIN_TILES_PER_PROGRAM + 1, TMA_MIN_TILES_PER_PROGRAM - 1
+    assert backward_uses_tma(128, torch.bfloat16, "cuda", long_walk)
+    assert not backward_uses_tma(128, torch.bfloat16, "cuda", short_walk)
+    assert not backward_uses_tma(64, torch.bfloat16, "cuda", long_walk)
+    assert not backward_uses_tma(128, torch.float32, "cuda", long_walk)
+    assert not backward_uses_tma(128, torch.bfloat16, "cpu", long_walk)
+
+
+@triton.jit
+def _helpers_probe(STATS, INTV, OUT_STATS, OUT_MASK, Sq, Sk, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    lse2, delta = row_stats(STATS, o, Sq, True)
+    tl.store(OUT_STATS + o, lse2)
+    tl.store(OUT_STATS + BLOCK + o, delta)
+    lts, lw, uts, uw = column_intervals(INTV, o, Sk)
+    masked = masked_elements(lts, lw, uts, uw, o)  # rows 0..BLOCK-1 x columns 0..BLOCK-1
+    tl.store(OUT_MASK + o[:, None] * BLOCK + o[None, :], masked.to(tl.int8))
+
+
+def test_row_stats_and_column_intervals_read_past_the_end_as_masked():
+    """The one-load helpers: rows past Sq give (LSE = +inf, D = 0), columns past Sk are masked
+    for every row, and in-range values come back unchanged."""
+    block, sq, sk = 16, 11, 13
+    stats = torch.randn(2, sq)
+    intv = torch.stack([torch.randint(0, 20, (sk,)) for _ in range(4)]).to(torch.int32)
+    intv[1] = torch.maximum(intv[0], intv[1])
+    intv[3] = torch.maximum(intv[2], intv[3])
+    out_stats = torch.empty(2, block)
+    out_mask = torch.empty(block, block, dtype=torch.int8)
+    _helpers_probe[(1,)](stats, intv, out_stats, out_mask, sq, sk, BLOCK=block)
+    assert torch.equal(out_stats[:, :sq], stats)
+    assert torch.all(out_stats[0, sq:] == float("inf")) and torch.all(out_stats[1, sq:] == 0)
+    rows = torch.arange(block)[:, None]
+    lts, lte, uts, ute = (intv[i].long()[None, :] for i in range(4))
+    expect = ((rows >= lts) & (rows < lte)) | ((rows >= uts) & (rows < ute))
+    assert torch.equal(out_mask[:, :sk].bool(), expect)
+    assert torch.all(out_mask[:, sk:] == 1)

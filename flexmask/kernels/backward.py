@@ -18,13 +18,14 @@ import triton.language as tl
 
 from .configs import backward_config, backward_uses_tma
 from .forward import LOG2E, mask_broadcast, precision_for
-from .masking import block_source, column_intervals, load_block, mask_row, masked_elements, masked_elements_t
+from .masking import (block_source, column_intervals, load_block, mask_row, masked_elements, masked_elements_t,
+                      row_stats)
 from .tma import prepare_tma, tma_enabled
 
 
 @triton.jit(do_not_specialize=["Sq"])
 def _preprocess_kernel(
-    O, DO, DLSE, LSE, DELTA, LSE2,
+    O, DO, DLSE, LSE, STATS,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     Sq, HQ,
     HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -46,14 +47,15 @@ def _preprocess_kernel(
         delta -= tl.load(DLSE + o_row, mask=o_m < Sq, other=0.0)
     lse = tl.load(LSE + o_row, mask=o_m < Sq, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    tl.store(DELTA + o_row, delta, mask=o_m < Sq)
-    tl.store(LSE2 + o_row, lse2, mask=o_m < Sq)
+    p_stats = STATS + pid_bh.to(tl.int64) * 2 * Sq + o_m  # planar [2, Sq] per (batch, head)
+    tl.store(p_stats, lse2, mask=o_m < Sq)
+    tl.store(p_stats + Sq, delta, mask=o_m < Sq)
 
 
 @triton.jit
 def _dkdv_tiles(
     dk, dv, b_k, b_v,
-    q_src, do_src, stride_qm, stride_dom, p_lse2, p_delta,
+    q_src, do_src, stride_qm, stride_dom, p_stats,
     p_blocks, t_lo, t_hi,
     o_n, p_intv, Sq, Sk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
@@ -70,12 +72,7 @@ def _dkdv_tiles(
             o_m = start_m + o_bm
             b_q = load_block(q_src, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
             b_do = load_block(do_src, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
-            if EVEN_M:
-                b_lse2 = tl.load(p_lse2 + o_m)  # [BLOCK_M]
-                b_delta = tl.load(p_delta + o_m)  # [BLOCK_M]
-            else:
-                b_lse2 = tl.load(p_lse2 + o_m, mask=o_m < Sq, other=float("inf"))
-                b_delta = tl.load(p_delta + o_m, mask=o_m < Sq, other=0.0)
+            b_lse2, b_delta = row_stats(p_stats, o_m, Sq, not EVEN_M)  # [BLOCK_M] each
             b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
             b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
             if MASKED:
@@ -90,7 +87,7 @@ def _dkdv_tiles(
 @triton.jit
 def _dkdv_program(
     pid, PROGRAMS_PER_BH,
-    Q, K, V, DO, LSE2, DELTA, DK, DV,
+    Q, K, V, DO, STATS, DK, DV,
     INTV, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -137,15 +134,13 @@ def _dkdv_program(
         do_src = block_source(p_do, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         q_src_masked = block_source(p_q, Sq, stride_qm, HEAD_DIM, MASKED_BLOCK, BLOCK_D, USE_TMA)
         do_src_masked = block_source(p_do, Sq, stride_dom, HEAD_DIM, MASKED_BLOCK, BLOCK_D, USE_TMA)
-        bh = b.to(tl.int64) * HQ + h
-        p_lse2 = LSE2 + bh * Sq
-        p_delta = DELTA + bh * Sq
+        p_stats = STATS + (b.to(tl.int64) * HQ + h) * 2 * Sq
         dk, dv = _dkdv_tiles(
-            dk, dv, b_k, b_v, q_src, do_src, stride_qm, stride_dom, p_lse2, p_delta, BWD_BLOCKS, t_lo, t_mid,
+            dk, dv, b_k, b_v, q_src, do_src, stride_qm, stride_dom, p_stats, BWD_BLOCKS, t_lo, t_mid,
             o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, TILE_M, False, PRECISION, USE_TMA, EVEN_M, NUM_STAGES,
         )
         dk, dv = _dkdv_tiles(
-            dk, dv, b_k, b_v, q_src_masked, do_src_masked, stride_qm, stride_dom, p_lse2, p_delta, BWD_BLOCKS, t_mid, t_hi,
+            dk, dv, b_k, b_v, q_src_masked, do_src_masked, stride_qm, stride_dom, p_stats, BWD_BLOCKS, t_mid, t_hi,
             o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_M, True, PRECISION, USE_TMA, EVEN_M, MASKED_STAGES,
         )
 
@@ -193,7 +188,7 @@ def _dq_tiles(
 @triton.jit
 def _dq_program(
     pid, PROGRAMS_PER_BH,
-    Q, K, V, DO, LSE2, DELTA, DQ,
+    Q, K, V, DO, STATS, DQ,
     INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -230,9 +225,7 @@ def _dq_program(
     p_do = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
     b_q = load_block(p_q, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, False, not EVEN_M)  # [BLOCK_M, BLOCK_D]
     b_do = load_block(p_do, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, False, not EVEN_M)  # [BLOCK_M, BLOCK_D]
-    o_row = pid_bh.to(tl.int64) * Sq + o_m
-    b_lse2 = tl.load(LSE2 + o_row, mask=in_q, other=float("inf"))  # [BLOCK_M]
-    b_delta = tl.load(DELTA + o_row, mask=in_q, other=0.0)  # [BLOCK_M]
+    b_lse2, b_delta = row_stats(STATS + pid_bh.to(tl.int64) * 2 * Sq, o_m, Sq, True)  # [BLOCK_M] each
 
     p_k = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
     p_v = V + b.to(tl.int64) * stride_vb + (h // GROUP).to(tl.int64) * stride_vh
@@ -257,7 +250,7 @@ def _dq_program(
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "NKB", "PROGRAMS_PER_BH"])
 def _dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV,
+    Q, K, V, DO, STATS, DK, DV,
     INTV, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -275,7 +268,7 @@ def _dkdv_kernel(
 ):
     _dkdv_program(
         tl.program_id(0), PROGRAMS_PER_BH,
-        Q, K, V, DO, LSE2, DELTA, DK, DV, INTV, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS,
+        Q, K, V, DO, STATS, DK, DV, INTV, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
         Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
@@ -286,7 +279,7 @@ def _dkdv_kernel(
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "PROGRAMS_PER_BH"])
 def _dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ,
+    Q, K, V, DO, STATS, DQ,
     INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -303,7 +296,7 @@ def _dq_kernel(
 ):
     _dq_program(
         tl.program_id(0), PROGRAMS_PER_BH,
-        Q, K, V, DO, LSE2, DELTA, DQ, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+        Q, K, V, DO, STATS, DQ, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
@@ -318,11 +311,10 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
-    delta = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
+    stats = torch.empty(batch * hq, 2, sq, dtype=torch.float32, device=q.device)  # (LSE log2, D) rows
     pre_m = 64
     _preprocess_kernel[(triton.cdiv(sq, pre_m), batch * hq)](
-        o, do, dlse if dlse is not None else lse, lse, delta, lse2,
+        o, do, dlse if dlse is not None else lse, lse, stats,
         o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         sq, hq,
         HAS_DLSE=dlse is not None, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
@@ -332,7 +324,10 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     cfg_kv, cfg_q = configs or backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
-    tma = tma_enabled(backward_uses_tma(d, q.dtype, q.device) if use_tma is None else use_tma, q, k, v, do)
+    if use_tma is None:
+        walk = cm.num_tiles_visited / max(1, cm.batch * cm.heads * cm.num_kv_blocks)  # tiles per program
+        use_tma = backward_uses_tma(d, q.dtype, q.device, walk)
+    tma = tma_enabled(use_tma, q, k, v, do)
     if tma:
         prepare_tma(q.device)
     mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
@@ -342,7 +337,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
                   USE_TMA=tma, EVEN_M=sq % cm.block_m == 0, EVEN_N=sk % cm.block_n == 0)
     kv_per_bh = triton.cdiv(sk, cfg_kv.block_n)
     _dkdv_kernel[(kv_per_bh * batch * hkv,)](
-        q, k, v, do, lse2, delta, dk, dv,
+        q, k, v, do, stats, dk, dv,
         cm.kernel_intervals, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -359,7 +354,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     )
     q_per_bh = triton.cdiv(sq, cfg_q.block_m)
     _dq_kernel[(q_per_bh * batch * hq,)](
-        q, k, v, do, lse2, delta, dq,
+        q, k, v, do, stats, dq,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),

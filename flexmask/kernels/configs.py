@@ -66,7 +66,7 @@ def forward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], dev
     elif block_d <= 64:
         cfg = LaunchConfig(128, 64, 4, 3, masked_block=32)
     else:
-        cfg = LaunchConfig(128, 128, 8, 3, masked_block=64)
+        cfg = LaunchConfig(128, 128, 8, 3, masked_block=64, masked_stages=2)
     return _clip(cfg, tile_m, tile_n, step=tile_n)
 
 
@@ -86,7 +86,8 @@ def backward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], de
     elif block_d <= 64:
         dkdv, dq = LaunchConfig(64, 128, 8, 3, masked_block=32, masked_stages=2), LaunchConfig(64, 64, 4, 3)
     else:
-        dkdv, dq = LaunchConfig(64, 128, 8, 3, masked_block=32, masked_stages=2), LaunchConfig(128, 64, 8, 3)
+        dkdv, dq = (LaunchConfig(64, 128, 8, 3, masked_block=32, masked_stages=2),
+                    LaunchConfig(128, 64, 8, 3, masked_block=64, masked_stages=2))  # 3 masked stages: over 227 KB
     return _clip(dkdv, tile_m, tile_n, step=tile_m), _clip(dq, tile_m, tile_n, step=tile_n)
 
 
@@ -101,8 +102,13 @@ def forward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
     return False
 
 
-def backward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
+# TMA descriptors are built inside each program, a fixed cost that only a long walk pays back
+TMA_MIN_TILES_PER_PROGRAM = 16
+
+
+def backward_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_program: float) -> bool:
     """TMA descriptor loads in dK/dV and dQ: faster on an H200 at head dim 128 in 16-bit types
-    (causal and causal document; sliding window a little slower), slower at 64."""
+    when programs walk many tiles (causal, causal document); slower under a sliding window of
+    1024 (about 9 tiles per program) and at head dim 64."""
     return (torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and 64 < _head_block(head_dim) <= 128)
+            and 64 < _head_block(head_dim) <= 128 and tiles_per_program >= TMA_MIN_TILES_PER_PROGRAM)

@@ -17,14 +17,36 @@ def mask_row(b, h, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
 def column_intervals(p_intv, o_n, Sk):
     """Masked rows of columns o_n as (start, width) of the lower and upper intervals, from the
     planar (LTS, LTE, UTS, UTE) x Sk of one mask row at p_intv. A column past Sk reads as one
-    interval over every row, so the bounds need no test of their own. Issued before the tile's
-    first dot so the loads overlap the matrix work."""
+    interval over every row, so the bounds need no test of their own.
+
+    The four vectors come in one [4, BLOCK_N] load and are split apart afterwards. Loaded one by
+    one, each vector would take the layout of the tile's columns, where every column is held by
+    many threads, and the pipeliner then issues one 4-byte copy per thread and column (several
+    times the copies of the K and V tiles themselves)."""
+    o_c = tl.arange(0, 4)
     in_k = o_n < Sk
-    lts = tl.load(p_intv + o_n, mask=in_k, other=0)
-    lte = tl.load(p_intv + Sk + o_n, mask=in_k, other=2147483647)
-    uts = tl.load(p_intv + 2 * Sk + o_n, mask=in_k, other=0)
-    ute = tl.load(p_intv + 3 * Sk + o_n, mask=in_k, other=0)
+    x = tl.load(p_intv + o_c[:, None] * Sk + o_n[None, :], mask=in_k[None, :], other=0)  # [4, BLOCK_N]
+    x = tl.where(in_k[None, :] | (o_c[:, None] != 1), x, 2147483647)  # LTE past Sk: every row
+    starts, ends = tl.split(tl.reshape(tl.trans(x), [o_n.shape[0], 2, 2]))  # [BLOCK_N, 2] each
+    lts, uts = tl.split(starts)
+    lte, ute = tl.split(ends)
     return lts, (lte - lts).to(tl.uint32, bitcast=True), uts, (ute - uts).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def row_stats(p_stats, o_m, Sq, CHECK_ROWS: tl.constexpr):
+    """(LSE in log2 units, D) of rows o_m from the planar [2, Sq] statistics at p_stats, in one
+    [2, BLOCK_M] load (see `column_intervals` for why not two). Rows past Sq read as
+    (+inf, 0), so their P is exactly 0."""
+    o_c = tl.arange(0, 2)
+    ptrs = p_stats + o_c[:, None] * Sq + o_m[None, :]  # [2, BLOCK_M]
+    if CHECK_ROWS:
+        x = tl.load(ptrs, mask=o_m[None, :] < Sq, other=0.0)
+        x = tl.where((o_m[None, :] < Sq) | (o_c[:, None] != 0), x, float("inf"))
+    else:
+        x = tl.load(ptrs)
+    lse2, delta = tl.split(tl.trans(x))
+    return lse2, delta
 
 
 @triton.jit
