@@ -1,0 +1,282 @@
+"""FlashAttention's varlen interface on flexmask: packed (total_tokens, H, D) tensors and
+cumulative sequence lengths, as `flash_attn_varlen_func` takes them.
+
+The packed tensors are viewed, without a copy, as one batch row (1, H, total, D); the sequences
+become a column-interval mask over that row, built elementwise on the device from
+``cu_seqlens`` (each key column of sequence s masks every query row outside sequence s, plus
+the causal / window rows of s), then compiled into tile tables like any other mask.
+
+Plan once, run many: every layer of a model calls this with the same ``cu_seqlens`` tensors,
+so the compiled tables are cached (`PlanCache`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections import OrderedDict
+
+import torch
+
+from .api import attention
+from .kernels import configs
+from .masks import specs
+from .masks.compiler import CompiledMask, build_tables
+from .masks.intervals import canonicalize
+
+__all__ = ["varlen_attention", "PlanCache"]
+
+# `deterministic` reached flexmask.attention in stage 2; forward it only where it exists
+_ATTENTION_TAKES_DETERMINISTIC = "deterministic" in inspect.signature(attention).parameters
+
+
+class PlanCache:
+    """A small LRU cache of CompiledMasks keyed by the tensors they were built from.
+
+    Two levels, so that the common case needs no host sync:
+      1. identity: (id, storage pointer, version counter) of each key tensor. An entry keeps its
+         tensors alive, so an id cannot be recycled while cached, and an in-place write bumps the
+         version counter. Every layer of one step hits here (same tensors), with no sync.
+      2. values: the tensors' contents (read with the one host sync that validating a new tensor
+         costs anyway). A new tensor with lengths seen before (fixed packing) hits here and skips
+         the table build.
+    Both levels hold at most `size` entries (least recently used dropped first).
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._by_identity: OrderedDict = OrderedDict()
+        self._by_value: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def identity(tensors) -> tuple | None:
+        key = []
+        for t in tensors:
+            if t is None:
+                key.append(None)
+                continue
+            try:
+                version = t._version
+            except RuntimeError:  # inference tensors have no version counter: use the value level
+                return None
+            key.append((id(t), t.data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype, str(t.device), version))
+        return tuple(key)
+
+    def get_identity(self, key, extra: tuple):
+        if key is None:
+            return None
+        hit = self._by_identity.get((key, extra))
+        if hit is None:
+            return None
+        self._by_identity.move_to_end((key, extra))
+        return hit[1]
+
+    def get_value(self, key, extra: tuple):
+        hit = self._by_value.get((key, extra))
+        if hit is not None:
+            self._by_value.move_to_end((key, extra))
+        return hit
+
+    def put(self, identity_key, tensors, value_key, extra: tuple, compiled) -> None:
+        if identity_key is not None:
+            self._by_identity[(identity_key, extra)] = (tuple(tensors), compiled)  # tensors kept alive
+            _trim(self._by_identity, self.size)
+        self._by_value[(value_key, extra)] = compiled
+        _trim(self._by_value, self.size)
+
+    def clear(self) -> None:
+        self._by_identity.clear()
+        self._by_value.clear()
+
+
+def _trim(cache: OrderedDict, size: int) -> None:
+    while len(cache) > size:
+        cache.popitem(last=False)
+
+
+_PLANS = PlanCache(size=8)
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def _check_packed(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total_tokens, H, D), got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (total_k, Hkv, D), got k={tuple(k.shape)}, v={tuple(v.shape)}")
+
+
+def _check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> None:
+    """Shape-level checks (no host sync); the values are checked when a plan is built."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32 (FlashAttention's convention), got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D with at least 2 entries (0, then one cumulative length per "
+                         f"sequence), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}), got {cu.device}")
+
+
+def _check_cu_values(name: str, cu: torch.Tensor, values: list, total: int) -> None:
+    if values[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {values[0]}")
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            raise ValueError(f"{name} must be non-decreasing, got {name}[{i - 1}]={values[i - 1]} > "
+                             f"{name}[{i}]={values[i]}")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the number of packed tokens {total}, got {values[-1]}")
+
+
+def _check_max_seqlen(name: str, value, cu_values: list) -> None:
+    if value is None or isinstance(value, torch.Tensor):  # a tensor (as transformers passes): not read
+        return
+    longest = max(b - a for a, b in zip(cu_values[:-1], cu_values[1:]))
+    if value < longest:
+        raise ValueError(f"{name}={value} is smaller than the longest sequence ({longest})")
+
+
+def _check_window(window) -> tuple[int, int]:
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints (-1 = unbounded), got {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"window {side} must be an int (-1 = unbounded), got {type(w).__name__} {w!r}")
+        if w < -1:
+            raise ValueError(f"window {side} must be >= -1 (-1 = unbounded), got {w}")
+        out.append(w)
+    return out[0], out[1]
+
+
+# --- the plan: column intervals of the packed sequences ---------------------------------------
+
+
+def varlen_intervals(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,
+                     causal: bool, left: int, right: int) -> torch.Tensor:
+    """Canonical int32 [1, 1, total_k, 4] intervals of packed sequences, elementwise on the
+    device (no host sync). Key column j of sequence s, at position kj = j - cu_k[s] in it, is
+    attended by the local query rows r (0 <= r < Lq_s) with
+
+        kj - right <= r + (Lk_s - Lq_s) <= kj + left       (right = 0 when causal)
+
+    i.e. query row r sits at position r + Lk_s - Lq_s of its sequence (bottom-right alignment,
+    FlashAttention >= 2.1). Every other row of the packed batch is masked: [0, lo) and [hi, total_q).
+    """
+    dev = cu_k.device
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    cols = torch.arange(total_k, device=dev)
+    seq = torch.searchsorted(cu_k, cols, right=True) - 1  # the (non-empty) sequence of column j
+    k0 = cu_k[seq]
+    q0, q1 = cu_q[seq], cu_q[seq + 1]
+    len_q = q1 - q0
+    shift = (cu_k[seq + 1] - k0) - len_q  # query row r sits at position r + shift
+    kj = cols - k0
+    if causal:
+        right = 0
+    lo = torch.clamp(kj - right - shift, min=0) if right >= 0 else torch.zeros_like(kj)
+    hi = torch.minimum(kj + left - shift + 1, len_q) if left >= 0 else len_q
+    lo, hi = q0 + lo, q0 + torch.clamp(hi, min=0)
+    iv = torch.stack([hi, torch.full_like(hi, total_q), torch.zeros_like(lo), lo], dim=-1)  # [Sk, 4]
+    return canonicalize(iv.view(1, 1, total_k, 4), total_q)
+
+
+def compile_intervals(intervals: torch.Tensor, q_len: int, kv_len: int) -> CompiledMask:
+    """Tile tables for canonical intervals already on the device, with the device's default tile
+    (no re-validation: the builders here produce canonical intervals by construction)."""
+    block_m, block_n = configs.default_tile(intervals.device)
+    return build_tables(intervals, q_len, kv_len, block_m, block_n, source=specs.column_intervals(intervals))
+
+
+@torch.compiler.disable
+def _plan(cu_q, cu_k, total_q, total_k, causal, left, right, max_seqlen_q, max_seqlen_k) -> CompiledMask:
+    """The CompiledMask for these cu_seqlens, from the cache when possible. Outside any
+    torch.compile graph: the values of cu_seqlens size the tables (a graph break here, then the
+    attention op itself is traced)."""
+    extra = (total_q, total_k, causal, left, right, str(cu_q.device))
+    tensors = (cu_q, cu_k)
+    identity = _PLANS.identity(tensors)
+    hit = _PLANS.get_identity(identity, extra)
+    if hit is not None:
+        return hit
+    values_q, values_k = torch.stack([cu_q, cu_k]).tolist() if cu_q.shape == cu_k.shape else (cu_q.tolist(), cu_k.tolist())
+    _check_cu_values("cu_seqlens_q", cu_q, values_q, total_q)
+    _check_cu_values("cu_seqlens_k", cu_k, values_k, total_k)
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, values_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, values_k)
+    value_key = (tuple(values_q), tuple(values_k))
+    compiled = _PLANS.get_value(value_key, extra)
+    if compiled is None:
+        iv = varlen_intervals(cu_q, cu_k, total_q, total_k, causal, left, right)
+        compiled = compile_intervals(iv, total_q, total_k)
+    _PLANS.put(identity, tensors, value_key, extra, compiled)
+    return compiled
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                     causal: bool = False, window=(-1, -1), softmax_scale: float | None = None,
+                     return_lse: bool = False, deterministic: bool | None = None):
+    """Drop-in for FlashAttention's ``flash_attn_varlen_func`` (packed sequences).
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D) with Hq % Hkv == 0. Sequence s holds query
+    tokens ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key tokens ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``
+    (int32, starting at 0, ending at total_q / total_k). A sequence attends only to itself.
+
+    causal / window: FlashAttention's conventions, per sequence, bottom-right aligned: query row
+    r of a sequence with Lq queries and Lk keys sits at position ``r + Lk - Lq`` and attends key
+    kj iff ``pos - window[0] <= kj <= pos + window[1]`` (-1 = unbounded; causal sets window[1] = 0)::
+
+        causal, Lq=2, Lk=5:   ####.        window=(1, 0), Lq=Lk=4:  #...
+                              #####                                 ##..
+                                                                    .##.
+                                                                    ..##
+
+    A query row that attends no key (a sequence with Lk = 0, or Lq > Lk under causal) gives 0
+    and LSE -inf. max_seqlen_q / max_seqlen_k are accepted for compatibility (checked, not
+    needed). softmax_scale defaults to 1/sqrt(D).
+
+    Returns out (total_q, Hq, D), and with return_lse=True also the natural-log LSE
+    (Hq, total_q) float32, FlashAttention's layout. Differentiable in q, k, v.
+
+    No copy of q, k, v is made: they are viewed as (1, H, total, D). The mask tables are built
+    on the device from cu_seqlens and cached (8 entries): every layer of a step reuses them with
+    no host sync; a new cu_seqlens tensor costs one sync to check and key its values (and the
+    table build when those lengths are new). Under torch.compile the table lookup runs outside
+    the graph (one graph break) and the attention op is traced.
+    """
+    _check_packed(q, k, v)
+    total_q, total_k = q.shape[0], k.shape[0]
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, q.device)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                         f"{cu_seqlens_q.shape[0] - 1} and {cu_seqlens_k.shape[0] - 1}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is not None and not isinstance(value, torch.Tensor) and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be None or an int, got {type(value).__name__} {value!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    left, right = _check_window(window)
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be None or a bool, got {type(deterministic).__name__}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be None or a positive finite float, got {softmax_scale!r}")
+
+    mask = None
+    if total_q > 0 and total_k > 0:
+        mask = _plan(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, left, right, max_seqlen_q, max_seqlen_k)
+    # (total, H, D) -> (1, H, total, D): a strided view, which flexmask.attention accepts as is
+    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+    kwargs = {"scale": softmax_scale, "return_lse": True}
+    if _ATTENTION_TAKES_DETERMINISTIC:
+        kwargs["deterministic"] = deterministic
+    out, lse = attention(q4, k4, v4, mask, **kwargs)
+    out = out.transpose(1, 2).squeeze(0)
+    return (out, lse.squeeze(0)) if return_lse else out
