@@ -84,6 +84,8 @@ def _check_qkv(q, k, v) -> None:
         raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    if k.shape[:3] == v.shape[:3] and k.shape[3] != v.shape[3]:
+        raise ValueError(f"v's head dim Dv must equal D (the head dim of q and k), got Dv={v.shape[3]}, D={k.shape[3]}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (B, Hkv, Sk, D), got k={tuple(k.shape)}, v={tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
@@ -134,12 +136,19 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: bool = False):
+def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: bool = False,
+              deterministic: bool | None = None):
     """Attention with a FlashMask-style column-interval mask.
 
     q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq % Hkv == 0 (GQA/MQA by indexing). Any
     strides with a contiguous last dimension (a ``.transpose(1, 2)`` of (B, S, H, D) works
     without a copy). fp16/bf16 are the fast path; fp32 is computed exactly in fp32.
+    Head dim D: any value in [1, 256] (16, 32, 64, 128 and 256 are the fastest; others are
+    padded inside the kernel). v's head dim Dv must equal D (k and v have the same shape).
+
+    On a CPU (no GPU): set TRITON_INTERPRET=1 in the environment before flexmask (or triton)
+    is first imported and pass CPU tensors; the kernels then run in Triton's interpreter, exact
+    but slow (seconds for a few hundred tokens), for tests and trying things out.
 
     mask: None (full attention), a `flexmask.masks.Mask` (compiled once per shape and device,
     then cached on the mask), or a `CompiledMask` from `flexmask.compile_mask`.
@@ -151,6 +160,10 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     scale defaults to 1/sqrt(D). Rows that attend nothing give output 0 and LSE -inf (and zero
     gradients). Returns out (B, Hq, Sq, D), and with return_lse=True also the natural-log
     log-sum-exp (B, Hq, Sq) float32.
+
+    deterministic: None follows torch.are_deterministic_algorithms_enabled() at this call;
+    True gives gradients bitwise identical run to run (two-pass backward); False the fastest
+    backward (dQ accumulated with fp32 atomics, last bits vary run to run).
     """
     _check_qkv(q, k, v)
     batch, hq, sq, d = q.shape
@@ -161,6 +174,10 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if deterministic is None:  # resolved here, in Python, so the op gets a plain int (no graph break)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    elif not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be None or a bool, got {type(deterministic).__name__}")
 
     if sq == 0 or sk == 0:  # nothing to attend: zeros, LSE -inf, zero gradients
         out = q * 0.0
@@ -173,7 +190,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         tables = _spec_table_args(mask, sq, sk, q.device)
     _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out, lse = attention_fwd(q, k, v, *tables, float(scale))
+    out, lse = attention_fwd(q, k, v, *tables, float(scale), int(deterministic))
     return (out, lse) if return_lse else out
 
 

@@ -31,7 +31,11 @@ def attention_fwd(
     intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
     bwd_offsets: Tensor, bwd_num_full: Tensor, bwd_blocks: Tensor,
     mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, tiles_visited: int, scale: float,
+    deterministic: int = -1,
 ) -> tuple[Tensor, Tensor]:
+    """`deterministic` only travels to the backward: 1 the two-pass path (bitwise reproducible),
+    0 the fused path, -1 whatever torch.are_deterministic_algorithms_enabled() says when the
+    backward runs (flexmask.attention always resolves it to 0 or 1 at call time)."""
     cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
     return attention_forward(q, k, v, cm, scale)
@@ -39,7 +43,7 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
-      mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale):
+      mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic=-1):
     b, h, s, d = q.shape
     return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
 
@@ -50,29 +54,34 @@ def attention_bwd(
     intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
     bwd_offsets: Tensor, bwd_num_full: Tensor, bwd_blocks: Tensor,
     mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, tiles_visited: int, scale: float,
+    deterministic: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
     if do.stride(-1) != 1:
         do = do.contiguous()
-    return attention_backward(do, dlse, q, k, v, o, lse, cm, scale)
+    if deterministic < 0:
+        deterministic = int(torch.are_deterministic_algorithms_enabled())
+    return attention_backward(do, dlse, q, k, v, o, lse, cm, scale, deterministic=bool(deterministic))
 
 
 @attention_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full,
-      bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale):
+      bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic=-1):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 _TABLE_ARGS = slice(3, 10)  # positions of the mask tensors in attention_fwd's arguments
-_INT_ARGS = slice(10, 16)
+_INT_ARGS = slice(10, 17)  # ... scale, deterministic
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, *inputs[_TABLE_ARGS])
-    ctx.consts = inputs[_INT_ARGS]
+    ctx.consts = tuple(inputs[_INT_ARGS])
+    if len(ctx.consts) < 7:  # called without `deterministic`: its default
+        ctx.consts += (-1,)
 
 
 def _backward(ctx, do, dlse):
@@ -83,7 +92,7 @@ def _backward(ctx, do, dlse):
         dlse = dlse.contiguous()
     # d lse / d s is the softmax itself, so the backward folds dlse into D = rowsum(dO * O) - dlse
     dq, dk, dv = attention_bwd(do, dlse, q, k, v, o, lse, *tables, *ctx.consts)
-    return dq, dk, dv, *([None] * 13)
+    return dq, dk, dv, *([None] * 14)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -22,12 +22,12 @@ from conftest import (
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 
 
-def kernel_grads(q, k, v, mask, do, block_m=32, block_n=32, scale=None, dlse=None):
+def kernel_grads(q, k, v, mask, do, block_m=32, block_n=32, scale=None, dlse=None, deterministic=None):
     """(out, lse, dq, dk, dv) of the kernels for the loss sum(out * do) [+ sum(lse * dlse)]."""
     sq, sk = q.shape[2], k.shape[2]
     cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=block_m, block_n=block_n) if mask is not None else None
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    out, lse = flexmask.attention(q, k, v, mask=cm, scale=scale, return_lse=True)
+    out, lse = flexmask.attention(q, k, v, mask=cm, scale=scale, return_lse=True, deterministic=deterministic)
     loss = (out * do).sum()
     if dlse is not None:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse).sum()
@@ -248,13 +248,14 @@ def test_gradient_of_lse_alone():
 
 
 def test_deterministic():
-    """Two runs give bitwise identical gradients (no atomics), with a GQA group of 3."""
+    """Two runs of the deterministic path give bitwise identical gradients (no atomics), with a
+    GQA group of 3. (The default, fused path: tests/test_deterministic.py.)"""
     s, d = 120, 32
     mask = make_mask("document", s, s)
     q, k, v = make_qkv(1, 6, 2, s, s, d, BF16, seed=9)
     do = random_do(1, 6, s, d, BF16)
-    first = kernel_grads(q, k, v, mask, do, 32, 32)
-    second = kernel_grads(q, k, v, mask, do, 32, 32)
+    first = kernel_grads(q, k, v, mask, do, 32, 32, deterministic=True)
+    second = kernel_grads(q, k, v, mask, do, 32, 32, deterministic=True)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), first, second):
         assert torch.equal(a, b), f"{name} differs between two runs"
 

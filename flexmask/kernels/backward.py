@@ -1,4 +1,5 @@
-"""FlashAttention-2 backward in Triton: preprocess, dK/dV, dQ.
+"""FlashAttention-2 backward in Triton: preprocess, dK/dV, dQ (the deterministic two-pass path),
+and the launcher that picks it or the fused path of backward_fused.py.
 
 preprocess  D = rowsum(dO * O) - dLSE, and the LSE in log2 units with empty rows at +inf
             (so P = exp2(s - lse) is exactly 0 there, never NaN).
@@ -7,7 +8,8 @@ dK/dV       one program per (BLOCK_N kv rows, batch x kv head); walks the q-bloc
             the group is reduced in registers: no atomics, no repeated K/V.
 dQ          one program per (BLOCK_M q rows, batch x query head); walks the forward table.
 Both passes recompute P from the saved LSE. Nothing is accumulated with atomics, so the
-gradients are bitwise identical from run to run.
+gradients are bitwise identical from run to run. The fused path (deterministic=False) shares
+the preprocess, which then also zeroes its fp32 dQ accumulator.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import backward_config, backward_uses_tma
+from .backward_fused import fused_backward
+from .configs import backward_config, backward_fused_config, backward_fused_uses_tma, backward_uses_tma
 from .forward import LOG2E, mask_broadcast, precision_for
 from .masking import (block_source, column_intervals, load_block, mask_row, masked_elements, masked_elements_t,
                       row_stats)
@@ -25,10 +28,11 @@ from .tma import prepare_tma, tma_enabled
 
 @triton.jit(do_not_specialize=["Sq"])
 def _preprocess_kernel(
-    O, DO, DLSE, LSE, STATS,
+    O, DO, DLSE, LSE, STATS, DQ_ACC,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     Sq, HQ,
-    HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -50,6 +54,9 @@ def _preprocess_kernel(
     p_stats = STATS + pid_bh.to(tl.int64) * 2 * Sq + o_m  # planar [2, Sq] per (batch, head)
     tl.store(p_stats, lse2, mask=o_m < Sq)
     tl.store(p_stats + Sq, delta, mask=o_m < Sq)
+    if ZERO_DQ:  # the fused path's fp32 dQ accumulator [B * Hq, Sq, HEAD_DIM], zeroed here
+        p_acc = DQ_ACC + o_row[:, None] * HEAD_DIM + o_d[None, :]
+        tl.store(p_acc, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=m_md)
 
 
 @triton.jit
@@ -305,28 +312,37 @@ def _dq_kernel(
     )
 
 
-def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=None, use_tma=None):
+def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=None, use_tma=None,
+                       deterministic: bool = True, fused_config=None):
     """Gradients (dq, dk, dv) of `attention_forward`; dlse (or None) is the gradient of the LSE.
-    `configs` ((dK/dV, dQ) LaunchConfigs) and `use_tma` override the defaults (tuning, tests)."""
+
+    deterministic=True runs the two-pass path (dK/dV, then dQ; bitwise reproducible);
+    False the fused path of backward_fused.py (dQ by fp32 atomics) where
+    configs.backward_fused_config offers one, else the two-pass path.
+    `configs` ((dK/dV, dQ) LaunchConfigs), `fused_config` and `use_tma` override the defaults
+    (tuning, tests)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
+    cfg_fused = None
+    if not deterministic:
+        cfg_fused = fused_config or backward_fused_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
     stats = torch.empty(batch * hq, 2, sq, dtype=torch.float32, device=q.device)  # (LSE log2, D) rows
+    dq_acc = torch.empty(batch * hq, sq, d, dtype=torch.float32, device=q.device) if cfg_fused else stats
     pre_m = 64
     _preprocess_kernel[(triton.cdiv(sq, pre_m), batch * hq)](
-        o, do, dlse if dlse is not None else lse, lse, stats,
+        o, do, dlse if dlse is not None else lse, lse, stats, dq_acc,
         o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         sq, hq,
-        HAS_DLSE=dlse is not None, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
+        HAS_DLSE=dlse is not None, ZERO_DQ=cfg_fused is not None, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
     )
 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    cfg_kv, cfg_q = configs or backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
     if use_tma is None:
         walk = cm.num_tiles_visited / max(1, cm.batch * cm.heads * cm.num_kv_blocks)  # tiles per program
-        use_tma = backward_uses_tma(d, q.dtype, q.device, walk)
+        use_tma = (backward_fused_uses_tma if cfg_fused else backward_uses_tma)(d, q.dtype, q.device, walk)
     tma = tma_enabled(use_tma, q, k, v, do)
     if tma:
         prepare_tma(q.device)
@@ -335,6 +351,11 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     # whole tiles need no bounds checks
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, TILE_M=cm.block_m, TILE_N=cm.block_n, PRECISION=precision,
                   USE_TMA=tma, EVEN_M=sq % cm.block_m == 0, EVEN_N=sk % cm.block_n == 0)
+    if cfg_fused:
+        fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale, cfg_fused, tma, (mb, mdiv, mh),
+                       precision, common)
+        return dq, dk, dv
+    cfg_kv, cfg_q = configs or backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
     kv_per_bh = triton.cdiv(sk, cfg_kv.block_n)
     _dkdv_kernel[(kv_per_bh * batch * hkv,)](
         q, k, v, do, stats, dk, dv,

@@ -91,6 +91,35 @@ def backward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], de
     return _clip(dkdv, tile_m, tile_n, step=tile_m), _clip(dq, tile_m, tile_n, step=tile_n)
 
 
+# Which backward runs where (backward.attention_backward; `deterministic` comes from
+# flexmask.attention):
+#   deterministic=True            two-pass path (dK/dV kernel, then dQ kernel): bitwise reproducible.
+#   deterministic=False           fused path (backward_fused.py: 5 products per tile pair, dQ by fp32
+#                                 atomics) wherever backward_fused_config returns a config:
+#                                 - CPU interpreter: every dtype and head dim (the tests cover it);
+#                                 - CUDA: fp16/bf16 with head dim <= 128.
+#                                 Elsewhere (CUDA fp32, head dims above 128) the two-pass path runs.
+def backward_fused_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], device) -> LaunchConfig | None:
+    """Config of the fused backward kernel (block_n kv rows per program, block_m q rows per
+    step), or None where the two-pass path runs instead (see the table above)."""
+    tile_m, tile_n = tile
+    if torch.device(device).type != "cuda":
+        return _clip(LaunchConfig(64, 64, 4, 1, masked_block=32), tile_m, tile_n, step=tile_m)
+    block_d = _head_block(head_dim)
+    if dtype == torch.float32 or block_d > 128:
+        return None
+    if block_d <= 64:
+        cfg = LaunchConfig(64, 128, 8, 2, masked_block=32)
+    else:
+        cfg = LaunchConfig(64, 128, 8, 2, masked_block=32)
+    return _clip(cfg, tile_m, tile_n, step=tile_m)
+
+
+def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_program: float) -> bool:
+    """TMA descriptor loads of Q/dO in the fused backward: as in the two-pass dK/dV kernel."""
+    return backward_uses_tma(head_dim, dtype, device, tiles_per_program)
+
+
 def _clip(cfg: LaunchConfig, tile_m: int, tile_n: int, step: int) -> LaunchConfig:
     masked = min(cfg.masked_block, step) if cfg.masked_block else None
     return LaunchConfig(min(cfg.block_m, tile_m), min(cfg.block_n, tile_n), cfg.num_warps, cfg.num_stages,
