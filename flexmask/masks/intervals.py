@@ -63,48 +63,6 @@ def canonicalize(iv: torch.Tensor, q_len: int) -> torch.Tensor:
     return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32)
 
 
-def _merge(ivs: torch.Tensor, q_len: int, what: str) -> torch.Tensor:
-    """ivs: [B, H, Sk, k, 2] (start, end) intervals per column, any order, possibly empty or
-    overlapping. Returns their union as canonical int32 [B, H, Sk, 4]; raises if a column needs
-    more than two disjoint intervals."""
-    start = ivs[..., 0].clamp(0, q_len)
-    end = ivs[..., 1].clamp(0, q_len)
-    empty = end <= start
-    # empties sort last and never merge
-    start = torch.where(empty, q_len + 1, start)
-    end = torch.where(empty, q_len + 1, end)
-    start, order = start.sort(dim=-1)
-    end = end.gather(-1, order)
-    # an interval opens a new group when it starts after every earlier end (touching merges)
-    prev_end = torch.cummax(end, dim=-1).values
-    prev_end = torch.cat([torch.full_like(prev_end[..., :1], -1), prev_end[..., :-1]], dim=-1)
-    new_group = (start > prev_end) & (start <= q_len)
-    group = torch.cumsum(new_group.to(torch.int64), dim=-1) - 1  # -1 before the first group
-    n_groups = new_group.sum(-1)
-    if bool((n_groups > 2).any()):
-        bad = (n_groups > 2).nonzero()[0].tolist()
-        b, h, j = bad
-        raise ValueError(
-            f"{what}: column {j} (batch {b}, head {h}) needs {int(n_groups[b, h, j])} disjoint masked "
-            f"row intervals, but a column holds at most 2 ([LTS, LTE) and [UTS, UTE))"
-        )
-    big = q_len + 1
-    valid = start <= q_len
-    g0 = valid & (group == 0)
-    g1 = valid & (group == 1)
-    s0 = torch.where(g0, start, big).amin(-1)
-    e0 = torch.where(g0, end, -1).amax(-1)
-    s1 = torch.where(g1, start, big).amin(-1)
-    e1 = torch.where(g1, end, -1).amax(-1)
-    has0, has1 = n_groups >= 1, n_groups >= 2
-    # two groups: the later one is the "lower" (LTS, LTE) interval; one group: lower slot
-    lts = torch.where(has1, s1, torch.where(has0, s0, _EMPTY))
-    lte = torch.where(has1, e1, torch.where(has0, e0, _EMPTY))
-    uts = torch.where(has1, s0, _EMPTY)
-    ute = torch.where(has1, e0, _EMPTY)
-    return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32)
-
-
 # --- builders ------------------------------------------------------------------------
 
 
@@ -268,6 +226,21 @@ def _explicit_rows(name: str, t: torch.Tensor, g: _Geometry) -> torch.Tensor:
     return t
 
 
+def _startend_rows(idx: torch.Tensor, g: _Geometry) -> torch.Tensor:
+    """FlashMask's reading of row indices (DESIGN.md 2.2): an index above q_len means "to the last
+    row" (its own generators fill columns with kv_len when q_len < kv_len), a negative one is an
+    error."""
+    idx = idx.to(device=g.device, dtype=torch.int64)
+    negative = idx < 0
+    if bool(negative.any()):
+        pos = negative.nonzero()[0].tolist()
+        raise ValueError(
+            f"startend_row_indices{pos} is {int(idx[tuple(pos)])}: row indices must be >= 0 "
+            f"(indices above q_len={g.q_len} read as q_len)"
+        )
+    return idx.clamp(max=g.q_len)
+
+
 def _check_ordered(lo_name, lo, hi_name, hi):
     bad = hi < lo
     if bool(bad.any()):
@@ -299,7 +272,7 @@ def _from_startend(m, g):
         raise ValueError(
             f"startend_row_indices must have kv_len={g.kv_len} columns (dim 2), got shape {tuple(idx.shape)}"
         )
-    idx = _explicit_rows("startend_row_indices", idx.movedim(-1, 0), g)  # [n, B, H, Sk]
+    idx = _startend_rows(idx, g).movedim(-1, 0)  # [n, B, H, Sk]
     n = idx.shape[0]
     q_end = g.full_like_cols(g.q_len)
     if causal:
@@ -313,18 +286,95 @@ def _from_startend(m, g):
     return _pack(idx[0], idx[1], idx[2], idx[3])
 
 
-def _combined(m, g):
-    a = build_intervals(m.a, g.q_len, g.kv_len, g.device).long()
-    b = build_intervals(m.b, g.q_len, g.kv_len, g.device).long()
-    a, b = torch.broadcast_tensors(a, b)
-    a, b = a.view(*a.shape[:-1], 2, 2), b.view(*b.shape[:-1], 2, 2)
+# --- composition: several masked runs per column while composing ------------------------
+#
+# `a & b` and `a | b` work on "runs": [B, H, Sk, K, 2] (start, end) masked row ranges per
+# column, sorted, disjoint and not touching, empty slots (q_len + 1, q_len + 1) last. Unions
+# and intersections of runs stay exact whatever K is, so an expression such as
+# `(sliding_window(0) | b) & causal()` may pass through three runs per column on its way to a
+# result that fits the two of the canonical form; only that final result is checked.
+
+
+def _runs_of(iv: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Canonical [B, H, Sk, 4] -> runs [B, H, Sk, 2, 2] (the (UTS, UTE) slot holds the lower rows)."""
+    iv = iv.long()
+    return _normalize_runs(torch.stack([iv[..., 2:4], iv[..., 0:2]], dim=-2), q_len, 2)
+
+
+def _normalize_runs(ivs: torch.Tensor, q_len: int, k_out: int) -> torch.Tensor:
+    """Union of any (start, end) intervals [..., K, 2] as sorted runs [..., k_out, 2] (the caller
+    guarantees that no column has more than k_out runs). Sort by start, then a sweep: an interval
+    opens a new run when it starts after every earlier end (touching intervals merge)."""
+    empty_row = q_len + 1
+    start = ivs[..., 0].clamp(0, q_len)
+    end = ivs[..., 1].clamp(0, q_len)
+    empty = end <= start
+    start = torch.where(empty, empty_row, start)
+    end = torch.where(empty, empty_row, end)
+    start, order = start.sort(dim=-1)
+    end = end.gather(-1, order)
+    valid = start <= q_len
+    prev_end = torch.cummax(end, dim=-1).values
+    prev_end = torch.cat([torch.full_like(prev_end[..., :1], -1), prev_end[..., :-1]], dim=-1)
+    new_run = valid & (start > prev_end)
+    run = torch.cumsum(new_run.long(), dim=-1) - 1
+    k_in = start.shape[-1]
+    slot = torch.where(valid, run, k_in)  # invalid entries land in a spare slot, dropped below
+    shape = (*start.shape[:-1], k_in + 1)
+    run_start = torch.full(shape, empty_row, dtype=start.dtype, device=start.device)
+    run_start = run_start.scatter_reduce(-1, slot, start, "amin")
+    run_end = torch.full(shape, -1, dtype=end.dtype, device=end.device).scatter_reduce(-1, slot, end, "amax")
+    run_end = torch.where(run_start > q_len, empty_row, run_end)
+    runs = torch.stack([run_start, run_end], dim=-1)[..., :k_in, :]
+    if k_out <= k_in:
+        return runs[..., :k_out, :]
+    pad = torch.full((*runs.shape[:-2], k_out - k_in, 2), empty_row, dtype=runs.dtype, device=runs.device)
+    return torch.cat([runs, pad], dim=-2)
+
+
+def _compose_runs(m, g: _Geometry) -> torch.Tensor:
+    """Runs [B, H, Sk, K, 2] of mask m; a union of Ka and Kb runs has at most Ka + Kb runs, an
+    intersection at most Ka + Kb - 1."""
+    if m.kind not in ("and", "or"):
+        return _runs_of(build_intervals(m, g.q_len, g.kv_len, g.device), g.q_len)
+    a, b = _compose_runs(m.a, g), _compose_runs(m.b, g)
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a, b = a.expand(*lead, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:])
+    ka, kb = a.shape[-2], b.shape[-2]
     if m.op == "and":  # attend where both attend: masked where either masks
-        ivs = torch.cat([a, b], dim=-2)
-    else:  # attend where either attends: masked where both mask (pairwise intersections)
-        start = torch.maximum(a[..., :, None, 0], b[..., None, :, 0])
-        end = torch.minimum(a[..., :, None, 1], b[..., None, :, 1])
-        ivs = torch.stack([start, end], dim=-1).flatten(-3, -2)
-    return _merge(ivs, g.q_len, what=repr(m))
+        return _normalize_runs(torch.cat([a, b], dim=-2), g.q_len, ka + kb)
+    # attend where either attends: masked where both mask (pairwise intersections)
+    start = torch.maximum(a[..., :, None, 0], b[..., None, :, 0])
+    end = torch.minimum(a[..., :, None, 1], b[..., None, :, 1])
+    return _normalize_runs(torch.stack([start, end], dim=-1).flatten(-3, -2), g.q_len, ka + kb - 1)
+
+
+def _format_runs(runs: torch.Tensor) -> str:
+    return ", ".join(f"[{s}, {e})" for s, e in runs.tolist())
+
+
+def _combined(m, g):
+    runs = _compose_runs(m, g)
+    count = (runs[..., 0] <= g.q_len).sum(-1)
+    if runs.shape[-2] > 2 and bool((count > 2).any()):
+        b, h, j = (count > 2).nonzero()[0].tolist()
+        n = int(count[b, h, j])
+        raise ValueError(
+            f"the composed mask needs {n} intervals in key column {j} (batch {b}, head {h}): it masks "
+            f"query rows {_format_runs(runs[b, h, j, :n])} there, but a column holds at most 2 masked "
+            f"row intervals ([LTS, LTE) and [UTS, UTE))"
+        )
+    runs = runs[..., :2, :]
+    if runs.shape[-2] < 2:
+        runs = _normalize_runs(runs, g.q_len, 2)
+    lower, upper = runs[..., 0, :], runs[..., 1, :]  # upper slot: the run of higher rows (or empty)
+    has_upper = upper[..., 0] <= g.q_len
+    has_lower = lower[..., 0] <= g.q_len
+    lts = torch.where(has_upper, upper[..., 0], torch.where(has_lower, lower[..., 0], _EMPTY))
+    lte = torch.where(has_upper, upper[..., 1], torch.where(has_lower, lower[..., 1], _EMPTY))
+    uts = torch.where(has_upper, lower[..., 0], _EMPTY)
+    ute = torch.where(has_upper, lower[..., 1], _EMPTY)
+    return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32)
 
 
 _BUILDERS = {

@@ -32,6 +32,7 @@ __all__ = [
     "random_eviction",
     "column_intervals",
     "from_startend_row_indices",
+    "kv_cache",
 ]
 
 
@@ -70,14 +71,16 @@ class Mask:
 
     # -- composition -----------------------------------------------------------------
     def __and__(self, other: Mask) -> Mask:
-        if not isinstance(other, Mask):
-            return NotImplemented
-        return Combined("and", self, other)
+        return Combined("and", self, _check_operand("&", self, other))
 
     def __or__(self, other: Mask) -> Mask:
-        if not isinstance(other, Mask):
-            return NotImplemented
-        return Combined("or", self, other)
+        return Combined("or", self, _check_operand("|", self, other))
+
+    def __rand__(self, other) -> Mask:  # `1 & mask`: the same clear error as `mask & 1`
+        raise _operand_error("&", other, self)
+
+    def __ror__(self, other) -> Mask:
+        raise _operand_error("|", other, self)
 
     # -- materialisation (delegated, so this module stays free of the interval math) ----
     def intervals(self, q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -123,6 +126,22 @@ class Combined(Mask):
     def __repr__(self) -> str:
         sym = "&" if self.op == "and" else "|"
         return f"({self.a!r} {sym} {self.b!r})"
+
+
+def _check_operand(op: str, mask: Mask, other) -> Mask:
+    if not isinstance(other, Mask):
+        raise _operand_error(op, mask, other)
+    return other
+
+
+def _operand_error(op: str, left, right) -> TypeError:
+    """Python's own message would name our internal classes; say what combines instead."""
+    def name(x):
+        return repr(x) if isinstance(x, Mask) else f"{type(x).__name__} {x!r}"
+
+    return TypeError(
+        f"masks combine only with other masks (flexmask.masks builders): got {name(left)} {op} {name(right)}"
+    )
 
 
 def _short(v):
@@ -426,10 +445,16 @@ def from_startend_row_indices(startend_row_indices: torch.Tensor, causal: bool) 
     False   2    [LTS_j, q_len) ∪ [0, UTE_j)   (the columns hold LTS, UTE)
     False   4    [LTS_j, LTE_j) ∪ [UTS_j, UTE_j)
     ======  ===  ==========================================================
+
+    As in FlashMask (whose generators fill columns with kv_len when q_len < kv_len), an index
+    above q_len means "to the last row" and reads as q_len; a negative index is a ValueError.
     """
     idx = startend_row_indices
     if not isinstance(idx, torch.Tensor):
-        raise TypeError(f"startend_row_indices must be a torch.Tensor, got {type(idx).__name__}")
+        got = type(idx).__name__
+        if isinstance(idx, Mask):
+            got = f"the mask {idx!r} (a mask goes to flexmask.attention as mask=)"
+        raise TypeError(f"startend_row_indices must be a torch.Tensor, got {got}")
     if idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"startend_row_indices must be int32 (or int64), got dtype {idx.dtype}")
     if idx.dim() != 4:
@@ -443,3 +468,44 @@ def from_startend_row_indices(startend_row_indices: torch.Tensor, causal: bool) 
             f"{_STARTEND_WIDTHS[causal]}, got {n}"
         )
     return _Simple("from_startend_row_indices", startend_row_indices=idx, causal=causal)
+
+
+def kv_cache(kv_lengths, causal: bool = True) -> Mask:
+    """Ragged KV caches: batch row b holds ``kv_lengths[b]`` valid keys at the front of its
+    cache of kv_len slots, and its q_len queries are the last tokens of that row: query i
+    sits at position ``kv_lengths[b] - q_len + i``. It attends keys ``j < kv_lengths[b]``,
+    and with ``causal`` only ``j <= kv_lengths[b] - q_len + i``. A query whose position is
+    negative (q_len > kv_lengths[b]) attends nothing: output 0, LSE -inf.
+    ::
+        kv_lengths=[4, 6], q_len=2, kv_len=6, causal
+        row 0:  ###...    row 1:  #####.
+                ####..            ######
+
+    Composition (``&``, ``|``): the positions of the other masks follow this one. In
+    ``kv_cache(L) & sliding_window(w)`` the window of query i of row b is relative to its
+    cache position ``L[b] - q_len + i``, not to ``kv_len - q_len + i``; the same holds for
+    every position-based family (documents, prefix-LM, ...). Masks given as explicit query
+    rows (``column_intervals``, ``from_startend_row_indices``) keep their rows.
+
+    ``kv_lengths``: a list of ints (one per batch row) or a 1-D integer tensor. A tensor on
+    a GPU stays there: the intervals are computed on the device with no host sync, so its
+    values are not checked (out-of-range lengths are clamped to [0, kv_len]); lists and CPU
+    tensors are checked (0 <= kv_lengths[b] <= kv_len). The lengths are copied when the mask
+    is built: change them by building a new mask (cheap), not by editing the tensor.
+    """
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if isinstance(kv_lengths, torch.Tensor):
+        if kv_lengths.dtype.is_floating_point or kv_lengths.dtype.is_complex or kv_lengths.dtype == torch.bool:
+            raise TypeError(f"kv_lengths must be an integer tensor, got dtype {kv_lengths.dtype}")
+        if kv_lengths.dim() != 1 or kv_lengths.numel() == 0:
+            raise ValueError(f"kv_lengths must be a 1-D tensor with one length per batch row, got shape {tuple(kv_lengths.shape)}")
+        if kv_lengths.device.type == "cpu" and bool((kv_lengths < 0).any()):
+            b = int((kv_lengths < 0).nonzero()[0])
+            raise ValueError(f"kv_lengths must be >= 0, got kv_lengths[{b}]={int(kv_lengths[b])}")
+        lengths = kv_lengths.detach().to(torch.int64, copy=True)
+    else:
+        if not isinstance(kv_lengths, Sequence) or isinstance(kv_lengths, str) or len(kv_lengths) == 0:
+            raise TypeError(f"kv_lengths must be a non-empty list of ints or a 1-D integer tensor, got {kv_lengths!r}")
+        lengths = [_check_int(f"kv_lengths[{b}]", v) for b, v in enumerate(kv_lengths)]
+    return _Simple("kv_cache", kv_lengths=lengths, causal=causal)
