@@ -81,8 +81,9 @@ class PlanCache:
         if identity_key is not None:
             self._by_identity[(identity_key, extra)] = (tuple(tensors), compiled)  # tensors kept alive
             _trim(self._by_identity, self.size)
-        self._by_value[(value_key, extra)] = compiled
-        _trim(self._by_value, self.size)
+        if value_key is not None:
+            self._by_value[(value_key, extra)] = compiled
+            _trim(self._by_value, self.size)
 
     def clear(self) -> None:
         self._by_identity.clear()
