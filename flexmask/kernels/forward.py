@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import forward_config, forward_uses_tma
+from .configs import forward_config, forward_path, forward_uses_tma
 from .masking import block_source, column_intervals, load_block, mask_row, masked_elements
 from .tma import prepare_tma, tma_enabled
 
@@ -145,12 +145,22 @@ def precision_for(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None):
+def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, kernel=None):
     """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), last dim contiguous; cm a CompiledMask for
     (Sq, Sk) on q's device. Returns (o (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32).
-    `config` (a LaunchConfig) and `use_tma` override the defaults (for tuning and tests)."""
+    `kernel` ("hopper" or "portable") overrides `configs.forward_path`; `config` (a
+    LaunchConfig) and `use_tma` override the portable kernel's defaults (tuning and tests)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
+    if kernel is None:
+        kernel = "portable" if config is not None or use_tma is not None else forward_path(q, cm)
+    if kernel == "hopper":
+        from . import forward_hopper  # Gluon: imported only where it can run
+
+        if forward_hopper.supports(q, k, v, cm):
+            return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_broadcast(cm, batch, hq, hkv))
+    elif kernel != "portable":
+        raise ValueError(f"kernel must be 'hopper', 'portable' or None, got {kernel!r}")
     o = torch.empty_like(q)  # q's memory layout: (B, S, H, D) views stay (B, S, H, D) buffers
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
     cfg = config or forward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)

@@ -1,0 +1,381 @@
+"""Hopper (sm_90) forward in Gluon: persistent, warp-specialised, walking the same tile tables.
+
+Why a second forward: the portable kernel (forward.py) leaves the tensor cores idle while it
+computes each tile's softmax, and every program waits for its own K/V loads. Here
+- one persistent program per SM takes (q-block, batch x head) work items from a list sorted
+  by tile count, heaviest first, so causal, document and random masks end together;
+- a one-warp producer partition streams Q, K and V through TMA (host-built descriptors) into
+  a ring of shared-memory stages, signalled by mbarriers;
+- the 8-warp consumer (two warpgroups, 64 query rows each) issues S = Q K^T for tile j
+  asynchronously while the tensor cores still run O += P V of tile j-1, and does the softmax
+  of tile j in between (FlashAttention-3's intra-warpgroup overlap);
+- O and l are rescaled only when some row's maximum grows by more than 2^8 (the stale
+  maximum keeps every P <= 256: exact in fp32, representable in bf16/fp16).
+PARTIAL tiles are walked first and masked from the column intervals; FULL tiles get no mask
+arithmetic. Rows that attend nothing give O = 0 and LSE = -inf.
+
+Gluon kernels do not run under the CPU interpreter: `configs.forward_path` sends the
+interpreter, pre-Hopper GPUs, fp32 and other head dims to the portable kernel, and the GPU
+tests compare the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = 1.4426950408889634
+PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the one-warp TMA producer
+RESCALE_THRESHOLD = gl.constexpr(8.0)  # log2 units: P may reach 2^8 before O and l are rescaled
+FINITE_FLOOR = gl.constexpr(-1.0e30)  # the running maximum starts here: exp2(-inf - max) is 0, never NaN
+
+
+@gluon.jit
+def _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg):
+    """(first FULL entry, first PARTIAL entry, end) of one q-block's kv-block list."""
+    t_lo = gl.load(FWD_OFFSETS + seg)
+    t_mid = t_lo + gl.load(FWD_NUM_FULL + seg)
+    t_hi = gl.load(FWD_OFFSETS + seg + 1)
+    return t_lo, t_mid, t_hi
+
+
+@gluon.jit
+def _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
+    """Work item w of the heaviest-first list: (batch, query head, q-block, table segment)."""
+    item = gl.load(WORK + w)
+    bh = item // NQB
+    m = item % NQB
+    b = bh // HQ
+    h = bh % HQ
+    row = b * MASK_B_STRIDE + (h // MASK_H_DIV) * MASK_H_STRIDE
+    return b, h, m, row * NQB + m
+
+
+@gluon.jit
+def _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i):
+    """The i-th kv-block of the walk (PARTIAL entries first, then FULL) and whether it is PARTIAL."""
+    n_partial = t_hi - t_mid
+    is_partial = i < n_partial
+    t = gl.where(is_partial, t_mid + i, t_lo + i - n_partial)
+    return gl.load(FWD_BLOCKS + t), is_partial
+
+
+@gluon.jit
+def _producer(
+    q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
+    WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):
+    """One warp: TMA loads of each work item's Q block, then of its K and V tiles in walk order."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    kv_count = 0
+    item_count = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, m, seg = _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+        t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
+        hk = h // GROUP
+        mbarrier.wait(q_empty, (item_count & 1) ^ 1)
+        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b * Q_X_B + h * Q_X_H, m * BLOCK_M, h * Q_C_H], q_ready, q_smem)
+        x_kv = b * KV_X_B + hk * KV_X_H
+        c_kv = hk * KV_C_H
+        for i in range(t_hi - t_lo):
+            n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
+            s = kv_count % STAGES
+            phase = (kv_count // STAGES) & 1
+            mbarrier.wait(k_empty.index(s), phase ^ 1)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [x_kv, n * BLOCK_N, c_kv], k_ready.index(s), k_bufs.index(s))
+            mbarrier.wait(v_empty.index(s), phase ^ 1)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [x_kv, n * BLOCK_N, c_kv], v_ready.index(s), v_bufs.index(s))
+            kv_count += 1
+        item_count += 1
+
+
+@gluon.jit
+def _masked_scores(s, INTV, row, n, Sk, o_m, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """-inf where (row o_m, column) of a PARTIAL tile is masked or past Sk: one unsigned compare
+    per interval, start <= r < end  <=>  (r - start) <u (end - start)."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+    in_k = o_n < Sk
+    p_intv = INTV + row.to(gl.int64) * 4 * Sk + o_n
+    rows = gl.expand_dims(o_m, 1)
+    # one interval at a time: each column vector costs BLOCK_N / 4 registers per thread
+    lts = gl.load(p_intv, mask=in_k, other=0)
+    lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)  # past Sk: every row masked
+    width = (lte - lts).to(gl.uint32, bitcast=True)
+    lower = (rows - gl.expand_dims(lts, 0)).to(gl.uint32, bitcast=True) < gl.expand_dims(width, 0)
+    s = gl.where(lower, float("-inf"), s)
+    uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
+    ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
+    width = (ute - uts).to(gl.uint32, bitcast=True)
+    upper = (rows - gl.expand_dims(uts, 0)).to(gl.uint32, bitcast=True) < gl.expand_dims(width, 0)
+    return gl.where(upper, float("-inf"), s)
+
+
+@gluon.jit
+def _softmax_step(s, m_used, l_i, qk_scale, RESCALE_AT: gl.constexpr):
+    """One tile's online-softmax update with a lazily moved maximum. Returns (p, m_used, l_i,
+    alpha, rescale): when `rescale` is False, O needs no multiplication this step."""
+    m_tile = gl.max(s, 1) * qk_scale
+    rescale = gl.max(m_tile - m_used, 0) > RESCALE_AT
+    if rescale:
+        m_new = gl.maximum(m_used, m_tile)
+        alpha = gl.exp2(m_used - m_new)
+        l_i = l_i * alpha
+        m_used = m_new
+    else:
+        alpha = gl.full_like(m_used, 1.0)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_used, 1))
+    l_i = l_i + gl.sum(p, 1)
+    return p, m_used, l_i, alpha, rescale
+
+
+@gluon.jit
+def _consumer(
+    q_smem, k_bufs, v_bufs, bars,
+    O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    stride_ob, stride_oh, stride_om,
+    Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    dtype: gl.constexpr = q_smem.dtype
+    # S = Q K^T: [BLOCK_M, BLOCK_N]; O += P V: [BLOCK_M, HEAD_DIM]; one wgmma row slab per warpgroup
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_view = q_smem.reshape([BLOCK_M, HEAD_DIM])
+
+    kv_count = 0
+    item_count = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, m, seg = _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+        t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
+        row = seg // NQB
+        o_m = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+        m_used = gl.full([BLOCK_M], FINITE_FLOOR, gl.float32, layout=row_layout)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        n_tiles = t_hi - t_lo
+        mbarrier.wait(q_ready, item_count & 1)
+        if n_tiles > 0:
+            # tile 0: S = Q K^T, softmax
+            n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, 0)
+            s_idx = kv_count % STAGES
+            mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
+            k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+            s = warpgroup_mma(q_view, k_t, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.arrive(k_empty.index(s_idx), count=1)
+            if is_partial:
+                s = _masked_scores(s, INTV, row, n, Sk, o_m, BLOCK_N, s_layout)
+            p, m_used, l_i, alpha, rescale = _softmax_step(s, m_used, l_i, qk_scale, RESCALE_THRESHOLD)
+            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+            prev_idx = s_idx
+            prev_phase = (kv_count // STAGES) & 1
+            kv_count += 1
+            for i in range(1, n_tiles):
+                n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
+                s_idx = kv_count % STAGES
+                mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
+                k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                s = warpgroup_mma(q_view, k_t, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+                # O += P V of the previous tile runs on the tensor cores during this tile's softmax
+                mbarrier.wait(v_ready.index(prev_idx), prev_phase)
+                acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s,))
+                mbarrier.arrive(k_empty.index(s_idx), count=1)
+                if is_partial:
+                    s = _masked_scores(s, INTV, row, n, Sk, o_m, BLOCK_N, s_layout)
+                p, m_used, l_i, alpha, rescale = _softmax_step(s, m_used, l_i, qk_scale, RESCALE_THRESHOLD)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(v_empty.index(prev_idx), count=1)
+                if rescale:
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                p_prev = gl.convert_layout(p.to(dtype), p_layout)
+                prev_idx = s_idx
+                prev_phase = (kv_count // STAGES) & 1
+                kv_count += 1
+            mbarrier.wait(v_ready.index(prev_idx), prev_phase)
+            acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(prev_idx), count=1)
+        mbarrier.arrive(q_empty, count=1)
+        item_count += 1
+
+        # epilogue: O = acc / l (0 for rows that attend nothing), LSE in natural log
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        empty = l_o == 0.0
+        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 1)
+        om_o = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        od_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        p_o = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+               + gl.expand_dims(om_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(od_o, 0))
+        gl.store(p_o, out.to(dtype), mask=gl.expand_dims(om_o < Sq, 1))
+        empty_r = l_i == 0.0
+        lse = gl.where(empty_r, float("-inf"), (m_used + gl.log2(gl.where(empty_r, 1.0, l_i))) * 0.6931471805599453)
+        gl.store(LSE + (b * HQ + h).to(gl.int64) * Sq + o_m, lse, mask=o_m < Sq)
+
+
+@gluon.jit
+def _forward_hopper_kernel(
+    q_desc, k_desc, v_desc, O, LSE,
+    INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    stride_ob, stride_oh, stride_om,
+    Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+    qk_scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)  # [1, BLOCK_M, HEAD_DIM]
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # [STAGES, 1, BLOCK_N, HEAD_DIM]
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
+    fence_async_shared()
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_bufs, v_bufs, bars,
+                     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     stride_ob, stride_oh, stride_om,
+                     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
+                     WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+                     BLOCK_M, BLOCK_N, STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
+# --- host side -----------------------------------------------------------------------------
+
+def _matrix_view(t: torch.Tensor):
+    """A 3-D view (X, S, W) of a (B, H, S, D) tensor for a TMA descriptor, and how (b, h) map to
+    its coordinates: x = b * x_b + h * x_h, column = h * c_h. None when the strides fit neither
+    the (B, H, S, D) nor the (B, S, H, D) memory order."""
+    batch, heads, seq, dim = t.shape
+    sb, sh, sn, sd = t.stride()
+    if sd != 1:
+        return None
+    if heads == 1 or sb == heads * sh or batch == 1:  # heads merge into X
+        if heads == 1:
+            sh = sb if batch > 1 else seq * sn
+        if batch > 1 and heads > 1 and sb != heads * sh:
+            return None
+        return (batch * heads, seq, dim), (sh, sn, 1), (heads, 1, 0)
+    if sh * (heads - 1) + dim <= sn:  # heads side by side in each row: (B, S, H, D)
+        return (batch, seq, sh * (heads - 1) + dim), (sb, sn, 1), (1, 0, sh)
+    return None
+
+
+def _descriptor(t: torch.Tensor, block_rows: int):
+    view = _matrix_view(t)
+    if view is None:
+        return None
+    shape, strides, coords = view
+    elem = t.element_size()
+    if t.data_ptr() % 16 or any((s * elem) % 16 for s in strides[:-1]):
+        return None
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    block = [1, block_rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(shape), list(strides), block, layout), coords
+
+
+_WORK_CACHE: dict = {}  # id(fwd_offsets) -> (weak reference to it, {launch key: work list})
+
+
+def work_list(cm, batch: int, q_heads: int, mask_map: tuple[int, int, int]) -> torch.Tensor:
+    """(batch x head, q-block) items packed as bh * NQB + m, ordered by their tile count,
+    heaviest first (cached per tile table: the order depends only on the mask)."""
+    entry = _WORK_CACHE.get(id(cm.fwd_offsets))
+    if entry is None or entry[0]() is not cm.fwd_offsets:
+        for key in [k for k, (ref, _) in _WORK_CACHE.items() if ref() is None]:
+            del _WORK_CACHE[key]
+        entry = _WORK_CACHE[id(cm.fwd_offsets)] = (weakref.ref(cm.fwd_offsets), {})
+    per_table = entry[1]
+    key = (batch, q_heads, mask_map)
+    if key not in per_table:
+        nqb = cm.num_q_blocks
+        mb, mdiv, mh = mask_map
+        counts = (cm.fwd_offsets[1:] - cm.fwd_offsets[:-1]).view(-1, nqb)  # [mask rows, NQB]
+        bh = torch.arange(batch * q_heads, device=counts.device)
+        rows = (bh // q_heads) * mb + ((bh % q_heads) // mdiv) * mh
+        per_item = counts[rows].reshape(-1)  # index bh * NQB + m
+        per_table[key] = torch.argsort(per_item, descending=True, stable=True).to(torch.int32)
+    return per_table[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+HOPPER_BLOCK = 128
+
+
+def supports(q, k, v, cm) -> bool:
+    """Whether the Hopper kernel takes these inputs (configs.forward_path decides the rest)."""
+    d = q.shape[-1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and d in (64, 128)
+            and cm.block_m == HOPPER_BLOCK and cm.block_n == HOPPER_BLOCK
+            and all(_descriptor(t, HOPPER_BLOCK) is not None for t in (q, k, v)))
+
+
+def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2):
+    """Same contract as forward.attention_forward; call only when `supports` says yes."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
+    q_desc, (qxb, qxh, qch) = _descriptor(q, HOPPER_BLOCK)
+    k_desc, (kxb, kxh, kch) = _descriptor(k, HOPPER_BLOCK)
+    v_desc, _ = _descriptor(v, HOPPER_BLOCK)
+    work = work_list(cm, batch, hq, mask_map)
+    n_items = work.numel()
+    grid = (min(n_items, _num_sms(q.device.index or 0)),)
+    mb, mdiv, mh = mask_map
+    _forward_hopper_kernel[grid](
+        q_desc, k_desc, v_desc, o, lse,
+        cm.kernel_intervals, work, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
+        o.stride(0), o.stride(1), o.stride(2),
+        sq, sk, cm.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
+        qxb, qxh, qch, kxb, kxh, kch,
+        scale * LOG2E,
+        BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages,
+        num_warps=8, maxnreg=168,
+    )
+    return o, lse

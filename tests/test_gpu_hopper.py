@@ -1,0 +1,71 @@
+"""GPU tests of the Hopper forward (forward_hopper.py, Gluon; marked `gpu`, skipped without a
+Hopper GPU): every mask family of the CPU suite, GQA, Sq != Sk, odd lengths, both memory
+orders, D = 64 and 128, bf16 and fp16, against the float64 reference with the DESIGN.md
+section 4 rule; and the dispatch that picks it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexmask import compile_mask
+from flexmask.kernels import configs
+from tests.conftest import FAMILIES, assert_close_to_reference, default_floor, make_mask, make_qkv, references
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _run(family, b, hq, hkv, sq, sk, d, dtype, layout, seed=0):
+    from flexmask.kernels import forward_hopper
+    from flexmask.kernels.forward import attention_forward
+
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=seed, layout=layout))
+    mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=seed)
+    cm = compile_mask(mask, sq, sk, device="cuda")
+    assert configs.forward_path(q, cm) == ("hopper" if configs.HOPPER_FORWARD_IS_DEFAULT else "portable")
+    assert forward_hopper.supports(q, k, v, cm), "the Hopper kernel declined these inputs"
+    out, lse = attention_forward(q, k, v, cm, d ** -0.5, kernel="hopper")
+    (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask)
+    floor = default_floor(dtype)
+    assert_close_to_reference(out, ref_o, low_o, floor, "out")
+    assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_every_family(family):
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    _run(family, 2, 4, 2, 1000, 1000, 128, torch.bfloat16, "bhsd", seed=1)
+
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,sq,sk,d,dtype,layout,family",
+    [
+        (1, 8, 1, 197, 1500, 128, torch.bfloat16, "bshd", "causal"),
+        (2, 4, 4, 1500, 777, 64, torch.float16, "bhsd", "document"),
+        (1, 2, 2, 1, 300, 128, torch.bfloat16, "bhsd", "sliding_window"),
+        (3, 6, 2, 63, 63, 64, torch.bfloat16, "bshd", "column_intervals"),
+        (1, 4, 2, 4096, 4096, 128, torch.float16, "bshd", "random_eviction"),
+        (2, 2, 1, 2048 + 5, 2048 + 5, 64, torch.bfloat16, "bhsd", "startend_bidir"),
+    ],
+)
+def test_shapes_layouts_dtypes(b, hq, hkv, sq, sk, d, dtype, layout, family):
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    _run(family, b, hq, hkv, sq, sk, d, dtype, layout, seed=sq)
+
+
+def test_portable_elsewhere():
+    """fp32, other head dims and non-default tiles keep the portable kernel."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    cm = compile_mask(make_mask("causal", 256, 256), 256, 256, device="cuda")
+    q = torch.randn(1, 2, 256, 128, device="cuda")
+    assert configs.forward_path(q, cm) == "portable"
+    assert configs.forward_path(q[..., :96].contiguous().half(), cm) == "portable"
+    small = compile_mask(make_mask("causal", 256, 256), 256, 256, device="cuda", block_m=64, block_n=64)
+    assert configs.forward_path(q.half(), small) == "portable"
