@@ -126,6 +126,25 @@ def _clip(cfg: LaunchConfig, tile_m: int, tile_n: int, step: int) -> LaunchConfi
                         masked, cfg.masked_stages)
 
 
+def forward_path(q: torch.Tensor, cm) -> str:
+    """Which forward kernel runs: "hopper" (forward_hopper.py: Gluon, persistent, warp-specialised)
+    on sm_90 GPUs for fp16/bf16 at head dim 64 or 128 with the default 128 x 128 tables and
+    inputs the copy engine can read (16-byte aligned, (B, H, S, D) or (B, S, H, D) memory
+    order); "portable" (forward.py) everywhere else: the CPU interpreter (Gluon kernels do not
+    run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "portable"
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
+        return "portable"
+    if (cm.block_m, cm.block_n) != (128, 128):
+        return "portable"
+    return "hopper" if HOPPER_FORWARD_IS_DEFAULT else "portable"
+
+
+# the Hopper kernel becomes the default only where it measures faster (forward_variants log)
+HOPPER_FORWARD_IS_DEFAULT = False
+
+
 def forward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
     """TMA descriptor loads of K/V in the forward: measured no faster than pointer loads there."""
     return False
@@ -141,3 +160,93 @@ def backward_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_progr
     1024 (about 9 tiles per program) and at head dim 64."""
     return (torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             and 64 < _head_block(head_dim) <= 128 and tiles_per_program >= TMA_MIN_TILES_PER_PROGRAM)
+
+
+# --- split-KV decoding (kernels/decode.py) ------------------------------------------------
+#
+# When does flexmask.attention take the split-KV path? The q-block grid of the forward runs
+# cdiv(Sq, block_m) x B x Hq programs of block_m (128 on a GPU) query rows each, and every
+# program streams all the K/V its rows see. For a few queries against a long cache that is
+# wrong twice: (1) the grid under-fills the GPU (B x Hq = 32 programs for a decode step at
+# batch 1 on 132 SMs), (2) rows past Sq are padding and K/V is read once per query head, GQA
+# groups included. The split-KV path packs a GQA group's heads into the rows of one program
+# (K/V read once per group) and cuts each row's kv-tile list into shares so the grid fills the
+# GPU. So on a GPU it is taken when Sq <= DECODE_MAX_Q (decode, speculative decoding, small
+# prefill chunks: most of a q-block would be padding) or when the q-block grid has fewer
+# programs than the GPU has SMs (a chunked prefill at small batch). Under the CPU interpreter
+# there is nothing to fill; it is taken for Sq <= CPU_DECODE_MAX_Q (decode steps), so that the
+# CPU tests cover it while the q-block kernel keeps its CPU coverage for longer queries.
+# Forward only: when gradients are needed the q-block path runs (api.attention).
+
+DECODE_MAX_Q = 64
+CPU_DECODE_MAX_Q = 4
+DECODE_MAX_ROWS = 64  # rows (query heads x query rows) per program: the fp32 accumulator lives in registers
+DECODE_PROGRAMS_PER_SM = 2  # enough shares in flight to cover HBM latency; more costs merge traffic
+DECODE_MIN_TILES_PER_SPLIT = 2  # a share shorter than this pays its fixed cost (Q load, epilogue) for little
+CPU_DECODE_PROGRAMS = 8  # the interpreter: a few shares, so the merge is exercised
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch shape of the split-KV kernel: BLOCK_H query heads x BLOCK_Q query rows per program,
+    num_splits shares of each row's kv-tile list, kv columns per step (block_n on FULL tiles,
+    masked_block_n on PARTIAL ones), warps and pipeline stages."""
+    block_h: int
+    block_q: int
+    num_splits: int
+    block_n: int
+    masked_block_n: int
+    num_warps: int
+    num_stages: int
+    masked_stages: int
+
+    def with_splits(self, num_splits: int) -> DecodePlan:
+        return DecodePlan(self.block_h, self.block_q, num_splits, self.block_n, self.masked_block_n,
+                          self.num_warps, self.num_stages, self.masked_stages)
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, dtype: torch.dtype, device,
+                tile: tuple[int, int], mask_heads: int, force: bool = False) -> DecodePlan | None:
+    """The split-KV plan for these shapes, or None when the q-block grid should run instead (see
+    the comment above). `force=True` always returns a plan (tests, benchmarks)."""
+    device = torch.device(device)
+    tile_m, tile_n = tile
+    on_gpu = device.type == "cuda"
+    if not force:
+        if on_gpu:
+            q_programs = -(-sq // forward_config(head_dim, dtype, tile, device).block_m) * batch * hq
+            if sq > DECODE_MAX_Q and q_programs >= _sm_count(device):
+                return None
+        elif sq > CPU_DECODE_MAX_Q:
+            return None
+    group = hq // hkv
+    # a mask with one row per query head gives the heads of a group different tile lists
+    heads_share_mask = mask_heads != hq or group == 1
+    max_rows = DECODE_MAX_ROWS if on_gpu else 64
+    block_q = min(_pow2_at_least(sq), tile_m, max_rows)
+    block_h = min(_pow2_at_least(group), max(1, max_rows // block_q)) if heads_share_mask else 1
+    block_q = min(max(block_q, 16 // block_h), tile_m)  # tl.dot needs 16 rows: pad with rows past Sq
+    programs = -(-group // block_h) * batch * hkv * -(-sq // block_q)
+    kv_tiles = -(-sk // tile_n)
+    target = DECODE_PROGRAMS_PER_SM * _sm_count(device) if on_gpu else CPU_DECODE_PROGRAMS
+    splits = max(1, min(-(-target // programs), -(-kv_tiles // DECODE_MIN_TILES_PER_SPLIT)))
+    block_d = _head_block(head_dim)
+    if not on_gpu:
+        return DecodePlan(block_h, block_q, splits, min(64, tile_n), min(32, tile_n), 4, 1, 1)
+    if dtype == torch.float32 or block_d > 128:
+        return DecodePlan(block_h, block_q, splits, min(32, tile_n), min(32, tile_n), 4, 2, 2)
+    return DecodePlan(block_h, block_q, splits, min(64, tile_n), min(64, tile_n), 4, 3, 2)
