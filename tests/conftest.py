@@ -20,6 +20,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
+import re  # noqa: E402
 import zlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -101,19 +102,33 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # never below 1: the tests draw unit-variance inputs, so the values the kernel rounds inside
 # (scores, P, dP, D = rowsum(dO * O)) are O(1) even where the result is ~0 (dq of a row that
 # attends a single key is exactly 0 in exact arithmetic, yet is dP - D of two O(1) roundings).
-# It is never tuned to make a test pass.
+# It is never tuned to make a test pass. (DESIGN.md allows up to 16 eps; the suite holds the
+# kernels to one.)
+#
+# fp32 gradients get DESIGN.md's own floor, 1e-4 x max(1, max|ref|): FlashAttention-2's
+# D = rowsum(dO * O) cancels for a row that sees one key (exact gradient 0, computed ~1e-5 by
+# every FA-2 backward, as dP - D of two O(1) fp32 roundings), which the fp32 reference, whose
+# P is exactly 1 in such a row, does not pay. `assert_close_to_reference` applies it to every
+# fp32 tensor named as a gradient (dq, dk, dv), so callers need not remember it.
 FP32_ARITHMETIC_FLOOR = 1e-6
+FP32_GRADIENT_FLOOR = 1e-4
+_GRADIENT_NAME = re.compile(r"(^|\W)d[qkv]($|\W)")
 
 
-def default_floor(dtype: torch.dtype) -> float:
+def default_floor(dtype: torch.dtype, gradient: bool = False) -> float:
+    if gradient and dtype == torch.float32:
+        return FP32_GRADIENT_FLOOR
     return max(torch.finfo(dtype).eps, FP32_ARITHMETIC_FLOOR)
 
 
 def assert_close_to_reference(out, ref64, ref_lowp, floor, name="out"):
     """The DESIGN.md section 4 rule, for outputs, LSEs or gradients. Also checks there is no
     NaN, and that non-finite values (LSE = -inf of rows that attend nothing) sit exactly where
-    the float64 reference has them."""
+    the float64 reference has them. An fp32 `out` whose name is a gradient ("dq", "atomic dk",
+    ...) is judged with at least the fp32 gradient floor."""
     assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref64.shape)}"
+    if out.dtype == torch.float32 and _GRADIENT_NAME.search(name):
+        floor = max(floor, default_floor(torch.float32, gradient=True))
     out, ref64, ref_lowp = out.detach().double(), ref64.detach().double(), ref_lowp.detach().double()
     assert not torch.isnan(out).any(), f"{name}: NaN in the kernel's result"
     finite = torch.isfinite(ref64)
