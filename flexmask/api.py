@@ -8,6 +8,7 @@ import torch
 
 from .autograd import attention_fwd
 from .kernels import configs
+from .kernels.decode import decode_fwd
 from .kernels.forward import _forward_kernel
 from .masks import specs
 from .masks.compiler import CompiledMask, build_tables
@@ -161,6 +162,10 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     gradients). Returns out (B, Hq, Sq, D), and with return_lse=True also the natural-log
     log-sum-exp (B, Hq, Sq) float32.
 
+    Decoding: few queries against many keys (Sq <= 64 on a GPU, or a q-block grid smaller than
+    the GPU) take a split-KV path (Flash-Decoding) when no gradient is needed; with gradients
+    (q, k or v requiring grad under grad mode) the q-block path runs. Same results either way.
+
     deterministic: None follows torch.are_deterministic_algorithms_enabled() at this call;
     True gives gradients bitwise identical run to run (two-pass backward); False the fastest
     backward (dQ accumulated with fp32 atomics, last bits vary run to run).
@@ -190,8 +195,22 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         tables = _spec_table_args(mask, sq, sk, q.device)
     _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    if _split_kv(q, k, v, tables):  # few queries, long keys, no gradient: Flash-Decoding
+        out, lse = decode_fwd(q, k, v, *tables[:4], *tables[7:11], float(scale))
+        return (out, lse) if return_lse else out
     out, lse = attention_fwd(q, k, v, *tables, float(scale), int(deterministic))
     return (out, lse) if return_lse else out
+
+
+def _split_kv(q, k, v, tables) -> bool:
+    """The split-KV forward (kernels/decode.py) serves small Sq when no gradient is needed; the
+    choice by shape is configs.decode_plan's. With gradients the q-block path runs (it saves
+    what the backward needs)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    return configs.decode_plan(b, hq, hkv, sq, sk, d, q.dtype, q.device, (tables[9], tables[10]), tables[8]) is not None
 
 
 def flashmask_attention(query, key, value, startend_row_indices=None, *, causal: bool = False,

@@ -10,6 +10,7 @@ from .specs import (
     from_startend_row_indices,
     full,
     global_sliding_window,
+    kv_cache,
     prefix_lm,
     prefix_lm_document,
     qk_sparse,
@@ -37,4 +38,5 @@ __all__ = [
     "random_eviction",
     "column_intervals",
     "from_startend_row_indices",
+    "kv_cache",
 ]

@@ -25,6 +25,8 @@ class _Geometry:
         self.q_len, self.kv_len, self.device = q_len, kv_len, device
         self.offset = kv_len - q_len
         self.cols = torch.arange(kv_len, device=device, dtype=torch.int64)
+        # kv_lengths of the kv_cache mask in a composition: the other operands' positions follow it
+        self.cache_lengths: torch.Tensor | None = None
 
     def rows(self, pos: torch.Tensor | int) -> torch.Tensor:
         if not isinstance(pos, torch.Tensor):
@@ -286,6 +288,61 @@ def _from_startend(m, g):
     return _pack(idx[0], idx[1], idx[2], idx[3])
 
 
+def _cache_lengths(m, g) -> torch.Tensor:
+    """kv_lengths of a kv_cache mask as int64 [B] on the device. Checked against kv_len when
+    they are on the host; a device tensor is clamped instead (checking it would sync)."""
+    lengths = m.params()["kv_lengths"]
+    if isinstance(lengths, list):
+        for b, n in enumerate(lengths):
+            if n > g.kv_len:
+                raise ValueError(f"kv_lengths[{b}]={n} exceeds kv_len={g.kv_len} (the cache holds kv_len keys)")
+        return torch.tensor(lengths, device=g.device, dtype=torch.int64)
+    if lengths.device.type == "cpu" and bool((lengths > g.kv_len).any()):
+        b = int((lengths > g.kv_len).nonzero()[0])
+        raise ValueError(f"kv_lengths[{b}]={int(lengths[b])} exceeds kv_len={g.kv_len} (the cache holds kv_len keys)")
+    return lengths.to(g.device).clamp(0, g.kv_len)
+
+
+def _kv_cache(m, g):
+    """[B, 1, Sk, 4]: query i of row b sits at position L[b] - q_len + i; keys j >= L[b] are
+    masked for every row, and with causal the rows before position j as well."""
+    length = _cache_lengths(m, g).view(-1, 1, 1)  # [B, 1, 1]
+    cols = g.cols.view(1, 1, -1)  # [1, 1, Sk]
+    z = torch.zeros_like(cols)
+    if m.params()["causal"]:  # masked rows [0, j - (L - q_len)); every row once j >= L
+        return _pack(z, z, z, (cols - length + g.q_len).clamp(0, g.q_len))
+    lts = torch.where(cols < length, g.q_len, 0)  # j >= L: rows [0, q_len) masked
+    return _pack(lts, torch.full_like(lts, g.q_len), z, z)
+
+
+# --- kv_cache in a composition: the other operands' query positions follow the cache -----
+
+_EXPLICIT_ROWS = ("column_intervals", "from_startend_row_indices")  # query rows, not positions
+
+
+def _find_cache(m) -> list:
+    if m.kind in ("and", "or"):
+        return _find_cache(m.a) + _find_cache(m.b)
+    return [m] if m.kind == "kv_cache" else []
+
+
+def _operand_intervals(m, g) -> torch.Tensor:
+    """Canonical intervals of a leaf of a composition. Next to a kv_cache mask, a position-based
+    leaf is built for q_len + kv_len virtual rows (virtual row r sits at position r - q_len);
+    row i of batch row b, at position L[b] - q_len + i, is virtual row i + L[b]: shift and
+    clamp, on the device."""
+    if g.cache_lengths is None or m.kind in ("kv_cache", *_EXPLICIT_ROWS):
+        return build_intervals(m, g.q_len, g.kv_len, g.device)
+    virtual = build_intervals(m, g.q_len + g.kv_len, g.kv_len, g.device).long()  # [Bm|1, H|1, Sk, 4]
+    lengths = g.cache_lengths
+    if virtual.shape[0] not in (1, lengths.shape[0]):
+        raise ValueError(
+            f"{m!r} has {virtual.shape[0]} batch rows but the kv_cache mask it is composed with has "
+            f"{lengths.shape[0]} (kv_lengths)"
+        )
+    return canonicalize(virtual - lengths.view(-1, 1, 1, 1), g.q_len)
+
+
 # --- composition: several masked runs per column while composing ------------------------
 #
 # `a & b` and `a | b` work on "runs": [B, H, Sk, K, 2] (start, end) masked row ranges per
@@ -336,7 +393,7 @@ def _compose_runs(m, g: _Geometry) -> torch.Tensor:
     """Runs [B, H, Sk, K, 2] of mask m; a union of Ka and Kb runs has at most Ka + Kb runs, an
     intersection at most Ka + Kb - 1."""
     if m.kind not in ("and", "or"):
-        return _runs_of(build_intervals(m, g.q_len, g.kv_len, g.device), g.q_len)
+        return _runs_of(_operand_intervals(m, g), g.q_len)
     a, b = _compose_runs(m.a, g), _compose_runs(m.b, g)
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a, b = a.expand(*lead, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:])
@@ -354,6 +411,11 @@ def _format_runs(runs: torch.Tensor) -> str:
 
 
 def _combined(m, g):
+    caches = _find_cache(m)
+    if len({id(c) for c in caches}) > 1:
+        raise ValueError(f"{m!r}: a composition may hold one kv_cache mask (it sets the query positions), got {len(caches)}")
+    if caches:
+        g.cache_lengths = _cache_lengths(caches[0], g)
     runs = _compose_runs(m, g)
     count = (runs[..., 0] <= g.q_len).sum(-1)
     if runs.shape[-2] > 2 and bool((count > 2).any()):
@@ -391,6 +453,7 @@ _BUILDERS = {
     "random_eviction": _random_eviction,
     "column_intervals": _column_intervals,
     "from_startend_row_indices": _from_startend,
+    "kv_cache": _kv_cache,
     "and": _combined,
     "or": _combined,
 }

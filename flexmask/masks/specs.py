@@ -474,8 +474,7 @@ def kv_cache(kv_lengths, causal: bool = True) -> Mask:
     """Ragged KV caches: batch row b holds ``kv_lengths[b]`` valid keys at the front of its
     cache of kv_len slots, and its q_len queries are the last tokens of that row: query i
     sits at position ``kv_lengths[b] - q_len + i``. It attends keys ``j < kv_lengths[b]``,
-    and with ``causal`` only ``j <= kv_lengths[b] - q_len + i``. A query whose position is
-    negative (q_len > kv_lengths[b]) attends nothing: output 0, LSE -inf.
+    and with ``causal`` only ``j <= kv_lengths[b] - q_len + i``.
     ::
         kv_lengths=[4, 6], q_len=2, kv_len=6, causal
         row 0:  ###...    row 1:  #####.
@@ -484,8 +483,10 @@ def kv_cache(kv_lengths, causal: bool = True) -> Mask:
     Composition (``&``, ``|``): the positions of the other masks follow this one. In
     ``kv_cache(L) & sliding_window(w)`` the window of query i of row b is relative to its
     cache position ``L[b] - q_len + i``, not to ``kv_len - q_len + i``; the same holds for
-    every position-based family (documents, prefix-LM, ...). Masks given as explicit query
-    rows (``column_intervals``, ``from_startend_row_indices``) keep their rows.
+    every position-based family (documents, prefix-LM, ...), also with ``causal=False``.
+    Masks given as explicit query rows (``column_intervals``, ``from_startend_row_indices``)
+    keep their rows. With ``causal``, a query whose position is negative
+    (q_len > kv_lengths[b]) attends nothing: output 0, LSE -inf.
 
     ``kv_lengths``: a list of ints (one per batch row) or a 1-D integer tensor. A tensor on
     a GPU stays there: the intervals are computed on the device with no host sync, so its

@@ -1,0 +1,268 @@
+"""Decoding: `masks.kv_cache` (ragged KV caches) and the split-KV forward (kernels/decode.py).
+
+CPU tests run the split-KV kernels under the Triton interpreter, forced through
+`attention_decode(..., num_splits=...)` (1 split: the kernel writes the result itself; more:
+partial results merged by their LSE) and through `flexmask.attention`'s own choice; results
+are judged against the float64 reference with the DESIGN.md section 4 rule. GPU-marked tests
+run 128K-key caches on the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexmask
+from flexmask import masks
+from flexmask.kernels import configs
+from flexmask.kernels.decode import attention_decode
+from flexmask.kernels.forward import attention_forward
+
+from conftest import FAMILIES, assert_close_to_reference, case_id, default_floor, make_mask, make_qkv, references
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def cache_dense(lengths, sq, sk, causal=True, window=None):
+    """Boolean [B, Sq, Sk] straight from the kv_cache docstring: query i of row b sits at
+    position p = L[b] - Sq + i and attends j < L[b] (and j <= p if causal; and
+    p - left <= j <= p + right under a window (left, right))."""
+    L = torch.as_tensor(lengths).view(-1, 1, 1)
+    i = torch.arange(sq).view(1, -1, 1)
+    j = torch.arange(sk).view(1, 1, -1)
+    p = L - sq + i
+    allowed = (j < L).expand(-1, sq, -1).clone()
+    if causal:
+        allowed = allowed & (j <= p)
+    if window is not None:
+        left, right = window
+        allowed = allowed & (j >= p - left) & (j <= p + right)
+    return allowed
+
+
+def check_against_reference(out, lse, q, k, v, mask):
+    (o64, l64), (olp, llp) = references(q, k, v, mask)
+    assert_close_to_reference(out, o64, olp, default_floor(q.dtype), "out")
+    assert_close_to_reference(lse, l64, llp.float(), default_floor(FP32), "lse")
+
+
+# --- the mask --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("sq", [1, 3, 9])
+def test_kv_cache_semantics(sq, causal):
+    """Row b holds L[b] keys at the front; its queries are the last Sq tokens of that row. Lengths
+    0 and Sk, and Sq > L[b] (queries before every key) included; a list and a tensor agree."""
+    sk = 7
+    lengths = [0, 2, 5, 7]
+    want = cache_dense(lengths, sq, sk, causal)
+    from_list = masks.kv_cache(lengths, causal=causal).to_dense(sq, sk)
+    from_tensor = masks.kv_cache(torch.tensor(lengths, dtype=torch.int32), causal=causal).to_dense(sq, sk)
+    assert torch.equal(from_list[:, 0], want)
+    assert torch.equal(from_tensor, from_list)
+
+
+@pytest.mark.parametrize("right", [0, 2])
+def test_kv_cache_window_follows_cache_position(right):
+    """`kv_cache(L) & sliding_window(left, right)`: the window is relative to each query's cache
+    position L[b] - Sq + i (not to Sk - Sq + i), on both sides of the &."""
+    sq, sk, left = 3, 12, 4
+    lengths = [0, 3, 8, 12]
+    want = cache_dense(lengths, sq, sk, True, (left, right))
+    for mask in (masks.kv_cache(lengths) & masks.sliding_window(left, right),
+                 masks.sliding_window(left, right) & masks.kv_cache(torch.tensor(lengths))):
+        assert torch.equal(mask.to_dense(sq, sk)[:, 0], want), repr(mask)
+
+
+def test_kv_cache_keeps_explicit_rows():
+    """Masks given as query rows (column_intervals) are not moved: row 1 stays row 1."""
+    sq, sk, lengths = 2, 6, [3, 6]
+    rows = masks.column_intervals(torch.full((sk,), 1), torch.full((sk,), 2))  # row 1 masked everywhere
+    got = (masks.kv_cache(lengths, causal=False) & rows).to_dense(sq, sk)[:, 0]
+    want = cache_dense(lengths, sq, sk, causal=False)
+    want[:, 1] = False
+    assert torch.equal(got, want)
+
+
+def test_kv_cache_bad_input():
+    with pytest.raises(ValueError, match=r"kv_lengths\[1\] must be >= 0"):
+        masks.kv_cache([3, -1])
+    with pytest.raises(ValueError, match=r"kv_lengths must be >= 0, got kv_lengths\[0\]=-2"):
+        masks.kv_cache(torch.tensor([-2, 1]))
+    with pytest.raises(ValueError, match=r"kv_lengths\[1\]=9 exceeds kv_len=8"):
+        masks.kv_cache([3, 9]).intervals(1, 8)
+    with pytest.raises(ValueError, match=r"kv_lengths\[0\]=10 exceeds kv_len=8"):
+        masks.kv_cache(torch.tensor([10])).intervals(1, 8)
+    with pytest.raises(TypeError, match="integer tensor"):
+        masks.kv_cache(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="1-D tensor"):
+        masks.kv_cache(torch.tensor([[1, 2]]))
+    with pytest.raises(TypeError, match="kv_lengths"):
+        masks.kv_cache(5)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        masks.kv_cache([1], causal="yes")
+    with pytest.raises(ValueError, match="one kv_cache mask"):
+        (masks.kv_cache([1, 2]) & masks.kv_cache([2, 2])).intervals(1, 4)
+    with pytest.raises(ValueError, match="batch rows"):  # a per-batch mask of the wrong batch
+        (masks.kv_cache([1, 2]) & masks.document([[2, 2], [1, 3], [4]])).intervals(1, 4)
+    q, k, v = make_qkv(2, 2, 1, 1, 8, 16, BF16)
+    with pytest.raises(ValueError, match="batch size 3; expected 1 or B=2"):  # one length per batch row
+        flexmask.attention(q, k, v, masks.kv_cache([1, 2, 3]))
+
+
+# --- the split-KV kernel ------------------------------------------------------------------
+
+# (B, Hq, Hkv, Sq, Sk, D, dtype, kv_lengths, num_splits): GQA 1/4/8, Sq 1/2/4/16, ragged caches
+# with empty (0) and full (Sk) rows, one split (no merge) and several (shares of unequal length)
+SPLIT_CASES = [
+    (3, 4, 4, 1, 197, 64, BF16, [0, 197, 70], 3),
+    (2, 8, 2, 1, 300, 32, FP16, [300, 129], 1),
+    (2, 8, 1, 2, 256, 32, BF16, [256, 1], 4),
+    (3, 4, 1, 4, 150, 32, FP32, [150, 0, 64], 2),
+    (2, 8, 2, 16, 211, 32, BF16, [211, 17], 3),
+    (1, 8, 8, 16, 64, 64, BF16, [64], 2),
+]
+
+
+@pytest.mark.parametrize(
+    "b, hq, hkv, sq, sk, d, dtype, lengths, splits", SPLIT_CASES,
+    ids=[case_id(c[0], c[1], c[2], c[3], c[4], c[5], c[6], extra=f"splits{c[8]}") for c in SPLIT_CASES],
+)
+def test_split_kv_ragged_cache(b, hq, hkv, sq, sk, d, dtype, lengths, splits):
+    mask = masks.kv_cache(lengths)
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=sq * 7 + sk)
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu")
+    out, lse = attention_decode(q, k, v, cm, d ** -0.5, num_splits=splits)
+    check_against_reference(out, lse, q, k, v, mask)
+
+
+SQ_CYCLE = (1, 4, 2, 16)
+
+
+def family_params():
+    return [pytest.param(f, SQ_CYCLE[i % 4], id=f"{f}-Sq{SQ_CYCLE[i % 4]}") for i, f in enumerate(FAMILIES)]
+
+
+@pytest.mark.parametrize("family, sq", family_params())
+def test_every_family_with_kv_cache(family, sq):
+    """Each family composed with a ragged kv_cache (the family's positions follow the cache),
+    2 query heads per KV head, 3 splits: the same tile tables and intervals as the q-block path."""
+    b, hq, hkv, sk, d = 2, 2, 1, 150, 32
+    mask = make_mask(family, sq, sk, batch=b, heads=hq) & masks.kv_cache([sk, 93])
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, BF16, seed=len(family))
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu")
+    out, lse = attention_decode(q, k, v, cm, d ** -0.5, num_splits=3)
+    check_against_reference(out, lse, q, k, v, mask)
+
+
+def test_rows_that_attend_nothing():
+    """Empty caches and queries placed before every key: output 0 and LSE -inf, never NaN, on
+    the merged path (empty shares) and the direct one."""
+    sq, sk = 4, 100
+    mask = masks.kv_cache([0, 2, 100])  # row 1: queries 0 and 1 sit at negative positions
+    q, k, v = make_qkv(3, 4, 2, sq, sk, 32, BF16, seed=2)
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu")
+    for splits in (1, 5):
+        out, lse = attention_decode(q, k, v, cm, 32 ** -0.5, num_splits=splits)
+        assert not out.isnan().any() and not lse.isnan().any()
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and bool((lse[0] == float("-inf")).all())
+        assert bool((lse[1, :, :2] == float("-inf")).all()) and bool((lse[1, :, 2:] > float("-inf")).all())
+        check_against_reference(out, lse, q, k, v, mask)
+
+
+# --- the dispatch -------------------------------------------------------------------------
+
+
+def test_dispatch_takes_split_kv_for_a_decode_step():
+    """flexmask.attention sends Sq = 1 without gradients to the split-KV kernel (bitwise its
+    result) and gives the same answer, within the rule, as the q-block kernel."""
+    sq, sk = 1, 197
+    mask = masks.kv_cache([197, 50]) & masks.sliding_window(100)
+    q, k, v = make_qkv(2, 4, 2, sq, sk, 32, BF16, seed=4)
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu")
+    plan = configs.decode_plan(2, 4, 2, sq, sk, 32, BF16, "cpu", (cm.block_m, cm.block_n), cm.heads)
+    assert plan is not None and plan.num_splits > 1
+    out, lse = flexmask.attention(q, k, v, cm, return_lse=True)
+    want = attention_decode(q, k, v, cm, 32 ** -0.5)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    check_against_reference(out, lse, q, k, v, mask)
+    qblock = attention_forward(q, k, v, cm, 32 ** -0.5)
+    check_against_reference(*qblock, q, k, v, mask)
+
+
+def test_dispatch_uses_q_block_path_with_gradients():
+    """With requires_grad the q-block path runs (its result bitwise), and gradients flow."""
+    sq, sk = 1, 130
+    mask = masks.kv_cache([130, 40])
+    q, k, v = make_qkv(2, 2, 1, sq, sk, 32, BF16, seed=5, requires_grad=True)
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu")
+    out = flexmask.attention(q, k, v, cm)
+    assert torch.equal(out.detach(), attention_forward(q.detach(), k.detach(), v.detach(), cm, 32 ** -0.5)[0])
+    out.sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert torch.equal(k.grad[1, :, 40:], torch.zeros_like(k.grad[1, :, 40:]))  # keys past the cache
+
+
+def test_decode_plan_choice():
+    """The documented rule: GQA heads share a program unless the mask has one row per query head;
+    CPU takes the split path for Sq <= CPU_DECODE_MAX_Q only."""
+    tile = configs.CPU_TILE
+    assert configs.decode_plan(1, 8, 2, configs.CPU_DECODE_MAX_Q + 1, 300, 64, BF16, "cpu", tile, 1) is None
+    plan = configs.decode_plan(1, 8, 2, 1, 300, 64, BF16, "cpu", tile, 1)
+    assert plan.block_h == 4 and plan.block_h * plan.block_q >= 16
+    assert configs.decode_plan(1, 8, 2, 1, 300, 64, BF16, "cpu", tile, 8).block_h == 1
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+
+def _reference_rows(q, k, v, allowed):
+    """float64 and bf16 references of few query rows against a long cache, by dense math on the device."""
+    out = []
+    for dtype in (torch.float64, q.dtype):
+        group = q.shape[1] // k.shape[1]
+        kk = k.to(dtype).repeat_interleave(group, 1)
+        vv = v.to(dtype).repeat_interleave(group, 1)
+        s = (q.to(dtype) @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        s = s.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1)
+        p = torch.softmax(s.float() if dtype != torch.float64 else s, -1).to(dtype)
+        o = torch.nan_to_num(p @ vv)
+        out.append((o, lse))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq", [1, 16])
+@pytest.mark.parametrize("family", ["kv_cache", "kv_cache_window", "kv_cache_document"])
+def test_gpu_long_cache(family, sq):
+    """128K-key ragged caches (GQA 32/8, D=128, bf16) on the device: the split-KV path (taken by
+    flexmask.attention) against float64, and the lengths tensor stays on the device (no sync)."""
+    torch.manual_seed(0)
+    b, hq, hkv, sk, d = 2, 32, 8, 131072, 128
+    lengths = torch.tensor([sk, 77777], device="cuda")
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=BF16)
+    k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=BF16) for _ in range(2))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mask = masks.kv_cache(lengths)
+        iv = mask.intervals(sq, sk, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    if family == "kv_cache_window":
+        mask = mask & masks.sliding_window(4000)
+    elif family == "kv_cache_document":
+        mask = mask & masks.document([50000, 30000, sk - 80000])
+    iv = mask.intervals(sq, sk, "cuda")
+    rows = torch.arange(sq, device="cuda").view(1, 1, sq, 1)
+    lts, lte, uts, ute = (iv[..., i].unsqueeze(-2) for i in range(4))
+    allowed = ~(((rows >= lts) & (rows < lte)) | ((rows >= uts) & (rows < ute)))  # [B, 1, Sq, Sk]
+    cm = flexmask.compile_mask(mask, sq, sk, device="cuda")
+    assert configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads) is not None
+    out, lse = flexmask.attention(q, k, v, cm, return_lse=True)
+    (o64, l64), (olp, llp) = _reference_rows(q, k, v, allowed)
+    assert_close_to_reference(out, o64, olp, default_floor(BF16), "out")
+    assert_close_to_reference(lse, l64, llp, default_floor(FP32), "lse")
+    qblock = attention_forward(q, k, v, cm, d ** -0.5)
+    assert_close_to_reference(qblock[0], o64, olp, default_floor(BF16), "q-block out")
