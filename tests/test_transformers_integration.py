@@ -106,11 +106,14 @@ def test_kv_cache_decode_and_4d_mask():
     custom 4-D boolean mask handed to the model; flexmask's logits against float64 SDPA."""
     cfg = tiny_llama_config(num_hidden_layers=1)
     oracle, sdpa, flex = models(cfg, FP32, "cpu")
-    ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :6] = 0  # left padding, as batched generation pads
 
     def decode(model):
-        prefill = model(input_ids=ids[:, :37], use_cache=True)
-        return model(input_ids=ids[:, 37:], past_key_values=prefill.past_key_values, use_cache=True).logits
+        prefill = model(input_ids=ids[:, :37], attention_mask=attention_mask[:, :37], use_cache=True)
+        return model(input_ids=ids[:, 37:], attention_mask=attention_mask, past_key_values=prefill.past_key_values,
+                     use_cache=True).logits
 
     ref64, lowp, got = (decode(m).detach() for m in (oracle, sdpa, flex))
     assert_close_to_reference(got, ref64, lowp, default_floor(FP32), name="decode logits")
@@ -125,6 +128,7 @@ def test_kv_cache_decode_and_4d_mask():
     def forward(model, mask):
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.detach()
 
+    ids = ids[:1]
     ref64, lowp, got = forward(oracle, mask4d), forward(sdpa, mask4d), forward(flex, mask4d)
     assert_close_to_reference(got, ref64, lowp, default_floor(FP32), name="4-D mask logits")
 
