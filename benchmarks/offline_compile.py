@@ -51,15 +51,15 @@ def _hopper_forward(head_dim: int, stages: int):
 
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
-    qd, _ = fh._descriptor(q, fh.HOPPER_BLOCK)
+    qd, _ = fh._descriptor(q, fh.HOPPER_BLOCK // 2)
     kd, _ = fh._descriptor(k, fh.HOPPER_BLOCK)
     i32 = torch.empty(8, dtype=torch.int32)
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, O=q, LSE=torch.empty(8), INTV=i32, WORK=i32, FWD_OFFSETS=i32,
                 FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_ob=7, stride_oh=7, stride_om=7,
                 Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5)  # as launched
-    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, num_warps=8)
-    return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 8, "maxnreg": 168},
+    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, num_warps=4)
+    return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
 

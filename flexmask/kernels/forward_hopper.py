@@ -35,7 +35,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the one-warp TMA producer
-RESCALE_THRESHOLD = gl.constexpr(8.0)  # log2 units: P may reach 2^8 before O and l are rescaled
+CONSUMER_REGS = gl.constexpr(240)  # the second consumer warpgroup (the first gets what is left)
 FINITE_FLOOR = gl.constexpr(-1.0e30)  # the running maximum starts here: exp2(-inf - max) is 0, never NaN
 
 
@@ -85,9 +85,11 @@ def _producer(
         b, h, m, seg = _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
         t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
         hk = h // GROUP
-        mbarrier.wait(q_empty, (item_count & 1) ^ 1)
-        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b * Q_X_B + h * Q_X_H, m * BLOCK_M, h * Q_C_H], q_ready, q_smem)
+        for g in gl.static_range(2):  # one half of the q-block per consumer warpgroup
+            mbarrier.wait(q_empty.index(g), (item_count & 1) ^ 1)
+            mbarrier.expect(q_ready.index(g), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b * Q_X_B + h * Q_X_H, m * BLOCK_M + g * (BLOCK_M // 2), h * Q_C_H],
+                                            q_ready.index(g), q_smem.index(g))
         x_kv = b * KV_X_B + hk * KV_X_H
         c_kv = hk * KV_C_H
         for i in range(t_hi - t_lo):
@@ -127,34 +129,32 @@ def _masked_scores(s, INTV, row, n, Sk, o_m, BLOCK_N: gl.constexpr, s_layout: gl
 
 
 @gluon.jit
-def _softmax_step(s, m_used, l_i, qk_scale, RESCALE_AT: gl.constexpr):
-    """One tile's online-softmax update with a lazily moved maximum. Returns (p, m_used, l_i,
-    alpha, rescale): when `rescale` is False, O needs no multiplication this step."""
-    m_tile = gl.max(s, 1) * qk_scale
-    rescale = gl.max(m_tile - m_used, 0) > RESCALE_AT
-    if rescale:
-        m_new = gl.maximum(m_used, m_tile)
-        alpha = gl.exp2(m_used - m_new)
-        l_i = l_i * alpha
-        m_used = m_new
-    else:
-        alpha = gl.full_like(m_used, 1.0)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_used, 1))
-    l_i = l_i + gl.sum(p, 1)
-    return p, m_used, l_i, alpha, rescale
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """One tile's online-softmax update in exp2: returns (p, m_i, l_i, alpha), alpha the
+    factor O must be multiplied by. The running maximum starts at a finite floor, so a row
+    that has seen only masked columns gets P = exp2(-inf) = 0, never NaN."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
 
 
 @gluon.jit
 def _consumer(
-    q_smem, k_bufs, v_bufs, bars,
+    WG: gl.constexpr, q_smem, k_bufs, v_bufs, bars,
     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     stride_ob, stride_oh, stride_om,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
 ):
+    """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
+    The two warpgroups share the K/V stages (released when both have read them) but never
+    wait for each other, so one's softmax runs while the other's matrix products do."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     dtype: gl.constexpr = q_smem.dtype
+    ROWS: gl.constexpr = BLOCK_M // 2
+    num_warps: gl.constexpr = 4
     # S = Q K^T: [BLOCK_M, BLOCK_N]; O += P V: [BLOCK_M, HEAD_DIM]; one wgmma row slab per warpgroup
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -162,7 +162,7 @@ def _consumer(
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    q_view = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    q_view = q_smem.index(WG).reshape([ROWS, HEAD_DIM])
 
     kv_count = 0
     item_count = 0
@@ -170,24 +170,25 @@ def _consumer(
         b, h, m, seg = _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
         t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
         row = seg // NQB
-        o_m = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-        m_used = gl.full([BLOCK_M], FINITE_FLOOR, gl.float32, layout=row_layout)
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        row0 = m * BLOCK_M + WG * ROWS
+        o_m = row0 + gl.arange(0, ROWS, layout=row_layout)
+        m_used = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=row_layout)
+        l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         n_tiles = t_hi - t_lo
-        mbarrier.wait(q_ready, item_count & 1)
+        mbarrier.wait(q_ready.index(WG), item_count & 1)
         if n_tiles > 0:
             # tile 0: S = Q K^T, softmax
             n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, 0)
             s_idx = kv_count % STAGES
             mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
             k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-            s = warpgroup_mma(q_view, k_t, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+            s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s_idx), count=1)
             if is_partial:
                 s = _masked_scores(s, INTV, row, n, Sk, o_m, BLOCK_N, s_layout)
-            p, m_used, l_i, alpha, rescale = _softmax_step(s, m_used, l_i, qk_scale, RESCALE_THRESHOLD)
+            p, m_used, l_i, alpha = _softmax_step(s, m_used, l_i, qk_scale)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
             prev_idx = s_idx
             prev_phase = (kv_count // STAGES) & 1
@@ -197,7 +198,7 @@ def _consumer(
                 s_idx = kv_count % STAGES
                 mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
                 k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                s = warpgroup_mma(q_view, k_t, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+                s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
                 # O += P V of the previous tile runs on the tensor cores during this tile's softmax
                 mbarrier.wait(v_ready.index(prev_idx), prev_phase)
                 acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
@@ -205,11 +206,10 @@ def _consumer(
                 mbarrier.arrive(k_empty.index(s_idx), count=1)
                 if is_partial:
                     s = _masked_scores(s, INTV, row, n, Sk, o_m, BLOCK_N, s_layout)
-                p, m_used, l_i, alpha, rescale = _softmax_step(s, m_used, l_i, qk_scale, RESCALE_THRESHOLD)
+                p, m_used, l_i, alpha = _softmax_step(s, m_used, l_i, qk_scale)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev_idx), count=1)
-                if rescale:
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
                 p_prev = gl.convert_layout(p.to(dtype), p_layout)
                 prev_idx = s_idx
                 prev_phase = (kv_count // STAGES) & 1
@@ -218,14 +218,14 @@ def _consumer(
             acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev_idx), count=1)
-        mbarrier.arrive(q_empty, count=1)
+        mbarrier.arrive(q_empty.index(WG), count=1)
         item_count += 1
 
         # epilogue: O = acc / l (0 for rows that attend nothing), LSE in natural log
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         empty = l_o == 0.0
         out = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 1)
-        om_o = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        om_o = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         od_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         p_o = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
                + gl.expand_dims(om_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(od_o, 0))
@@ -247,37 +247,43 @@ def _forward_hopper_kernel(
     num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)  # [1, BLOCK_M, HEAD_DIM]
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # [2, 1, BLOCK_M / 2, HEAD_DIM]
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # [STAGES, 1, BLOCK_N, HEAD_DIM]
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=1)
+    for g in gl.static_range(2):
+        mbarrier.init(q_ready.index(g), count=1)
+        mbarrier.init(q_empty.index(g), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
 
     gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, bars,
+        (_consumer, (0, q_smem, k_bufs, v_bufs, bars,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, num_warps)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (1, q_smem, k_bufs, v_bufs, bars,
+                     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     stride_ob, stride_oh, stride_om,
+                     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                      WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                      BLOCK_M, BLOCK_N, STAGES)),
-    ], [1], [PRODUCER_REGS])
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --- host side -----------------------------------------------------------------------------
@@ -361,7 +367,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     hkv, sk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
-    q_desc, (qxb, qxh, qch) = _descriptor(q, HOPPER_BLOCK)
+    q_desc, (qxb, qxh, qch) = _descriptor(q, HOPPER_BLOCK // 2)
     k_desc, (kxb, kxh, kch) = _descriptor(k, HOPPER_BLOCK)
     v_desc, _ = _descriptor(v, HOPPER_BLOCK)
     work = work_list(cm, batch, hq, mask_map)
@@ -376,6 +382,6 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E,
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages,
-        num_warps=8, maxnreg=168,
+        num_warps=4, maxnreg=168,
     )
     return o, lse
