@@ -61,11 +61,11 @@ def _window_spec(sliding_window: int, causal: bool) -> masks.Mask:
     return masks.sliding_window(sliding_window, sliding_window)
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                 mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
+def padding_mask(*, kv_length: int, attention_mask: torch.Tensor | None = None, **ignored):
     """The mask function registered for "flexmask": the 2-D padding mask cut to the last
     kv_length keys, or None when there is no padding (the attention function adds causality,
-    windows and packed sequences itself, as FlashAttention's path does)."""
+    windows and packed sequences itself, as FlashAttention's path does). transformers calls it
+    with keywords only, and which others it passes depends on its version: hence `ignored`."""
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
