@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tma import device_has_tma
+
 # tile of the mask tables (rows x columns)
 GPU_TILE = (128, 128)
 CPU_TILE = (64, 64)  # the interpreter pays per tile; smaller tiles keep CPU tests quick
@@ -115,6 +117,19 @@ def backward_fused_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, in
     return _clip(cfg, tile_m, tile_n, step=tile_m)
 
 
+def backward_fused_dq_transposed(head_dim: int, dtype: torch.dtype, device) -> bool:
+    """The fused kernel's dQ product as dQ^T = K^T dS^T (dS^T stored once to shared memory)
+    rather than dS K (dS^T transposed in registers)."""
+    return torch.device(device).type == "cuda"
+
+
+def backward_fused_dq_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
+    """dQ added to its fp32 buffer by TMA bulk reductions of whole blocks (Hopper), rather than
+    by one atomic per element."""
+    device = torch.device(device)
+    return device.type == "cuda" and device_has_tma(device)
+
+
 def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_program: float) -> bool:
     """TMA descriptor loads of Q/dO in the fused backward: as in the two-pass dK/dV kernel."""
     return backward_uses_tma(head_dim, dtype, device, tiles_per_program)
@@ -141,8 +156,9 @@ def forward_path(q: torch.Tensor, cm) -> str:
     return "hopper" if HOPPER_FORWARD_IS_DEFAULT else "portable"
 
 
-# the Hopper kernel becomes the default only where it measures faster (forward_variants log)
-HOPPER_FORWARD_IS_DEFAULT = False
+# measured faster than the portable kernel on every family at D = 64 and 128 (benchmarks/results/
+# forward_variants.csv, forward_hopper_log.md); False sends every input to the portable kernel
+HOPPER_FORWARD_IS_DEFAULT = True
 
 
 def forward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:

@@ -107,25 +107,44 @@ def _producer(
 
 
 @gluon.jit
-def _masked_scores(s, INTV, row, n, Sk, o_m, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """-inf where (row o_m, column) of a PARTIAL tile is masked or past Sk: one unsigned compare
-    per interval, start <= r < end  <=>  (r - start) <u (end - start)."""
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    o_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+def _row_bits(start, end, base):
+    """Bit r set where row base + r (r < 32) lies in [start, end): one int32 word per column."""
+    lo = gl.minimum(gl.maximum(start - base, 0), 32).to(gl.int64)
+    hi = gl.minimum(gl.maximum(end - base, 0), 32).to(gl.int64)
+    one = gl.full_like(lo, 1)
+    bits = gl.where(hi > lo, (one << hi) - (one << lo), 0)
+    return bits.to(gl.int32)
+
+
+@gluon.jit
+def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """-inf where (row, column) of this warpgroup's ROWS x BLOCK_N part of a PARTIAL tile is
+    masked or past Sk.
+
+    The intervals of a column become, per 32-row half, a 32-bit word of masked rows, built with
+    one column per thread. Each warp of the wgmma layout holds rows of one half only, so a
+    thread needs one word per column it holds (BLOCK_N / 4 registers) instead of the four
+    interval ends (4x that, which spilled), and each element costs a shift and a test."""
+    c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    o_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=c_layout)
     in_k = o_n < Sk
     p_intv = INTV + row.to(gl.int64) * 4 * Sk + o_n
-    rows = gl.expand_dims(o_m, 1)
-    # one interval at a time: each column vector costs BLOCK_N / 4 registers per thread
     lts = gl.load(p_intv, mask=in_k, other=0)
     lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)  # past Sk: every row masked
-    width = (lte - lts).to(gl.uint32, bitcast=True)
-    lower = (rows - gl.expand_dims(lts, 0)).to(gl.uint32, bitcast=True) < gl.expand_dims(width, 0)
-    s = gl.where(lower, float("-inf"), s)
     uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
     ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
-    width = (ute - uts).to(gl.uint32, bitcast=True)
-    upper = (rows - gl.expand_dims(uts, 0)).to(gl.uint32, bitcast=True) < gl.expand_dims(width, 0)
-    return gl.where(upper, float("-inf"), s)
+    HALF: gl.constexpr = ROWS // 2
+    w0 = _row_bits(lts, lte, row0) | _row_bits(uts, ute, row0)
+    w1 = _row_bits(lts, lte, row0 + HALF) | _row_bits(uts, ute, row0 + HALF)
+    words = gl.permute(gl.join(w0, w1), [1, 0])  # [2, BLOCK_N]
+    s3 = gl.reshape(s, [2, HALF, BLOCK_N])
+    s3_layout: gl.constexpr = s3.type.layout
+    words = gl.convert_layout(words, gl.SliceLayout(1, s3_layout))
+    r = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_layout)))
+    bits = (gl.expand_dims(words, 1) >> gl.expand_dims(gl.expand_dims(r, 0), 2)) & 1
+    s3 = gl.where(bits != 0, float("-inf"), s3)
+    return gl.convert_layout(gl.reshape(s3, [ROWS, BLOCK_N]), s.type.layout)
 
 
 @gluon.jit
@@ -187,7 +206,7 @@ def _consumer(
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s_idx), count=1)
             if is_partial:
-                s = _masked_scores(s, INTV, row, n, Sk, o_m, BLOCK_N, s_layout)
+                s = _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N, ROWS, num_warps)
             p, m_used, l_i, alpha = _softmax_step(s, m_used, l_i, qk_scale)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
             prev_idx = s_idx
@@ -205,7 +224,7 @@ def _consumer(
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(s_idx), count=1)
                 if is_partial:
-                    s = _masked_scores(s, INTV, row, n, Sk, o_m, BLOCK_N, s_layout)
+                    s = _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N, ROWS, num_warps)
                 p, m_used, l_i, alpha = _softmax_step(s, m_used, l_i, qk_scale)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev_idx), count=1)
