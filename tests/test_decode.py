@@ -18,7 +18,8 @@ from flexmask.kernels import configs
 from flexmask.kernels.decode import attention_decode
 from flexmask.kernels.forward import attention_forward
 
-from conftest import FAMILIES, assert_close_to_reference, case_id, default_floor, make_mask, make_qkv, references
+from conftest import (FAMILIES, assert_close_to_reference, case_id, default_floor, make_mask, make_qkv, references,
+                      rel_err)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -217,22 +218,6 @@ def test_decode_plan_choice():
 # --- GPU ------------------------------------------------------------------------------------
 
 
-def _reference_rows(q, k, v, allowed):
-    """float64 and bf16 references of few query rows against a long cache, by dense math on the device."""
-    out = []
-    for dtype in (torch.float64, q.dtype):
-        group = q.shape[1] // k.shape[1]
-        kk = k.to(dtype).repeat_interleave(group, 1)
-        vv = v.to(dtype).repeat_interleave(group, 1)
-        s = (q.to(dtype) @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5
-        s = s.masked_fill(~allowed, float("-inf"))
-        lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1)
-        p = torch.softmax(s.float() if dtype != torch.float64 else s, -1).to(dtype)
-        o = torch.nan_to_num(p @ vv)
-        out.append((o, lse))
-    return out
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("sq", [1, 16])
 @pytest.mark.parametrize("family", ["kv_cache", "kv_cache_window", "kv_cache_document"])
@@ -247,22 +232,20 @@ def test_gpu_long_cache(family, sq):
     torch.cuda.set_sync_debug_mode("error")
     try:
         mask = masks.kv_cache(lengths)
-        iv = mask.intervals(sq, sk, "cuda")
+        mask.intervals(sq, sk, "cuda")  # on the device, from the device tensor
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if family == "kv_cache_window":
         mask = mask & masks.sliding_window(4000)
     elif family == "kv_cache_document":
         mask = mask & masks.document([50000, 30000, sk - 80000])
-    iv = mask.intervals(sq, sk, "cuda")
-    rows = torch.arange(sq, device="cuda").view(1, 1, sq, 1)
-    lts, lte, uts, ute = (iv[..., i].unsqueeze(-2) for i in range(4))
-    allowed = ~(((rows >= lts) & (rows < lte)) | ((rows >= uts) & (rows < ute)))  # [B, 1, Sq, Sk]
     cm = flexmask.compile_mask(mask, sq, sk, device="cuda")
     assert configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads) is not None
     out, lse = flexmask.attention(q, k, v, cm, return_lse=True)
-    (o64, l64), (olp, llp) = _reference_rows(q, k, v, allowed)
+    (o64, l64), (olp, llp) = references(q, k, v, mask)
     assert_close_to_reference(out, o64, olp, default_floor(BF16), "out")
-    assert_close_to_reference(lse, l64, llp, default_floor(FP32), "lse")
+    assert_close_to_reference(lse, l64, llp.float(), default_floor(FP32), "lse")
+    # outputs average ~1e5 random values (|o| ~ 3e-3, below the floor): the relative error too
+    assert rel_err(out, o64) <= 2 * rel_err(olp, o64), (rel_err(out, o64), rel_err(olp, o64))
     qblock = attention_forward(q, k, v, cm, d ** -0.5)
-    assert_close_to_reference(qblock[0], o64, olp, default_floor(BF16), "q-block out")
+    assert rel_err(qblock[0], o64) <= 2 * rel_err(olp, o64)

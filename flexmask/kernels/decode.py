@@ -33,7 +33,7 @@ from .configs import DecodePlan, decode_plan
 from .forward import LOG2E, mask_broadcast, precision_for
 from .masking import column_intervals, load_block, mask_row, masked_elements
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

@@ -1,0 +1,291 @@
+"""Decoding benchmark: achieved memory bandwidth of a decode step against a KV cache.
+
+    python -m benchmarks.bench_decode --out benchmarks/results            # the sweep (GPU)
+    python -m benchmarks.bench_decode --table benchmarks/results/decode.csv   # README table
+
+Per point (batch B, cache length Sk, Sq queries; Hq=32, Hkv=8, D=128, bf16; every cache full,
+so every provider reads all of K/V): flexmask.attention with a precompiled `masks.kv_cache`
+mask (it takes the split-KV path), flexmask's q-block kernel on the same mask (the path a
+decode step took before), FlexAttention (`torch.compile(flex_attention)` with a BlockMask,
+its decode kernel for small Sq) and SDPA (default backend choice, enable_gqa). Bandwidth =
+bytes of K and V read / median time (triton.testing.do_bench: the L2 cache is flushed before
+each call). The GPU's copy bandwidth is measured in the same process (a device-to-device copy
+of COPY_BYTES; bytes read + written / time) and each bandwidth is also given as a % of it.
+Rows: CSV with GPU, versions and the command in every row, a PNG next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from .report import environment
+
+COLUMNS = ("date", "gpu", "torch", "triton", "command", "provider", "batch", "q_len", "kv_len", "heads",
+           "kv_heads", "head_dim", "dtype", "status", "ms", "p20_ms", "p80_ms", "kv_bytes", "bandwidth_gbps",
+           "copy_gbps", "pct_of_copy", "vs_flex", "mask_build_ms", "path", "num_splits", "rel_err_vs_flex")
+PROVIDERS = ("flexmask", "flexmask_qblock", "flex", "sdpa")
+COPY_BYTES = 4 << 30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="benchmarks/results", help="folder for decode.csv and decode.png")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--seqlens", default="8192,32768,131072,524288")
+    p.add_argument("--q-lens", default="1", help="query lengths of the full sweep")
+    p.add_argument("--extra-q-len", type=int, default=16, help="one more query length (0: none) ...")
+    p.add_argument("--extra-q-batches", default="8", help="... at these batch sizes")
+    p.add_argument("--providers", default=",".join(PROVIDERS))
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--memory-fraction", type=float, default=0.6,
+                   help="skip points whose K/V exceed this fraction of the GPU memory")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds; later points are SKIP rows")
+    p.add_argument("--append", action="store_true")
+    p.add_argument("--table", metavar="CSV", help="print the README table of a results CSV and exit")
+    return p.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device-to-device copy: (bytes read + bytes written) / time, in GB/s."""
+    import triton
+
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
+
+
+def _flex_block_mask(lengths: torch.Tensor, batch: int, sq: int, sk: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):  # kv_cache(lengths, causal=True)
+        length = lengths[b]
+        return (kv_idx < length) & (kv_idx <= length - sq + q_idx)
+
+    return create_block_mask(mask_mod, batch, None, sq, sk, device="cuda")
+
+
+def _sdpa_call(q, k, v, sq: int, sk: int):
+    import torch.nn.functional as F
+
+    if sq == 1:  # a full cache: no mask at all
+        return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    from torch.nn.attention.bias import causal_lower_right
+
+    bias = causal_lower_right(sq, sk)
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+
+def _timed(fn):
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+
+
+def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, copy_gbps: float) -> list[dict]:
+    import flexmask
+    from flexmask import masks
+    from flexmask.kernels import configs
+    from flexmask.kernels.forward import attention_forward
+
+    hq, hkv, d, dtype = args.heads, args.kv_heads, args.head_dim, torch.bfloat16
+    kv_bytes = 2 * batch * hkv * sk * d * dtype.itemsize
+    base = dict(env, batch=batch, q_len=sq, kv_len=sk, heads=hq, kv_heads=hkv, head_dim=d, dtype="bfloat16",
+                kv_bytes=kv_bytes, copy_gbps=copy_gbps)
+    rows = {p: dict(base, provider=p) for p in providers}
+    if kv_bytes > args.memory_fraction * torch.cuda.get_device_properties(0).total_memory:
+        for row in rows.values():
+            row["status"] = f"SKIP: K/V take {kv_bytes / 1e9:.0f} GB"
+        return list(rows.values())
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + sk)
+    q = torch.randn(batch, hq, sq, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(batch, hkv, sk, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(batch, hkv, sk, d, device="cuda", dtype=dtype, generator=gen)
+    lengths = torch.full((batch,), sk, device="cuda", dtype=torch.int32)
+    outputs = {}
+    for name, row in rows.items():
+        try:
+            t0 = time.perf_counter()
+            if name in ("flexmask", "flexmask_qblock"):
+                cm = flexmask.compile_mask(masks.kv_cache(lengths), sq, sk, device="cuda")
+                torch.cuda.synchronize()
+                row["mask_build_ms"] = (time.perf_counter() - t0) * 1e3
+                if name == "flexmask":
+                    fn = lambda: flexmask.attention(q, k, v, cm)  # noqa: E731
+                    plan = configs.decode_plan(batch, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n),
+                                               cm.heads)
+                    row["path"] = "split-kv" if plan is not None else "q-block"
+                    row["num_splits"] = plan.num_splits if plan is not None else None
+                else:
+                    fn = lambda: attention_forward(q, k, v, cm, d ** -0.5)[0]  # noqa: E731
+                    row["path"] = "q-block"
+            elif name == "flex":
+                bm = _flex_block_mask(lengths, batch, sq, sk)
+                torch.cuda.synchronize()
+                row["mask_build_ms"] = (time.perf_counter() - t0) * 1e3
+                fn = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True)  # noqa: E731
+            else:
+                fn = _sdpa_call(q, k, v, sq, sk)
+            outputs[name] = fn().float()
+            ms, p20, p80 = _timed(fn)
+            row.update(status="ok", ms=ms, p20_ms=p20, p80_ms=p80, bandwidth_gbps=kv_bytes / (ms * 1e-3) / 1e9)
+            row["pct_of_copy"] = 100 * row["bandwidth_gbps"] / copy_gbps
+        except Exception as err:  # noqa: BLE001 (OOM, or a provider that cannot run this point)
+            first = (str(err).strip().splitlines() or [""])[0][:160]
+            row["status"] = "OOM" if isinstance(err, torch.OutOfMemoryError) else f"ERROR: {type(err).__name__}: {first}"
+        torch.cuda.empty_cache()
+    flex_row = rows.get("flex", {})
+    for name, row in rows.items():
+        if row.get("ms") and flex_row.get("ms"):
+            row["vs_flex"] = flex_row["ms"] / row["ms"]
+        if name in outputs and "flex" in outputs and name != "flex":
+            want = outputs["flex"]
+            row["rel_err_vs_flex"] = float((outputs[name] - want).norm() / want.norm())
+    return list(rows.values())
+
+
+def write_csv(path: str, rows: list[dict], append: bool) -> None:
+    import csv
+
+    exists = append and os.path.exists(path) and os.path.getsize(path) > 0
+    with open(path, "a" if exists else "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        if not exists:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+
+
+def read_csv(path: str) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _size(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per (Sq, B, Sk); bandwidth (GB/s and % of copy) per provider."""
+    names = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
+    points = list(dict.fromkeys((int(r["q_len"]), int(r["batch"]), int(r["kv_len"])) for r in rows))
+    by = {(int(r["q_len"]), int(r["batch"]), int(r["kv_len"]), r["provider"]): r for r in rows}
+    head = "| Sq | B | Sk | " + " | ".join(f"{n} GB/s (% copy)" for n in names) + " | flexmask vs flex |"
+    lines = [head, "|" + "---|" * (len(names) + 4)]
+    for sq, b, sk in points:
+        cells = []
+        for n in names:
+            r = by.get((sq, b, sk, n), {})
+            if r.get("status") == "ok":
+                cells.append(f"{float(r['bandwidth_gbps']):.0f} ({float(r['pct_of_copy']):.0f}%)")
+            else:
+                cells.append((r.get("status") or "–").split(":")[0])
+        ratio = by.get((sq, b, sk, "flexmask"), {}).get("vs_flex")
+        cells.append(f"{float(ratio):.2f}x" if ratio else "–")
+        lines.append(f"| {sq} | {b} | {_size(sk)} | " + " | ".join(cells) + " |")
+    first = rows[0]
+    copy = sorted({f"{float(r['copy_gbps']):.0f}" for r in rows if r.get("copy_gbps")})
+    lines.append("")
+    lines.append(f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}; copy bandwidth "
+                 f"{', '.join(copy)} GB/s; `{first['command']}`")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    groups = sorted({(int(r["q_len"]), int(r["batch"])) for r in ok})
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
+    for ax, (sq, b) in zip(axes[0], groups):
+        for name in PROVIDERS:
+            pts = sorted((int(r["kv_len"]), float(r["bandwidth_gbps"])) for r in ok
+                         if r["provider"] == name and int(r["q_len"]) == sq and int(r["batch"]) == b)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        copy = max(float(r["copy_gbps"]) for r in ok)
+        ax.axhline(copy, color="gray", ls="--", lw=1, label="copy")
+        ax.axhline(0.8 * copy, color="gray", ls=":", lw=1, label="80% of copy")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"Sq={sq}, B={b}")
+        ax.set_xlabel("kv_len")
+        ax.set_ylabel("GB/s of K/V read")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{ok[0]['gpu']}: decode, Hq=32 Hkv=8 D=128 bf16", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.table:
+        print(table(read_csv(args.table)))
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_decode: no CUDA device; this benchmark runs on a GPU only")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    env = environment("gpu", argv)
+    env["command"] = "python -m benchmarks.bench_decode " + " ".join(sys.argv[1:] if argv is None else argv)
+    providers = [p for p in args.providers.split(",") if p]
+    flex = None
+    if "flex" in providers:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 256)
+        if hasattr(dynamo_config, "recompile_limit"):
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
+    copy = copy_bandwidth_gbps()
+    print(f"copy bandwidth: {copy:.0f} GB/s", flush=True)
+    points = [(sq, b, sk) for sq in _ints(args.q_lens) for b in _ints(args.batches) for sk in _ints(args.seqlens)]
+    if args.extra_q_len:
+        points += [(args.extra_q_len, b, sk) for b in _ints(args.extra_q_batches) for sk in _ints(args.seqlens)]
+    csv_path = os.path.join(args.out, "decode.csv")
+    start, append = time.monotonic(), args.append
+    all_rows = []
+    for sq, b, sk in points:
+        if args.time_budget is not None and time.monotonic() - start > args.time_budget:
+            rows = [dict(env, provider=p, batch=b, q_len=sq, kv_len=sk, heads=args.heads, kv_heads=args.kv_heads,
+                         head_dim=args.head_dim, dtype="bfloat16", status="SKIP: time budget") for p in providers]
+        else:
+            rows = run_point(b, sq, sk, args, providers, flex, env, copy)
+        write_csv(csv_path, rows, append)
+        append = True
+        all_rows += rows
+        for r in rows:
+            bw = f"{r['bandwidth_gbps']:.0f} GB/s ({r['pct_of_copy']:.0f}%)" if r.get("bandwidth_gbps") else ""
+            print(f"Sq={sq} B={b} Sk={sk} {r['provider']}: {r['status']} {bw} "
+                  f"{'vs flex %.2fx' % r['vs_flex'] if r.get('vs_flex') else ''} "
+                  f"{'splits=%s' % r['num_splits'] if r.get('num_splits') else ''}", flush=True)
+    plot(read_csv(csv_path), os.path.join(args.out, "decode.png"))
+    print(table(read_csv(csv_path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Compile the split-KV decode kernels for sm_90 on a machine without a GPU (Triton's bundled
+ptxas): compile errors, registers, spills and shared memory before any device time is spent.
+
+    python -m benchmarks.decode_offline_compile
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .offline_compile import HOPPER, report  # pops TRITON_INTERPRET before triton loads
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+DO_NOT_SPECIALIZE = {"Sq", "Sk", "NQB", "ROWS"}
+
+
+def compile_offline(fn, args: dict, constexprs: dict, options: dict):
+    """As the JIT specialises a launch: tensors (16-byte aligned) and ints that are multiples of
+    16 carry tt.divisibility=16, so the loads vectorise as they will on the device."""
+    signature = {name: mangle_type(value) for name, value in args.items()}
+    signature.update({name: "constexpr" for name in constexprs})
+    ordered = {name: signature[name] for name in fn.arg_names if name in signature}
+    attrs = {}
+    for name, value in args.items():
+        aligned = isinstance(value, torch.Tensor) or (isinstance(value, int) and value % 16 == 0)
+        if aligned and name not in DO_NOT_SPECIALIZE:
+            attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=ordered, attrs=attrs,
+                                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=HOPPER, options=options)
+
+
+def split_kv(head_dim: int, dtype, block_h: int, block_q: int, block_n: int, masked_block_n: int,
+             stages: int, masked_stages: int, warps: int, direct: bool):
+    from flexmask.kernels import decode
+
+    t = torch.empty(8, dtype=dtype)
+    f32, i32 = torch.empty(8), torch.empty(8, dtype=torch.int32)
+    args = dict(Q=t, K=t, V=t, O=t, LSE=f32, O_PART=f32, LSE_PART=f32, INTV=i32, FWD_OFFSETS=i32,
+                FWD_NUM_FULL=i32, FWD_BLOCKS=i32, stride_qb=4096, stride_qh=128, stride_qm=128,
+                stride_kb=2 ** 20, stride_kh=2 ** 17, stride_kn=128, stride_vb=2 ** 20, stride_vh=2 ** 17,
+                stride_vn=128, stride_ob=4096, stride_oh=128, stride_om=128, Sq=3, Sk=1000, NQB=3, ROWS=1000, MASK_B_STRIDE=3, MASK_H_DIV=3, MASK_H_STRIDE=3,
+                qk_scale=0.5)
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    consts = dict(HQ=32, HKV=8, GROUP=4, HEAD_BLOCKS=1, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
+                  BLOCK_Q=block_q, BLOCK_N=block_n, MASKED_BLOCK_N=masked_block_n, TILE_M=128, TILE_N=128,
+                  PRECISION="ieee" if dtype == torch.float32 else "tf32", EVEN_N=False, DIRECT=direct,
+                  NUM_STAGES=stages, MASKED_STAGES=masked_stages)
+    return compile_offline(decode._split_kv_kernel, args, consts, {"num_warps": warps, "num_stages": stages})
+
+
+def merge(head_dim: int, dtype, splits: int):
+    from flexmask.kernels import decode
+
+    t, f32 = torch.empty(8, dtype=dtype), torch.empty(8)
+    args = dict(O_PART=f32, LSE_PART=f32, O=t, LSE=f32, stride_ob=4096, stride_oh=128, stride_om=128, Sq=3,
+                ROWS=1000)
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    consts = dict(HQ=32, NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=min(64, 1 << (splits - 1).bit_length()))
+    return compile_offline(decode._merge_kernel, args, consts, {"num_warps": 4})
+
+
+if __name__ == "__main__":
+    bf16 = torch.bfloat16
+    cases = [
+        ("split D=128 bf16 16 rows bn64 st3", lambda: split_kv(128, bf16, 4, 4, 64, 64, 3, 2, 4, False)),
+        ("split D=128 bf16 16 rows bn128 st3", lambda: split_kv(128, bf16, 4, 4, 128, 64, 3, 2, 4, False)),
+        ("split D=128 bf16 64 rows (Sq=16) bn64", lambda: split_kv(128, bf16, 4, 16, 64, 64, 3, 2, 4, False)),
+        ("split D=128 bf16 direct", lambda: split_kv(128, bf16, 4, 4, 64, 64, 3, 2, 4, True)),
+        ("split D=64 fp16 Sq=1 MHA", lambda: split_kv(64, torch.float16, 1, 16, 64, 64, 3, 2, 4, False)),
+        ("split D=256 bf16", lambda: split_kv(256, bf16, 4, 4, 32, 32, 2, 2, 4, False)),
+        ("split D=128 fp32", lambda: split_kv(128, torch.float32, 4, 4, 32, 32, 2, 2, 4, False)),
+        ("split D=80 bf16", lambda: split_kv(80, bf16, 4, 4, 64, 64, 3, 2, 4, False)),
+        ("merge D=128 64 splits", lambda: merge(128, bf16, 64)),
+        ("merge D=128 130 splits", lambda: merge(128, bf16, 130)),
+    ]
+    failed = 0
+    for name, build in cases:
+        try:
+            print(report(name, build()), flush=True)
+        except Exception as exc:  # report and go on: a diagnostic tool
+            failed += 1
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:2000]}", file=sys.stderr)
+    sys.exit(1 if failed else 0)
