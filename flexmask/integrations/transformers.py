@@ -20,8 +20,10 @@ On top come the module's causality (`is_causal`) and the model's `sliding_window
 sit bottom-right (a decode step with a KV cache is the last row). The column intervals of 1-3
 are built on the device, compiled once per mask / position_ids tensor and reused by every layer.
 
+Under autocast, float32 queries/keys/values are cast to the autocast dtype (as SDPA is).
 Not supported (a clear error): attention dropout > 0, logit soft-capping, attention sinks.
-Attention weights are never returned (as with FlashAttention).
+Attention weights are never returned (as with FlashAttention). Under torch.compile, the table
+lookup of cases 1-3 runs outside the graph (a graph break per layer); case 4 needs none.
 """
 
 from __future__ import annotations
@@ -242,8 +244,20 @@ def flexmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     else:
         mask = _plan(query, attention_mask, position_ids if packed else None, q_len, kv_len, causal, sliding_window)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    query, key, value = _autocast_inputs(query, key, value)
     out = api.attention(query, key, value, mask, scale=scale)
     return out.transpose(1, 2), None
+
+
+def _autocast_inputs(query, key, value):
+    """Under autocast, float32 inputs run in the autocast dtype, as SDPA and transformers'
+    FlashAttention path do (rotary embeddings hand the attention float32 queries under autocast).
+    A torch.library op is not cast by autocast itself."""
+    device_type = query.device.type
+    if query.dtype != torch.float32 or not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def register(name: str = NAME) -> None:
