@@ -56,6 +56,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args(argv)
     devices = args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    if "cuda" in devices and not torch.cuda.is_available():
+        raise SystemExit("benchmarks.bench_compile --devices cuda: no CUDA device is available here; "
+                         "`python -m benchmarks.bench_compile --devices cpu` measures compile_mask on the CPU")
     meta = {
         "torch": torch.__version__,
         "command": " ".join(["python", "-m", "benchmarks.bench_compile", *sys.argv[1:]]),

@@ -28,6 +28,10 @@ PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
 PHASES="${PHASES:-A B C}"
 mkdir -p "$OUT"
 unset TRITON_INTERPRET  # real kernels, not the CPU interpreter
+if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "benchmarks/gpu_sweep.sh times GPU kernels: no CUDA device is available here; on the CPU, \`python -m benchmarks.run --quick\` checks the kernels against the float64 reference at tiny sizes" >&2
+  exit 1
+fi
 
 T0=$(date +%s)
 status=0

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from .cuda_guard import CPU_ALTERNATIVE, CPU_MAX_SEQLEN
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 GPU_PROVIDERS = "flexmask,flex,sdpa_cudnn,sdpa_flash,sdpa_mask"
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-shapes",
                    help="SEQLEN:HEAD_DIM list where the sliding-window density sweep runs, or 'none' "
                         "(default 32K:128; quick: none)")
-    p.add_argument("--providers", default=GPU_PROVIDERS,
+    p.add_argument("--providers",
                    help=f"comma-separated providers (default {GPU_PROVIDERS}; also flex_native, "
                         "FlexAttention with hand-written mask_mods); the CPU mode runs flexmask only")
     p.add_argument("--directions", default="fwd,bwd,fwd_bwd", help="comma-separated, of fwd,bwd,fwd_bwd")
@@ -115,6 +117,25 @@ def _use_interpreter(argv: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "benchmarks.run", *argv])
 
 
+def cpu_mode_problem(args, cuda: bool) -> str | None:
+    """Why the CPU mode (kernels under the Triton interpreter) cannot do what was asked, in one
+    line naming what does run there; None when it can. Asked-for GPU providers are never dropped
+    silently, and GPU-scale lengths would keep the interpreter busy for hours."""
+    reasons = []
+    gpu_only = [p for p in _list(args.providers or "") if p != "flexmask"]
+    if gpu_only:
+        reasons.append(f"--providers {','.join(gpu_only)} run{'s' if len(gpu_only) == 1 else ''} on a GPU only")
+    lengths = [s for s, _ in parse_shapes(args.shapes or "none") + parse_shapes(args.sweep_shapes or "none")]
+    lengths += [parse_size(x) for x in _list(args.seqlens or "")]
+    if lengths and max(lengths) > CPU_MAX_SEQLEN:
+        reasons.append(f"sequence length {max(lengths)} is a GPU-scale shape (the CPU runs the kernels in the "
+                       f"Triton interpreter, up to {CPU_MAX_SEQLEN} tokens)")
+    if not reasons:
+        return None
+    return (f"{'no CUDA device' if not cuda else '--quick'}: {'; '.join(reasons)}. On the CPU, `{CPU_ALTERNATIVE}` "
+            f"checks flexmask's kernels against the float64 reference for every family at 150 tokens")
+
+
 def make_options(args, quick: bool):
     import torch
 
@@ -128,7 +149,7 @@ def make_options(args, quick: bool):
     from .providers import registry
 
     known = list(registry())
-    chosen = _list(args.providers)
+    chosen = _list(args.providers or GPU_PROVIDERS)
     if not chosen or any(p not in known for p in chosen):
         raise SystemExit(f"--providers must be a list of {', '.join(known)}; got {args.providers!r}")
     directions = _list(args.directions)
@@ -173,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--gpu: no CUDA device is available (the CPU mode is --quick)")
     quick = args.quick or not cuda
     if quick:
+        problem = cpu_mode_problem(args, cuda)
+        if problem:
+            raise SystemExit(problem)
         _use_interpreter(argv)
     elif os.environ.get("TRITON_INTERPRET") == "1":
         print("warning: TRITON_INTERPRET=1 is set; GPU timings would be of the interpreter", file=sys.stderr)

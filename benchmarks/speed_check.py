@@ -23,6 +23,8 @@ import flexmask
 from flexmask import masks
 from flexmask.masks.intervals import unmasked_count
 
+from .cuda_guard import require_cuda
+
 
 def _doc_lens(s: int) -> list[int]:
     gen = torch.Generator().manual_seed(0)
@@ -56,6 +58,7 @@ def main(argv=None):
     ap.add_argument("--families", nargs="*", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args(argv)
+    require_cuda("benchmarks.speed_check", "times flexmask and FlexAttention on a GPU")
 
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

@@ -19,6 +19,8 @@ from flexmask.kernels import backward as bwd_mod
 from flexmask.kernels import forward as fwd_mod
 from flexmask.kernels.configs import LaunchConfig
 
+from .cuda_guard import require_cuda
+
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
 DKDV = [(32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 128, 4, 3), (32, 128, 4, 4)]
 DQ = [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3)]
@@ -37,6 +39,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--skip-forward", action="store_true")
     args = ap.parse_args(argv)
+    require_cuda("benchmarks.tune_configs", "times launch configurations on a GPU")
     s, h = args.seq, 16
     for d in args.head_dims:
         for mname, mask in (("causal", masks.causal()), ("swa1024", masks.sliding_window(1024))):

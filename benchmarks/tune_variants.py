@@ -23,6 +23,7 @@ from flexmask.kernels import backward as bwd_mod
 from flexmask.kernels import forward as fwd_mod
 from flexmask.kernels.configs import LaunchConfig
 
+from .cuda_guard import require_cuda
 from .speed_check import families
 
 # (block_m, block_n, num_warps, num_stages, masked_block, masked_stages); see LaunchConfig
@@ -50,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later head dims are skipped")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args(argv)
+    require_cuda("benchmarks.tune_variants", "times kernel variants on a GPU")
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flex = torch.compile(flex_attention)

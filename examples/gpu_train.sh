@@ -21,6 +21,10 @@ PARITY_STEPS=${PARITY_STEPS:-100}
 PARITY_SEQ_LEN=${PARITY_SEQ_LEN:-8192}
 SCALE_SEQ_LENS=${SCALE_SEQ_LENS:-"8192 32768 131072"}
 RESULTS=${OUT:-benchmarks/results}
+if [[ "$TRITON_INTERPRET" != 1 ]] && ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "examples/gpu_train.sh trains on a GPU: no CUDA device is available here; on the CPU (seconds): TRITON_INTERPRET=1 python -m examples.train_packed_lm train --tiny" >&2
+    exit 1
+fi
 mkdir -p "$RESULTS"
 LOG="$RESULTS/train_gpu_log.txt"
 

@@ -39,6 +39,7 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -426,7 +427,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     common.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
     common.add_argument("--log-every", type=int, default=None, help="print a log line every N steps (0: never)")
     common.add_argument(
-        "--out-dir", default=None, help="where CSV/PNG go (default $OUT if set, else benchmarks/results)"
+        "--out-dir", default=None,
+        help="where CSV/PNG go (default $OUT if set, else benchmarks/results; --tiny: a temporary folder)"
     )
     for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden"):
         common.add_argument("--" + field.replace("_", "-"), type=int, default=None, help=f"model {field}")
@@ -498,10 +500,39 @@ def check_environment(backends: list[str], device: torch.device) -> None:
         )
 
 
+CPU_MAX_SEQ_LEN = 1024  # longer sequences are GPU runs: hours in the Triton interpreter
+
+
+def check_cpu_sizes(args: argparse.Namespace, cfg: RunConfig) -> None:
+    """Stop at once, with one line, where a GPU run was asked for on a machine without one."""
+    if cfg.device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"examples.train_packed_lm {args.mode} --device {args.device}: no CUDA device is "
+                         f"available here; on the CPU: TRITON_INTERPRET=1 python -m examples.train_packed_lm "
+                         f"{args.mode} --tiny")
+    lengths = [cfg.seq_len] + (list(args.seq_lens or []) if args.mode == "scale" else [])
+    if args.mode == "scale" and not args.seq_lens and not args.tiny:
+        lengths += [8192, 32768, 131072]
+    if cfg.device.type == "cpu" and max(lengths) > CPU_MAX_SEQ_LEN:
+        raise SystemExit(f"examples.train_packed_lm {args.mode}: {max(lengths)}-token sequences are a GPU run and "
+                         f"no CUDA device is in use; on the CPU (seconds): TRITON_INTERPRET=1 python -m "
+                         f"examples.train_packed_lm {args.mode} --tiny")
+
+
+def default_out_dir(args: argparse.Namespace) -> str | None:
+    """--out-dir, else $OUT; a --tiny run (a smoke test) otherwise writes to a fresh temporary
+    folder, never over the GPU results tracked in benchmarks/results/."""
+    if args.out_dir or os.environ.get("OUT") or not args.tiny:
+        return args.out_dir
+    return tempfile.mkdtemp(prefix=f"flexmask-{args.mode}-tiny-")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     cfg = run_config(args)
+    check_cpu_sizes(args, cfg)
+    if args.mode != "train":
+        args.out_dir = default_out_dir(args)
     tag = "_tiny" if args.tiny else ""
     cuda = cfg.device.type == "cuda"
     if args.mode == "train":
