@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from .backward_fused import fused_backward
-from .configs import backward_config, backward_fused_config, backward_fused_uses_tma, backward_uses_tma
+from .configs import (backward_config, backward_fused_config, backward_fused_dq_tma, backward_fused_dq_transposed,
+                      backward_fused_uses_tma, backward_uses_tma)
 from .forward import LOG2E, mask_broadcast, precision_for
 from .masking import (block_source, column_intervals, load_block, mask_row, masked_elements, masked_elements_t,
                       row_stats)
@@ -54,9 +55,9 @@ def _preprocess_kernel(
     p_stats = STATS + pid_bh.to(tl.int64) * 2 * Sq + o_m  # planar [2, Sq] per (batch, head)
     tl.store(p_stats, lse2, mask=o_m < Sq)
     tl.store(p_stats + Sq, delta, mask=o_m < Sq)
-    if ZERO_DQ:  # the fused path's fp32 dQ accumulator [B * Hq, Sq, HEAD_DIM], zeroed here
-        p_acc = DQ_ACC + o_row[:, None] * HEAD_DIM + o_d[None, :]
-        tl.store(p_acc, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=m_md)
+    if ZERO_DQ:  # the fused path's fp32 dQ accumulator [B * Hq, Sq, BLOCK_D], zeroed here
+        p_acc = DQ_ACC + o_row[:, None] * BLOCK_D + o_d[None, :]
+        tl.store(p_acc, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=o_m[:, None] < Sq)
 
 
 @triton.jit
@@ -72,10 +73,15 @@ def _dkdv_tiles(
     o_bm = tl.arange(0, BLOCK_M)
     if MASKED:
         lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)  # this program's columns, once
-    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
-        m = tl.load(p_blocks + t)
-        for i in tl.static_range(TILE_M // BLOCK_M):
-            start_m = m * TILE_M + i * BLOCK_M
+    # one flat loop over the BLOCK_M steps of the listed tiles: one set of pipeline buffers
+    # (an unrolled inner loop over the steps of a tile would hold one set per step)
+    SUB: tl.constexpr = TILE_M // BLOCK_M
+    for step in tl.range(t_lo * SUB, t_hi * SUB, num_stages=NUM_STAGES):
+        if SUB == 1:
+            start_m = tl.load(p_blocks + step) * TILE_M
+        else:
+            start_m = tl.load(p_blocks + step // SUB) * TILE_M + (step % SUB) * BLOCK_M
+        if True:
             o_m = start_m + o_bm
             b_q = load_block(q_src, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
             b_do = load_block(do_src, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
@@ -170,10 +176,13 @@ def _dq_tiles(
     NUM_STAGES: tl.constexpr,
 ):
     o_bn = tl.arange(0, BLOCK_N)
-    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
-        n = tl.load(p_blocks + t)
-        for j in tl.static_range(TILE_N // BLOCK_N):
-            start_n = n * TILE_N + j * BLOCK_N
+    SUB: tl.constexpr = TILE_N // BLOCK_N  # flat loop over steps, as in _dkdv_tiles
+    for step in tl.range(t_lo * SUB, t_hi * SUB, num_stages=NUM_STAGES):
+        if SUB == 1:
+            start_n = tl.load(p_blocks + step) * TILE_N
+        else:
+            start_n = tl.load(p_blocks + step // SUB) * TILE_N + (step % SUB) * BLOCK_N
+        if True:
             o_n = start_n + o_bn
             if MASKED:  # FULL tiles lie inside [0, Sk)
                 lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)
@@ -313,14 +322,15 @@ def _dq_kernel(
 
 
 def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=None, use_tma=None,
-                       deterministic: bool = True, fused_config=None):
+                       deterministic: bool = True, fused_config=None, dq_transposed=None, dq_tma=None):
     """Gradients (dq, dk, dv) of `attention_forward`; dlse (or None) is the gradient of the LSE.
 
     deterministic=True runs the two-pass path (dK/dV, then dQ; bitwise reproducible);
     False the fused path of backward_fused.py (dQ by fp32 atomics) where
     configs.backward_fused_config offers one, else the two-pass path.
-    `configs` ((dK/dV, dQ) LaunchConfigs), `fused_config` and `use_tma` override the defaults
-    (tuning, tests)."""
+    `configs` ((dK/dV, dQ) LaunchConfigs), `fused_config`, `dq_transposed` (the fused kernel's
+    dQ product as (K^T dS^T)^T), `dq_tma` (its dQ added by TMA bulk reductions rather than
+    per-element atomics) and `use_tma` override the defaults (tuning, tests)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
@@ -328,7 +338,8 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     if not deterministic:
         cfg_fused = fused_config or backward_fused_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
     stats = torch.empty(batch * hq, 2, sq, dtype=torch.float32, device=q.device)  # (LSE log2, D) rows
-    dq_acc = torch.empty(batch * hq, sq, d, dtype=torch.float32, device=q.device) if cfg_fused else stats
+    # rows of BLOCK_D floats: 16-byte aligned for the TMA reduction whatever the head dim
+    dq_acc = torch.empty(batch * hq, sq, block_d, dtype=torch.float32, device=q.device) if cfg_fused else stats
     pre_m = 64
     _preprocess_kernel[(triton.cdiv(sq, pre_m), batch * hq)](
         o, do, dlse if dlse is not None else lse, lse, stats, dq_acc,
@@ -352,8 +363,14 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     common = dict(HEAD_DIM=d, BLOCK_D=block_d, TILE_M=cm.block_m, TILE_N=cm.block_n, PRECISION=precision,
                   USE_TMA=tma, EVEN_M=sq % cm.block_m == 0, EVEN_N=sk % cm.block_n == 0)
     if cfg_fused:
+        if dq_transposed is None:
+            dq_transposed = backward_fused_dq_transposed(d, q.dtype, q.device)
+        if dq_tma is None:
+            dq_tma = backward_fused_dq_tma(d, q.dtype, q.device)
+        if dq_tma:
+            prepare_tma(q.device)
         fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale, cfg_fused, tma, (mb, mdiv, mh),
-                       precision, common)
+                       precision, common, dq_transposed, dq_tma)
         return dq, dk, dv
     cfg_kv, cfg_q = configs or backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
     kv_per_bh = triton.cdiv(sk, cfg_kv.block_n)

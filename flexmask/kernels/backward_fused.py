@@ -28,21 +28,26 @@ from .masking import block_source, column_intervals, load_block, mask_row, maske
 @triton.jit
 def _fused_tiles(
     dk, dv, b_k, b_v,
-    q_src, do_src, stride_qm, stride_dom, p_stats, p_dq,
+    q_src, do_src, stride_qm, stride_dom, p_stats, dq_dst,
     p_blocks, t_lo, t_hi,
     o_n, p_intv, Sq, Sk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DQ_T: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     o_bm = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     if MASKED:
         lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)  # this program's columns, once
-    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
-        m = tl.load(p_blocks + t)
-        for i in tl.static_range(TILE_M // BLOCK_M):
-            start_m = m * TILE_M + i * BLOCK_M
+    # one flat loop over the BLOCK_M steps of the listed tiles: one set of pipeline buffers
+    # (an unrolled inner loop over the steps of a tile would hold one set per step)
+    SUB: tl.constexpr = TILE_M // BLOCK_M
+    for step in tl.range(t_lo * SUB, t_hi * SUB, num_stages=NUM_STAGES):
+        if SUB == 1:
+            start_m = tl.load(p_blocks + step) * TILE_M
+        else:
+            start_m = tl.load(p_blocks + step // SUB) * TILE_M + (step % SUB) * BLOCK_M
+        if True:
             o_m = start_m + o_bm
             b_q = load_block(q_src, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
             b_do = load_block(do_src, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
@@ -55,13 +60,19 @@ def _fused_tiles(
             b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
             b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(b_q.dtype)  # [BLOCK_N, BLOCK_M]
             dk = tl.dot(b_dst, b_q, dk, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
-            b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
-            # the buffer is [Sq, HEAD_DIM] per (batch, query head), contiguous
-            p_acc = p_dq + o_m[:, None].to(tl.int64) * HEAD_DIM + o_d[None, :]
-            if EVEN_M and HEAD_DIM == BLOCK_D:
-                tl.atomic_add(p_acc, b_dq, sem="relaxed")
+            # the buffer is [Sq, BLOCK_D] per (batch, query head), contiguous
+            if DQ_T:  # dQ^T = K^T dS^T: K^T is a view of K in shared memory, dS^T its B operand
+                b_dq = tl.trans(tl.dot(tl.trans(b_k), b_dst, input_precision=PRECISION))  # [BLOCK_M, BLOCK_D]
+            else:  # dQ = dS K: dS^T transposed in registers
+                b_dq = tl.dot(tl.trans(b_dst), b_k, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
+            if DQ_TMA:  # one bulk reduction of the whole block (cp.reduce.async.bulk), rows past Sq dropped
+                dq_dst.atomic_add([start_m, 0], b_dq)
             else:
-                tl.atomic_add(p_acc, b_dq, mask=(o_m[:, None] < Sq) & (o_d[None, :] < HEAD_DIM), sem="relaxed")
+                p_acc = dq_dst + o_m[:, None].to(tl.int64) * BLOCK_D + o_d[None, :]
+                if EVEN_M:
+                    tl.atomic_add(p_acc, b_dq, sem="relaxed")
+                else:
+                    tl.atomic_add(p_acc, b_dq, mask=o_m[:, None] < Sq, sem="relaxed")
     return dk, dv
 
 
@@ -81,7 +92,8 @@ def _fused_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, DQ_T: tl.constexpr,
+    DQ_TMA: tl.constexpr,
 ):
     """dK, dV of BLOCK_N kv rows of one (batch, kv head), summed over its query-head group,
     and those rows' contributions to dQ of every query head of the group."""
@@ -118,14 +130,21 @@ def _fused_kernel(
         do_src_masked = block_source(p_do, Sq, stride_dom, HEAD_DIM, MASKED_BLOCK, BLOCK_D, USE_TMA)
         bh = b.to(tl.int64) * HQ + h
         p_stats = STATS + bh * 2 * Sq
-        p_dq = DQ_ACC + bh * Sq * HEAD_DIM
+        p_dq = DQ_ACC + bh * Sq * BLOCK_D
+        if DQ_TMA:
+            dq_dst = tl.make_tensor_descriptor(p_dq, shape=[Sq, BLOCK_D], strides=[BLOCK_D, 1], block_shape=[BLOCK_M, BLOCK_D])
+            dq_dst_masked = tl.make_tensor_descriptor(p_dq, shape=[Sq, BLOCK_D], strides=[BLOCK_D, 1],
+                                                      block_shape=[MASKED_BLOCK, BLOCK_D])
+        else:
+            dq_dst = p_dq
+            dq_dst_masked = p_dq
         dk, dv = _fused_tiles(
-            dk, dv, b_k, b_v, q_src, do_src, stride_qm, stride_dom, p_stats, p_dq, BWD_BLOCKS, t_lo, t_mid,
-            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, TILE_M, False, PRECISION, USE_TMA, EVEN_M, NUM_STAGES,
+            dk, dv, b_k, b_v, q_src, do_src, stride_qm, stride_dom, p_stats, dq_dst, BWD_BLOCKS, t_lo, t_mid,
+            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, TILE_M, False, PRECISION, USE_TMA, EVEN_M, NUM_STAGES, DQ_T, DQ_TMA,
         )
         dk, dv = _fused_tiles(
-            dk, dv, b_k, b_v, q_src_masked, do_src_masked, stride_qm, stride_dom, p_stats, p_dq, BWD_BLOCKS, t_mid, t_hi,
-            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_M, True, PRECISION, USE_TMA, EVEN_M, MASKED_STAGES,
+            dk, dv, b_k, b_v, q_src_masked, do_src_masked, stride_qm, stride_dom, p_stats, dq_dst_masked, BWD_BLOCKS, t_mid, t_hi,
+            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_M, True, PRECISION, USE_TMA, EVEN_M, MASKED_STAGES, DQ_T, DQ_TMA,
         )
 
     dk *= sm_scale
@@ -148,14 +167,15 @@ def _convert_dq_kernel(
     o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_md = (o_m[:, None] < Sq) & (o_d[None, :] < HEAD_DIM)
-    p_acc = DQ_ACC + (pid_bh.to(tl.int64) * Sq + o_m[:, None]) * HEAD_DIM + o_d[None, :]
+    p_acc = DQ_ACC + (pid_bh.to(tl.int64) * Sq + o_m[:, None]) * BLOCK_D + o_d[None, :]
     b_dq = tl.load(p_acc, mask=m_md, other=0.0) * sm_scale  # [BLOCK_M, BLOCK_D]
     off_dq = b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + o_m[:, None].to(tl.int64) * stride_dqm + o_d[None, :]
     tl.store(DQ + off_dq, b_dq.to(DQ.dtype.element_ty), mask=m_md)
 
 
 def fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale: float, cfg, tma: bool,
-                   mask_args: tuple, precision: str, common: dict) -> None:
+                   mask_args: tuple, precision: str, common: dict, dq_transposed: bool = False,
+                   dq_tma: bool = False) -> None:
     """Launch the fused kernel then the dQ conversion. `stats` and the zeroed fp32 `dq_acc`
     come from the preprocess; `cfg` is the LaunchConfig of configs.backward_fused_config."""
     batch, hq, sq, d = q.shape
@@ -175,7 +195,7 @@ def fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale: float, cfg
         scale * 1.4426950408889634, scale, kv_per_bh,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         MASKED_BLOCK=min(cfg.step_masked or cfg.block_m, cfg.block_m), MASKED_STAGES=cfg.stages_masked,
-        **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DQ_T=dq_transposed, DQ_TMA=dq_tma, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     conv_m = 64
     _convert_dq_kernel[(triton.cdiv(sq, conv_m), batch * hq)](
