@@ -11,8 +11,7 @@ from .kernels import configs
 from .kernels.decode import decode_fwd
 from .kernels.forward import _forward_kernel
 from .masks import specs
-from .masks.compiler import CompiledMask, build_tables
-from .masks.intervals import build_intervals
+from .masks.compiler import CompiledMask, compile_spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -44,8 +43,7 @@ def compile_mask(mask, q_len: int, kv_len: int, *, device=None, block_m: int | N
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(value, bool) or not isinstance(value, int) or not configs.is_valid_tile(value):
             raise ValueError(f"{name} must be a power of two in [16, 256], got {value!r}")
-    intervals = build_intervals(mask, q_len, kv_len, device)
-    return build_tables(intervals, q_len, kv_len, block_m, block_n, source=mask)
+    return compile_spec(mask, q_len, kv_len, device, block_m, block_n)  # no host sync on a GPU
 
 
 def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> CompiledMask:

@@ -21,6 +21,12 @@ The kernels get two compact views of the non-skipped tiles:
 The last kv-block, when kv_len is not a multiple of BLOCK_N, is listed as PARTIAL even where
 it is FULL: the partial path also bounds-checks columns. `CompiledMask.tile_classes()` keeps
 the exact classification.
+
+Two implementations build the same tables. On the CPU the torch ops below (exact sizes). On a
+GPU the Triton kernels of `kernels/compile_kernels.py` (three launches, no host sync, transient
+memory ~16 bytes per key column plus a 2-bit tile grid), with the lists sized by a bound that
+the host knows from the mask's parameters (`tile_bounds.py`): the lists then hold
+`len(fwd_blocks) >= offsets[-1]` entries, of which the first `offsets[-1]` are the tables.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..kernels.compile_kernels import build_tables_device
+from . import device_intervals, tile_bounds
+from .intervals import build_intervals
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 
@@ -54,6 +64,9 @@ class CompiledMask:
     bwd_num_full: torch.Tensor  # int32 [Bm*Hm*NKB]
     bwd_blocks: torch.Tensor  # int32 [T] q-block indices
     bwd_exact: torch.Tensor  # int8 [T] exact class (FULL/PARTIAL) of each tile of bwd_blocks
+    # tiles visited, known on the host: exact on the CPU; from a GPU compile the bound that sized
+    # the lists (exact for full, causal, sliding-window, document and prefix-LM masks), so that
+    # reading it never waits for the GPU. The exact count is `int(bwd_offsets[-1])`.
     num_tiles_visited: int
     source: object = None  # the Mask it came from, if any
 
@@ -82,16 +95,20 @@ class CompiledMask:
         nq, nk = self.num_q_blocks, self.num_kv_blocks
         n_segments = self.batch * self.heads * nk
         out = torch.zeros(n_segments, nq, dtype=torch.int8, device=self.device)
-        t = self.num_tiles_visited
+        t = self.tiles_listed()
         if t:
             counts = self.bwd_offsets[1:].long() - self.bwd_offsets[:-1].long()
             seg = torch.repeat_interleave(torch.arange(n_segments, device=self.device), counts, output_size=t)
             out[seg, self.bwd_blocks[:t].long()] = self.bwd_exact[:t]
         return out.view(self.batch, self.heads, nk, nq).transpose(-1, -2).contiguous()
 
+    def tiles_listed(self) -> int:
+        """The exact number of tiles visited (reads the device: a host sync)."""
+        return int(self.bwd_offsets[-1])
+
     def summary(self) -> dict:
         """Tile counts per class (summed over mask rows) and the table memory in bytes."""
-        t = self.num_tiles_visited
+        t = self.tiles_listed()
         full = int((self.bwd_exact[:t] == FULL).sum())
         partial = t - full
         total = self.batch * self.heads * self.num_q_blocks * self.num_kv_blocks
@@ -178,9 +195,42 @@ def _csr(segment: torch.Tensor, is_full: torch.Tensor, n_segments: int):
     return offsets.to(torch.int32), num_full.to(torch.int32)
 
 
-def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int, block_n: int, source=None) -> CompiledMask:
-    """Compile canonical intervals [Bm, Hm, kv_len, 4] into a CompiledMask. Two host syncs: the
-    number of runs and the number of tiles visited, which size the tables."""
+def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: int, block_n: int,
+                 on_device: bool | None = None) -> CompiledMask:
+    """Compile a Mask for one shape. On a GPU (or with on_device=True: the Triton kernels, also
+    under the interpreter) without a host sync: built-in families emit their intervals inside
+    the compile kernel, and the lists are sized by `tile_bounds.visited_tiles_bound`."""
+    device = torch.device(device)
+    if not (device.type == "cuda" if on_device is None else on_device):
+        return build_tables(build_intervals(mask, q_len, kv_len, device), q_len, kv_len, block_m, block_n,
+                            source=mask, on_device=False)
+    family = device_intervals.device_family(mask, q_len, kv_len, device)
+    intervals = None if family is not None else build_intervals(mask, q_len, kv_len, device).contiguous()
+    shape = family[1] if family is not None else tuple(intervals.shape[:2])
+    rows = shape[0] * shape[1]
+    n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
+    capacity = rows * min(n_qb * n_kb, tile_bounds.visited_tiles_bound(mask, q_len, kv_len, block_m, block_n))
+    if capacity >= 2**31:
+        raise ValueError(
+            f"a mask of {rows} rows at q_len={q_len}, kv_len={kv_len} may visit {capacity} tiles of "
+            f"{block_m}x{block_n}, more than the int32 tables hold; use larger block_m/block_n"
+        )
+    tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, capacity, intervals=intervals,
+                                 family=None if family is None else family[0], shape=shape, device=device)
+    return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n, num_tiles_visited=capacity,
+                        source=mask, **tables)
+
+
+def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int, block_n: int, source=None,
+                 on_device: bool | None = None) -> CompiledMask:
+    """Compile canonical intervals [Bm, Hm, kv_len, 4] into a CompiledMask. On a GPU (or with
+    on_device=True) by the Triton kernels with one host sync (the tiles are counted to size the
+    lists: `compile_spec` avoids it with a bound); else by torch ops, with two host syncs."""
+    if intervals.is_cuda if on_device is None else on_device:
+        rows = intervals.shape[0] * intervals.shape[1]
+        tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, None, intervals=intervals.contiguous())
+        return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n,
+                            num_tiles_visited=int(tables["bwd_offsets"][-1]), source=source, **tables)
     dev = intervals.device
     n_rows = intervals.shape[0] * intervals.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)

@@ -1,0 +1,410 @@
+"""Triton kernels of the mask compiler (DESIGN.md 3.1): column intervals -> tile tables on the
+device, in three launches and with no host sync.
+
+1. `_classify_kernel`, one program per (kv-block, mask row): gets its columns' intervals
+   (loaded, or computed from a built-in family's parameters and written out), writes them in
+   the kernels' planar layout, and classifies its column of tiles q-block by q-block. The
+   exact classes go to a 2-bit grid (4 tiles per byte, q-blocks packed, kv-block major:
+   Sq*Sk / (4 * TILE_M * TILE_N) bytes, 16 MB per mask row at 1M tokens with 128 x 128
+   tiles). Per kv-block it counts FULL and PARTIAL tiles; per q-block it adds the changes of
+   class along the column (+1/-1 where a run of visited / FULL tiles starts or ends) into a
+   difference array with integer atomics, a handful per run (exact, so deterministic).
+   Most chunks of q-blocks lie between the columns' interval ends: there the class is
+   constant and one evaluation serves the whole chunk.
+2. `_scan_kernel`, two programs: prefix sums of the per-kv-block counts (backward offsets)
+   and of the per-q-block difference arrays (forward counts, then offsets).
+3. `_emit_kernel`: programs per kv-block write the backward lists, programs per chunk of
+   q-blocks the forward lists, each from the grid with in-chunk prefix sums, so the order is
+   fixed: FULL tiles first, each list by increasing block index (the torch path's order).
+
+The lists are sized by a bound known on the host (`masks.tile_bounds`); entries past the real
+count (`offsets[-1]`) are never written nor read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# families whose intervals the classify kernel computes itself (FAMILY constexpr)
+LOAD, FULL_MASK, CAUSAL, SLIDING_WINDOW, DOCUMENT, PREFIX_LM = range(6)
+_LOAD, _FULL_MASK, _CAUSAL = tl.constexpr(LOAD), tl.constexpr(FULL_MASK), tl.constexpr(CAUSAL)
+_SLIDING_WINDOW, _DOCUMENT = tl.constexpr(SLIDING_WINDOW), tl.constexpr(DOCUMENT)
+
+CHUNK_M = 64  # q-blocks per step of the per-kv-block programs (a multiple of 4: 4 tiles a byte)
+FWD_M, FWD_N = 32, 64  # q-blocks per forward-list program, kv-blocks per step
+SCAN_BLOCK = 1024
+
+
+@triton.jit
+def _rows(pos, offset, Sq):
+    """Query row of absolute position `pos`, clamped to [0, Sq] (DESIGN.md 2.3)."""
+    return tl.minimum(tl.maximum(pos - offset, 0), Sq)
+
+
+@triton.jit
+def _canonical(a0, a1, b0, b1, Sq):
+    """intervals.canonicalize, elementwise: the union of [a0, a1) and [b0, b1) as (LTS, LTE,
+    UTS, UTE), the lower-row interval in the U slot when there are two, (0, 0) when empty."""
+    a0 = tl.minimum(tl.maximum(a0, 0), Sq)
+    a1 = tl.minimum(tl.maximum(a1, 0), Sq)
+    b0 = tl.minimum(tl.maximum(b0, 0), Sq)
+    b1 = tl.minimum(tl.maximum(b1, 0), Sq)
+    a_empty = a1 <= a0
+    b_empty = b1 <= b0
+    both = (~a_empty) & (~b_empty)
+    merged = both & (tl.maximum(a0, b0) <= tl.minimum(a1, b1))
+    two = both & (~merged)
+    a_first = a0 <= b0
+    none = a_empty & b_empty
+    one_s = tl.where(merged, tl.minimum(a0, b0), tl.where(a_empty, b0, a0))
+    one_e = tl.where(merged, tl.maximum(a1, b1), tl.where(a_empty, b1, a1))
+    lts = tl.where(two, tl.where(a_first, b0, a0), tl.where(none, 0, one_s))
+    lte = tl.where(two, tl.where(a_first, b1, a1), tl.where(none, 0, one_e))
+    uts = tl.where(two, tl.where(a_first, a0, b0), 0)
+    ute = tl.where(two, tl.where(a_first, a1, b1), 0)
+    return lts, lte, uts, ute
+
+
+@triton.jit
+def _family_intervals(o_j, row, DOCS, Sq, offset, P0, P1, DOC_STRIDE, DOC_ITERS, FAMILY: tl.constexpr):
+    """Raw (a0, a1, b0, b1) row intervals of columns o_j [TILE_N] for a built-in family, as
+    intervals.py's torch builders make them (int64 positions)."""
+    j = o_j.to(tl.int64)
+    zero = tl.zeros_like(j)
+    if FAMILY == _FULL_MASK:
+        a0, a1, b0, b1 = zero, zero, zero, zero
+    elif FAMILY == _CAUSAL:
+        a0, a1, b0, b1 = zero, zero, zero, _rows(j, offset, Sq)
+    elif FAMILY == _SLIDING_WINDOW:  # P0 = left, P1 = right
+        a0, a1, b0, b1 = _rows(j + P0 + 1, offset, Sq), zero + Sq, zero, _rows(j - P1, offset, Sq)
+    elif FAMILY == _DOCUMENT:  # P0 = causal; DOCS[row] = 0, ends of the documents..., padded with Sk
+        p_docs = DOCS + row.to(tl.int64) * DOC_STRIDE
+        lo = tl.zeros_like(o_j)
+        hi = lo + (DOC_STRIDE - 1)
+        for _ in range(DOC_ITERS):  # binary search: documents ending at or before j
+            active = lo < hi
+            mid = (lo + hi) // 2
+            end_mid = tl.load(p_docs + mid + 1, mask=active, other=0)
+            go_right = active & (end_mid <= o_j)
+            lo = tl.where(go_right, mid + 1, lo)
+            hi = tl.where(active & (~go_right), mid, hi)
+        start = tl.load(p_docs + lo).to(tl.int64)
+        end = tl.load(p_docs + lo + 1).to(tl.int64)
+        upper = tl.where(P0 != 0, j, start)
+        a0, a1, b0, b1 = _rows(end, offset, Sq), zero + Sq, zero, _rows(upper, offset, Sq)
+    else:  # PREFIX_LM: P0 = prefix length
+        a0, a1, b0, b1 = zero, zero, zero, tl.where(j < P0, 0, _rows(j, offset, Sq))
+    return a0, a1, b0, b1
+
+
+@triton.jit
+def _block_range(start, end, Sq, NQB, TILE_M: tl.constexpr):
+    """q-blocks [cov_lo, cov_hi) inside the rows [start, end) and [touch_lo, touch_hi) meeting them."""
+    empty = end <= start
+    cov_lo = (start + TILE_M - 1) // TILE_M
+    cov_hi = tl.where(end >= Sq, NQB, end // TILE_M)
+    cov_hi = tl.where(empty, cov_lo, tl.maximum(cov_hi, cov_lo))
+    touch_lo = start // TILE_M
+    touch_hi = tl.where(empty, touch_lo, (end + TILE_M - 1) // TILE_M)
+    return cov_lo, cov_hi, touch_lo, touch_hi
+
+
+@triton.jit
+def _class_at(m, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2):
+    """Class of q-block m (a scalar) in this kv-block: SKIP 0 if every column covers it, FULL
+    2 if no column touches it, else PARTIAL 1."""
+    cov = ((m >= cl1) & (m < ch1)) | ((m >= cl2) & (m < ch2))  # [TILE_N]
+    touch = ((m >= tl1) & (m < th1)) | ((m >= tl2) & (m < th2))
+    all_cov = tl.min(cov.to(tl.int32), 0)
+    any_touch = tl.max(touch.to(tl.int32), 0)
+    return tl.where(all_cov == 1, 0, tl.where(any_touch == 0, 2, 1))
+
+
+@triton.jit
+def _classes(o_m, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2):
+    """Classes of q-blocks o_m [CHUNK] in this kv-block, one [TILE_N, CHUNK] evaluation."""
+    m = o_m[None, :]
+    cov = ((m >= cl1[:, None]) & (m < ch1[:, None])) | ((m >= cl2[:, None]) & (m < ch2[:, None]))
+    touch = ((m >= tl1[:, None]) & (m < th1[:, None])) | ((m >= tl2[:, None]) & (m < th2[:, None]))
+    all_cov = tl.min(cov.to(tl.int32), 0)  # [CHUNK]
+    any_touch = tl.max(touch.to(tl.int32), 0)
+    return tl.where(all_cov == 1, 0, tl.where(any_touch == 0, 2, 1))
+
+
+@triton.jit
+def _outside(v, lo, hi):
+    """No value of v [TILE_N] lies strictly inside (lo, hi) (conservative: by min and max)."""
+    return (tl.max(v, 0) <= lo) | (tl.min(v, 0) >= hi)
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "NKB", "G_ROW", "offset", "P0", "P1", "DOC_STRIDE", "DOC_ITERS", "RAGGED_N"])
+def _classify_kernel(
+    IV, PLANAR, GRID, COUNTS, DIFFS, DOCS,
+    Sq, Sk, NQB, NKB, G_ROW, offset, P0, P1, DOC_STRIDE, DOC_ITERS, RAGGED_N,
+    FAMILY: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    n = tl.program_id(0)
+    row = tl.program_id(1)
+    n_rows = tl.num_programs(1)
+    o_j = n * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] key columns
+    m_j = o_j < Sk
+    p_iv = IV + row.to(tl.int64) * Sk * 4 + o_j * 4
+    if FAMILY == _LOAD:
+        lts = tl.load(p_iv + 0, mask=m_j, other=0)
+        lte = tl.load(p_iv + 1, mask=m_j, other=0)
+        uts = tl.load(p_iv + 2, mask=m_j, other=0)
+        ute = tl.load(p_iv + 3, mask=m_j, other=0)
+    else:
+        a0, a1, b0, b1 = _family_intervals(o_j, row, DOCS, Sq, offset, P0, P1, DOC_STRIDE, DOC_ITERS, FAMILY)
+        lts, lte, uts, ute = _canonical(a0, a1, b0, b1, Sq)
+        lts, lte, uts, ute = lts.to(tl.int32), lte.to(tl.int32), uts.to(tl.int32), ute.to(tl.int32)
+        tl.store(p_iv + 0, lts, mask=m_j)
+        tl.store(p_iv + 1, lte, mask=m_j)
+        tl.store(p_iv + 2, uts, mask=m_j)
+        tl.store(p_iv + 3, ute, mask=m_j)
+    p_planar = PLANAR + row.to(tl.int64) * 4 * Sk + o_j
+    tl.store(p_planar, lts, mask=m_j)
+    tl.store(p_planar + Sk, lte, mask=m_j)
+    tl.store(p_planar + 2 * Sk, uts, mask=m_j)
+    tl.store(p_planar + 3 * Sk, ute, mask=m_j)
+
+    # q-block ranges of each column; columns past Sk cover every q-block and touch none
+    cl1, ch1, tl1, th1 = _block_range(lts, lte, Sq, NQB, TILE_M)
+    cl2, ch2, tl2, th2 = _block_range(uts, ute, Sq, NQB, TILE_M)
+    cl1 = tl.where(m_j, cl1, 0)
+    ch1 = tl.where(m_j, ch1, NQB)
+    tl1 = tl.where(m_j, tl1, 0)
+    th1 = tl.where(m_j, th1, 0)
+    cl2 = tl.where(m_j, cl2, 0)
+    ch2 = tl.where(m_j, ch2, 0)
+    tl2 = tl.where(m_j, tl2, 0)
+    th2 = tl.where(m_j, th2, 0)
+
+    ragged = n == RAGGED_N  # the kernels bounds-check this kv-block: never FULL in the lists
+    p_grid = GRID + (row * NKB + n).to(tl.int64) * G_ROW
+    p_dv = DIFFS + row.to(tl.int64) * (NQB + 1)  # visited tiles per q-block: changes along the column
+    p_df = p_dv + n_rows * (NQB + 1)  # FULL (for the kernels) tiles per q-block
+    o_c = tl.arange(0, CHUNK)
+    shifts = 2 * tl.arange(0, 4)
+    n_full = 0
+    n_partial = 0
+    prev = 0  # class of the q-block before the chunk (none before q-block 0: SKIP)
+    for c0 in range(0, NQB, CHUNK):
+        o_m = c0 + o_c  # [CHUNK]
+        c1 = tl.minimum(c0 + CHUNK, NQB)
+        uniform = (_outside(cl1, c0, c1) & _outside(ch1, c0, c1) & _outside(tl1, c0, c1) & _outside(th1, c0, c1)
+                   & _outside(cl2, c0, c1) & _outside(ch2, c0, c1) & _outside(tl2, c0, c1) & _outside(th2, c0, c1))
+        if uniform:  # no interval end inside the chunk: one evaluation
+            cls = tl.zeros([CHUNK], tl.int32) + _class_at(c0, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2)
+            cls_before = tl.where(o_m == c0, prev, cls)
+        else:
+            cls = _classes(o_m, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2)
+            cls_before = tl.where(o_m == c0, prev, _classes(o_m - 1, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2))
+        in_range = o_m < NQB
+        cls = tl.where(in_range, cls, 0)
+        prev = tl.sum(tl.where(o_m == c1 - 1, cls, 0), 0)
+        # 2-bit classes, 4 q-blocks per byte
+        packed = tl.sum(tl.reshape(cls, [CHUNK // 4, 4]) << shifts[None, :], 1)  # [CHUNK // 4]
+        tl.store(p_grid + c0 // 4 + tl.arange(0, CHUNK // 4), packed.to(tl.uint8))
+        n_full += tl.sum((cls == 2).to(tl.int32), 0)
+        n_partial += tl.sum((cls == 1).to(tl.int32), 0)
+        d_visit = (cls != 0).to(tl.int32) - (cls_before != 0).to(tl.int32)
+        d_full = ((cls == 2) & (~ragged)).to(tl.int32) - ((cls_before == 2) & (~ragged)).to(tl.int32)
+        tl.atomic_add(p_dv + o_m, d_visit, mask=in_range & (d_visit != 0))
+        tl.atomic_add(p_df + o_m, d_full, mask=in_range & (d_full != 0))
+    # runs reaching the last q-block end at NQB
+    tl.atomic_add(p_dv + NQB, -(prev != 0).to(tl.int32), mask=prev != 0)
+    tl.atomic_add(p_df + NQB, -((prev == 2) & (~ragged)).to(tl.int32), mask=(prev == 2) & (~ragged))
+    seg = row * NKB + n
+    tl.store(COUNTS + seg, n_full)
+    tl.store(COUNTS + n_rows * NKB + seg, n_partial)
+
+
+@triton.jit(do_not_specialize=["n_rows", "NQB", "NKB", "RAGGED_N"])
+def _scan_kernel(COUNTS, DIFFS, BWD_OFFSETS, BWD_NUM_FULL, FWD_OFFSETS, FWD_NUM_FULL,
+                 n_rows, NQB, NKB, RAGGED_N, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    if tl.program_id(0) == 0:  # backward view: one segment per (mask row, kv-block)
+        total = n_rows * NKB
+        carry = 0
+        for s0 in range(0, total, BLOCK):
+            idx = s0 + o
+            m_idx = idx < total
+            n_full = tl.load(COUNTS + idx, mask=m_idx, other=0)
+            count = n_full + tl.load(COUNTS + total + idx, mask=m_idx, other=0)
+            incl = carry + tl.cumsum(count, 0)
+            tl.store(BWD_OFFSETS + idx, incl - count, mask=m_idx)
+            tl.store(BWD_NUM_FULL + idx, tl.where(idx % NKB == RAGGED_N, 0, n_full), mask=m_idx)
+            carry += tl.sum(count, 0)
+        tl.store(BWD_OFFSETS + total, carry)
+    else:  # forward view: counts per q-block from the difference arrays, then their offsets
+        padded = n_rows * (NQB + 1)
+        visit = 0
+        full = 0
+        carry = 0
+        for s0 in range(0, padded, BLOCK):
+            idx = s0 + o
+            m_idx = idx < padded
+            d_visit = tl.load(DIFFS + idx, mask=m_idx, other=0)
+            d_full = tl.load(DIFFS + padded + idx, mask=m_idx, other=0)
+            count = visit + tl.cumsum(d_visit, 0)  # zero on each row's pad entry
+            n_full = full + tl.cumsum(d_full, 0)
+            incl = carry + tl.cumsum(count, 0)
+            m = idx % (NQB + 1)
+            out = (idx // (NQB + 1)) * NQB + m
+            keep = m_idx & (m < NQB)
+            tl.store(FWD_OFFSETS + out, incl - count, mask=keep)
+            tl.store(FWD_NUM_FULL + out, n_full, mask=keep)
+            visit += tl.sum(d_visit, 0)
+            full += tl.sum(d_full, 0)
+            carry += tl.sum(tl.where(m_idx, count, 0), 0)
+        tl.store(FWD_OFFSETS + n_rows * NQB, carry)
+
+
+@triton.jit
+def _unpack(packed):
+    """[..., K] bytes -> [..., K, 4] 2-bit classes."""
+    return (packed.to(tl.int32)[:, :, None] >> (2 * tl.arange(0, 4))[None, None, :]) & 3
+
+
+@triton.jit
+def _emit_backward(GRID, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_EXACT, seg, capacity, NQB, NKB, G_ROW, RAGGED_N,
+                   CHUNK: tl.constexpr):
+    """The backward list of segment (mask row, kv-block): its q-blocks, FULL first."""
+    ragged = seg % NKB == RAGGED_N
+    base = tl.load(BWD_OFFSETS + seg)
+    n_full = tl.load(BWD_NUM_FULL + seg)
+    p_grid = GRID + seg.to(tl.int64) * G_ROW
+    done_full = 0
+    done_partial = 0
+    for c0 in range(0, NQB, CHUNK):
+        o_m = c0 + tl.arange(0, CHUNK)
+        packed = tl.load(p_grid + c0 // 4 + tl.arange(0, CHUNK // 4))  # [CHUNK // 4]
+        cls = tl.reshape(_unpack(packed[None, :]), [CHUNK])  # [CHUNK]; 0 past NQB
+        is_full = (cls == 2) & (~ragged)
+        is_partial = (cls != 0) & (~is_full)
+        pos_full = base + done_full + tl.cumsum(is_full.to(tl.int32), 0) - 1
+        pos_partial = base + n_full + done_partial + tl.cumsum(is_partial.to(tl.int32), 0) - 1
+        pos = tl.where(is_full, pos_full, pos_partial)
+        keep = (cls != 0) & (pos < capacity)
+        tl.store(BWD_BLOCKS + pos, o_m, mask=keep)
+        tl.store(BWD_EXACT + pos, cls.to(tl.int8), mask=keep)
+        done_full += tl.sum(is_full.to(tl.int32), 0)
+        done_partial += tl.sum(is_partial.to(tl.int32), 0)
+
+
+@triton.jit
+def _emit_forward(GRID, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, row, m0, capacity, NQB, NKB, G_ROW, RAGGED_N,
+                  BLOCK_QM: tl.constexpr, BLOCK_QN: tl.constexpr):
+    """The forward lists of q-blocks m0 .. m0 + BLOCK_QM of one mask row: their kv-blocks, FULL first."""
+    o_m = m0 + tl.arange(0, BLOCK_QM)  # [BLOCK_QM]
+    m_m = o_m < NQB
+    seg = row * NQB + o_m
+    base = tl.load(FWD_OFFSETS + seg, mask=m_m, other=0)
+    n_full = tl.load(FWD_NUM_FULL + seg, mask=m_m, other=0)
+    done_full = tl.zeros([BLOCK_QM], tl.int32)
+    done_partial = tl.zeros([BLOCK_QM], tl.int32)
+    o_b = m0 // 4 + tl.arange(0, BLOCK_QM // 4)
+    for n0 in range(0, NKB, BLOCK_QN):
+        o_n = n0 + tl.arange(0, BLOCK_QN)  # [BLOCK_QN]
+        m_n = o_n < NKB
+        p_grid = GRID + (row * NKB + o_n).to(tl.int64)[:, None] * G_ROW + o_b[None, :]
+        packed = tl.load(p_grid, mask=m_n[:, None], other=0)  # [BLOCK_QN, BLOCK_QM // 4]
+        cls = tl.reshape(_unpack(packed), [BLOCK_QN, BLOCK_QM])  # [BLOCK_QN, BLOCK_QM]
+        is_full = (cls == 2) & (o_n != RAGGED_N)[:, None]
+        is_partial = (cls != 0) & (~is_full)
+        pos_full = base[None, :] + done_full[None, :] + tl.cumsum(is_full.to(tl.int32), 0) - 1
+        pos_partial = base[None, :] + n_full[None, :] + done_partial[None, :] + tl.cumsum(is_partial.to(tl.int32), 0) - 1
+        pos = tl.where(is_full, pos_full, pos_partial)
+        keep = (cls != 0) & m_m[None, :] & (pos < capacity)
+        tl.store(FWD_BLOCKS + pos, tl.zeros([BLOCK_QN, BLOCK_QM], tl.int32) + o_n[:, None], mask=keep)
+        done_full += tl.sum(is_full.to(tl.int32), 0)
+        done_partial += tl.sum(is_partial.to(tl.int32), 0)
+
+
+@triton.jit(do_not_specialize=["capacity", "NQB", "NKB", "G_ROW", "N_BWD", "NQC", "RAGGED_N"])
+def _emit_kernel(
+    GRID, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_EXACT, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+    capacity, NQB, NKB, G_ROW, N_BWD, NQC, RAGGED_N,
+    CHUNK: tl.constexpr, BLOCK_QM: tl.constexpr, BLOCK_QN: tl.constexpr,
+):
+    """The first N_BWD programs write the backward lists, one per (mask row, kv-block); the
+    others the forward lists, one per (mask row, BLOCK_QM q-blocks)."""
+    pid = tl.program_id(0)
+    if pid < N_BWD:
+        _emit_backward(GRID, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_EXACT, pid, capacity, NQB, NKB, G_ROW,
+                       RAGGED_N, CHUNK)
+    else:
+        q = pid - N_BWD
+        _emit_forward(GRID, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, q // NQC, (q % NQC) * BLOCK_QM, capacity,
+                      NQB, NKB, G_ROW, RAGGED_N, BLOCK_QM, BLOCK_QN)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, rows: int, capacity: int | None,
+                        intervals: torch.Tensor | None = None, family: tuple | None = None,
+                        shape: tuple | None = None, device=None) -> dict:
+    """The tables of a CompiledMask, in three launches and no host sync.
+
+    Either `intervals` (canonical int32 [Bm, Hm, kv_len, 4], contiguous) or `family` =
+    (code, p0, p1, docs) with `shape` (Bm, Hm) and `device`: the classify kernel then
+    computes the canonical intervals itself. `capacity` (>= the tiles visited, known on the
+    host) sizes fwd_blocks, bwd_blocks and bwd_exact; None counts the tiles first, at the
+    price of one host sync."""
+    if intervals is not None:
+        device = intervals.device
+        shape = tuple(intervals.shape[:2])
+        code, p0, p1, docs = LOAD, 0, 0, None
+    else:
+        code, p0, p1, docs = family
+    nqb, nkb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
+    nqb_padded = _cdiv(nqb, CHUNK_M) * CHUNK_M  # CHUNK_M is a multiple of FWD_M
+    g_row = nqb_padded // 4
+    ragged_n = nkb - 1 if kv_len % block_n else -1
+
+    i32 = dict(dtype=torch.int32, device=device)
+    if intervals is None:
+        intervals = torch.empty(*shape, kv_len, 4, **i32)
+    planar = torch.empty(rows, 4, kv_len, **i32)
+    grid = torch.empty(rows * nkb, g_row, dtype=torch.uint8, device=device)
+    work = torch.zeros(2 * rows * (nqb + 1) + 2 * rows * nkb, **i32)  # difference arrays, counts
+    diffs, counts = work[: 2 * rows * (nqb + 1)], work[2 * rows * (nqb + 1):]
+    meta = torch.empty(2 * rows * (nqb + nkb) + 2, **i32)
+    fwd_offsets, rest = meta[: rows * nqb + 1], meta[rows * nqb + 1:]
+    fwd_num_full, rest = rest[: rows * nqb], rest[rows * nqb:]
+    bwd_offsets, bwd_num_full = rest[: rows * nkb + 1], rest[rows * nkb + 1:]
+
+    if docs is None:
+        docs_t, doc_stride, doc_iters = planar, 1, 0  # unused pointer
+    else:
+        docs_t, doc_stride = docs, docs.shape[1]
+        doc_iters = max(1, (doc_stride - 1).bit_length())
+    _classify_kernel[(nkb, rows)](
+        intervals, planar, grid, counts, diffs, docs_t,
+        q_len, kv_len, nqb, nkb, g_row, kv_len - q_len, p0, p1, doc_stride, doc_iters, ragged_n,
+        FAMILY=code, TILE_M=block_m, TILE_N=block_n, CHUNK=CHUNK_M, num_warps=4,
+    )
+    _scan_kernel[(2,)](counts, diffs, bwd_offsets, bwd_num_full, fwd_offsets, fwd_num_full,
+                       rows, nqb, nkb, ragged_n, BLOCK=SCAN_BLOCK, num_warps=4)
+    if capacity is None:  # no bound given: count first (one host sync)
+        capacity = int(bwd_offsets[-1])
+    capacity = max(1, capacity)  # never hand a kernel a zero-size buffer
+    blocks = torch.empty(2 * capacity, **i32)
+    fwd_blocks, bwd_blocks = blocks[:capacity], blocks[capacity:]
+    bwd_exact = torch.empty(capacity, dtype=torch.int8, device=device)
+    nqc = _cdiv(nqb, FWD_M)
+    _emit_kernel[(rows * nkb + rows * nqc,)](
+        grid, bwd_offsets, bwd_num_full, bwd_blocks, bwd_exact, fwd_offsets, fwd_num_full, fwd_blocks,
+        capacity, nqb, nkb, g_row, rows * nkb, nqc, ragged_n,
+        CHUNK=CHUNK_M, BLOCK_QM=FWD_M, BLOCK_QN=FWD_N, num_warps=4,
+    )
+    return dict(
+        intervals=intervals, kernel_intervals=planar,
+        fwd_offsets=fwd_offsets, fwd_num_full=fwd_num_full, fwd_blocks=fwd_blocks,
+        bwd_offsets=bwd_offsets, bwd_num_full=bwd_num_full, bwd_blocks=bwd_blocks, bwd_exact=bwd_exact,
+    )

@@ -1,0 +1,104 @@
+"""A bound on the tiles a mask visits, known on the host without looking at device data.
+
+The device compiler sizes its tables by this bound so that it never waits for the GPU to
+count the tiles (a host sync). For each q-block the bound is the number of kv-blocks that
+meet the hull [lo, hi] of the key columns its rows attend; per family the hull comes from the
+mask's parameters alone. It is exact when the columns attended by a block of rows are one
+contiguous range (full, causal, sliding window, documents, prefix-LM), and an upper bound
+otherwise (families that attend a subset of causal take the causal hull; masks given as
+tensors take every tile).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import specs
+
+_CAUSAL_SUBSETS = ("share_question", "causal_blockwise", "qk_sparse", "random_eviction")
+
+
+class _Blocks:
+    """The q-blocks of one (q_len, kv_len, block_m): absolute positions of their first and last rows."""
+
+    def __init__(self, q_len: int, kv_len: int, block_m: int) -> None:
+        self.q_len, self.kv_len = q_len, kv_len
+        n = -(-q_len // block_m)
+        first_row = np.arange(n, dtype=np.int64) * block_m
+        last_row = np.minimum(first_row + block_m, q_len) - 1
+        offset = kv_len - q_len  # bottom-right alignment (DESIGN.md 2.3)
+        self.p0, self.p1 = first_row + offset, last_row + offset
+
+    def everything(self):
+        return np.zeros_like(self.p0), np.full_like(self.p1, self.kv_len - 1)
+
+    def causal(self):
+        return np.zeros_like(self.p0), self.p1.copy()  # empty where p1 < 0
+
+
+def _doc_bounds(seqlens):
+    rows = seqlens if isinstance(seqlens[0], list) else [seqlens]
+    return [np.concatenate([[0], np.cumsum(np.asarray(r, dtype=np.int64))]) for r in rows]
+
+
+def _document_hull(blocks: _Blocks, seqlens, causal: bool):
+    """Union over the batch rows of the hulls of each row's documents."""
+    lo = np.full_like(blocks.p0, blocks.kv_len)
+    hi = np.full_like(blocks.p1, -1)
+    p0 = np.clip(blocks.p0, 0, blocks.kv_len - 1)  # rows at negative positions attend nothing
+    p1 = np.clip(blocks.p1, 0, blocks.kv_len - 1)
+    for ends in _doc_bounds(seqlens):
+        first_doc = np.searchsorted(ends, p0, side="right") - 1
+        last_doc = np.searchsorted(ends, p1, side="right") - 1
+        lo = np.minimum(lo, ends[first_doc])
+        hi = np.maximum(hi, blocks.p1 if causal else ends[last_doc + 1] - 1)
+    hi = np.where(blocks.p1 < 0, -1, hi)
+    return lo, hi
+
+
+def _hull(mask: specs.Mask, b: _Blocks):
+    """(lo, hi) int64 [num_q_blocks]: the key columns attended by each q-block lie in [lo, hi]."""
+    kind = mask.kind
+    p = mask.params() if kind not in ("and", "or") else None
+    if kind == "full":
+        return b.everything()
+    if kind == "causal" or kind in _CAUSAL_SUBSETS:
+        return b.causal()
+    if kind == "sliding_window":
+        return b.p0 - p["left"], b.p1 + p["right"]
+    if kind == "document":
+        return _document_hull(b, p["seqlens"], p["causal"])
+    if kind == "prefix_lm_document":
+        return _document_hull(b, p["seqlens"], causal=False)
+    if kind == "prefix_lm":
+        return np.zeros_like(b.p0), np.maximum(b.p1, p["prefix_len"] - 1)
+    if kind == "global_sliding_window":
+        lo, hi = np.zeros_like(b.p0), b.p1 + p["right"]
+        return lo, np.where(b.p0 < p["global_tokens"], b.kv_len - 1, hi)
+    if kind == "from_startend_row_indices" and p["causal"]:
+        return b.causal()
+    if kind == "kv_cache" and p["causal"] and not _contains_kind(mask, "and", "or"):
+        return b.causal()  # row i of batch b sees j <= L_b - Sq + i <= Sk - Sq + i
+    if kind in ("and", "or") and not _contains_kind(mask, "kv_cache"):  # kv_cache moves the others' positions
+        (lo_a, hi_a), (lo_b, hi_b) = _hull(mask.a, b), _hull(mask.b, b)
+        if kind == "and":  # attends where both attend: inside both hulls
+            return np.maximum(lo_a, lo_b), np.minimum(hi_a, hi_b)
+        return np.minimum(lo_a, lo_b), np.maximum(hi_a, hi_b)
+    return b.everything()  # given as tensors (or unknown): every tile
+
+
+def _contains_kind(mask: specs.Mask, *kinds: str) -> bool:
+    if mask.kind in kinds:
+        return True
+    return mask.kind in ("and", "or") and (_contains_kind(mask.a, *kinds) or _contains_kind(mask.b, *kinds))
+
+
+def visited_tiles_bound(mask: specs.Mask | None, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
+    """Upper bound on the non-skipped tiles of one mask row (batch x head entry), from the
+    mask's parameters only. `None` means "unknown mask": every tile."""
+    b = _Blocks(q_len, kv_len, block_m)
+    lo, hi = b.everything() if mask is None else _hull(mask, b)
+    lo = np.clip(lo, 0, kv_len - 1)
+    hi = np.clip(hi, -1, kv_len - 1)
+    blocks = np.where(hi >= lo, hi // block_n - lo // block_n + 1, 0)
+    return int(blocks.sum())
