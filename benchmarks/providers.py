@@ -6,7 +6,9 @@ flexmask tile tables, FlexAttention's BlockMask, a dense boolean mask) and retur
 mask memory. `Provider.applies(case)` says whether it can express the mask at all (no row
 when not), `Provider.skip_reason(setup)` why it cannot run this configuration (a SKIP row).
 
-  flexmask     flexmask.attention with a CompiledMask from flexmask.compile_mask
+  flexmask     flexmask.attention with a CompiledMask from flexmask.compile_mask (fused backward,
+               deterministic=False)
+  flexmask_det the same with deterministic=True (two-pass backward, bitwise reproducible)
   flex         torch.compile(flex_attention) with a BlockMask from create_block_mask(_compile=True),
                whose mask_mod reads the same canonical column intervals as flexmask
   flex_native  the same with each family's hand-written mask_mod (optional: it compiles
@@ -78,6 +80,7 @@ def _tensor_bytes(tensors) -> int:
 
 class Flexmask(Provider):
     name, label = "flexmask", "flexmask"
+    deterministic = False
 
     def prepare(self, setup: Setup) -> Prepared:
         import flexmask
@@ -95,7 +98,7 @@ class Flexmask(Provider):
         summary = cm.summary()
         info = {k: summary[k] for k in ("full", "partial", "skip")}
         return Prepared(
-            attn=lambda q, k, v: flexmask.attention(q, k, v, mask=cm),
+            attn=lambda q, k, v: flexmask.attention(q, k, v, mask=cm, deterministic=self.deterministic),
             build_ms=build_ms,
             build_iv_ms=build_iv_ms,
             mask_bytes=summary["table_bytes"],  # every tensor of the CompiledMask, intervals included
@@ -284,10 +287,16 @@ class SdpaDenseMask(Provider):
         return Prepared(attn=attn, build_ms=build_ms, mask_bytes=_tensor_bytes([dense]))
 
 
+class FlexmaskDeterministic(Flexmask):
+    name, label = "flexmask_det", "flexmask (deterministic)"
+    deterministic = True
+
+
 def registry() -> dict[str, Provider]:
     """Every provider by name, in the order they run (flexmask and FlexAttention first)."""
     providers = [
         Flexmask(),
+        FlexmaskDeterministic(),
         Flex(),
         FlexNative(),
         SdpaBackend("sdpa_cudnn", "CUDNN_ATTENTION", "SDPA cuDNN"),

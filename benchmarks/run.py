@@ -26,7 +26,7 @@ import time
 from .cuda_guard import CPU_ALTERNATIVE, CPU_MAX_SEQLEN
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-GPU_PROVIDERS = "flexmask,flex,sdpa_cudnn,sdpa_flash,sdpa_mask"
+GPU_PROVIDERS = "flexmask,flexmask_det,flex,sdpa_cudnn,sdpa_flash,sdpa_mask"
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
 

@@ -3,7 +3,8 @@ beside torch.compile(flex_attention) in the same process, bf16, D=128, 16 heads,
 
 FlexAttention gets its natural mask_mod for each family (its fastest form), built with
 create_block_mask outside the timed region. TFLOP/s count unmasked elements only (backward =
-2.5x forward). Writes a CSV (GPU, versions, command, date in every row).
+2.5x forward, fwd_bwd = 3.5x). flexmask runs twice: `flexmask` with the fused backward
+(deterministic=False), `flexmask_det` with the two-pass, bitwise reproducible one. Writes a CSV (GPU, versions, command, date in every row).
 
     PYTHONPATH=$PWD python3 -m benchmarks.speed_check --out benchmarks/results
 """
@@ -87,18 +88,23 @@ def main(argv=None):
         fwd_flops = 4.0 * d * pairs
         block_mask = create_block_mask(mask_mod, None, None, s, s, device=dev, _compile=True)
 
-        def run_fm():
-            return flexmask.attention(q, k, v, cm)
+        def run_fm():  # the default backward: the fused path unless determinism is asked for
+            return flexmask.attention(q, k, v, cm, deterministic=False)
+
+        def run_fm_det():  # the two-pass, bitwise reproducible backward
+            return flexmask.attention(q, k, v, cm, deterministic=True)
 
         def run_flex():
             return flex(q, k, v, block_mask=block_mask)
 
-        for provider, fn in (("flexmask", run_fm), ("flex_attention", run_flex)):
+        for provider, fn in (("flexmask", run_fm), ("flexmask_det", run_fm_det), ("flex_attention", run_flex)):
             out = fn()
             fwd = bench(fn)
             out.backward(do, retain_graph=True)
             bwd = bench(lambda: out.backward(do, retain_graph=True))
-            for direction, (med, p20, p80), flops in (("fwd", fwd, fwd_flops), ("bwd", bwd, 2.5 * fwd_flops)):
+            fwd_bwd = bench(lambda: fn().backward(do))
+            for direction, (med, p20, p80), flops in (("fwd", fwd, fwd_flops), ("bwd", bwd, 2.5 * fwd_flops),
+                                                      ("fwd_bwd", fwd_bwd, 3.5 * fwd_flops)):
                 rows.append({
                     **meta, "family": name, "provider": provider, "direction": direction,
                     "batch": b, "heads": h, "seq": s, "head_dim": d, "density": pairs / (b * h * s * s),
@@ -121,9 +127,9 @@ def main(argv=None):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"{'family':22} {'provider':15} {'dir':4} {'ms':>8} {'TFLOP/s':>8} {'x flex':>7} {'err':>8}")
+    print(f"{'family':22} {'provider':15} {'dir':7} {'ms':>8} {'TFLOP/s':>8} {'x flex':>7} {'err':>8}")
     for r in rows:
-        print(f"{r['family']:22} {r['provider']:15} {r['direction']:4} {r['ms']:8.3f} {r['tflops']:8.1f} "
+        print(f"{r['family']:22} {r['provider']:15} {r['direction']:7} {r['ms']:8.3f} {r['tflops']:8.1f} "
               f"{r['ratio_vs_flex']:7.2f} {r['rel_err_vs_flex']:8.1e}")
     print("wrote", path)
 
