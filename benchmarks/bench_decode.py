@@ -26,8 +26,13 @@ import torch
 from .report import environment
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "provider", "batch", "q_len", "kv_len", "heads",
-           "kv_heads", "head_dim", "dtype", "status", "ms", "p20_ms", "p80_ms", "kv_bytes", "bandwidth_gbps",
-           "copy_gbps", "pct_of_copy", "vs_flex", "mask_build_ms", "path", "num_splits", "rel_err_vs_flex")
+           "kv_heads", "head_dim", "dtype", "status", "kv_bytes", "copy_gbps",
+           # CUDA graph replay: device time (the decode setting)
+           "graph_ms", "graph_p20_ms", "graph_p80_ms", "graph_bandwidth_gbps", "graph_pct_of_copy", "graph_vs_flex",
+           "graph_status",
+           # eager calls: host overhead included where it exceeds the L2 flush before each call
+           "ms", "p20_ms", "p80_ms", "bandwidth_gbps", "pct_of_copy", "vs_flex",
+           "mask_build_ms", "path", "num_splits", "rel_err_vs_flex")
 PROVIDERS = ("flexmask", "flexmask_qblock", "flex", "sdpa")
 COPY_BYTES = 4 << 30
 
@@ -97,6 +102,37 @@ def _timed(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
 
 
+FLUSH_BYTES = 256 << 20  # as triton.testing.do_bench: larger than the L2 cache
+
+
+def _graph_timed(fn, reps: int = 100):
+    """(median, p20, p80) ms of one CUDA-graph replay of fn, the L2 cache flushed before each
+    replay (the flush also covers the replay's own launch, so this is device time)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i in range(reps + 10):
+        flush.zero_()
+        if i < 10:  # warm-up replays
+            graph.replay()
+            continue
+        start, end = events[i - 10]
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    del graph
+    return times[len(times) // 2], times[len(times) // 5], times[(4 * len(times)) // 5]
+
+
 def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, copy_gbps: float) -> list[dict]:
     import flexmask
     from flexmask import masks
@@ -145,6 +181,13 @@ def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, co
             ms, p20, p80 = _timed(fn)
             row.update(status="ok", ms=ms, p20_ms=p20, p80_ms=p80, bandwidth_gbps=kv_bytes / (ms * 1e-3) / 1e9)
             row["pct_of_copy"] = 100 * row["bandwidth_gbps"] / copy_gbps
+            try:
+                ms, p20, p80 = _graph_timed(fn)
+                row.update(graph_status="ok", graph_ms=ms, graph_p20_ms=p20, graph_p80_ms=p80,
+                           graph_bandwidth_gbps=kv_bytes / (ms * 1e-3) / 1e9)
+                row["graph_pct_of_copy"] = 100 * row["graph_bandwidth_gbps"] / copy_gbps
+            except Exception as err:  # noqa: BLE001 (a provider that cannot be captured)
+                row["graph_status"] = f"ERROR: {type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}"
         except Exception as err:  # noqa: BLE001 (OOM, or a provider that cannot run this point)
             first = (str(err).strip().splitlines() or [""])[0][:160]
             row["status"] = "OOM" if isinstance(err, torch.OutOfMemoryError) else f"ERROR: {type(err).__name__}: {first}"
@@ -153,6 +196,8 @@ def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, co
     for name, row in rows.items():
         if row.get("ms") and flex_row.get("ms"):
             row["vs_flex"] = flex_row["ms"] / row["ms"]
+        if row.get("graph_ms") and flex_row.get("graph_ms"):
+            row["graph_vs_flex"] = flex_row["graph_ms"] / row["graph_ms"]
         if name in outputs and "flex" in outputs and name != "flex":
             want = outputs["flex"]
             row["rel_err_vs_flex"] = float((outputs[name] - want).norm() / want.norm())
@@ -183,22 +228,25 @@ def _size(n: int) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one line per (Sq, B, Sk); bandwidth (GB/s and % of copy) per provider."""
+    """Markdown: one line per (Sq, B, Sk); CUDA-graph bandwidth (GB/s and % of copy) per
+    provider, flexmask's speedup over FlexAttention in graphs and in eager calls."""
     names = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
     points = list(dict.fromkeys((int(r["q_len"]), int(r["batch"]), int(r["kv_len"])) for r in rows))
     by = {(int(r["q_len"]), int(r["batch"]), int(r["kv_len"]), r["provider"]): r for r in rows}
-    head = "| Sq | B | Sk | " + " | ".join(f"{n} GB/s (% copy)" for n in names) + " | flexmask vs flex |"
-    lines = [head, "|" + "---|" * (len(names) + 4)]
+    head = ("| Sq | B | Sk | " + " | ".join(f"{n} GB/s (% copy)" for n in names)
+            + " | flexmask vs flex (graph) | flexmask vs flex (eager) |")
+    lines = [head, "|" + "---|" * (len(names) + 5)]
     for sq, b, sk in points:
         cells = []
         for n in names:
             r = by.get((sq, b, sk, n), {})
-            if r.get("status") == "ok":
-                cells.append(f"{float(r['bandwidth_gbps']):.0f} ({float(r['pct_of_copy']):.0f}%)")
+            if r.get("graph_status") == "ok":
+                cells.append(f"{float(r['graph_bandwidth_gbps']):.0f} ({float(r['graph_pct_of_copy']):.0f}%)")
             else:
-                cells.append((r.get("status") or "–").split(":")[0])
-        ratio = by.get((sq, b, sk, "flexmask"), {}).get("vs_flex")
-        cells.append(f"{float(ratio):.2f}x" if ratio else "–")
+                cells.append((r.get("graph_status") or r.get("status") or "–").split(":")[0])
+        mine = by.get((sq, b, sk, "flexmask"), {})
+        for col in ("graph_vs_flex", "vs_flex"):
+            cells.append(f"{float(mine[col]):.2f}x" if mine.get(col) else "–")
         lines.append(f"| {sq} | {b} | {_size(sk)} | " + " | ".join(cells) + " |")
     first = rows[0]
     copy = sorted({f"{float(r['copy_gbps']):.0f}" for r in rows if r.get("copy_gbps")})
@@ -214,14 +262,14 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if r.get("status") == "ok"]
+    ok = [r for r in rows if r.get("graph_status") == "ok"]
     groups = sorted({(int(r["q_len"]), int(r["batch"])) for r in ok})
     if not groups:
         return
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     for ax, (sq, b) in zip(axes[0], groups):
         for name in PROVIDERS:
-            pts = sorted((int(r["kv_len"]), float(r["bandwidth_gbps"])) for r in ok
+            pts = sorted((int(r["kv_len"]), float(r["graph_bandwidth_gbps"])) for r in ok
                          if r["provider"] == name and int(r["q_len"]) == sq and int(r["batch"]) == b)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
@@ -231,7 +279,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_title(f"Sq={sq}, B={b}")
         ax.set_xlabel("kv_len")
-        ax.set_ylabel("GB/s of K/V read")
+        ax.set_ylabel("GB/s of K/V read (CUDA graph)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{ok[0]['gpu']}: decode, Hq=32 Hkv=8 D=128 bf16", fontsize=9)
     fig.tight_layout()
@@ -278,9 +326,13 @@ def main(argv=None) -> int:
         append = True
         all_rows += rows
         for r in rows:
-            bw = f"{r['bandwidth_gbps']:.0f} GB/s ({r['pct_of_copy']:.0f}%)" if r.get("bandwidth_gbps") else ""
+            bw = f"eager {r['bandwidth_gbps']:.0f} GB/s ({r['pct_of_copy']:.0f}%)" if r.get("bandwidth_gbps") else ""
+            if r.get("graph_bandwidth_gbps"):
+                bw += f", graph {r['graph_bandwidth_gbps']:.0f} GB/s ({r['graph_pct_of_copy']:.0f}%)"
+            elif r.get("graph_status"):
+                bw += f", graph {r['graph_status']}"
             print(f"Sq={sq} B={b} Sk={sk} {r['provider']}: {r['status']} {bw} "
-                  f"{'vs flex %.2fx' % r['vs_flex'] if r.get('vs_flex') else ''} "
+                  f"{'vs flex %.2fx (graph %.2fx)' % (r['vs_flex'], r.get('graph_vs_flex') or 0) if r.get('vs_flex') else ''} "
                   f"{'splits=%s' % r['num_splits'] if r.get('num_splits') else ''}", flush=True)
     plot(read_csv(csv_path), os.path.join(args.out, "decode.png"))
     print(table(read_csv(csv_path)))

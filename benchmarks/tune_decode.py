@@ -17,7 +17,7 @@ import torch
 
 from .report import environment
 
-POINTS = [(1, 1, 32768), (1, 1, 131072), (1, 8, 32768), (1, 8, 131072), (1, 32, 32768), (16, 8, 32768), (1, 1, 8192)]
+POINTS = [(1, 1, 32768), (1, 8, 32768), (1, 1, 131072), (1, 32, 32768), (16, 8, 32768)]
 
 
 def main(argv=None) -> int:
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         for per_sm in (1, 2, 4):
             splits = max(1, min(-(-per_sm * sms // programs), -(-sk // 128 // 2)))
             for block_n in (64, 128):
-                for stages in (2, 3, 4):
+                for stages in (2, 4):
                     for warps in ((4, 8) if sq > 1 else (4,)):
                         variants.append((per_sm, dataclasses.replace(base, num_splits=splits, block_n=block_n,
                                                                      num_stages=stages, num_warps=warps)))

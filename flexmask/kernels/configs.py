@@ -197,7 +197,11 @@ def backward_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_progr
 DECODE_MAX_Q = 64
 CPU_DECODE_MAX_Q = 4
 DECODE_MAX_ROWS = 64  # rows (query heads x query rows) per program: the fp32 accumulator lives in registers
-DECODE_PROGRAMS_PER_SM = 2  # enough shares in flight to cover HBM latency; more costs merge traffic
+# Splits: when B x Hkv x head blocks already fill the SMs, one split (no merge); else enough
+# shares for DECODE_PROGRAMS_PER_SM programs per SM. Measured on an H200 (benchmarks/results/
+# tune_decode.csv, Hq=32 Hkv=8 D=128 bf16): B=1 Sk=128K 3858 GB/s at 2 per SM (33 splits),
+# 3277 at 1, 3508 at 4; B=32 Sk=32K 4589 GB/s at 1 split, 4109 at 2; B=8 within 4% at 3-9 splits.
+DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_TILES_PER_SPLIT = 2  # a share shorter than this pays its fixed cost (Q load, epilogue) for little
 CPU_DECODE_PROGRAMS = 8  # the interpreter: a few shares, so the merge is exercised
 
@@ -258,11 +262,17 @@ def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, 
     block_q = min(max(block_q, 16 // block_h), tile_m)  # tl.dot needs 16 rows: pad with rows past Sq
     programs = -(-group // block_h) * batch * hkv * -(-sq // block_q)
     kv_tiles = -(-sk // tile_n)
-    target = DECODE_PROGRAMS_PER_SM * _sm_count(device) if on_gpu else CPU_DECODE_PROGRAMS
+    if on_gpu:
+        sms = _sm_count(device)
+        target = DECODE_PROGRAMS_PER_SM * sms if programs < sms else programs
+    else:
+        target = CPU_DECODE_PROGRAMS
     splits = max(1, min(-(-target // programs), -(-kv_tiles // DECODE_MIN_TILES_PER_SPLIT)))
     block_d = _head_block(head_dim)
     if not on_gpu:
         return DecodePlan(block_h, block_q, splits, min(64, tile_n), min(32, tile_n), 4, 1, 1)
     if dtype == torch.float32 or block_d > 128:
         return DecodePlan(block_h, block_q, splits, min(32, tile_n), min(32, tile_n), 4, 2, 2)
-    return DecodePlan(block_h, block_q, splits, min(64, tile_n), min(64, tile_n), 4, 3, 2)
+    # H200: 128 kv columns a step, 2 stages, 4 warps; 64 columns and 4 stages within 5%, 8 warps
+    # 15-35% slower at Sq=16 (tune_decode.csv)
+    return DecodePlan(block_h, block_q, splits, min(128, tile_n), min(64, tile_n), 4, 2, 2)

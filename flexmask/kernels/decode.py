@@ -269,17 +269,28 @@ def _mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mas
     )
 
 
+def decode_forward(
+    q: Tensor, k: Tensor, v: Tensor,
+    intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
+    mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """attention_decode on the mask tables as flexmask.attention passes them."""
+    cm = _mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n,
+                    q.shape[2], k.shape[2])
+    return attention_decode(q, k, v, cm, scale)
+
+
 @torch.library.custom_op("flexmask::decode_fwd", mutates_args=())
 def decode_fwd(
     q: Tensor, k: Tensor, v: Tensor,
     intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
     mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, scale: float,
 ) -> tuple[Tensor, Tensor]:
-    """The split-KV forward as a custom op (so torch.compile sees one opaque call). It has no
-    autograd formula: flexmask.attention calls it only when no gradient is needed."""
-    cm = _mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n,
-                    q.shape[2], k.shape[2])
-    return attention_decode(q, k, v, cm, scale)
+    """decode_forward as a custom op, so that torch.compile sees one opaque call (eager mode calls
+    decode_forward directly: a decode step is short enough for the op's dispatch to show). It
+    has no autograd formula: flexmask.attention calls it only when no gradient is needed."""
+    return decode_forward(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads,
+                          tile_m, tile_n, scale)
 
 
 @decode_fwd.register_fake
