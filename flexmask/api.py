@@ -8,7 +8,7 @@ import torch
 
 from .autograd import attention_fwd
 from .kernels import configs
-from .kernels.decode import decode_forward, decode_fwd
+from .kernels.decode import decode_fwd
 from .kernels.forward import _forward_kernel
 from .masks import specs
 from .masks.compiler import CompiledMask, compile_spec
@@ -194,8 +194,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     if _split_kv(q, k, v, tables):  # few queries, long keys, no gradient: Flash-Decoding
-        split_kv_forward = decode_fwd if torch.compiler.is_compiling() else decode_forward  # op only for the compiler
-        out, lse = split_kv_forward(q, k, v, *tables[:4], *tables[7:11], float(scale))
+        out, lse = decode_fwd(q, k, v, *tables[:4], *tables[7:11], float(scale))
         return (out, lse) if return_lse else out
     out, lse = attention_fwd(q, k, v, *tables, float(scale), int(deterministic))
     return (out, lse) if return_lse else out

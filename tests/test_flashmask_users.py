@@ -190,3 +190,13 @@ def test_dv_must_equal_d():
     q, k, v = make_qkv(1, 2, 1, 20, 20, 16, torch.float32)
     with pytest.raises(ValueError, match=r"Dv must equal D.*Dv=8, D=16"):
         flexmask.attention(q, k, v[..., :8])
+
+
+def test_uncalled_builder_and_dense_tensor_as_mask():
+    q, k, v = make_qkv(1, 2, 1, 20, 20, 16, torch.float32)
+    with pytest.raises(TypeError, match=re.escape("got the builder masks.causal itself (call it: masks.causal(...))")):
+        flexmask.attention(q, k, v, mask=masks.causal)
+    with pytest.raises(TypeError, match=re.escape("got the builder masks.document itself")):
+        flexmask.compile_mask(masks.document, 20, 20, device="cpu")
+    with pytest.raises(TypeError, match=r"got a \(20, 20\) torch.bool tensor \(dense masks are not taken"):
+        flexmask.attention(q, k, v, mask=torch.ones(20, 20, dtype=torch.bool))
