@@ -95,9 +95,12 @@ def test_every_family_both_paths(family, b, hq, hkv, sq, sk, d, dtype):
 # --- the fused path's own risks: atomics across heads of a group, ragged rows, empty rows ----------
 
 
+@pytest.mark.parametrize("dq_transposed", [False, True], ids=["dS_K", "KT_dST"])
 @pytest.mark.parametrize("hq, hkv", [(3, 1), (4, 2)], ids=["group3", "group2"])
-def test_fused_gqa_and_lengths(hq, hkv):
-    """GQA: the dQ atomics of every head of a group go to that head's rows; odd Sq != Sk."""
+def test_fused_gqa_and_lengths(hq, hkv, dq_transposed, monkeypatch):
+    """GQA: the dQ atomics of every head of a group go to that head's rows; odd Sq != Sk; the
+    dQ product as dS K (the CPU default) and as (K^T dS^T)^T (the GPU default)."""
+    monkeypatch.setattr(backward_mod, "backward_fused_dq_transposed", lambda *args: dq_transposed)
     sq, sk, d = 63, 97, 16
     mask = make_mask("sliding_window", sq, sk)
     q, k, v = make_qkv(1, hq, hkv, sq, sk, d, BF16, seed=hq)

@@ -110,11 +110,11 @@ def backward_fused_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, in
     block_d = _head_block(head_dim)
     if dtype == torch.float32 or block_d > 128:
         return None
-    if block_d <= 64:
-        cfg = LaunchConfig(64, 128, 8, 2, masked_block=32)
-    else:
-        cfg = LaunchConfig(64, 128, 8, 2, masked_block=32)
-    return _clip(cfg, tile_m, tile_n, step=tile_m)
+    # measured on an H200 with benchmarks/tune_fused_bwd.py (bf16, 32K; log in
+    # benchmarks/results/bwd_fused_variants_log.txt): 128 kv rows per program, 8 warps, steps of
+    # 64 query rows (32 on PARTIAL tiles), two stages; at head dim 64 it runs 1.29-1.39x the
+    # two-pass path
+    return _clip(LaunchConfig(64, 128, 8, 2, masked_block=32), tile_m, tile_n, step=tile_m)
 
 
 def backward_fused_dq_transposed(head_dim: int, dtype: torch.dtype, device) -> bool:
@@ -131,8 +131,9 @@ def backward_fused_dq_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
 
 
 def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_program: float) -> bool:
-    """TMA descriptor loads of Q/dO in the fused backward: as in the two-pass dK/dV kernel."""
-    return backward_uses_tma(head_dim, dtype, device, tiles_per_program)
+    """TMA descriptor loads of Q/dO in the fused backward: measured slower than pointer loads
+    (H200, head dim 128, causal 32K: 27.8 ms against 27.4 ms with 32-row steps)."""
+    return False
 
 
 def _clip(cfg: LaunchConfig, tile_m: int, tile_n: int, step: int) -> LaunchConfig:
