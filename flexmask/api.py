@@ -8,7 +8,7 @@ import torch
 
 from .autograd import attention_fwd
 from .kernels import configs
-from .kernels.decode import decode_fwd
+from .kernels.decode import decode_forward, decode_fwd
 from .kernels.forward import _forward_kernel
 from .masks import specs
 from .masks.compiler import CompiledMask, compile_spec
@@ -30,7 +30,7 @@ def compile_mask(mask, q_len: int, kv_len: int, *, device=None, block_m: int | N
     if isinstance(mask, CompiledMask):
         raise TypeError("mask is already a CompiledMask; pass it to flexmask.attention directly")
     if not isinstance(mask, specs.Mask):
-        raise TypeError(f"mask must be a flexmask.masks.Mask or None, got {type(mask).__name__}")
+        raise TypeError(f"mask must be a flexmask.masks.Mask or None, got {_describe_mask(mask)}")
     for name, value in (("q_len", q_len), ("kv_len", kv_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -57,7 +57,7 @@ def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> Compil
             raise ValueError(f"mask was compiled for device {mask.device}, got inputs on {device}")
         return mask
     if mask is not None and not isinstance(mask, specs.Mask):
-        raise TypeError(f"mask must be None, a flexmask.masks.Mask or a CompiledMask, got {type(mask).__name__}")
+        raise TypeError(f"mask must be None, a flexmask.masks.Mask or a CompiledMask, got {_describe_mask(mask)}")
     spec = specs.full() if mask is None else mask
     cache = _FULL_CACHE if mask is None else spec._compiled_cache
     key = (q_len, kv_len, str(device))
@@ -69,6 +69,16 @@ def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> Compil
 
 
 _FULL_CACHE: dict = {}
+
+
+def _describe_mask(mask) -> str:
+    """What was passed as a mask, with the likely fix for the two common slips."""
+    if callable(mask) and getattr(mask, "__module__", "") == specs.__name__:
+        return f"the builder masks.{mask.__name__} itself (call it: masks.{mask.__name__}(...))"
+    if isinstance(mask, torch.Tensor):
+        return (f"a {tuple(mask.shape)} {mask.dtype} tensor (dense masks are not taken: build the mask from "
+                f"flexmask.masks, e.g. masks.column_intervals(...) for per-column row intervals)")
+    return type(mask).__name__
 
 
 def _check_qkv(q, k, v) -> None:
@@ -194,7 +204,8 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     if _split_kv(q, k, v, tables):  # few queries, long keys, no gradient: Flash-Decoding
-        out, lse = decode_fwd(q, k, v, *tables[:4], *tables[7:11], float(scale))
+        split_kv_forward = decode_fwd if torch.compiler.is_compiling() else decode_forward  # op only for the compiler
+        out, lse = split_kv_forward(q, k, v, *tables[:4], *tables[7:11], float(scale))
         return (out, lse) if return_lse else out
     out, lse = attention_fwd(q, k, v, *tables, float(scale), int(deterministic))
     return (out, lse) if return_lse else out
