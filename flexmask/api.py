@@ -152,8 +152,9 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq % Hkv == 0 (GQA/MQA by indexing). Any
     strides with a contiguous last dimension (a ``.transpose(1, 2)`` of (B, S, H, D) works
     without a copy). fp16/bf16 are the fast path; fp32 is computed exactly in fp32.
-    Head dim D: any value in [1, 256] (16, 32, 64, 128 and 256 are the fastest; others are
-    padded inside the kernel). v's head dim Dv must equal D (k and v have the same shape).
+    Head dim D: any value in [1, 256] (powers of two from 16 waste nothing; other values are
+    padded to the next one inside the kernel). v's head dim Dv must equal D (k and v have the
+    same shape).
 
     On a CPU (no GPU): set TRITON_INTERPRET=1 in the environment before flexmask (or triton)
     is first imported and pass CPU tensors; the kernels then run in Triton's interpreter, exact
