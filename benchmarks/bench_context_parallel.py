@@ -1,0 +1,389 @@
+"""Context parallelism on several GPUs vs one: `flexmask.distributed.attention` over W GPUs
+(NCCL) against `flexmask.attention` on one GPU of the same machine, forward + backward.
+
+    python -m benchmarks.bench_context_parallel --out benchmarks/results/context_parallel.csv
+    torchrun --nproc_per_node=2 -m benchmarks.bench_context_parallel ...   (the same, launched by torchrun)
+    python -m benchmarks.bench_context_parallel --plot-only benchmarks/results/context_parallel.csv
+
+Per (mask, sequence length): rank 0 times one GPU alone (the other ranks wait), then every rank
+times its shard; the W-GPU time is the slowest rank's. The W-GPU results (output and gradients)
+are gathered and compared with the one-GPU results (relative error). The CSV also has the
+plan: chunk pairs computed out of (2W)^2, K/V chunks moved (vs an all-gather) and the bytes they
+take forward (K, V in the input dtype) and backward (dK, dV in float32). Rows are written as
+they are measured, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+COLUMNS = (
+    "date", "gpu", "gpus", "torch", "triton", "command",
+    "mask", "seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "density",
+    "chunk_pairs_computed", "chunk_pairs_total", "kv_chunks_moved", "kv_chunks_all_gather",
+    "fwd_bytes_moved", "bwd_bytes_moved", "all_gather_fwd_bytes",
+    "reps_1gpu", "reps_multi",
+    "t1_fwd_ms", "t1_bwd_ms", "t1_fwd_bwd_ms", "tw_fwd_ms", "tw_bwd_ms", "tw_fwd_bwd_ms",
+    "speedup_fwd", "speedup_bwd", "speedup_fwd_bwd", "tflops_1gpu_fwd_bwd", "tflops_multi_fwd_bwd",
+    "err_out", "err_dq", "err_dk", "err_dv", "peak_gb_1gpu", "peak_gb_multi", "status",
+)
+CHECK_TOL = 2e-2  # relative error of bf16 results between two exact summation orders
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-lens", default="262144,524288,1048576")
+    p.add_argument("--masks", default="causal_document,causal", help="causal_document, causal (comma-separated)")
+    p.add_argument("--nproc", type=int, default=2, help="GPUs (processes) when not launched by torchrun")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--doc-min", type=int, default=2048)
+    p.add_argument("--doc-max", type=int, default=65536)
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions at most (after one warm-up)")
+    p.add_argument("--target-s", type=float, default=40.0,
+                   help="fewer repetitions where one takes long; none after the warm-up past this")
+    p.add_argument("--budget-s", type=float, default=None, help="skip the remaining configs after this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/context_parallel.csv")
+    p.add_argument("--png", default=None, help="default: the CSV path with .png")
+    p.add_argument("--plot-only", default=None, metavar="CSV", help="only draw the PNG of an existing CSV")
+    p.add_argument("--cpu", action="store_true",
+                   help="smoke test of this script: gloo, kernels in the Triton interpreter, tiny shapes")
+    return p.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- masks and inputs -----------------------------------------------------------------------
+
+
+def document_lengths(seq_len: int, lo: int, hi: int, seed: int) -> list[int]:
+    """Random document lengths in [lo, hi] summing to seq_len (the last one takes the rest)."""
+    gen = torch.Generator().manual_seed(seed)
+    out, left = [], seq_len
+    while left > 0:
+        n = int(torch.randint(lo, hi + 1, (), generator=gen))
+        if left - n < lo:
+            n = left
+        out.append(n)
+        left -= n
+    return out
+
+
+def build_mask(name: str, seq_len: int, args):
+    from flexmask import masks
+
+    if name == "causal":
+        return masks.causal()
+    if name == "causal_document":
+        return masks.document(document_lengths(seq_len, args.doc_min, args.doc_max, args.seed + seq_len), causal=True)
+    raise ValueError(f"unknown mask {name!r}; expected causal or causal_document")
+
+
+def global_inputs(seq_len: int, args, device):
+    """q, k, v, do of the whole sequence, the same on every rank (a seeded generator)."""
+    gen = torch.Generator(device).manual_seed(args.seed)
+    dtype = DTYPES[args.dtype]
+
+    def rand(h):
+        return torch.randn(args.batch, h, seq_len, args.head_dim, generator=gen, device=device, dtype=dtype)
+
+    return rand(args.heads), rand(args.kv_heads), rand(args.kv_heads), rand(args.heads)
+
+
+# --- timing ---------------------------------------------------------------------------------
+
+
+class _Clock:
+    """CUDA events on a GPU; the host clock in the CPU smoke mode."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def elapsed_ms(self, i: int, j: int) -> float:
+        if self.cuda:
+            return self.marks[i].elapsed_time(self.marks[j])
+        return (self.marks[j] - self.marks[i]) * 1e3
+
+
+def fwd_bwd_once(attn, q, k, v, do):
+    """(fwd ms, bwd ms, out, grads) of one forward + backward."""
+    clock = _Clock(q.device)
+    clock.mark()
+    out = attn(q, k, v)
+    clock.mark()
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    clock.mark()
+    if clock.cuda:
+        torch.cuda.synchronize()
+    return clock.elapsed_ms(0, 1), clock.elapsed_ms(1, 2), out.detach(), grads
+
+
+def timed(attn, q, k, v, do, args, agree=None):
+    """One warm-up, then up to args.reps timed runs (fewer when one run is long). Returns the
+    medians (fwd, bwd, total ms), the repetitions and the warm-up's results. `agree` turns a
+    local number into the same number on every rank (max), so that every rank runs as often."""
+    agree = agree or (lambda x: x)
+    fwd, bwd, out, grads = fwd_bwd_once(attn, q, k, v, do)
+    warm = agree(fwd + bwd)
+    # a run longer than target_s is timed once, by its warm-up (reps = 0): compiling and first
+    # allocations cost well under 1% of such a run, and the GPU budget of a job is minutes
+    reps = int(max(0, min(args.reps, args.target_s * 1e3 // max(warm, 1e-3))))
+    runs = [] if reps else [(agree(fwd), agree(bwd), warm)]
+    for _ in range(reps):
+        f, b, _, g = fwd_bwd_once(attn, q, k, v, do)
+        del g
+        runs.append((agree(f), agree(b), agree(f + b)))
+    med = [sorted(col)[len(col) // 2] for col in zip(*runs)]
+    return med, reps, out, grads
+
+
+def reset_peak(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb(device) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+
+
+def empty_cache(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+# --- one configuration ------------------------------------------------------------------
+
+
+def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: int, world: int) -> dict | None:
+    import flexmask
+    from flexmask import distributed as fmd
+    from benchmarks import flops
+
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if not args.cpu else torch.device("cpu")
+    dtype = DTYPES[args.dtype]
+    row = dict(env, mask=mask_name, seq_len=seq_len, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+               head_dim=args.head_dim, dtype=args.dtype, gpus=world)
+    mask = build_mask(mask_name, seq_len, args)
+    plan = fmd.context_plan(mask, seq_len, world, device)
+    moved = plan.bytes_moved(args.batch, args.kv_heads, args.head_dim, dtype)
+    pairs = flops.attending_pairs(mask.intervals(seq_len, seq_len, device), seq_len, args.batch, args.heads)
+    work = flops.attention_flops(pairs, args.head_dim)["fwd_bwd"]
+    row.update(density=flops.density(pairs, args.batch, args.heads, seq_len, seq_len),
+               chunk_pairs_computed=int(plan.pairs.sum()), chunk_pairs_total=plan.pairs.numel(),
+               kv_chunks_moved=moved["kv_chunks_moved"], kv_chunks_all_gather=moved["kv_chunks_all_gather"],
+               fwd_bytes_moved=moved["forward_bytes"], bwd_bytes_moved=moved["backward_bytes"],
+               all_gather_fwd_bytes=moved["all_gather_forward_bytes"])
+
+    def agree(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group)
+        return float(t)
+
+    # one GPU: rank 0 alone
+    status, reference = [], None
+    if rank == 0:
+        try:
+            reset_peak(device)
+            q, k, v, do = global_inputs(seq_len, args, device)
+            q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+            log(f"{mask_name} S={seq_len}: 1 GPU ...")
+            (f1, b1, t1), reps1, out, grads = timed(lambda a, b, c: flexmask.attention(a, b, c, mask), q, k, v, do, args)
+            row.update(t1_fwd_ms=f1, t1_bwd_ms=b1, t1_fwd_bwd_ms=t1, reps_1gpu=reps1,
+                       tflops_1gpu_fwd_bwd=flops.tflops(work, t1),
+                       peak_gb_1gpu=peak_gb(device))
+            reference = (out, *grads)
+            del q, k, v, do
+            log(f"{mask_name} S={seq_len}: 1 GPU {t1:.1f} ms (fwd {f1:.1f}, bwd {b1:.1f}, {reps1} reps)")
+        except Exception as err:  # an OOM here still lets the multi-GPU part run
+            status.append(f"1gpu {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+            log(traceback.format_exc())
+        empty_cache(device)
+    dist.barrier(group=cpu_group)
+
+    # W GPUs
+    reset_peak(device)
+    q, k, v, do = global_inputs(seq_len, args, device)
+    ql, kl, vl, dol = (fmd.shard(t).contiguous() for t in (q, k, v, do))
+    del q, k, v, do
+    empty_cache(device)
+    ql, kl, vl = (t.requires_grad_(True) for t in (ql, kl, vl))
+    if rank == 0:
+        log(f"{mask_name} S={seq_len}: {world} GPUs ...")
+    (fw, bw, tw), repsw, out, grads = timed(lambda a, b, c: fmd.attention(a, b, c, mask), ql, kl, vl, dol, args, agree)
+    row.update(tw_fwd_ms=fw, tw_bwd_ms=bw, tw_fwd_bwd_ms=tw, reps_multi=repsw, tflops_multi_fwd_bwd=flops.tflops(work, tw),
+               peak_gb_multi=agree(peak_gb(device)))
+    del ql, kl, vl, dol
+    # the W-GPU results against the one-GPU ones, gathered one tensor at a time
+    for i, (name, local) in enumerate(zip(("err_out", "err_dq", "err_dk", "err_dv"), (out, *grads))):
+        full = fmd.unshard(local)
+        if reference is not None:
+            row[name] = rel_err(full, reference[i])
+        del full
+    del out, grads, reference
+    empty_cache(device)
+    if row.get("t1_fwd_bwd_ms"):
+        for d in ("fwd", "bwd", "fwd_bwd"):
+            row[f"speedup_{d}"] = row[f"t1_{d}_ms"] / row[f"tw_{d}_ms"]
+    errs = [row.get(n) for n in ("err_out", "err_dq", "err_dk", "err_dv") if row.get(n) is not None]
+    if errs and max(errs) > CHECK_TOL:
+        status.append(f"MISMATCH vs 1 GPU (max rel err {max(errs):.2e} > {CHECK_TOL})")
+    row["status"] = "; ".join(status) or "ok"
+    if rank == 0:
+        log(f"{mask_name} S={seq_len}: {world} GPUs {tw:.1f} ms (fwd {fw:.1f}, bwd {bw:.1f}), speedup "
+            f"{row.get('speedup_fwd_bwd', float('nan')):.2f}x, K/V chunks moved {row['kv_chunks_moved']}/"
+            f"{row['kv_chunks_all_gather']}, {row['status']}")
+    return row
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def environment(world: int, argv) -> dict:
+    import triton
+
+    cmd = "python -m benchmarks.bench_context_parallel " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (TRITON_INTERPRET=1)", "gpus": world, "torch": torch.__version__,
+            "triton": triton.__version__, "command": cmd.strip()}
+
+
+def write_row(path: str, row: dict) -> None:
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            w.writeheader()
+        w.writerow({c: (f"{row[c]:.6g}" if isinstance(row.get(c), float) else row.get(c, "")) for c in COLUMNS})
+
+
+def worker(rank: int, world: int, init: str, args, argv) -> None:
+    import torch.distributed as dist
+
+    if not args.cpu:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    timeout = datetime.timedelta(minutes=15)
+    dist.init_process_group("gloo" if args.cpu else "nccl", init_method=init, rank=rank, world_size=world, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)  # barriers and timings, off the GPUs
+    env = environment(world, argv)
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        log(f"{world} x {env['gpu']}, torch {env['torch']}, triton {env['triton']}; CSV -> {args.out}")
+    start = time.time()
+    try:
+        for seq_len in (int(s) for s in args.seq_lens.split(",")):
+            for mask_name in args.masks.split(","):
+                # rank 0's clock decides for every rank
+                over = torch.tensor([float(args.budget_s is not None and time.time() - start > args.budget_s)])
+                dist.broadcast(over, src=0, group=cpu_group)
+                if over.item():
+                    row = dict(env, mask=mask_name, seq_len=seq_len, status=f"skipped: time budget {args.budget_s:.0f} s")
+                else:
+                    row = run_config(mask_name, seq_len, args, env, cpu_group, rank, world)
+                if rank == 0:
+                    write_row(args.out, row)
+                    log(f"row written: {mask_name} S={seq_len} ({row['status']})")
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        log(f"done in {time.time() - start:.0f} s")
+        plot(args.out, args.png)
+
+
+def plot(csv_path: str, png: str | None) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log(f"no matplotlib here: draw the PNG later with --plot-only {csv_path}")
+        return
+    with open(csv_path) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("tw_fwd_bwd_ms")]
+    if not rows:
+        log("nothing measured to plot")
+        return
+    png = png or os.path.splitext(csv_path)[0] + ".png"
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for mask_name in sorted({r["mask"] for r in rows}):
+        rs = sorted((r for r in rows if r["mask"] == mask_name), key=lambda r: int(r["seq_len"]))
+        x = [int(r["seq_len"]) // 1024 for r in rs]
+        gpus = rs[0]["gpus"]
+        axes[0].plot(x, [float(r["t1_fwd_bwd_ms"] or "nan") / 1e3 for r in rs], "o--", label=f"{mask_name}, 1 GPU")
+        axes[0].plot(x, [float(r["tw_fwd_bwd_ms"]) / 1e3 for r in rs], "o-", label=f"{mask_name}, {gpus} GPUs")
+        axes[1].plot(x, [float(r["speedup_fwd_bwd"] or "nan") for r in rs], "o-", label=mask_name)
+        axes[2].plot(x, [int(r["fwd_bytes_moved"]) / 2**30 for r in rs], "o-", label=f"{mask_name}: sent (plan)")
+        axes[2].plot(x, [int(r["all_gather_fwd_bytes"]) / 2**30 for r in rs], "x:", label=f"{mask_name}: all-gather")
+    axes[0].set(xscale="log", yscale="log", xlabel="sequence (K tokens)", ylabel="fwd+bwd (s)", title="time")
+    axes[1].axhline(1.8, color="grey", ls=":", label="target 1.8x")
+    axes[1].set(xscale="log", xlabel="sequence (K tokens)", ylabel="1 GPU time / multi-GPU time",
+                title="speedup (fwd+bwd)")
+    axes[2].set(xscale="log", xlabel="sequence (K tokens)", ylabel="GiB", title="K/V bytes sent, forward")
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    r0 = rows[0]
+    fig.suptitle(f"context parallel: {r0['gpus']} x {r0['gpu']}, H={r0['heads']}/{r0['kv_heads']}, "
+                 f"D={r0['head_dim']}, {r0['dtype']}; torch {r0['torch']}, triton {r0['triton']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    log(f"wrote {png}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.plot_only:
+        plot(args.plot_only, args.png)
+        return 0
+    if args.cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before flexmask (and Triton) are first imported
+        args.dtype = "fp32"
+    elif not torch.cuda.is_available():
+        print("bench_context_parallel: no CUDA device; nothing to measure", flush=True)
+        return 1
+    if "RANK" in os.environ:  # torchrun
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args, argv)
+        return 0
+    if not args.cpu and torch.cuda.device_count() < args.nproc:
+        print(f"bench_context_parallel: needs {args.nproc} CUDA devices, found {torch.cuda.device_count()}", flush=True)
+        return 1
+    import torch.multiprocessing as mp
+
+    init = f"file://{tempfile.mkdtemp(prefix='cp_bench_')}/init"
+    mp.spawn(worker, args=(args.nproc, init, args, argv), nprocs=args.nproc, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
