@@ -1,7 +1,8 @@
 """Decoding benchmark: achieved memory bandwidth of a decode step against a KV cache.
 
     python -m benchmarks.bench_decode --out benchmarks/results            # the sweep (GPU)
-    python -m benchmarks.bench_decode --table benchmarks/results/decode.csv   # README table
+    python -m benchmarks.bench_decode --table benchmarks/results/decode.csv   # print the table
+    python -m benchmarks.bench_decode --table benchmarks/results/decode.csv --readme README.md
 
 Per point (batch B, cache length Sk, Sq queries; Hq=32, Hkv=8, D=128, bf16; every cache full,
 so every provider reads all of K/V): flexmask.attention with a precompiled `masks.kv_cache`
@@ -54,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, default=None, help="seconds; later points are SKIP rows")
     p.add_argument("--append", action="store_true")
     p.add_argument("--table", metavar="CSV", help="print the README table of a results CSV and exit")
+    p.add_argument("--readme", metavar="README", help="with --table: write it between the decode markers there")
     return p.parse_args(argv)
 
 
@@ -256,6 +258,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+README_START, README_END = "<!-- decode:start -->", "<!-- decode:end -->"
+
+
+def write_readme(path: str, text: str) -> None:
+    """Replace the text between the decode markers of the README with `text`."""
+    with open(path) as f:
+        readme = f.read()
+    if README_START not in readme or README_END not in readme:
+        raise SystemExit(f"{path} has no {README_START} ... {README_END} block")
+    head, rest = readme.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{README_START}\n{text}\n{README_END}{tail}")
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -289,7 +306,11 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.table:
-        print(table(read_csv(args.table)))
+        text = table(read_csv(args.table))
+        if args.readme:
+            write_readme(args.readme, text)
+        else:
+            print(text)
         return 0
     if not torch.cuda.is_available():
         print("bench_decode: no CUDA device; this benchmark runs on a GPU only")
