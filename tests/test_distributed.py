@@ -14,6 +14,7 @@ at a few thousand tokens.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 from dataclasses import dataclass
 
@@ -150,6 +151,8 @@ def _bad_input(group, device) -> dict:
 
 def _worker(rank: int, world: int, init_file: str, out_file: str, cases: list, backend: str, bad_input: bool):
     torch.set_num_threads(1)
+    # a hang prints every rank's Python stack and ends the process before the gloo timeout
+    faulthandler.dump_traceback_later(170, exit=True)
     device = torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(rank)
