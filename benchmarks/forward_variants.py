@@ -42,6 +42,17 @@ def _all_full(cm):
     return forced
 
 
+def _forward(q, k, v, cm, scale, kernel):
+    """kernel: "hopper", "portable", or "hopper-<order>" (a work-list order of forward_hopper)."""
+    if kernel.startswith("hopper-"):
+        from flexmask.kernels import forward_hopper
+        from flexmask.kernels.forward import mask_broadcast
+
+        mask_map = mask_broadcast(cm, q.shape[0], q.shape[1], k.shape[1])
+        return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_map, order=kernel.split("-", 1)[1])
+    return attention_forward(q, k, v, cm, scale, kernel=kernel)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, nargs="*", default=[32768])
@@ -74,7 +85,7 @@ def main(argv=None):
                 ref = None
                 for kernel in args.kernels:
                     t0 = time.perf_counter()
-                    out, _ = attention_forward(q, k, v, cm, d ** -0.5, kernel=kernel)
+                    out, _ = _forward(q, k, v, cm, d ** -0.5, kernel)
                     torch.cuda.synchronize()
                     first = time.perf_counter() - t0
                     if ref is None:
@@ -82,10 +93,10 @@ def main(argv=None):
                         err = 0.0
                     else:
                         err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-                    ms = triton.testing.do_bench(lambda: attention_forward(q, k, v, cm, d ** -0.5, kernel=kernel),
+                    ms = triton.testing.do_bench(lambda: _forward(q, k, v, cm, d ** -0.5, kernel),
                                                  warmup=25, rep=100)
                     forced = _all_full(cm)
-                    ms_full = triton.testing.do_bench(lambda: attention_forward(q, k, v, forced, d ** -0.5, kernel=kernel),
+                    ms_full = triton.testing.do_bench(lambda: _forward(q, k, v, forced, d ** -0.5, kernel),
                                                       warmup=10, rep=50)
                     rows.append({**meta, "family": name, "kernel": kernel, "seq": s, "batch": b, "heads": args.heads,
                                  "head_dim": d, "density": pairs / (b * args.heads * s * s), "ms": ms,

@@ -341,26 +341,43 @@ def _descriptor(t: torch.Tensor, block_rows: int):
 
 
 _WORK_CACHE: dict = {}  # id(fwd_offsets) -> (weak reference to it, {launch key: work list})
+L2_SHARE_BYTES = 24 << 20  # K/V bytes that the programs running at one time should share (half an H100/H200 L2)
 
 
-def work_list(cm, batch: int, q_heads: int, mask_map: tuple[int, int, int]) -> torch.Tensor:
-    """(batch x head, q-block) items packed as bh * NQB + m, ordered by their tile count,
-    heaviest first (cached per tile table: the order depends only on the mask)."""
+def work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, int, int], kv_bytes: int,
+              order: str = "chunked") -> torch.Tensor:
+    """(batch x head, q-block) items packed as bh * NQB + m, in the order the persistent
+    programs take them (program p: items p, p + P, p + 2P, ...).
+
+    "count": heaviest first over all heads. "chunked" (default): heads cut into chunks whose K/V
+    fit in L2_SHARE_BYTES, heaviest first inside each chunk: the ~one item per SM that run at
+    one time then read the K/V of one or a few heads, which stay in L2, instead of every
+    head's (measured: forward_hopper_log.md). Cached per tile table."""
     entry = _WORK_CACHE.get(id(cm.fwd_offsets))
     if entry is None or entry[0]() is not cm.fwd_offsets:
         for key in [k for k, (ref, _) in _WORK_CACHE.items() if ref() is None]:
             del _WORK_CACHE[key]
         entry = _WORK_CACHE[id(cm.fwd_offsets)] = (weakref.ref(cm.fwd_offsets), {})
     per_table = entry[1]
-    key = (batch, q_heads, mask_map)
+    key = (batch, q_heads, kv_heads, mask_map, kv_bytes, order)
     if key not in per_table:
         nqb = cm.num_q_blocks
         mb, mdiv, mh = mask_map
         counts = (cm.fwd_offsets[1:] - cm.fwd_offsets[:-1]).view(-1, nqb)  # [mask rows, NQB]
         bh = torch.arange(batch * q_heads, device=counts.device)
         rows = (bh // q_heads) * mb + ((bh % q_heads) // mdiv) * mh
-        per_item = counts[rows].reshape(-1)  # index bh * NQB + m
-        per_table[key] = torch.argsort(per_item, descending=True, stable=True).to(torch.int32)
+        per_item = counts[rows].reshape(-1).to(torch.int64)  # index bh * NQB + m
+        if order == "chunked":
+            kv_per_chunk = max(1, L2_SHARE_BYTES // max(1, kv_bytes))
+            group = q_heads // kv_heads
+            kv_index = (bh // q_heads) * kv_heads + (bh % q_heads) // group  # (b, kv head) of each bh
+            chunk = (kv_index // kv_per_chunk).repeat_interleave(nqb)
+            per_item = chunk * (cm.num_kv_blocks + 1) - per_item  # chunk first, then heaviest first
+            per_table[key] = torch.argsort(per_item, stable=True).to(torch.int32)
+        elif order == "count":
+            per_table[key] = torch.argsort(per_item, descending=True, stable=True).to(torch.int32)
+        else:
+            raise ValueError(f"order must be 'chunked' or 'count', got {order!r}")
     return per_table[key]
 
 
@@ -380,7 +397,8 @@ def supports(q, k, v, cm) -> bool:
             and all(_descriptor(t, HOPPER_BLOCK) is not None for t in (q, k, v)))
 
 
-def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2):
+def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2,
+                             order: str = "chunked"):
     """Same contract as forward.attention_forward; call only when `supports` says yes."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -389,7 +407,8 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     q_desc, (qxb, qxh, qch) = _descriptor(q, HOPPER_BLOCK // 2)
     k_desc, (kxb, kxh, kch) = _descriptor(k, HOPPER_BLOCK)
     v_desc, _ = _descriptor(v, HOPPER_BLOCK)
-    work = work_list(cm, batch, hq, mask_map)
+    kv_bytes = 2 * sk * d * k.element_size()  # one kv head's K and V
+    work = work_list(cm, batch, hq, hkv, mask_map, kv_bytes, order)
     n_items = work.numel()
     grid = (min(n_items, _num_sms(q.device.index or 0)),)
     mb, mdiv, mh = mask_map
