@@ -205,6 +205,20 @@ def test_dispatch_uses_q_block_path_with_gradients():
     assert torch.equal(k.grad[1, :, 40:], torch.zeros_like(k.grad[1, :, 40:]))  # keys past the cache
 
 
+def test_split_kv_under_torch_compile():
+    """A decode step under torch.compile(fullgraph=True): the split-KV custom op, no graph break,
+    bitwise the eager result."""
+    torch._dynamo.reset()
+    sq, sk = 1, 150
+    cm = flexmask.compile_mask(masks.kv_cache([150, 61]), sq, sk, device="cpu")
+    q, k, v = make_qkv(2, 4, 1, sq, sk, 32, BF16, seed=6)
+    compiled = torch.compile(lambda q, k, v: flexmask.attention(q, k, v, cm, return_lse=True),
+                             backend="aot_eager", fullgraph=True)
+    got = compiled(q, k, v)
+    want = flexmask.attention(q, k, v, cm, return_lse=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_decode_plan_choice():
     """The documented rule: GQA heads share a program unless the mask has one row per query head;
     CPU takes the split path for Sq <= CPU_DECODE_MAX_Q only."""
@@ -249,3 +263,17 @@ def test_gpu_long_cache(family, sq):
     assert rel_err(out, o64) <= 2 * rel_err(olp, o64), (rel_err(out, o64), rel_err(olp, o64))
     qblock = attention_forward(q, k, v, cm, d ** -0.5)
     assert rel_err(qblock[0], o64) <= 2 * rel_err(olp, o64)
+
+
+def test_readme_decode_table_is_generated_from_the_csv():
+    """The README's decoding table is `bench_decode --table` of the committed CSV, verbatim."""
+    import os
+
+    from benchmarks import bench_decode
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    block = readme.split(bench_decode.README_START, 1)[1].split(bench_decode.README_END, 1)[0]
+    rows = bench_decode.read_csv(os.path.join(root, "benchmarks", "results", "decode.csv"))
+    assert block.strip() == bench_decode.table(rows).strip()
