@@ -12,7 +12,6 @@ so the compiled tables are cached (`PlanCache`).
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import OrderedDict
 
@@ -25,9 +24,6 @@ from .masks.compiler import CompiledMask, build_tables
 from .masks.intervals import canonicalize
 
 __all__ = ["varlen_attention", "PlanCache"]
-
-# `deterministic` reached flexmask.attention in stage 2; forward it only where it exists
-_ATTENTION_TAKES_DETERMINISTIC = "deterministic" in inspect.signature(attention).parameters
 
 
 class PlanCache:
@@ -240,7 +236,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
 
     A query row that attends no key (a sequence with Lk = 0, or Lq > Lk under causal) gives 0
     and LSE -inf. max_seqlen_q / max_seqlen_k are accepted for compatibility (checked, not
-    needed). softmax_scale defaults to 1/sqrt(D).
+    needed). softmax_scale defaults to 1/sqrt(D). deterministic: as in `flexmask.attention` (None
+    follows torch.are_deterministic_algorithms_enabled(); True gives bitwise-repeatable gradients).
 
     Returns out (total_q, Hq, D), and with return_lse=True also the natural-log LSE
     (Hq, total_q) float32, FlashAttention's layout. Differentiable in q, k, v.
@@ -275,9 +272,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         mask = _plan(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, left, right, max_seqlen_q, max_seqlen_k)
     # (total, H, D) -> (1, H, total, D): a strided view, which flexmask.attention accepts as is
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
-    kwargs = {"scale": softmax_scale, "return_lse": True}
-    if _ATTENTION_TAKES_DETERMINISTIC:
-        kwargs["deterministic"] = deterministic
-    out, lse = attention(q4, k4, v4, mask, **kwargs)
+    out, lse = attention(q4, k4, v4, mask, scale=softmax_scale, return_lse=True, deterministic=deterministic)
     out = out.transpose(1, 2).squeeze(0)
     return (out, lse.squeeze(0)) if return_lse else out

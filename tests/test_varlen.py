@@ -133,6 +133,22 @@ def test_no_copy_of_q_k_v(monkeypatch):
     assert_close_to_reference(as_bhsd(out), ref64, lowp, default_floor(FP32))
 
 
+@pytest.mark.parametrize("deterministic", [None, True, False])
+def test_deterministic_is_passed_through(monkeypatch, deterministic):
+    """`deterministic` reaches flexmask.attention unchanged (None: the global torch setting)."""
+    class Seen(Exception):
+        pass
+
+    def spy(q, k, v, mask, **kwargs):
+        raise Seen(kwargs)
+
+    monkeypatch.setattr(varlen_module, "attention", spy)
+    q, k, v, _ = packed_qkv(20, 20, 2, 1, 16, FP32, seed=8)
+    with pytest.raises(Seen) as seen:
+        flexmask.varlen_attention(q, k, v, cu([20]), cu([20]), deterministic=deterministic)
+    assert seen.value.args[0]["deterministic"] is deterministic
+
+
 def test_plans_are_cached(monkeypatch):
     """Plan once, run many: the same cu_seqlens tensors (every layer of a step) build the tables
     once; new tensors with the same lengths hit the value level; an in-place write to a

@@ -245,7 +245,8 @@ def flexmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         mask = _plan(query, attention_mask, position_ids if packed else None, q_len, kv_len, causal, sliding_window)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     query, key, value = _autocast_inputs(query, key, value)
-    out = api.attention(query, key, value, mask, scale=scale)
+    # transformers passes `deterministic` to FlashAttention (TrainingArguments / FA kwargs); honour it
+    out = api.attention(query, key, value, mask, scale=scale, deterministic=kwargs.get("deterministic"))
     return out.transpose(1, 2), None
 
 
