@@ -30,7 +30,7 @@ import torch
 COLUMNS = (
     "date", "gpu", "gpus", "torch", "triton", "command",
     "mask", "seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "density",
-    "chunk_pairs_computed", "chunk_pairs_total", "kv_chunks_moved", "kv_chunks_all_gather",
+    "chunk_pairs_computed", "chunk_pairs_total", "ideal_speedup", "kv_chunks_moved", "kv_chunks_all_gather",
     "fwd_bytes_moved", "bwd_bytes_moved", "all_gather_fwd_bytes",
     "reps_1gpu", "reps_multi",
     "t1_fwd_ms", "t1_bwd_ms", "t1_fwd_bwd_ms", "tw_fwd_ms", "tw_bwd_ms", "tw_fwd_bwd_ms",
@@ -176,6 +176,23 @@ def empty_cache(device) -> None:
         torch.cuda.empty_cache()
 
 
+def ideal_speedup(intervals: torch.Tensor, seq_len: int, world: int) -> float:
+    """Attending pairs in all / in the busiest rank's rows: the speedup a perfect kernel would
+    get from the load-balanced layout (W for causal; less where documents fall unevenly)."""
+    from flexmask.distributed import rank_chunks
+
+    c = seq_len // (2 * world)
+    iv = intervals.to(torch.int64)
+
+    def attending(a: int, b: int) -> float:  # pairs with a query row in [a, b), over all columns
+        masked = sum((torch.minimum(iv[..., e], torch.tensor(b)) - torch.maximum(iv[..., s], torch.tensor(a))).clamp_min(0)
+                     for s, e in ((0, 1), (2, 3)))
+        return float(((b - a) - masked).double().sum())
+
+    per_rank = [sum(attending(ch * c, (ch + 1) * c) for ch in rank_chunks(r, world)) for r in range(world)]
+    return sum(per_rank) / max(max(per_rank), 1.0)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
@@ -197,10 +214,12 @@ def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: i
     mask = build_mask(mask_name, seq_len, args)
     plan = fmd.context_plan(mask, seq_len, world, device)
     moved = plan.bytes_moved(args.batch, args.kv_heads, args.head_dim, dtype)
-    pairs = flops.attending_pairs(mask.intervals(seq_len, seq_len, device), seq_len, args.batch, args.heads)
+    intervals = mask.intervals(seq_len, seq_len, device)
+    pairs = flops.attending_pairs(intervals, seq_len, args.batch, args.heads)
     work = flops.attention_flops(pairs, args.head_dim)["fwd_bwd"]
     row.update(density=flops.density(pairs, args.batch, args.heads, seq_len, seq_len),
                chunk_pairs_computed=int(plan.pairs.sum()), chunk_pairs_total=plan.pairs.numel(),
+               ideal_speedup=ideal_speedup(intervals.cpu(), seq_len, world),
                kv_chunks_moved=moved["kv_chunks_moved"], kv_chunks_all_gather=moved["kv_chunks_all_gather"],
                fwd_bytes_moved=moved["forward_bytes"], bwd_bytes_moved=moved["backward_bytes"],
                all_gather_fwd_bytes=moved["all_gather_forward_bytes"])
@@ -338,18 +357,20 @@ def plot(csv_path: str, png: str | None) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for mask_name in sorted({r["mask"] for r in rows}):
         rs = sorted((r for r in rows if r["mask"] == mask_name), key=lambda r: int(r["seq_len"]))
-        x = [int(r["seq_len"]) // 1024 for r in rs]
+        x = [int(r["seq_len"]) for r in rs]
         gpus = rs[0]["gpus"]
         axes[0].plot(x, [float(r["t1_fwd_bwd_ms"] or "nan") / 1e3 for r in rs], "o--", label=f"{mask_name}, 1 GPU")
         axes[0].plot(x, [float(r["tw_fwd_bwd_ms"]) / 1e3 for r in rs], "o-", label=f"{mask_name}, {gpus} GPUs")
-        axes[1].plot(x, [float(r["speedup_fwd_bwd"] or "nan") for r in rs], "o-", label=mask_name)
+        line = axes[1].plot(x, [float(r["speedup_fwd_bwd"] or "nan") for r in rs], "o-", label=mask_name)[0]
+        axes[1].plot(x, [float(r["ideal_speedup"] or "nan") for r in rs], "_", ms=14, color=line.get_color(),
+                     label=f"{mask_name}: layout's balance")
         axes[2].plot(x, [int(r["fwd_bytes_moved"]) / 2**30 for r in rs], "o-", label=f"{mask_name}: sent (plan)")
         axes[2].plot(x, [int(r["all_gather_fwd_bytes"]) / 2**30 for r in rs], "x:", label=f"{mask_name}: all-gather")
-    axes[0].set(xscale="log", yscale="log", xlabel="sequence (K tokens)", ylabel="fwd+bwd (s)", title="time")
+    axes[0].set(xscale="log", yscale="log", xlabel="sequence (tokens)", ylabel="fwd+bwd (s)", title="time")
     axes[1].axhline(1.8, color="grey", ls=":", label="target 1.8x")
-    axes[1].set(xscale="log", xlabel="sequence (K tokens)", ylabel="1 GPU time / multi-GPU time",
+    axes[1].set(xscale="log", xlabel="sequence (tokens)", ylabel="1 GPU time / multi-GPU time",
                 title="speedup (fwd+bwd)")
-    axes[2].set(xscale="log", xlabel="sequence (K tokens)", ylabel="GiB", title="K/V bytes sent, forward")
+    axes[2].set(xscale="log", xlabel="sequence (tokens)", ylabel="GiB", title="K/V bytes sent, forward")
     for ax in axes:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
