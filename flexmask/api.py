@@ -171,9 +171,9 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     gradients). Returns out (B, Hq, Sq, D), and with return_lse=True also the natural-log
     log-sum-exp (B, Hq, Sq) float32.
 
-    Decoding: few queries against many keys (Sq <= 64 on a GPU, or a q-block grid smaller than
-    the GPU) take a split-KV path (Flash-Decoding) when no gradient is needed; with gradients
-    (q, k or v requiring grad under grad mode) the q-block path runs. Same results either way.
+    Decoding: few queries against many keys (Sq <= 64 on a GPU) take a split-KV path
+    (Flash-Decoding) when no gradient is needed; with gradients (q, k or v requiring grad under
+    grad mode) the q-block path runs. Same results either way.
 
     deterministic: None follows torch.are_deterministic_algorithms_enabled() at this call;
     True gives gradients bitwise identical run to run (two-pass backward); False the fastest

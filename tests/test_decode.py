@@ -114,7 +114,7 @@ def test_kv_cache_bad_input():
 
 # --- the split-KV kernel ------------------------------------------------------------------
 
-# (B, Hq, Hkv, Sq, Sk, D, dtype, kv_lengths, num_splits): GQA 1/4/8, Sq 1/2/4/16, ragged caches
+# (B, Hq, Hkv, Sq, Sk, D, dtype, kv_lengths, num_splits): GQA 1/3/4/8, Sq 1/2/3/4/16, ragged caches
 # with empty (0) and full (Sk) rows, one split (no merge) and several (shares of unequal length)
 SPLIT_CASES = [
     (3, 4, 4, 1, 197, 64, BF16, [0, 197, 70], 3),
@@ -123,6 +123,7 @@ SPLIT_CASES = [
     (3, 4, 1, 4, 150, 32, FP32, [150, 0, 64], 2),
     (2, 8, 2, 16, 211, 32, BF16, [211, 17], 3),
     (1, 8, 8, 16, 64, 64, BF16, [64], 2),
+    (2, 6, 2, 3, 100, 32, BF16, [100, 37], 2),  # a group of 3 heads: a padded head in each program
 ]
 
 

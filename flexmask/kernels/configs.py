@@ -189,10 +189,13 @@ def backward_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_progr
 # groups included. The split-KV path packs a GQA group's heads into the rows of one program
 # (K/V read once per group) and cuts each row's kv-tile list into shares so the grid fills the
 # GPU. So on a GPU it is taken when Sq <= DECODE_MAX_Q (decode, speculative decoding, small
-# prefill chunks: most of a q-block would be padding) or when the q-block grid has fewer
-# programs than the GPU has SMs (a chunked prefill at small batch). Under the CPU interpreter
-# there is nothing to fill; it is taken for Sq <= CPU_DECODE_MAX_Q (decode steps), so that the
-# CPU tests cover it while the q-block kernel keeps its CPU coverage for longer queries.
+# prefill chunks: at least half of a 128-row q-block would be padding), whatever the batch:
+# measured on an H200 at Sq = 1 (B = 1, 8, 32) and 16 (B = 8) it reads K/V at 1.7-9.4x the q-block
+# grid's bandwidth (benchmarks/results/decode.csv). Longer chunks at small batch also
+# under-fill the q-block grid, but the split path is not measured there, so they keep the
+# q-block grid. Under the CPU interpreter there is nothing to fill; the split path is taken
+# for Sq <= CPU_DECODE_MAX_Q (decode steps), so that the CPU tests cover it while the q-block
+# kernel keeps its CPU coverage for longer queries.
 # Forward only: when gradients are needed the q-block path runs (api.attention).
 
 DECODE_MAX_Q = 64
@@ -247,13 +250,8 @@ def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, 
     device = torch.device(device)
     tile_m, tile_n = tile
     on_gpu = device.type == "cuda"
-    if not force:
-        if on_gpu:
-            q_programs = -(-sq // forward_config(head_dim, dtype, tile, device).block_m) * batch * hq
-            if sq > DECODE_MAX_Q and q_programs >= _sm_count(device):
-                return None
-        elif sq > CPU_DECODE_MAX_Q:
-            return None
+    if not force and sq > (DECODE_MAX_Q if on_gpu else CPU_DECODE_MAX_Q):
+        return None
     group = hq // hkv
     # a mask with one row per query head gives the heads of a group different tile lists
     heads_share_mask = mask_heads != hq or group == 1
