@@ -230,6 +230,22 @@ def test_decode_plan_choice():
     assert configs.decode_plan(1, 8, 2, 1, 300, 64, BF16, "cpu", tile, 8).block_h == 1
 
 
+def test_decode_plan_splits_on_a_gpu(monkeypatch):
+    """The GPU rule of configs.py (no GPU needed: the SM count is given): one split once
+    B x Hkv programs fill the SMs, else about DECODE_PROGRAMS_PER_SM programs per SM; Sq > 64
+    keeps the q-block grid."""
+    monkeypatch.setitem(configs._SM_COUNTS, 0, 132)
+
+    def plan(b, sq, sk=131072):
+        return configs.decode_plan(b, 32, 8, sq, sk, 128, BF16, "cuda:0", configs.GPU_TILE, 1)
+
+    assert plan(32, 1).num_splits == 1  # 256 programs >= 132 SMs
+    one = plan(1, 1)  # 8 programs
+    assert one.block_h == 4 and 8 * one.num_splits >= configs.DECODE_PROGRAMS_PER_SM * 132
+    assert plan(1, 1, sk=1024).num_splits == 4  # at least DECODE_MIN_TILES_PER_SPLIT tiles a share
+    assert plan(8, 16).block_q == 16 and plan(8, configs.DECODE_MAX_Q + 1) is None
+
+
 # --- GPU ------------------------------------------------------------------------------------
 
 
