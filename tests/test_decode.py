@@ -158,6 +158,18 @@ def test_every_family_with_kv_cache(family, sq):
     check_against_reference(out, lse, q, k, v, mask)
 
 
+def test_split_kv_bshd_views():
+    """(B, S, H, D) tensors' .transpose(1, 2) views: the same result as contiguous inputs, and the
+    output keeps q's memory layout."""
+    sq, sk = 3, 90
+    cm = flexmask.compile_mask(masks.kv_cache([90, 40]), sq, sk, device="cpu")
+    q, k, v = make_qkv(2, 4, 2, sq, sk, 32, BF16, seed=9, layout="bshd")
+    out, lse = attention_decode(q, k, v, cm, 32 ** -0.5, num_splits=2)
+    want = attention_decode(*(t.contiguous() for t in (q, k, v)), cm, 32 ** -0.5, num_splits=2)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert out.stride() == q.stride()
+
+
 def test_rows_that_attend_nothing():
     """Empty caches and queries placed before every key: output 0 and LSE -inf, never NaN, on
     the merged path (empty shares) and the direct one."""
