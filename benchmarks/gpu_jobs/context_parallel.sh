@@ -21,13 +21,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee "$OUT/context_p
 nvidia-smi topo -m 2>&1 | tee -a "$OUT/context_parallel_log.txt"
 
 echo "== NCCL test $(date -u +%T)" | tee -a "$OUT/context_parallel_log.txt"
-timeout 180 python3 -m pytest tests/test_distributed.py -k nccl -q -rs -p no:cacheprovider 2>&1 \
+timeout 200 python3 -m pytest tests/test_distributed.py -k nccl -q -rs -p no:cacheprovider 2>&1 \
     | tee "$OUT/context_parallel_test_log.txt" | tail -n 30 | tee -a "$OUT/context_parallel_log.txt"
 echo "test exit: $?" | tee -a "$OUT/context_parallel_log.txt"
 
 echo "== benchmark $(date -u +%T)" | tee -a "$OUT/context_parallel_log.txt"
 rm -f "$OUT/context_parallel.csv"
-timeout 290 python3 -m benchmarks.bench_context_parallel --nproc 2 --budget-s 170 --reps 2 \
+timeout 270 python3 -m benchmarks.bench_context_parallel --nproc 2 --budget-s 200 --reps 2 --target-s 30 \
     --seq-lens 524288,1048576,262144 \
     --out "$OUT/context_parallel.csv" 2>&1 | tee -a "$OUT/context_parallel_log.txt"
 echo "benchmark exit: $?" | tee -a "$OUT/context_parallel_log.txt"
