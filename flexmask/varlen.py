@@ -107,7 +107,7 @@ def _check_packed(q, k, v) -> None:
         raise ValueError(f"k and v must have the same shape (total_k, Hkv, D), got k={tuple(k.shape)}, v={tuple(v.shape)}")
 
 
-def _check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> None:
+def _check_cu_seqlens(name: str, cu, device: torch.device) -> None:
     """Shape-level checks (no host sync); the values are checked when a plan is built."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
@@ -120,7 +120,7 @@ def _check_cu_seqlens(name: str, cu, total: int, device: torch.device) -> None:
         raise ValueError(f"{name} must be on the device of q ({device}), got {cu.device}")
 
 
-def _check_cu_values(name: str, cu: torch.Tensor, values: list, total: int) -> None:
+def _check_cu_values(name: str, values: list, total: int) -> None:
     if values[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {values[0]}")
     for i in range(1, len(values)):
@@ -202,9 +202,9 @@ def _plan(cu_q, cu_k, total_q, total_k, causal, left, right, max_seqlen_q, max_s
     hit = _PLANS.get_identity(identity, extra)
     if hit is not None:
         return hit
-    values_q, values_k = torch.stack([cu_q, cu_k]).tolist() if cu_q.shape == cu_k.shape else (cu_q.tolist(), cu_k.tolist())
-    _check_cu_values("cu_seqlens_q", cu_q, values_q, total_q)
-    _check_cu_values("cu_seqlens_k", cu_k, values_k, total_k)
+    values_q, values_k = torch.stack([cu_q, cu_k]).tolist()  # the one host sync of a new tensor
+    _check_cu_values("cu_seqlens_q", values_q, total_q)
+    _check_cu_values("cu_seqlens_k", values_k, total_k)
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, values_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, values_k)
     value_key = (tuple(values_q), tuple(values_k))
@@ -250,8 +250,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     """
     _check_packed(q, k, v)
     total_q, total_k = q.shape[0], k.shape[0]
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, q.device)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
                          f"{cu_seqlens_q.shape[0] - 1} and {cu_seqlens_k.shape[0] - 1}")
