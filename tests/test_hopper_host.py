@@ -1,0 +1,107 @@
+"""CPU tests of the Hopper forward's host side (forward_hopper.py): the work list that the
+persistent programs walk, the 3-D views its TMA descriptors read, and the dispatch rule. The
+kernel itself runs only on sm_90 GPUs (tests/test_gpu_hopper.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexmask import compile_mask, masks
+from flexmask.kernels import configs, forward_hopper
+from flexmask.kernels.forward import mask_broadcast
+
+
+def _counts(cm):
+    return (cm.fwd_offsets[1:] - cm.fwd_offsets[:-1]).view(-1, cm.num_q_blocks)
+
+
+@pytest.mark.parametrize("order", ["count", "chunked"])
+@pytest.mark.parametrize("mask_heads", [1, 2, 4], ids=lambda h: f"Hm{h}")
+def test_work_list_is_a_permutation_in_order(order, mask_heads):
+    batch, hq, hkv, s = 2, 4, 2, 700
+    if mask_heads == 1:
+        mask = masks.causal()
+    else:
+        mask = masks.random_eviction(s // 2, seed=3, num_heads=mask_heads)
+    cm = compile_mask(mask, s, s, device="cpu", block_m=128, block_n=128)
+    mask_map = mask_broadcast(cm, batch, hq, hkv)
+    kv_bytes = 2 * s * 64 * 2
+    work = forward_hopper.work_list(cm, batch, hq, hkv, mask_map, kv_bytes, order).long()
+    nqb = cm.num_q_blocks
+    assert torch.equal(work.sort().values, torch.arange(batch * hq * nqb))
+    bh, m = work // nqb, work % nqb
+    rows = (bh // hq) * mask_map[0] + ((bh % hq) // mask_map[1]) * mask_map[2]
+    tiles = _counts(cm)[rows, m]
+    if order == "count":
+        assert (tiles[:-1] >= tiles[1:]).all(), "not heaviest first"
+    else:
+        per_chunk = max(1, forward_hopper.L2_SHARE_BYTES // kv_bytes)
+        chunk = ((bh // hq) * hkv + (bh % hq) // (hq // hkv)) // per_chunk
+        assert (chunk[:-1] <= chunk[1:]).all(), "chunks are not contiguous"
+        same = chunk[:-1] == chunk[1:]
+        assert (tiles[:-1][same] >= tiles[1:][same]).all(), "not heaviest first inside a chunk"
+    # cached: the same tensor comes back
+    assert forward_hopper.work_list(cm, batch, hq, hkv, mask_map, kv_bytes, order) is forward_hopper.work_list(
+        cm, batch, hq, hkv, mask_map, kv_bytes, order)
+
+
+def test_work_list_chunks_follow_l2_budget():
+    """Small K/V: several heads share a chunk; large K/V: one (b, kv head) per chunk."""
+    cm = compile_mask(masks.causal(), 512, 512, device="cpu", block_m=128, block_n=128)
+    mask_map = mask_broadcast(cm, 1, 8, 8)
+    big = forward_hopper.work_list(cm, 1, 8, 8, mask_map, forward_hopper.L2_SHARE_BYTES, "chunked").long()
+    assert torch.equal(big // cm.num_q_blocks, torch.arange(8).repeat_interleave(cm.num_q_blocks))
+    small = forward_hopper.work_list(cm, 1, 8, 8, mask_map, 1, "chunked").long()
+    heaviest_first = _counts(cm)[0, small % cm.num_q_blocks]
+    assert (heaviest_first[:-1] >= heaviest_first[1:]).all()
+    with pytest.raises(ValueError, match="order"):
+        forward_hopper.work_list(cm, 1, 8, 8, mask_map, 1, "random")
+
+
+def _element_offsets(t, view):
+    """Storage offsets of every element of t through the (X, S, W) view and its coordinate map."""
+    (_, _, _), (sx, sn, _), (x_b, x_h, c_h) = view
+    b, h, n, d = (torch.arange(size).view([-1 if i == j else 1 for j in range(4)]) for i, size in enumerate(t.shape))
+    return (b * x_b + h * x_h) * sx + n * sn + h * c_h + d
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.empty(2, 3, 50, 64),  # (B, H, S, D)
+        lambda: torch.empty(2, 50, 3, 64).transpose(1, 2),  # (B, S, H, D) viewed as (B, H, S, D)
+        lambda: torch.empty(1, 3, 50, 64),
+        lambda: torch.empty(2, 1, 50, 64),
+        lambda: torch.empty(1, 50, 1, 64).transpose(1, 2),
+        lambda: torch.empty(2, 50, 4, 64)[:, :, 1:4].transpose(1, 2),  # heads sliced out of a wider row
+    ],
+    ids=["bhsd", "bshd", "batch1", "heads1", "bshd-1x1", "bshd-sliced"],
+)
+def test_matrix_view_addresses_every_element(make):
+    t = make()
+    view = forward_hopper._matrix_view(t)
+    assert view is not None
+    (x, s, w), (sx, sn, one), _ = view
+    assert one == 1 and s == t.shape[2]
+    offsets = _element_offsets(t, view)
+    b, h, n, d = (torch.arange(size).view([-1 if i == j else 1 for j in range(4)]) for i, size in enumerate(t.shape))
+    expected = b * t.stride(0) + h * t.stride(1) + n * t.stride(2) + d * t.stride(3)
+    assert torch.equal(offsets, expected)
+    # every head's columns lie inside the view's width, and every row inside its X extent
+    (_, _, _), _, (x_b, x_h, c_h) = view
+    assert (t.shape[1] - 1) * c_h + t.shape[3] <= w
+    assert (t.shape[0] - 1) * x_b + (t.shape[1] - 1) * x_h < x
+
+
+def test_matrix_view_declines_other_orders():
+    t = torch.empty(2, 3, 64, 50).transpose(2, 3)  # last dim not contiguous
+    assert forward_hopper._matrix_view(t) is None
+    t = torch.empty(3, 2, 50, 64).transpose(0, 1)  # (H, B, S, D) memory order
+    assert forward_hopper._matrix_view(t) is None
+
+
+def test_forward_path_on_cpu_is_portable():
+    cm = compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
+    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    assert configs.forward_path(q, cm) == "portable"
