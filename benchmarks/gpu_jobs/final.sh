@@ -11,6 +11,9 @@ set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export TRITON_INTERPRET=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# transformers for the integration's GPU tests: wheels carried in .whl/ (ecosystem.sh lists them)
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
 python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || { echo "final.sh: no CUDA device, nothing run"; exit 1; }
 T0=$SECONDS
@@ -23,7 +26,8 @@ tests() {  # tests NAME PYTEST-ARGS...
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu "$@" > "$logs/tests_$name.log" 2>&1
   echo "== $name: exit $? after $((SECONDS - T0)) s" >> "$logs/tests_$name.log"
 }
-others=(tests/test_decode.py tests/test_varlen.py tests/test_readme.py tests/test_train_smoke.py)
+others=(tests/test_decode.py tests/test_varlen.py tests/test_readme.py tests/test_train_smoke.py
+        tests/test_transformers_integration.py)
 [ -f tests/test_cuda_graph.py ] && others+=(tests/test_cuda_graph.py)
 tests hopper tests/test_gpu_hopper.py &
 tests families tests/test_gpu.py -k family_matches_reference &
