@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 import flexmask
 from flexmask import masks
 from flexmask.masks import FULL, PARTIAL, SKIP
+from flexmask.masks.compiler import compile_spec
 
 from conftest import FAMILIES, dense_from_intervals, make_mask, random_row_intervals
 
@@ -43,14 +44,17 @@ def brute_force_classes(dense: torch.Tensor, block_m: int, block_n: int) -> torc
     return out
 
 
-def check_lists(cm, classes):
+def check_lists(cm, classes, exact_count=True):
     """The forward and backward lists agree with the exact classes (see module docstring)."""
     nrows = cm.batch * cm.heads
     nq, nk = cm.num_q_blocks, cm.num_kv_blocks
     ragged_n = nk - 1 if cm.kv_len % cm.block_n else None
     cls = classes.reshape(nrows, nq, nk).tolist()
     visited = int((classes != SKIP).sum())
-    assert cm.num_tiles_visited == visited
+    assert cm.tiles_listed() == visited
+    # exact from the torch path; from the kernels, the host-known bound that sized the lists
+    assert cm.num_tiles_visited == visited if exact_count else cm.num_tiles_visited >= visited
+    assert cm.fwd_blocks.numel() == cm.bwd_blocks.numel() == cm.bwd_exact.numel() >= visited
 
     for name, offsets, num_full, blocks, n_seg, n_other in (
         ("fwd", cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, nq, nk),  # per q-block: kv-blocks
@@ -82,8 +86,11 @@ def check_lists(cm, classes):
                     )
 
 
-def check_compiled(mask, sq, sk, block_m, block_n):
-    cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=block_m, block_n=block_n)
+def check_compiled(mask, sq, sk, block_m, block_n, on_device=None):
+    if on_device is None:
+        cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=block_m, block_n=block_n)
+    else:  # on_device=True: the GPU's Triton kernels, here under the interpreter
+        cm = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=on_device)
     assert (cm.q_len, cm.kv_len, cm.block_m, cm.block_n) == (sq, sk, block_m, block_n)
     assert cm.num_q_blocks == cdiv(sq, block_m) and cm.num_kv_blocks == cdiv(sk, block_n)
     dense = dense_from_intervals(cm.intervals, sq)
@@ -96,7 +103,7 @@ def check_compiled(mask, sq, sk, block_m, block_n):
         f"{int((classes != expected).sum())} tiles misclassified; first at "
         f"{(classes != expected).nonzero()[0].tolist()} got {int(classes[tuple((classes != expected).nonzero()[0])])}"
     )
-    check_lists(cm, classes)
+    check_lists(cm, classes, exact_count=not on_device)
     summary = cm.summary()
     assert summary["full"] == int((expected == FULL).sum()) and summary["partial"] == int((expected == PARTIAL).sum())
     assert summary["skip"] == int((expected == SKIP).sum())
@@ -263,3 +270,101 @@ def test_compile_work_linear_in_sk():
     _, small, _ = compile_recorded(masks.sliding_window(512), 2**16, 64)
     _, large, _ = compile_recorded(masks.sliding_window(512), 2**18, 64)
     assert large.total <= 4.5 * small.total, f"{small.total} elements allocated at 64K, {large.total} at 256K"
+
+
+# --- the GPU compiler (Triton kernels of kernels/compile_kernels.py), under the interpreter --------
+
+TABLES = ("intervals", "kernel_intervals", "fwd_offsets", "fwd_num_full", "bwd_offsets", "bwd_num_full")
+LISTS = ("fwd_blocks", "bwd_blocks", "bwd_exact")
+# families whose host-known bound is the exact tile count (one contiguous hull per q-block)
+EXACT_BOUND = {"full", "causal", "sliding_window", "sliding_window_bidir", "document", "document_bidir", "prefix_lm"}
+KERNEL_CASES = [(197, 197, 32, 64), (63, 197, 16, 32), (197, 63, 64, 16), (1, 128, 16, 64)]
+
+
+def assert_same_tables(expected, got):
+    """Tables equal to the torch path's, element for element (lists up to the tiles visited)."""
+    t = expected.num_tiles_visited
+    assert got.tiles_listed() == t
+    for name in TABLES:
+        assert torch.equal(getattr(expected, name), getattr(got, name)), name
+    for name in LISTS:
+        assert torch.equal(getattr(expected, name)[:t], getattr(got, name)[:t]), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernel_compiler_exact(family):
+    """The Triton compiler classifies exactly (brute force), and builds the torch path's tables
+    bit for bit, with lists sized by a bound >= the tiles visited (== for EXACT_BOUND)."""
+    for i, (sq, sk, block_m, block_n) in enumerate(KERNEL_CASES):
+        mask = make_mask(family, sq, sk, batch=2, heads=1 if i else 2)
+        if i == 0:  # against the brute force once; the torch path is checked against it everywhere
+            got = check_compiled(mask, sq, sk, block_m, block_n, on_device=True)
+        else:
+            got = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=True)
+        expected = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=False)
+        assert_same_tables(expected, got)
+        if family in EXACT_BOUND:
+            assert got.num_tiles_visited == expected.num_tiles_visited, (sq, sk, block_m, block_n)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sq=st.integers(1, 100),
+    sk=st.integers(1, 100),
+    block_m=st.sampled_from([16, 32, 64]),
+    block_n=st.sampled_from([16, 32, 64]),
+    h=st.integers(1, 2),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernel_compiler_random_intervals(sq, sk, block_m, block_n, h, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lts, lte, uts, ute = piecewise_intervals(1, h, sq, sk, min(block_m, block_n), gen)
+    mask = masks.column_intervals(torch.minimum(lts, lte), torch.maximum(lts, lte),
+                                  torch.minimum(uts, ute), torch.maximum(uts, ute))
+    got = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=True)
+    assert_same_tables(check_compiled(mask, sq, sk, block_m, block_n), got)
+
+
+def test_kernel_compiler_long_chunks():
+    """More q-blocks than one chunk of the classify kernel (64), with chunks where the class is
+    constant and chunks where it changes; a ragged last kv-block; a window ending mid-chunk."""
+    s, cpu = 1100, torch.device("cpu")
+    for mask in (masks.sliding_window(300, 20), masks.document([500, 301, 299], causal=True)):
+        got = compile_spec(mask, s, s, cpu, 16, 128, on_device=True)
+        assert_same_tables(compile_spec(mask, s, s, cpu, 16, 128, on_device=False), got)
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts the ops that copy a tensor's value to the host (on a GPU: a sync)."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+             torch.ops.aten.item.default, torch.ops.aten.equal.default}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["full", "causal", "sliding_window", "document_per_batch", "prefix_lm", "qk_sparse"])
+def test_kernel_compiler_reads_nothing_back(family):
+    """The GPU compile reads no device value on the host (no sync), where the torch path does."""
+    mask = make_mask(family, 197, 197)
+    with ScalarReads() as rec:
+        compile_spec(mask, 197, 197, torch.device("cpu"), 32, 32, on_device=True)
+    assert rec.reads == [], f"host reads of device values: {rec.reads}"
+    with ScalarReads() as rec:
+        compile_spec(mask, 197, 197, torch.device("cpu"), 32, 32, on_device=False)
+    assert rec.reads, "the torch path syncs: the recorder must see it"
+
+
+def test_kernel_compiler_bad_input():
+    """The device builders check documents as the torch builders do."""
+    with pytest.raises(ValueError, match=r"seqlens must sum to kv_len=100, got 90"):
+        compile_spec(masks.document([50, 40]), 100, 100, torch.device("cpu"), 32, 32, on_device=True)
+    with pytest.raises(ValueError, match=r"seqlens\[1\] must sum to kv_len=100, got 99"):
+        compile_spec(masks.document([[50, 50], [99]]), 100, 100, torch.device("cpu"), 32, 32, on_device=True)

@@ -133,12 +133,6 @@ def _classes(o_m, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2):
     return tl.where(all_cov == 1, 0, tl.where(any_touch == 0, 2, 1))
 
 
-@triton.jit
-def _outside(v, lo, hi):
-    """No value of v [TILE_N] lies strictly inside (lo, hi) (conservative: by min and max)."""
-    return (tl.max(v, 0) <= lo) | (tl.min(v, 0) >= hi)
-
-
 @triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "NKB", "G_ROW", "offset", "P0", "P1", "DOC_STRIDE", "DOC_ITERS", "RAGGED_N"])
 def _classify_kernel(
     IV, PLANAR, GRID, COUNTS, DIFFS, DOCS,
@@ -186,6 +180,11 @@ def _classify_kernel(
     p_grid = GRID + (row * NKB + n).to(tl.int64) * G_ROW
     p_dv = DIFFS + row.to(tl.int64) * (NQB + 1)  # visited tiles per q-block: changes along the column
     p_df = p_dv + n_rows * (NQB + 1)  # FULL (for the kernels) tiles per q-block
+    # per kind of interval end, its smallest and largest value over the columns
+    cl1_lo, cl1_hi, ch1_lo, ch1_hi = tl.min(cl1, 0), tl.max(cl1, 0), tl.min(ch1, 0), tl.max(ch1, 0)
+    tl1_lo, tl1_hi, th1_lo, th1_hi = tl.min(tl1, 0), tl.max(tl1, 0), tl.min(th1, 0), tl.max(th1, 0)
+    cl2_lo, cl2_hi, ch2_lo, ch2_hi = tl.min(cl2, 0), tl.max(cl2, 0), tl.min(ch2, 0), tl.max(ch2, 0)
+    tl2_lo, tl2_hi, th2_lo, th2_hi = tl.min(tl2, 0), tl.max(tl2, 0), tl.min(th2, 0), tl.max(th2, 0)
     o_c = tl.arange(0, CHUNK)
     shifts = 2 * tl.arange(0, 4)
     n_full = 0
@@ -194,8 +193,12 @@ def _classify_kernel(
     for c0 in range(0, NQB, CHUNK):
         o_m = c0 + o_c  # [CHUNK]
         c1 = tl.minimum(c0 + CHUNK, NQB)
-        uniform = (_outside(cl1, c0, c1) & _outside(ch1, c0, c1) & _outside(tl1, c0, c1) & _outside(th1, c0, c1)
-                   & _outside(cl2, c0, c1) & _outside(ch2, c0, c1) & _outside(tl2, c0, c1) & _outside(th2, c0, c1))
+        # no interval end of any kind strictly inside (c0, c1)? (conservative, by min and max;
+        # written out: helper calls are costly under the interpreter)
+        uniform = (((cl1_hi <= c0) | (cl1_lo >= c1)) & ((ch1_hi <= c0) | (ch1_lo >= c1))
+                   & ((tl1_hi <= c0) | (tl1_lo >= c1)) & ((th1_hi <= c0) | (th1_lo >= c1))
+                   & ((cl2_hi <= c0) | (cl2_lo >= c1)) & ((ch2_hi <= c0) | (ch2_lo >= c1))
+                   & ((tl2_hi <= c0) | (tl2_lo >= c1)) & ((th2_hi <= c0) | (th2_lo >= c1)))
         if uniform:  # no interval end inside the chunk: one evaluation
             cls = tl.zeros([CHUNK], tl.int32) + _class_at(c0, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2)
             cls_before = tl.where(o_m == c0, prev, cls)
@@ -264,12 +267,6 @@ def _scan_kernel(COUNTS, DIFFS, BWD_OFFSETS, BWD_NUM_FULL, FWD_OFFSETS, FWD_NUM_
 
 
 @triton.jit
-def _unpack(packed):
-    """[..., K] bytes -> [..., K, 4] 2-bit classes."""
-    return (packed.to(tl.int32)[:, :, None] >> (2 * tl.arange(0, 4))[None, None, :]) & 3
-
-
-@triton.jit
 def _emit_backward(GRID, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_EXACT, seg, capacity, NQB, NKB, G_ROW, RAGGED_N,
                    CHUNK: tl.constexpr):
     """The backward list of segment (mask row, kv-block): its q-blocks, FULL first."""
@@ -279,10 +276,11 @@ def _emit_backward(GRID, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_EXACT, seg, 
     p_grid = GRID + seg.to(tl.int64) * G_ROW
     done_full = 0
     done_partial = 0
+    shifts = 2 * tl.arange(0, 4)
     for c0 in range(0, NQB, CHUNK):
         o_m = c0 + tl.arange(0, CHUNK)
         packed = tl.load(p_grid + c0 // 4 + tl.arange(0, CHUNK // 4))  # [CHUNK // 4]
-        cls = tl.reshape(_unpack(packed[None, :]), [CHUNK])  # [CHUNK]; 0 past NQB
+        cls = tl.reshape((packed.to(tl.int32)[:, None] >> shifts[None, :]) & 3, [CHUNK])  # [CHUNK]; 0 past NQB
         is_full = (cls == 2) & (~ragged)
         is_partial = (cls != 0) & (~is_full)
         pos_full = base + done_full + tl.cumsum(is_full.to(tl.int32), 0) - 1
@@ -307,12 +305,13 @@ def _emit_forward(GRID, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, row, m0, capacity
     done_full = tl.zeros([BLOCK_QM], tl.int32)
     done_partial = tl.zeros([BLOCK_QM], tl.int32)
     o_b = m0 // 4 + tl.arange(0, BLOCK_QM // 4)
+    shifts = 2 * tl.arange(0, 4)  # 2-bit classes, 4 q-blocks per byte
     for n0 in range(0, NKB, BLOCK_QN):
         o_n = n0 + tl.arange(0, BLOCK_QN)  # [BLOCK_QN]
         m_n = o_n < NKB
         p_grid = GRID + (row * NKB + o_n).to(tl.int64)[:, None] * G_ROW + o_b[None, :]
         packed = tl.load(p_grid, mask=m_n[:, None], other=0)  # [BLOCK_QN, BLOCK_QM // 4]
-        cls = tl.reshape(_unpack(packed), [BLOCK_QN, BLOCK_QM])  # [BLOCK_QN, BLOCK_QM]
+        cls = tl.reshape((packed.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & 3, [BLOCK_QN, BLOCK_QM])
         is_full = (cls == 2) & (o_n != RAGGED_N)[:, None]
         is_partial = (cls != 0) & (~is_full)
         pos_full = base[None, :] + done_full[None, :] + tl.cumsum(is_full.to(tl.int32), 0) - 1
