@@ -73,15 +73,12 @@ def _dkdv_tiles(
     o_bm = tl.arange(0, BLOCK_M)
     if MASKED:
         lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)  # this program's columns, once
-    # one flat loop over the BLOCK_M steps of the listed tiles: one set of pipeline buffers
-    # (an unrolled inner loop over the steps of a tile would hold one set per step)
-    SUB: tl.constexpr = TILE_M // BLOCK_M
-    for step in tl.range(t_lo * SUB, t_hi * SUB, num_stages=NUM_STAGES):
-        if SUB == 1:
-            start_m = tl.load(p_blocks + step) * TILE_M
-        else:
-            start_m = tl.load(p_blocks + step // SUB) * TILE_M + (step % SUB) * BLOCK_M
-        if True:
+    # a flat loop over the BLOCK_M steps (one set of pipeline buffers instead of one per step)
+    # measured 10-15% slower on an H200 (benchmarks/results/bwd_fused_variants_log.txt, run 3)
+    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
+        m = tl.load(p_blocks + t)
+        for i in tl.static_range(TILE_M // BLOCK_M):
+            start_m = m * TILE_M + i * BLOCK_M
             o_m = start_m + o_bm
             b_q = load_block(q_src, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
             b_do = load_block(do_src, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
@@ -176,13 +173,10 @@ def _dq_tiles(
     NUM_STAGES: tl.constexpr,
 ):
     o_bn = tl.arange(0, BLOCK_N)
-    SUB: tl.constexpr = TILE_N // BLOCK_N  # flat loop over steps, as in _dkdv_tiles
-    for step in tl.range(t_lo * SUB, t_hi * SUB, num_stages=NUM_STAGES):
-        if SUB == 1:
-            start_n = tl.load(p_blocks + step) * TILE_N
-        else:
-            start_n = tl.load(p_blocks + step // SUB) * TILE_N + (step % SUB) * BLOCK_N
-        if True:
+    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
+        n = tl.load(p_blocks + t)
+        for j in tl.static_range(TILE_N // BLOCK_N):
+            start_n = n * TILE_N + j * BLOCK_N
             o_n = start_n + o_bn
             if MASKED:  # FULL tiles lie inside [0, Sk)
                 lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)

@@ -39,15 +39,12 @@ def _fused_tiles(
     o_d = tl.arange(0, BLOCK_D)
     if MASKED:
         lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)  # this program's columns, once
-    # one flat loop over the BLOCK_M steps of the listed tiles: one set of pipeline buffers
-    # (an unrolled inner loop over the steps of a tile would hold one set per step)
-    SUB: tl.constexpr = TILE_M // BLOCK_M
-    for step in tl.range(t_lo * SUB, t_hi * SUB, num_stages=NUM_STAGES):
-        if SUB == 1:
-            start_m = tl.load(p_blocks + step) * TILE_M
-        else:
-            start_m = tl.load(p_blocks + step // SUB) * TILE_M + (step % SUB) * BLOCK_M
-        if True:
+    # a flat loop over the BLOCK_M steps (one set of pipeline buffers instead of one per step)
+    # measured 10-15% slower on an H200 (benchmarks/results/bwd_fused_variants_log.txt, run 3)
+    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
+        m = tl.load(p_blocks + t)
+        for i in tl.static_range(TILE_M // BLOCK_M):
+            start_m = m * TILE_M + i * BLOCK_M
             o_m = start_m + o_bm
             b_q = load_block(q_src, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
             b_do = load_block(do_src, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]

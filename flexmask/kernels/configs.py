@@ -110,11 +110,13 @@ def backward_fused_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, in
     block_d = _head_block(head_dim)
     if dtype == torch.float32 or block_d > 128:
         return None
-    # measured on an H200 with benchmarks/tune_fused_bwd.py (bf16, 32K; log in
-    # benchmarks/results/bwd_fused_variants_log.txt): 128 kv rows per program, 8 warps, steps of
-    # 64 query rows (32 on PARTIAL tiles), two stages; at head dim 64 it runs 1.29-1.39x the
-    # two-pass path
-    return _clip(LaunchConfig(64, 128, 8, 2, masked_block=32), tile_m, tile_n, step=tile_m)
+    # measured on an H200 with benchmarks/tune_fused_bwd.py (bf16, 32K, causal / sliding window
+    # 1024 / causal document; benchmarks/results/bwd_fused_variants_log.txt, run 2): 128 kv rows
+    # per program, 8 warps, two stages. Head dim 64: steps of 64 query rows (32 on PARTIAL tiles),
+    # 1.29-1.39x the two-pass path. Head dim 128: steps of 32 rows (64 rows exceed 227 KB of
+    # shared memory with the dQ staging buffer), 1.01-1.06x the two-pass path.
+    step = 64 if block_d <= 64 else 32
+    return _clip(LaunchConfig(step, 128, 8, 2, masked_block=32), tile_m, tile_n, step=tile_m)
 
 
 def backward_fused_dq_transposed(head_dim: int, dtype: torch.dtype, device) -> bool:
@@ -132,7 +134,8 @@ def backward_fused_dq_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
 
 def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_program: float) -> bool:
     """TMA descriptor loads of Q/dO in the fused backward: measured slower than pointer loads
-    (H200, head dim 128, causal 32K: 27.8 ms against 27.4 ms with 32-row steps)."""
+    (H200, head dim 128, 32-row steps: causal 32K 27.8 ms against 27.4 ms, sliding window 1024
+    2.51 ms against 2.38 ms)."""
     return False
 
 
