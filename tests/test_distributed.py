@@ -49,11 +49,12 @@ class Case:
     d: int = 32
     dtype: torch.dtype = FP32
     with_dlse: bool = False
+    layout: str = "bhsd"  # "bshd": q/k/v are .transpose(1, 2) views, sharded along dim 1 of (B, S, H, D)
 
     @property
     def name(self) -> str:
-        return case_id(self.b, self.hq, self.hkv, self.s, None, self.d, self.dtype, self.family,
-                       f"W{self.world}" + ("-dlse" if self.with_dlse else ""))
+        extra = f"W{self.world}" + ("-dlse" if self.with_dlse else "") + ("-bshd" if self.layout == "bshd" else "")
+        return case_id(self.b, self.hq, self.hkv, self.s, None, self.d, self.dtype, self.family, extra)
 
 
 def case_mask(case: Case) -> masks.Mask:
@@ -87,6 +88,7 @@ CPU_CASES = [
     Case(2, "startend_bidir", 96),  # random per-head column intervals, two per column
     Case(2, "empty_rows", 96, with_dlse=True),
     Case(2, "causal", 96, dtype=BF16),
+    Case(2, "sliding_window_bidir", 96, layout="bshd"),
     Case(3, "causal", 144, with_dlse=True),
     Case(3, "document_crossing", 144),
     Case(3, "document_per_batch", 144, b=2),
@@ -100,7 +102,12 @@ def _run_case(case: Case, group, device) -> dict | None:
     """fmd.attention on the shards, forward and backward; rank 0 returns the unsharded results."""
     mask = case_mask(case)
     q, k, v, do, dlse = case_inputs(case, device)
-    ql, kl, vl = (fmd.shard(t, group).detach().requires_grad_(True) for t in (q, k, v))
+    if case.layout == "bshd":  # shard the (B, S, H, D) tensors along S and hand over (B, H, S, D) views
+        ql, kl, vl = (fmd.shard(t.transpose(1, 2), group, seq_dim=1).detach().requires_grad_(True).transpose(1, 2)
+                      for t in (q, k, v))
+        ql.retain_grad(), kl.retain_grad(), vl.retain_grad()
+    else:
+        ql, kl, vl = (fmd.shard(t, group).detach().requires_grad_(True) for t in (q, k, v))
     out, lse = fmd.attention(ql, kl, vl, mask, group, return_lse=True)
     loss = (out * fmd.shard(do, group)).sum()
     if dlse is not None:
@@ -132,6 +139,13 @@ def _bad_input(group, device) -> dict:
     _expect_error(res, "mask_type", lambda: fmd.attention(q, q, q, torch.ones(96, 96, dtype=torch.bool), group))
     _expect_error(res, "mask_length", lambda: fmd.attention(q, q, q, masks.document([50, 50]), group))
     _expect_error(res, "rank_3d", lambda: fmd.attention(q[0], q[0], q[0], None, group))
+    # without autograd (inference) the same calls give the same output, bit for bit
+    causal = masks.causal()
+    qs, ks, vs = (torch.randn(1, 2, 48, 8, device=device, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with torch.no_grad():
+        plain = fmd.attention(qs, ks, vs, causal, group)
+    traced = fmd.attention(qs.requires_grad_(True), ks, vs, causal, group)
+    res["no_grad_equal"] = bool(torch.equal(plain, traced.detach()))
     # every rank passes a different mask: caught by the plan check, on every rank, no hang
     differ = masks.causal() if dist.get_rank(group) == 0 else masks.sliding_window(10)
     _expect_error(res, "ranks_disagree", lambda: fmd.attention(q, q, q, differ, group))
@@ -245,6 +259,11 @@ def test_bad_input(cpu_results, name):
 def test_shard_unshard(cpu_results):
     assert cpu_results["bad_input"]["roundtrip"]
     assert cpu_results["bad_input"]["unshard_grad"]
+
+
+def test_inference_path(cpu_results):
+    """Under torch.no_grad fmd.attention keeps no graph; its output equals the autograd path's."""
+    assert cpu_results["bad_input"]["no_grad_equal"]
 
 
 def test_needs_a_process_group():
