@@ -1,8 +1,14 @@
-"""Cost of `flexmask.compile_mask`: warm time and peak memory for causal, document and
-sliding-window masks at Sk = 8K, 32K, 128K and 1M, on the CPU and (when present) the GPU.
-Tables use the GPU tile (128 x 128). Expected: linear in Sk plus the tiles visited. Writes a CSV with the device, versions, command and date per row.
+"""Cost of building the mask tables: `flexmask.compile_mask` against FlexAttention's compiled
+`create_block_mask`, per mask family, from 8K to 1M tokens (Sq = Sk, batch 1, one mask head,
+128 x 128 tiles on both sides). Per case: the warm time (triton's do_bench, median), the wall
+time of back-to-back calls (what the host sees: launch overhead included), the peak of GPU
+memory during one call beyond what was allocated before, the part of it that is not the
+result itself (bytes per key column), and the result's size. Writes a CSV (device, versions,
+command and date in every row) and a PNG.
 
-    python -m benchmarks.bench_compile [--lengths 8192 32768 131072 1048576] [--out DIR]
+    python -m benchmarks.bench_compile [--lengths 8192 32768 131072 1048576] [--families ...]
+        [--flex-families causal sliding_window causal_document] [--flex-max-len 1048576]
+        [--devices cuda|cpu] [--out DIR]
 """
 
 from __future__ import annotations
@@ -13,100 +19,198 @@ import datetime
 import os
 import sys
 import time
-import resource
 
 import torch
 
 import flexmask
-from flexmask import masks
+
+from . import families as fam
+from .flex_masks import native_mask_mod
+from .providers import build_block_mask, intervals_mask_mod
+
+TILE = 128
 
 
-def _masks(s: int) -> dict:
-    n_docs = max(1, s // 4096)
-    lens = [s // n_docs] * n_docs
-    lens[-1] += s - sum(lens)
-    return {"causal": masks.causal(), "document": masks.document(lens), "sliding_window": masks.sliding_window(1024)}
+def _tensor_bytes(obj) -> int:
+    """Bytes of the distinct storages of an object's tensors (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in vars(obj).values():
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
 
 
-def _time_cpu(fn, repeat: int) -> float:
-    """Median milliseconds of warm calls."""
+def _block_mask_bytes(bm) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(bm).values() if isinstance(t, torch.Tensor))
+
+
+def _wall_ms(fn, device: str, reps: int) -> float:
+    """Mean milliseconds per call of `reps` back-to-back calls, synchronised at the end."""
     fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
         fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
 
 
-def _rss_growth_bytes(fn) -> int:
-    """Growth of the process's peak resident memory during one call: an upper bound on what
-    the call needed beyond memory the process had already touched (lengths run in ascending
-    order, so each larger case must raise the peak if it needs more)."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    fn()
-    return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+def _gpu_ms(fn, slow: bool) -> float:
+    if slow:  # a call of ~1 s (FlexAttention at 1M): a few calls timed with events, median
+        times = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[1]
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=5, rep=40)
+
+
+def _peak(fn, device: str):
+    """(result, peak bytes above the memory allocated before the call)."""
+    if device != "cuda":
+        return fn(), float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+def _flexmask_case(case, s: int, device: str):
+    mask = case.make()
+
+    def build():
+        return flexmask.compile_mask(mask, s, s, device=device, block_m=TILE, block_n=TILE)
+
+    cm, peak = _peak(build, device)
+    tables = _tensor_bytes(cm)
+    rows = cm.batch * cm.heads
+    ms = _gpu_ms(build, slow=False) if device == "cuda" else _wall_ms(build, device, 3)
+    return dict(compile_ms=ms, wall_ms=_wall_ms(build, device, 20 if s <= 2**17 else 5), peak=peak, result=tables,
+                rows=rows, tiles=cm.tiles_listed(), tiles_bound=cm.num_tiles_visited)
+
+
+def _flex_case(case, s: int, device: str):
+    mask = case.make()
+    mask_mod = native_mask_mod(mask, s, device)
+    if mask_mod is None:
+        mask_mod, _ = intervals_mask_mod(mask.intervals(s, s, device), 1)
+
+    def build():
+        return build_block_mask(mask_mod, None, None, s, device)
+
+    build()  # torch.compile
+    bm, peak = _peak(build, device)
+    slow = s > 2**17
+    return dict(compile_ms=_gpu_ms(build, slow), wall_ms=_wall_ms(build, device, 2 if slow else 10), peak=peak,
+                result=_block_mask_bytes(bm), rows=1, tiles=None, tiles_bound=None)
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for provider, style in (("flexmask", "-o"), ("flex", "--s")):
+        for family in dict.fromkeys(r["family"] for r in ok if r["provider"] == provider):
+            pts = sorted((r["kv_len"], r["compile_ms"], r["extra_bytes_per_col"]) for r in ok
+                         if r["provider"] == provider and r["family"] == family)
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            label = f"{provider}: {family}"
+            axes[0].plot(xs, [p[1] for p in pts], style, label=label, markersize=3)
+            mem = [(x, p[2]) for x, p in zip(xs, pts) if p[2] > 0]  # NaN on the CPU
+            if mem:
+                axes[1].plot(*zip(*mem), style, label=label, markersize=3)
+    axes[0].axhline(0.3, color="gray", lw=0.8, ls=":")
+    axes[1].axhline(64, color="gray", lw=0.8, ls=":")
+    for ax, title in ((axes[0], "warm build time (ms)"), (axes[1], "transient GPU memory (bytes per key column)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens (Sq = Sk)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6, ncol=2)
+    first = rows[0]
+    fig.suptitle(f"mask build cost, {first['device']}, torch {first['torch']}, triton {first['triton']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="*", default=[8192, 32768, 131072, 1048576])
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--devices", nargs="*", default=None, help="default: cpu, and cuda when present")
+    ap.add_argument("--families", nargs="*", default=list(fam.FAMILIES))
+    ap.add_argument("--flex-families", nargs="*", default=["causal", "sliding_window", "causal_document"])
+    ap.add_argument("--flex-max-len", type=int, default=1048576)
+    ap.add_argument("--devices", nargs="*", default=None, help="cuda (default when present) or cpu (flexmask only)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args(argv)
-    devices = args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = args.devices or ["cuda" if torch.cuda.is_available() else "cpu"]
     if "cuda" in devices and not torch.cuda.is_available():
         raise SystemExit("benchmarks.bench_compile --devices cuda: no CUDA device is available here; "
                          "`python -m benchmarks.bench_compile --devices cpu` measures compile_mask on the CPU")
+    for device in devices:
+        _run(args, device, argv)
+
+
+def _run(args, device: str, argv) -> None:
+    import triton
+
     meta = {
-        "torch": torch.__version__,
-        "command": " ".join(["python", "-m", "benchmarks.bench_compile", *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "command": " ".join(["python", "-m", "benchmarks.bench_compile", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     rows = []
-    for device in devices:
-        name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-        for s in sorted(args.lengths):
-            for family, mask in _masks(s).items():
-                def build():
-                    cm = flexmask.compile_mask(mask, s, s, device=device, block_m=128, block_n=128)
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    return cm
-
-                cm = build()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    build()
-                    peak = torch.cuda.max_memory_allocated() - base
-                    ms = _time_cuda(build, args.repeat)
-                else:
-                    peak = _rss_growth_bytes(build)
-                    ms = _time_cpu(build, args.repeat)
-                summary = cm.summary()
-                rows.append({
-                    "device": name, "family": family, "kv_len": s, "compile_ms": round(ms, 3),
-                    "peak_mb": round(peak / 2**20, 2), "peak_kind": "cuda allocator" if device == "cuda" else "rss growth", "table_mb": round(summary["table_bytes"] / 2**20, 3),
-                    "tiles_visited": summary["full"] + summary["partial"], **meta,
-                })
-                print(f"{name:24} {family:15} Sk={s:>8}  {ms:9.3f} ms  peak {peak / 2**20:8.1f} MB  "
-                      f"tables {summary['table_bytes'] / 2**20:7.2f} MB")
+    for s in sorted(args.lengths):
+        for family in args.families:
+            case = fam.build(family, s, batch=1, heads=1)
+            providers = [("flexmask", _flexmask_case)]
+            if device == "cuda" and family in args.flex_families and s <= args.flex_max_len:
+                providers.append(("flex", _flex_case))
+            for provider, run in providers:
+                row = {"provider": provider, "family": family, "kv_len": s, "params": case.params}
+                try:
+                    r = run(case, s, device)
+                    row.update(status="ok", compile_ms=round(r["compile_ms"], 4), wall_ms=round(r["wall_ms"], 4),
+                               peak_mb=round(r["peak"] / 2**20, 3), result_mb=round(r["result"] / 2**20, 3),
+                               extra_bytes_per_col=round((r["peak"] - r["result"]) / (s * r["rows"]), 2),
+                               tiles_visited=r["tiles"], tiles_bound=r["tiles_bound"])
+                except Exception as e:  # noqa: BLE001 -- one failed case (e.g. out of memory) must not lose the rest
+                    row.update(status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                    torch.cuda.empty_cache() if device == "cuda" else None
+                rows.append({**row, **meta})
+                print(f"{provider:9} {family:22} S={s:>8}  " + (
+                    f"{row['compile_ms']:9.3f} ms (wall {row['wall_ms']:8.3f})  peak {row['peak_mb']:9.1f} MB  "
+                    f"result {row['result_mb']:8.1f} MB  extra {row['extra_bytes_per_col']:7.1f} B/col"
+                    if row["status"] == "ok" else row["status"]), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"compile_cost_{'_'.join(devices)}.csv")
+    path = os.path.join(args.out, f"compile_cost_{device}.csv")
+    fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
     print("wrote", path)
-
-
-def _time_cuda(fn, repeat: int) -> float:
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=5, rep=max(20, repeat * 5))
+    if any(r["status"] == "ok" for r in rows):
+        _plot(rows, os.path.join(args.out, f"compile_cost_{device}.png"))
+        print("wrote", os.path.join(args.out, f"compile_cost_{device}.png"))
 
 
 if __name__ == "__main__":

@@ -368,3 +368,45 @@ def test_kernel_compiler_bad_input():
         compile_spec(masks.document([50, 40]), 100, 100, torch.device("cpu"), 32, 32, on_device=True)
     with pytest.raises(ValueError, match=r"seqlens\[1\] must sum to kv_len=100, got 99"):
         compile_spec(masks.document([[50, 50], [99]]), 100, 100, torch.device("cpu"), 32, 32, on_device=True)
+
+
+# --- on the GPU: the same tables as the CPU's torch path, bit for bit -------------------------------
+
+
+def table_bytes(cm) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(cm).values() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", [1000, 8192 + 77])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_compiler_matches_cpu(family, s):
+    for sq, block in ((s, 128), (s // 3, 64)):
+        mask = make_mask(family, sq, s, batch=2, heads=2)
+        cpu = compile_spec(mask, sq, s, torch.device("cpu"), block, block, on_device=False)
+        gpu = flexmask.compile_mask(mask, sq, s, device="cuda", block_m=block, block_n=block)
+        assert gpu.num_tiles_visited >= cpu.num_tiles_visited
+        assert_same_tables(cpu, type(cpu)(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in vars(gpu).items()}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["causal", "sliding_window", "document"])
+def test_gpu_compiler_one_million_tokens(family):
+    """At Sk = 2^20 with 128 x 128 tiles: the CPU's tables, and a peak of GPU memory within 64
+    bytes per key column (per mask row) beyond the tables themselves."""
+    s = 2**20
+    mask = {"causal": masks.causal(), "sliding_window": masks.sliding_window(1024),
+            "document": masks.document([4096] * 256)}[family]
+    flexmask.compile_mask(mask, s, s, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    gpu = flexmask.compile_mask(mask, s, s, device="cuda")
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - table_bytes(gpu)
+    rows = gpu.batch * gpu.heads
+    assert extra <= 64 * s * rows, f"{extra / s:.1f} bytes per key column beyond the tables"
+    assert table_bytes(gpu) < 2**29, f"tables of {table_bytes(gpu) / 2**20:.0f} MB"
+    assert gpu.num_tiles_visited == gpu.tiles_listed()  # the host bound is exact for these families
+    cpu = compile_spec(mask, s, s, torch.device("cpu"), 128, 128, on_device=False)
+    assert_same_tables(cpu, type(cpu)(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in vars(gpu).items()}))

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Mask compiler on one GPU (issue 13), from the repo root:
+#   OUT=/some/folder bash benchmarks/gpu_jobs/compiler.sh
+# 1. GPU tests: the CUDA compiler's tables equal the CPU's bit for bit (every family, 1K and 8K,
+#    and causal / sliding window / document at 1M with the memory bound), no host sync, and
+#    compile + forward + backward captured in one CUDA graph; 2. benchmarks/bench_compile.py:
+#    flexmask vs compiled create_block_mask, 8K to 1M (CSV + PNG). Logs, CSV and PNG land in $OUT.
+# Budget: about 4 minutes.
+set -o pipefail
+OUT="${OUT:-benchmarks/results}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+LOG="$OUT/compiler_log.txt"
+
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "compiler.sh: no CUDA device. Stopping." | tee "$LOG"
+    exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee "$LOG"
+
+echo "== GPU tests $(date -u +%T)" | tee -a "$LOG"
+timeout 150 python3 -m pytest tests/test_cuda_graph.py tests/test_compiler.py -m gpu -q -rs -p no:cacheprovider \
+    --durations=8 2>&1 | tee "$OUT/compiler_tests_log.txt" | tail -n 30 | tee -a "$LOG"
+echo "tests exit: $?" | tee -a "$LOG"
+
+echo "== bench_compile $(date -u +%T)" | tee -a "$LOG"
+timeout 200 python3 -m benchmarks.bench_compile --devices cuda --out "$OUT" 2>&1 | tee -a "$LOG"
+echo "bench exit: $?" | tee -a "$LOG"
