@@ -32,7 +32,7 @@ COLUMNS = (
     "mask", "seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "density",
     "chunk_pairs_computed", "chunk_pairs_total", "ideal_speedup", "kv_chunks_moved", "kv_chunks_all_gather",
     "fwd_bytes_moved", "bwd_bytes_moved", "all_gather_fwd_bytes",
-    "reps_1gpu", "reps_multi",
+    "reps_1gpu", "reps_multi", "comm_plan_ms", "comm_all_gather_ms",
     "t1_fwd_ms", "t1_bwd_ms", "t1_fwd_bwd_ms", "tw_fwd_ms", "tw_bwd_ms", "tw_fwd_bwd_ms",
     "speedup_fwd", "speedup_bwd", "speedup_fwd_bwd", "tflops_1gpu_fwd_bwd", "tflops_multi_fwd_bwd",
     "err_out", "err_dq", "err_dk", "err_dv", "peak_gb_1gpu", "peak_gb_multi", "status",
@@ -299,6 +299,7 @@ def multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, wo
     (fw, bw, tw), repsw, out, grads = timed(lambda a, b, c: fmd.attention(a, b, c, mask), ql, kl, vl, dol, args, agree)
     row.update(tw_fwd_ms=fw, tw_bwd_ms=bw, tw_fwd_bwd_ms=tw, reps_multi=repsw, tflops_multi_fwd_bwd=flops.tflops(work, tw),
                peak_gb_multi=agree(peak_gb(device)))
+    row.update(comm_times(mask, kl, vl, agree))
     del ql, kl, vl, dol
     # the W-GPU results against the one-GPU ones, gathered one tensor at a time
     for i, (name, local) in enumerate(zip(("err_out", "err_dq", "err_dk", "err_dv"), (out, *grads))):
@@ -306,6 +307,40 @@ def multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, wo
         if reference is not None:
             row[name] = rel_err(full, reference[i])
         del full
+
+
+def comm_times(mask, k, v, agree, reps: int = 3) -> dict:
+    """The forward's K/V traffic alone (no compute to hide behind), slowest rank, median of
+    `reps`: the plan's point-to-point exchange, and an all-gather of K and V for comparison."""
+    import torch.distributed as dist
+    from flexmask import distributed as fmd
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rp = fmd._rank_plan(mask, k.shape[2] * world, world, rank, k.device, None,
+                        [0, 0, 0, 0, 0])  # the plan attention() built and cached (no new check)
+
+    def plan_exchange():
+        received, works = fmd._post_kv_exchange(k, v, rp, None)
+        fmd._wait(works)
+
+    def all_gather():
+        for t in (k, v):
+            dist.all_gather([torch.empty_like(t) for _ in range(world)], t)
+
+    out = {}
+    for name, fn in (("comm_plan_ms", plan_exchange), ("comm_all_gather_ms", all_gather)):
+        runs = []
+        for _ in range(reps + 1):  # the first one warms the communicators up
+            agree(0.0)  # a barrier on the CPU group
+            clock = _Clock(k.device)
+            clock.mark()
+            fn()
+            clock.mark()
+            if clock.cuda:
+                torch.cuda.synchronize()
+            runs.append(agree(clock.elapsed_ms(0, 1)))
+        out[name] = sorted(runs[1:])[reps // 2]
+    return out
 
 
 # --- processes ------------------------------------------------------------------------------
