@@ -116,6 +116,14 @@ def _flex_case(case, s: int, device: str):
                 result=_block_mask_bytes(bm), rows=1, tiles=None, tiles_bound=None)
 
 
+def _write_csv(rows: list[dict], path: str) -> None:
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
 def _plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -178,6 +186,8 @@ def _run(args, device: str, argv) -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     rows = []
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"compile_cost_{device}.csv")
     for s in sorted(args.lengths):
         for family in args.families:
             case = fam.build(family, s, batch=1, heads=1)
@@ -196,17 +206,11 @@ def _run(args, device: str, argv) -> None:
                     row.update(status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                     torch.cuda.empty_cache() if device == "cuda" else None
                 rows.append({**row, **meta})
+                _write_csv(rows, path)  # row by row: a time limit loses nothing measured
                 print(f"{provider:9} {family:22} S={s:>8}  " + (
                     f"{row['compile_ms']:9.3f} ms (wall {row['wall_ms']:8.3f})  peak {row['peak_mb']:9.1f} MB  "
                     f"result {row['result_mb']:8.1f} MB  extra {row['extra_bytes_per_col']:7.1f} B/col"
                     if row["status"] == "ok" else row["status"]), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"compile_cost_{device}.csv")
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
     print("wrote", path)
     if any(r["status"] == "ok" for r in rows):
         _plot(rows, os.path.join(args.out, f"compile_cost_{device}.png"))
