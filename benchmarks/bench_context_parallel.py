@@ -313,15 +313,15 @@ def comm_times(mask, k, v, agree, reps: int = 3) -> dict:
     """The forward's K/V traffic alone (no compute to hide behind), slowest rank, median of
     `reps`: the plan's point-to-point exchange, and an all-gather of K and V for comparison."""
     import torch.distributed as dist
-    from flexmask import distributed as fmd
+    from flexmask.distributed import exchange, plan
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    rp = fmd._rank_plan(mask, k.shape[2] * world, world, rank, k.device, None,
+    rp = plan.rank_plan(mask, k.shape[2] * world, world, rank, k.device, None,
                         [0, 0, 0, 0, 0])  # the plan attention() built and cached (no new check)
 
     def plan_exchange():
-        received, works = fmd._post_kv_exchange(k, v, rp, None)
-        fmd._wait(works)
+        received, works = exchange.post_kv_exchange(k, v, rp, None)
+        exchange.wait(works)
 
     def all_gather():
         for t in (k, v):

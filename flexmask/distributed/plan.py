@@ -1,0 +1,185 @@
+"""The plan of a mask: which (query chunk, key chunk) pairs it needs, the K/V chunks each rank
+receives and lends, and the sub-mask of every flexmask.attention call; cached per mask."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..api import compile_mask
+from ..masks import specs
+from ..masks.compiler import CompiledMask
+from .layout import rank_chunks
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """Which (query chunk, key chunk) pairs a mask needs, over the 2W chunks of the global
+    sequence; the same on every rank. ``pairs[i, j]`` is True when some query of chunk i
+    attends some key of chunk j (in any batch row or head)."""
+
+    world_size: int
+    seq_len: int
+    pairs: torch.Tensor  # bool [2W, 2W], CPU
+
+    @property
+    def chunk_len(self) -> int:
+        return self.seq_len // (2 * self.world_size)
+
+    def halves_needed(self, rank: int, source: int) -> list[int]:
+        """The halves of `source`'s shard that some query of `rank` needs (sorted)."""
+        w = self.world_size
+        queries = rank_chunks(rank, w)
+        return [h for h, key in enumerate(rank_chunks(source, w)) if bool(self.pairs[list(queries), key].any())]
+
+    def transfers(self) -> list[tuple[int, int, int]]:
+        """(source rank, destination rank, source half) of every K/V chunk that travels."""
+        w = self.world_size
+        return [(s, d, h) for d in range(w) for s in range(w) if s != d for h in self.halves_needed(d, s)]
+
+    def bytes_moved(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+        """Bytes sent over all ranks: K and V chunks forward (in `dtype`), their dK/dV back in
+        float32 backward; and what an all-gather of K and V would have moved."""
+        chunk = batch * kv_heads * self.chunk_len * head_dim
+        n = len(self.transfers())
+        w = self.world_size
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return {
+            "kv_chunks_moved": n,
+            "kv_chunks_all_gather": 2 * w * (w - 1),
+            "forward_bytes": 2 * n * chunk * itemsize,
+            "backward_bytes": 2 * n * chunk * 4,
+            "all_gather_forward_bytes": 2 * 2 * w * (w - 1) * chunk * itemsize,
+        }
+
+
+def _covers(lo: torch.Tensor, hi: torch.Tensor, row_lo: int, row_hi: int) -> torch.Tensor:
+    return (lo <= row_lo) & (hi >= row_hi)
+
+
+def _chunk_pairs(intervals: torch.Tensor, seq_len: int, world_size: int) -> torch.Tensor:
+    """bool [2W, 2W]: query chunk i needs key chunk j. A column leaves rows [a, b) empty iff
+    one of its two masked intervals covers them (canonical intervals are disjoint and do not
+    touch, so their union covers a row range only if one of them does)."""
+    n = 2 * world_size
+    c = seq_len // n
+    lts, lte, uts, ute = intervals.unbind(-1)  # [Bm, Hm, S] each
+    rows = []
+    for i in range(n):
+        a, b = i * c, (i + 1) * c
+        empty = _covers(lts, lte, a, b) | _covers(uts, ute, a, b)  # [Bm, Hm, S]
+        rows.append(~empty.reshape(-1, n, c).all(-1).all(0))  # [2W]
+    return torch.stack(rows).cpu()
+
+
+def context_plan(mask, seq_len: int, world_size: int, device=None) -> ContextPlan:
+    """The (query chunk, key chunk) pairs that `mask` (None, a Mask, or a CompiledMask for
+    (seq_len, seq_len)) needs with `world_size` ranks. Needs no process group."""
+    intervals = _global_intervals(mask, seq_len, device)
+    return ContextPlan(world_size, seq_len, _chunk_pairs(intervals, seq_len, world_size))
+
+
+_FULL = specs.full()
+
+
+def _global_intervals(mask, seq_len: int, device) -> torch.Tensor:
+    if mask is None:
+        mask = _FULL
+    if isinstance(mask, CompiledMask):
+        if (mask.q_len, mask.kv_len) != (seq_len, seq_len):
+            raise ValueError(
+                f"mask was compiled for (q_len, kv_len)=({mask.q_len}, {mask.kv_len}); context parallel "
+                f"attention needs the global ({seq_len}, {seq_len})"
+            )
+        return mask.intervals.to(device)
+    if not isinstance(mask, specs.Mask):
+        raise TypeError(f"mask must be None, a flexmask.masks.Mask or a CompiledMask, got {type(mask).__name__}")
+    return mask.intervals(seq_len, seq_len, device)
+
+
+@dataclass
+class Item:
+    """One flexmask.attention call: local query half x the key halves of one source rank."""
+
+    q_half: int
+    source: int
+    key_halves: list[int]
+    mask: CompiledMask
+    key_start: int = 0  # where those halves start in the source's K/V block (in chunks)
+
+
+@dataclass
+class RankPlan:
+    plan: ContextPlan
+    rank: int
+    items: list[Item]  # local source first, then the other sources in rank order
+    recv_halves: dict[int, list[int]] = field(default_factory=dict)  # peer -> its halves we receive
+    send_halves: dict[int, list[int]] = field(default_factory=dict)  # peer -> our halves it needs
+
+
+def _sub_mask(intervals: torch.Tensor, q_chunk: int, key_chunks: list[int], c: int, device) -> CompiledMask:
+    """The global mask on rows [q_chunk*C, +C) x the columns of `key_chunks` (concatenated):
+    explicit row intervals, shifted and clamped to the chunk, so no alignment rule applies."""
+    cols = torch.cat([intervals[:, :, k * c:(k + 1) * c] for k in key_chunks], dim=2)
+    rows = (cols.to(torch.int64) - q_chunk * c).clamp(0, c).to(torch.int32)
+    return compile_mask(specs.column_intervals(rows), c, len(key_chunks) * c, device=device)
+
+
+def _build_rank_plan(intervals: torch.Tensor, seq_len: int, world: int, rank: int, device) -> RankPlan:
+    plan = ContextPlan(world, seq_len, _chunk_pairs(intervals, seq_len, world))
+    c = plan.chunk_len
+    rp = RankPlan(plan, rank, [])
+    for peer in range(world):
+        if peer == rank:
+            continue
+        if halves := plan.halves_needed(rank, peer):
+            rp.recv_halves[peer] = halves
+        if halves := plan.halves_needed(peer, rank):
+            rp.send_halves[peer] = halves
+    my_chunks = rank_chunks(rank, world)
+    for source in [rank] + [p for p in range(world) if p != rank]:
+        held = [0, 1] if source == rank else rp.recv_halves.get(source, [])
+        src_chunks = rank_chunks(source, world)
+        for q_half, q_chunk in enumerate(my_chunks):
+            halves = [h for h in held if bool(plan.pairs[q_chunk, src_chunks[h]])]
+            if not halves:
+                continue
+            keys = [src_chunks[h] for h in halves]
+            rp.items.append(Item(q_half, source, halves, _sub_mask(intervals, q_chunk, keys, c, device),
+                                  key_start=held.index(halves[0])))
+    return rp
+
+
+# plans cached per mask object (None: a shared full mask), like flexmask's own compiled tables
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAX_PLANS_PER_MASK = 8
+
+
+def rank_plan(mask, seq_len: int, world: int, rank: int, device, group, shape_sig: list[int]) -> RankPlan:
+    owner = _FULL if mask is None else mask
+    cache = _PLANS.setdefault(owner, {})
+    key = (seq_len, world, rank, str(device))
+    if key not in cache:
+        intervals = _global_intervals(mask, seq_len, device)
+        rp = _build_rank_plan(intervals, seq_len, world, rank, device)
+        _check_agreement(rp.plan, shape_sig, group, device)
+        if len(cache) >= _MAX_PLANS_PER_MASK:
+            cache.pop(next(iter(cache)))
+        cache[key] = rp
+    return cache[key]
+
+
+def _check_agreement(plan: ContextPlan, shape_sig: list[int], group, device) -> None:
+    """One small all-reduce per new plan: every rank must hold the same shapes and plan, or the
+    point-to-point exchange would wait forever."""
+    sig = torch.tensor(shape_sig + plan.pairs.flatten().long().tolist(), dtype=torch.int64, device=device)
+    both = torch.stack([sig, -sig])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(both[0], -both[1]):
+        raise ValueError(
+            "the ranks disagree on the local shapes (B, Hq, Hkv, S/W, D) or on the mask: call "
+            "flexmask.distributed.attention with the same mask and shard shapes on every rank"
+        )
