@@ -96,8 +96,9 @@ def backward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], de
 # Which backward runs where (backward.attention_backward; `deterministic` comes from
 # flexmask.attention):
 #   deterministic=True            two-pass path (dK/dV kernel, then dQ kernel): bitwise reproducible.
-#   deterministic=False           fused path (backward_fused.py: 5 products per tile pair, dQ by fp32
-#                                 atomics) wherever backward_fused_config returns a config:
+#   deterministic=False           fused path (backward_fused.py: 5 products per tile pair, dQ added to
+#                                 an fp32 buffer by TMA bulk reductions on sm_90+, by atomics
+#                                 elsewhere) wherever backward_fused_config returns a config:
 #                                 - CPU interpreter: every dtype and head dim (the tests cover it);
 #                                 - CUDA: fp16/bf16 with head dim <= 128.
 #                                 Elsewhere (CUDA fp32, head dims above 128) the two-pass path runs.
