@@ -179,6 +179,9 @@ def main(argv=None) -> None:
 def _run(args, device: str, argv) -> None:
     import triton
 
+    # one compiled create_block_mask per mask_mod: past the default limit (8) dynamo falls back
+    # to eager, which materialises the dense mask
+    torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__, "triton": triton.__version__,

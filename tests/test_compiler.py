@@ -350,7 +350,8 @@ class ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("family", ["full", "causal", "sliding_window", "document_per_batch", "prefix_lm", "qk_sparse"])
+@pytest.mark.parametrize("family", ["full", "causal", "sliding_window", "document_per_batch", "prefix_lm", "share_question",
+                                    "global_sliding_window", "causal_blockwise", "prefix_lm_document", "qk_sparse"])
 def test_kernel_compiler_reads_nothing_back(family):
     """The GPU compile reads no device value on the host (no sync), where the torch path does."""
     mask = make_mask(family, 197, 197)

@@ -28,11 +28,15 @@ import triton
 import triton.language as tl
 
 # families whose intervals the classify kernel computes itself (FAMILY constexpr)
-LOAD, FULL_MASK, CAUSAL, SLIDING_WINDOW, DOCUMENT, PREFIX_LM = range(6)
+# (the families from DOCUMENT on read document bounds)
+(LOAD, FULL_MASK, CAUSAL, SLIDING_WINDOW, PREFIX_LM, GLOBAL_SLIDING_WINDOW, DOCUMENT, SHARE_QUESTION,
+ CAUSAL_BLOCKWISE, PREFIX_LM_DOCUMENT) = range(10)
 _LOAD, _FULL_MASK, _CAUSAL = tl.constexpr(LOAD), tl.constexpr(FULL_MASK), tl.constexpr(CAUSAL)
-_SLIDING_WINDOW, _DOCUMENT = tl.constexpr(SLIDING_WINDOW), tl.constexpr(DOCUMENT)
+_SLIDING_WINDOW, _DOCUMENT, _PREFIX_LM = tl.constexpr(SLIDING_WINDOW), tl.constexpr(DOCUMENT), tl.constexpr(PREFIX_LM)
+_SHARE_QUESTION, _GLOBAL_SLIDING_WINDOW = tl.constexpr(SHARE_QUESTION), tl.constexpr(GLOBAL_SLIDING_WINDOW)
+_CAUSAL_BLOCKWISE, _PREFIX_LM_DOCUMENT = tl.constexpr(CAUSAL_BLOCKWISE), tl.constexpr(PREFIX_LM_DOCUMENT)
 
-CHUNK_M = 64  # q-blocks per step of the per-kv-block programs (a multiple of 4: 4 tiles a byte)
+CHUNK_M = 128  # q-blocks per step of the per-kv-block programs (a multiple of 4 and of FWD_M)
 FWD_M, FWD_N = 32, 64  # q-blocks per forward-list program, kv-blocks per step
 SCAN_BLOCK = 1024
 
@@ -68,34 +72,54 @@ def _canonical(a0, a1, b0, b1, Sq):
 
 
 @triton.jit
-def _family_intervals(o_j, row, DOCS, Sq, offset, P0, P1, DOC_STRIDE, DOC_ITERS, FAMILY: tl.constexpr):
+def _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS, FAMILY: tl.constexpr):
     """Raw (a0, a1, b0, b1) row intervals of columns o_j [TILE_N] for a built-in family, as
-    intervals.py's torch builders make them (int64 positions)."""
+    intervals.py's torch builders make them (int64 positions). Document families read
+    DOCS[row] = (0, the documents' ends..., padded with Sk, then one extra value)."""
     j = o_j.to(tl.int64)
     zero = tl.zeros_like(j)
-    if FAMILY == _FULL_MASK:
-        a0, a1, b0, b1 = zero, zero, zero, zero
-    elif FAMILY == _CAUSAL:
-        a0, a1, b0, b1 = zero, zero, zero, _rows(j, offset, Sq)
-    elif FAMILY == _SLIDING_WINDOW:  # P0 = left, P1 = right
-        a0, a1, b0, b1 = _rows(j + P0 + 1, offset, Sq), zero + Sq, zero, _rows(j - P1, offset, Sq)
-    elif FAMILY == _DOCUMENT:  # P0 = causal; DOCS[row] = 0, ends of the documents..., padded with Sk
+    if FAMILY >= _DOCUMENT:
         p_docs = DOCS + row.to(tl.int64) * DOC_STRIDE
         lo = tl.zeros_like(o_j)
-        hi = lo + (DOC_STRIDE - 1)
-        for _ in range(DOC_ITERS):  # binary search: documents ending at or before j
+        hi = lo + (DOC_STRIDE - 2)
+        for _ in range(DOC_ITERS):  # binary search: the documents ending at or before j
             active = lo < hi
             mid = (lo + hi) // 2
             end_mid = tl.load(p_docs + mid + 1, mask=active, other=0)
             go_right = active & (end_mid <= o_j)
             lo = tl.where(go_right, mid + 1, lo)
             hi = tl.where(active & (~go_right), mid, hi)
-        start = tl.load(p_docs + lo).to(tl.int64)
+        start = tl.load(p_docs + lo).to(tl.int64)  # lo: j's document
         end = tl.load(p_docs + lo + 1).to(tl.int64)
+        extra = tl.load(p_docs + DOC_STRIDE - 1).to(tl.int64)
+    if FAMILY == _FULL_MASK:
+        a0, a1, b0, b1 = zero, zero, zero, zero
+    elif FAMILY == _CAUSAL:
+        a0, a1, b0, b1 = zero, zero, zero, _rows(j, offset, Sq)
+    elif FAMILY == _SLIDING_WINDOW:  # P0 = left, P1 = right
+        a0, a1, b0, b1 = _rows(j + P0 + 1, offset, Sq), zero + Sq, zero, _rows(j - P1, offset, Sq)
+    elif FAMILY == _PREFIX_LM:  # P0 = prefix length
+        a0, a1, b0, b1 = zero, zero, zero, tl.where(j < P0, 0, _rows(j, offset, Sq))
+    elif FAMILY == _GLOBAL_SLIDING_WINDOW:  # P0 = global tokens, P1 = left, P2 = right
+        is_global = j < P0
+        a0 = tl.where(is_global, Sq, _rows(j + P1 + 1, offset, Sq))
+        b0 = zero + _rows(P0.to(tl.int64), offset, Sq)
+        a1, b1 = zero + Sq, tl.where(is_global, 0, _rows(j - P2, offset, Sq))
+    elif FAMILY == _DOCUMENT:  # P0 = causal
         upper = tl.where(P0 != 0, j, start)
         a0, a1, b0, b1 = _rows(end, offset, Sq), zero + Sq, zero, _rows(upper, offset, Sq)
-    else:  # PREFIX_LM: P0 = prefix length
-        a0, a1, b0, b1 = zero, zero, zero, tl.where(j < P0, 0, _rows(j, offset, Sq))
+    elif FAMILY == _SHARE_QUESTION:  # P0 = question length (the first document when > 0)
+        a0 = tl.where(j < P0, Sq, _rows(end, offset, Sq))
+        a1, b0, b1 = zero + Sq, zero, _rows(j, offset, Sq)
+    elif FAMILY == _CAUSAL_BLOCKWISE:  # extra = start of the last document
+        in_last = start == extra  # documents are non-empty: only the last one starts there
+        a0 = tl.where(in_last, Sq, _rows(end, offset, Sq))
+        a1 = tl.where(in_last, Sq, zero + _rows(extra, offset, Sq))
+        b0, b1 = zero, _rows(j, offset, Sq)
+    else:  # PREFIX_LM_DOCUMENT: PREFIXES[row, doc]
+        prefix = tl.load(PREFIXES + row.to(tl.int64) * (DOC_STRIDE - 2) + lo).to(tl.int64)
+        upper = tl.where(j < start + prefix, start, j)
+        a0, a1, b0, b1 = _rows(end, offset, Sq), zero + Sq, zero, _rows(upper, offset, Sq)
     return a0, a1, b0, b1
 
 
@@ -123,20 +147,19 @@ def _class_at(m, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2):
 
 
 @triton.jit
-def _classes(o_m, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2):
-    """Classes of q-blocks o_m [CHUNK] in this kv-block, one [TILE_N, CHUNK] evaluation."""
-    m = o_m[None, :]
-    cov = ((m >= cl1[:, None]) & (m < ch1[:, None])) | ((m >= cl2[:, None]) & (m < ch2[:, None]))
-    touch = ((m >= tl1[:, None]) & (m < th1[:, None])) | ((m >= tl2[:, None]) & (m < th2[:, None]))
-    all_cov = tl.min(cov.to(tl.int32), 0)  # [CHUNK]
-    any_touch = tl.max(touch.to(tl.int32), 0)
-    return tl.where(all_cov == 1, 0, tl.where(any_touch == 0, 2, 1))
+def _events(lo_a, lo_b, hi_a, hi_b, c0, CHUNK: tl.constexpr):
+    """[CHUNK] per q-block c0 + i: ranges [lo, hi) of both slots starting there minus those ending there."""
+    starts = tl.reshape(tl.join(lo_a, lo_b), [2 * lo_a.shape[0]]) - c0
+    ends = tl.reshape(tl.join(hi_a, hi_b), [2 * hi_a.shape[0]]) - c0
+    return (tl.histogram(starts, CHUNK, mask=(starts >= 0) & (starts < CHUNK))
+            - tl.histogram(ends, CHUNK, mask=(ends >= 0) & (ends < CHUNK)))
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "NKB", "G_ROW", "offset", "P0", "P1", "DOC_STRIDE", "DOC_ITERS", "RAGGED_N"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "NKB", "G_ROW", "offset", "P0", "P1", "P2", "DOC_STRIDE",
+                               "DOC_ITERS", "RAGGED_N"])
 def _classify_kernel(
-    IV, PLANAR, GRID, COUNTS, DIFFS, DOCS,
-    Sq, Sk, NQB, NKB, G_ROW, offset, P0, P1, DOC_STRIDE, DOC_ITERS, RAGGED_N,
+    IV, PLANAR, GRID, COUNTS, DIFFS, DOCS, PREFIXES,
+    Sq, Sk, NQB, NKB, G_ROW, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS, RAGGED_N,
     FAMILY: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -151,7 +174,8 @@ def _classify_kernel(
         uts = tl.load(p_iv + 2, mask=m_j, other=0)
         ute = tl.load(p_iv + 3, mask=m_j, other=0)
     else:
-        a0, a1, b0, b1 = _family_intervals(o_j, row, DOCS, Sq, offset, P0, P1, DOC_STRIDE, DOC_ITERS, FAMILY)
+        a0, a1, b0, b1 = _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS,
+                                           FAMILY)
         lts, lte, uts, ute = _canonical(a0, a1, b0, b1, Sq)
         lts, lte, uts, ute = lts.to(tl.int32), lte.to(tl.int32), uts.to(tl.int32), ute.to(tl.int32)
         tl.store(p_iv + 0, lts, mask=m_j)
@@ -180,34 +204,30 @@ def _classify_kernel(
     p_grid = GRID + (row * NKB + n).to(tl.int64) * G_ROW
     p_dv = DIFFS + row.to(tl.int64) * (NQB + 1)  # visited tiles per q-block: changes along the column
     p_df = p_dv + n_rows * (NQB + 1)  # FULL (for the kernels) tiles per q-block
-    # per kind of interval end, its smallest and largest value over the columns
-    cl1_lo, cl1_hi, ch1_lo, ch1_hi = tl.min(cl1, 0), tl.max(cl1, 0), tl.min(ch1, 0), tl.max(ch1, 0)
-    tl1_lo, tl1_hi, th1_lo, th1_hi = tl.min(tl1, 0), tl.max(tl1, 0), tl.min(th1, 0), tl.max(th1, 0)
-    cl2_lo, cl2_hi, ch2_lo, ch2_hi = tl.min(cl2, 0), tl.max(cl2, 0), tl.min(ch2, 0), tl.max(ch2, 0)
-    tl2_lo, tl2_hi, th2_lo, th2_hi = tl.min(tl2, 0), tl.max(tl2, 0), tl.min(th2, 0), tl.max(th2, 0)
     o_c = tl.arange(0, CHUNK)
     shifts = 2 * tl.arange(0, 4)
     n_full = 0
     n_partial = 0
-    prev = 0  # class of the q-block before the chunk (none before q-block 0: SKIP)
+    covering = 0  # columns whose covered range holds the q-block before the chunk
+    touching = 0  # column ranges touching it
+    # Sweep down the q-blocks by chunks: the number of columns covering (touching) q-block m
+    # changes by the ranges starting at m minus those ending at m, counted by histograms, so a
+    # chunk costs O(TILE_N + CHUNK) whatever the intervals (the two covered ranges of a column
+    # are disjoint: a count of TILE_N means every column covers m).
     for c0 in range(0, NQB, CHUNK):
         o_m = c0 + o_c  # [CHUNK]
-        c1 = tl.minimum(c0 + CHUNK, NQB)
-        # no interval end of any kind strictly inside (c0, c1)? (conservative, by min and max;
-        # written out: helper calls are costly under the interpreter)
-        uniform = (((cl1_hi <= c0) | (cl1_lo >= c1)) & ((ch1_hi <= c0) | (ch1_lo >= c1))
-                   & ((tl1_hi <= c0) | (tl1_lo >= c1)) & ((th1_hi <= c0) | (th1_lo >= c1))
-                   & ((cl2_hi <= c0) | (cl2_lo >= c1)) & ((ch2_hi <= c0) | (ch2_lo >= c1))
-                   & ((tl2_hi <= c0) | (tl2_lo >= c1)) & ((th2_hi <= c0) | (th2_lo >= c1)))
-        if uniform:  # no interval end inside the chunk: one evaluation
-            cls = tl.zeros([CHUNK], tl.int32) + _class_at(c0, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2)
-            cls_before = tl.where(o_m == c0, prev, cls)
-        else:
-            cls = _classes(o_m, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2)
-            cls_before = tl.where(o_m == c0, prev, _classes(o_m - 1, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2))
+        d_cover = _events(cl1, cl2, ch1, ch2, c0, CHUNK)  # [CHUNK]
+        d_touch = _events(tl1, tl2, th1, th2, c0, CHUNK)
+        cover = covering + tl.cumsum(d_cover, 0)
+        touch = touching + tl.cumsum(d_touch, 0)
         in_range = o_m < NQB
+        cls = tl.where(cover == TILE_N, 0, tl.where(touch == 0, 2, 1))
         cls = tl.where(in_range, cls, 0)
-        prev = tl.sum(tl.where(o_m == c1 - 1, cls, 0), 0)
+        # the class of the q-block before each one (none before q-block 0: SKIP)
+        cls_before = tl.where(cover - d_cover == TILE_N, 0, tl.where(touch - d_touch == 0, 2, 1))
+        cls_before = tl.where(o_m == 0, 0, cls_before)
+        covering += tl.sum(d_cover, 0)
+        touching += tl.sum(d_touch, 0)
         # 2-bit classes, 4 q-blocks per byte
         packed = tl.sum(tl.reshape(cls, [CHUNK // 4, 4]) << shifts[None, :], 1)  # [CHUNK // 4]
         tl.store(p_grid + c0 // 4 + tl.arange(0, CHUNK // 4), packed.to(tl.uint8))
@@ -218,8 +238,9 @@ def _classify_kernel(
         tl.atomic_add(p_dv + o_m, d_visit, mask=in_range & (d_visit != 0))
         tl.atomic_add(p_df + o_m, d_full, mask=in_range & (d_full != 0))
     # runs reaching the last q-block end at NQB
-    tl.atomic_add(p_dv + NQB, -(prev != 0).to(tl.int32), mask=prev != 0)
-    tl.atomic_add(p_df + NQB, -((prev == 2) & (~ragged)).to(tl.int32), mask=(prev == 2) & (~ragged))
+    last = _class_at(NQB - 1, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2)
+    tl.atomic_add(p_dv + NQB, -(last != 0).to(tl.int32), mask=last != 0)
+    tl.atomic_add(p_df + NQB, -((last == 2) & (~ragged)).to(tl.int32), mask=(last == 2) & (~ragged))
     seg = row * NKB + n
     tl.store(COUNTS + seg, n_full)
     tl.store(COUNTS + n_rows * NKB + seg, n_partial)
@@ -312,15 +333,16 @@ def _emit_forward(GRID, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, row, m0, capacity
         p_grid = GRID + (row * NKB + o_n).to(tl.int64)[:, None] * G_ROW + o_b[None, :]
         packed = tl.load(p_grid, mask=m_n[:, None], other=0)  # [BLOCK_QN, BLOCK_QM // 4]
         cls = tl.reshape((packed.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & 3, [BLOCK_QN, BLOCK_QM])
-        is_full = (cls == 2) & (o_n != RAGGED_N)[:, None]
+        cls = tl.trans(cls)  # [BLOCK_QM, BLOCK_QN]: kv-blocks along the fast axis, so stores coalesce
+        is_full = (cls == 2) & (o_n != RAGGED_N)[None, :]
         is_partial = (cls != 0) & (~is_full)
-        pos_full = base[None, :] + done_full[None, :] + tl.cumsum(is_full.to(tl.int32), 0) - 1
-        pos_partial = base[None, :] + n_full[None, :] + done_partial[None, :] + tl.cumsum(is_partial.to(tl.int32), 0) - 1
+        pos_full = base[:, None] + done_full[:, None] + tl.cumsum(is_full.to(tl.int32), 1) - 1
+        pos_partial = base[:, None] + n_full[:, None] + done_partial[:, None] + tl.cumsum(is_partial.to(tl.int32), 1) - 1
         pos = tl.where(is_full, pos_full, pos_partial)
-        keep = (cls != 0) & m_m[None, :] & (pos < capacity)
-        tl.store(FWD_BLOCKS + pos, tl.zeros([BLOCK_QN, BLOCK_QM], tl.int32) + o_n[:, None], mask=keep)
-        done_full += tl.sum(is_full.to(tl.int32), 0)
-        done_partial += tl.sum(is_partial.to(tl.int32), 0)
+        keep = (cls != 0) & m_m[:, None] & (pos < capacity)
+        tl.store(FWD_BLOCKS + pos, tl.zeros([BLOCK_QM, BLOCK_QN], tl.int32) + o_n[None, :], mask=keep)
+        done_full += tl.sum(is_full.to(tl.int32), 1)
+        done_partial += tl.sum(is_partial.to(tl.int32), 1)
 
 
 @triton.jit(do_not_specialize=["capacity", "NQB", "NKB", "G_ROW", "N_BWD", "NQC", "RAGGED_N"])
@@ -351,16 +373,16 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     """The tables of a CompiledMask, in three launches and no host sync.
 
     Either `intervals` (canonical int32 [Bm, Hm, kv_len, 4], contiguous) or `family` =
-    (code, p0, p1, docs) with `shape` (Bm, Hm) and `device`: the classify kernel then
+    (code, p0, p1, p2, docs, prefixes) with `shape` (Bm, Hm) and `device`: the classify kernel then
     computes the canonical intervals itself. `capacity` (>= the tiles visited, known on the
     host) sizes fwd_blocks, bwd_blocks and bwd_exact; None counts the tiles first, at the
     price of one host sync."""
     if intervals is not None:
         device = intervals.device
         shape = tuple(intervals.shape[:2])
-        code, p0, p1, docs = LOAD, 0, 0, None
+        code, p0, p1, p2, docs, prefixes = LOAD, 0, 0, 0, None, None
     else:
-        code, p0, p1, docs = family
+        code, p0, p1, p2, docs, prefixes = family
     nqb, nkb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
     nqb_padded = _cdiv(nqb, CHUNK_M) * CHUNK_M  # CHUNK_M is a multiple of FWD_M
     g_row = nqb_padded // 4
@@ -379,13 +401,13 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     bwd_offsets, bwd_num_full = rest[: rows * nkb + 1], rest[rows * nkb + 1:]
 
     if docs is None:
-        docs_t, doc_stride, doc_iters = planar, 1, 0  # unused pointer
+        docs, doc_stride, doc_iters = planar, 2, 0  # an unused pointer
     else:
-        docs_t, doc_stride = docs, docs.shape[1]
-        doc_iters = max(1, (doc_stride - 1).bit_length())
+        doc_stride = docs.shape[1]  # 0, the documents' ends (padded), one extra value
+        doc_iters = max(1, (doc_stride - 2).bit_length())
     _classify_kernel[(nkb, rows)](
-        intervals, planar, grid, counts, diffs, docs_t,
-        q_len, kv_len, nqb, nkb, g_row, kv_len - q_len, p0, p1, doc_stride, doc_iters, ragged_n,
+        intervals, planar, grid, counts, diffs, docs, planar if prefixes is None else prefixes,
+        q_len, kv_len, nqb, nkb, g_row, kv_len - q_len, p0, p1, p2, doc_stride, doc_iters, ragged_n,
         FAMILY=code, TILE_M=block_m, TILE_N=block_n, CHUNK=CHUNK_M, num_warps=4,
     )
     _scan_kernel[(2,)](counts, diffs, bwd_offsets, bwd_num_full, fwd_offsets, fwd_num_full,

@@ -11,6 +11,8 @@ tensors take every tile).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import specs
@@ -58,8 +60,17 @@ def _document_hull(blocks: _Blocks, seqlens, causal: bool):
 
 def _hull(mask: specs.Mask, b: _Blocks):
     """(lo, hi) int64 [num_q_blocks]: the key columns attended by each q-block lie in [lo, hi]."""
-    kind = mask.kind
-    p = mask.params() if kind not in ("and", "or") else None
+    if mask.kind not in ("and", "or"):
+        return _leaf_hull(mask.kind, mask.params(), b)
+    if _contains_kind(mask, "kv_cache"):  # kv_cache moves the other operands' positions
+        return b.everything()
+    (lo_a, hi_a), (lo_b, hi_b) = _hull(mask.a, b), _hull(mask.b, b)
+    if mask.kind == "and":  # attends where both attend: inside both hulls
+        return np.maximum(lo_a, lo_b), np.minimum(hi_a, hi_b)
+    return np.minimum(lo_a, lo_b), np.maximum(hi_a, hi_b)
+
+
+def _leaf_hull(kind: str, p: dict, b: _Blocks):
     if kind == "full":
         return b.everything()
     if kind == "causal" or kind in _CAUSAL_SUBSETS:
@@ -77,13 +88,8 @@ def _hull(mask: specs.Mask, b: _Blocks):
         return lo, np.where(b.p0 < p["global_tokens"], b.kv_len - 1, hi)
     if kind == "from_startend_row_indices" and p["causal"]:
         return b.causal()
-    if kind == "kv_cache" and p["causal"] and not _contains_kind(mask, "and", "or"):
+    if kind == "kv_cache" and p["causal"]:
         return b.causal()  # row i of batch b sees j <= L_b - Sq + i <= Sk - Sq + i
-    if kind in ("and", "or") and not _contains_kind(mask, "kv_cache"):  # kv_cache moves the others' positions
-        (lo_a, hi_a), (lo_b, hi_b) = _hull(mask.a, b), _hull(mask.b, b)
-        if kind == "and":  # attends where both attend: inside both hulls
-            return np.maximum(lo_a, lo_b), np.minimum(hi_a, hi_b)
-        return np.minimum(lo_a, lo_b), np.maximum(hi_a, hi_b)
     return b.everything()  # given as tensors (or unknown): every tile
 
 
@@ -93,11 +99,30 @@ def _contains_kind(mask: specs.Mask, *kinds: str) -> bool:
     return mask.kind in ("and", "or") and (_contains_kind(mask.a, *kinds) or _contains_kind(mask.b, *kinds))
 
 
+_SCALAR_KINDS = ("full", "causal", "sliding_window", "prefix_lm", "global_sliding_window")
+
+
 def visited_tiles_bound(mask: specs.Mask | None, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
     """Upper bound on the non-skipped tiles of one mask row (batch x head entry), from the
     mask's parameters only. `None` means "unknown mask": every tile."""
+    if mask is not None and mask.kind in _SCALAR_KINDS:  # a few ints: remembered per shape
+        return _scalar_bound(mask.kind, tuple(sorted(mask.params().items())), q_len, kv_len, block_m, block_n)
+    return _bound(mask, q_len, kv_len, block_m, block_n)
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_bound(kind: str, params: tuple, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
     b = _Blocks(q_len, kv_len, block_m)
-    lo, hi = b.everything() if mask is None else _hull(mask, b)
+    return _count(*_leaf_hull(kind, dict(params), b), kv_len, block_n)
+
+
+def _bound(mask, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
+    b = _Blocks(q_len, kv_len, block_m)
+    return _count(*(b.everything() if mask is None else _hull(mask, b)), kv_len, block_n)
+
+
+def _count(lo, hi, kv_len: int, block_n: int) -> int:
+    """Tiles of the kv-blocks meeting each q-block's hull [lo, hi], summed."""
     lo = np.clip(lo, 0, kv_len - 1)
     hi = np.clip(hi, -1, kv_len - 1)
     blocks = np.where(hi >= lo, hi // block_n - lo // block_n + 1, 0)
