@@ -20,10 +20,10 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee "$LOG"
 
 echo "== GPU tests $(date -u +%T)" | tee -a "$LOG"
-timeout 100 python3 -m pytest tests/test_cuda_graph.py tests/test_compiler.py -m gpu -q -rs -p no:cacheprovider \
+timeout 90 python3 -m pytest tests/test_cuda_graph.py tests/test_compiler.py -m gpu -q -rs -p no:cacheprovider \
     --durations=8 2>&1 | tee "$OUT/compiler_tests_log.txt" | tail -n 30 | tee -a "$LOG"
 echo "tests exit: $?" | tee -a "$LOG"
 
 echo "== bench_compile $(date -u +%T)" | tee -a "$LOG"
-timeout 145 python3 -m benchmarks.bench_compile --devices cuda --out "$OUT" 2>&1 | tee -a "$LOG"
+timeout 135 python3 -m benchmarks.bench_compile --devices cuda --out "$OUT" 2>&1 | tee -a "$LOG"
 echo "bench exit: $?" | tee -a "$LOG"
