@@ -411,3 +411,20 @@ def test_gpu_compiler_one_million_tokens(family):
     assert gpu.num_tiles_visited == gpu.tiles_listed()  # the host bound is exact for these families
     cpu = compile_spec(mask, s, s, torch.device("cpu"), 128, 128, on_device=False)
     assert_same_tables(cpu, type(cpu)(**{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in vars(gpu).items()}))
+
+
+def test_kernel_compiler_counts_when_the_bound_is_every_tile(monkeypatch):
+    """A mask given as tensors is bounded by every tile; past MAX_UNCOUNTED_LIST_BYTES of lists
+    the compiler counts the tiles first (exact sizes) instead of reserving the dense bound."""
+    from flexmask.masks import compiler
+
+    cols = torch.arange(150)
+    mask = masks.column_intervals(torch.zeros(150, dtype=torch.long), torch.where(cols < 64, 130, 0))  # 2 kv-blocks masked
+    cpu = torch.device("cpu")
+    loose = compile_spec(mask, 130, 150, cpu, 32, 32, on_device=True)
+    monkeypatch.setattr(compiler, "MAX_UNCOUNTED_LIST_BYTES", 0)
+    counted = compile_spec(mask, 130, 150, cpu, 32, 32, on_device=True)
+    expected = compile_spec(mask, 130, 150, cpu, 32, 32, on_device=False)
+    assert loose.num_tiles_visited == 5 * 5 and loose.fwd_blocks.numel() == 25
+    assert counted.num_tiles_visited == expected.num_tiles_visited == counted.fwd_blocks.numel() == 5 * 3
+    assert_same_tables(expected, counted)

@@ -8,9 +8,10 @@ device, in three launches and with no host sync.
    Sq*Sk / (4 * TILE_M * TILE_N) bytes, 16 MB per mask row at 1M tokens with 128 x 128
    tiles). Per kv-block it counts FULL and PARTIAL tiles; per q-block it adds the changes of
    class along the column (+1/-1 where a run of visited / FULL tiles starts or ends) into a
-   difference array with integer atomics, a handful per run (exact, so deterministic).
-   Most chunks of q-blocks lie between the columns' interval ends: there the class is
-   constant and one evaluation serves the whole chunk.
+   difference array with integer atomics, a handful per run (exact, so deterministic). The
+   sweep down the column goes by chunks of q-blocks: histograms of the columns' range ends
+   that fall in the chunk, then prefix sums, give how many columns cover / touch each q-block,
+   so a chunk costs O(TILE_N + CHUNK_M) whatever the intervals.
 2. `_scan_kernel`, two programs: prefix sums of the per-kv-block counts (backward offsets)
    and of the per-q-block difference arrays (forward counts, then offsets).
 3. `_emit_kernel`: programs per kv-block write the backward lists, programs per chunk of

@@ -23,10 +23,12 @@ it is FULL: the partial path also bounds-checks columns. `CompiledMask.tile_clas
 the exact classification.
 
 Two implementations build the same tables. On the CPU the torch ops below (exact sizes). On a
-GPU the Triton kernels of `kernels/compile_kernels.py` (three launches, no host sync, transient
-memory ~16 bytes per key column plus a 2-bit tile grid), with the lists sized by a bound that
-the host knows from the mask's parameters (`tile_bounds.py`): the lists then hold
-`len(fwd_blocks) >= offsets[-1]` entries, of which the first `offsets[-1]` are the tables.
+GPU the Triton kernels of `kernels/compile_kernels.py` (three launches, no host sync; transient
+memory: a 2-bit tile grid, Sq*Sk/65536 bytes with 128 x 128 tiles, plus O(q-blocks + kv-blocks)),
+with the lists sized by a bound that the host knows from the mask's parameters
+(`tile_bounds.py`): they hold `len(fwd_blocks) >= offsets[-1]` entries, of which the first
+`offsets[-1]` are the tables. A mask given only as tensors is bounded by every tile; where that
+would reserve more than MAX_UNCOUNTED_LIST_BYTES, the tiles are counted first (one host sync).
 """
 
 from __future__ import annotations
@@ -209,16 +211,26 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
     shape = family[1] if family is not None else tuple(intervals.shape[:2])
     rows = shape[0] * shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
-    capacity = rows * min(n_qb * n_kb, tile_bounds.visited_tiles_bound(mask, q_len, kv_len, block_m, block_n))
+    per_row = min(n_qb * n_kb, tile_bounds.visited_tiles_bound(mask, q_len, kv_len, block_m, block_n))
+    capacity = rows * per_row
     if capacity >= 2**31:
         raise ValueError(
             f"a mask of {rows} rows at q_len={q_len}, kv_len={kv_len} may visit {capacity} tiles of "
             f"{block_m}x{block_n}, more than the int32 tables hold; use larger block_m/block_n"
         )
+    # a mask known only as tensors is bounded by every tile: where that would reserve more than
+    # MAX_UNCOUNTED_LIST_BYTES of lists, count the tiles first instead (one host sync)
+    if per_row == n_qb * n_kb and mask.kind != "full" and capacity * _LIST_BYTES_PER_TILE > MAX_UNCOUNTED_LIST_BYTES:
+        capacity = None
     tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, capacity, intervals=intervals,
                                  family=None if family is None else family[0], shape=shape, device=device)
-    return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n, num_tiles_visited=capacity,
+    visited = int(tables["bwd_offsets"][-1]) if capacity is None else capacity
+    return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n, num_tiles_visited=visited,
                         source=mask, **tables)
+
+
+_LIST_BYTES_PER_TILE = 9  # fwd_blocks, bwd_blocks (int32) and bwd_exact (int8)
+MAX_UNCOUNTED_LIST_BYTES = 512 * 2**20
 
 
 def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int, block_n: int, source=None,
