@@ -4,8 +4,8 @@
 # 1. GPU tests: the CUDA compiler's tables equal the CPU's bit for bit (every family, 1K and 8K,
 #    and causal / sliding window / document at 1M with the memory bound), no host sync, and
 #    compile + forward + backward captured in one CUDA graph; 2. benchmarks/bench_compile.py:
-#    flexmask vs compiled create_block_mask, 8K to 1M (CSV + PNG). Logs, CSV and PNG land in $OUT.
-# Budget: about 4 minutes.
+#    flexmask vs compiled create_block_mask, 8K to 1M (CSV + PNG); 3. benchmarks/compile_breakdown.py:
+#    host steps vs kernels for a few families. Logs, CSVs and PNG land in $OUT. Budget: about 5 minutes.
 set -o pipefail
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
@@ -27,3 +27,7 @@ echo "tests exit: $?" | tee -a "$LOG"
 echo "== bench_compile $(date -u +%T)" | tee -a "$LOG"
 timeout 135 python3 -m benchmarks.bench_compile --devices cuda --out "$OUT" 2>&1 | tee -a "$LOG"
 echo "bench exit: $?" | tee -a "$LOG"
+
+echo "== compile_breakdown $(date -u +%T)" | tee -a "$LOG"
+timeout 60 python3 -m benchmarks.compile_breakdown --out "$OUT" 2>&1 | tee -a "$LOG"
+echo "breakdown exit: $?" | tee -a "$LOG"
