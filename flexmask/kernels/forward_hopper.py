@@ -2,15 +2,14 @@
 
 Why a second forward: the portable kernel (forward.py) leaves the tensor cores idle while it
 computes each tile's softmax, and every program waits for its own K/V loads. Here
-- one persistent program per SM takes (q-block, batch x head) work items from a list sorted
-  by tile count, heaviest first, so causal, document and random masks end together;
+- one persistent program per SM takes (q-block, batch x head) work items from a list ordered
+  heaviest first within chunks of heads whose K/V fit in L2 (`work_list`);
 - a one-warp producer partition streams Q, K and V through TMA (host-built descriptors) into
   a ring of shared-memory stages, signalled by mbarriers;
-- the 8-warp consumer (two warpgroups, 64 query rows each) issues S = Q K^T for tile j
-  asynchronously while the tensor cores still run O += P V of tile j-1, and does the softmax
-  of tile j in between (FlashAttention-3's intra-warpgroup overlap);
-- O and l are rescaled only when some row's maximum grows by more than 2^8 (the stale
-  maximum keeps every P <= 256: exact in fp32, representable in bf16/fp16).
+- two consumer warpgroups of 64 query rows each share the K/V stages but never wait for each
+  other, so one's softmax runs while the other's matrix products do; each issues S = Q K^T of
+  tile j asynchronously while the tensor cores still run O += P V of tile j-1 (FlashAttention-3's
+  intra-warpgroup overlap).
 PARTIAL tiles are walked first and masked from the column intervals; FULL tiles get no mask
 arithmetic. Rows that attend nothing give O = 0 and LSE = -inf.
 
@@ -191,7 +190,7 @@ def _consumer(
         row = seg // NQB
         row0 = m * BLOCK_M + WG * ROWS
         o_m = row0 + gl.arange(0, ROWS, layout=row_layout)
-        m_used = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=row_layout)
+        m_i = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=row_layout)
         l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         n_tiles = t_hi - t_lo
@@ -207,7 +206,7 @@ def _consumer(
             mbarrier.arrive(k_empty.index(s_idx), count=1)
             if is_partial:
                 s = _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N, ROWS, num_warps)
-            p, m_used, l_i, alpha = _softmax_step(s, m_used, l_i, qk_scale)
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
             prev_idx = s_idx
             prev_phase = (kv_count // STAGES) & 1
@@ -225,7 +224,7 @@ def _consumer(
                 mbarrier.arrive(k_empty.index(s_idx), count=1)
                 if is_partial:
                     s = _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N, ROWS, num_warps)
-                p, m_used, l_i, alpha = _softmax_step(s, m_used, l_i, qk_scale)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev_idx), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -250,7 +249,7 @@ def _consumer(
                + gl.expand_dims(om_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(od_o, 0))
         gl.store(p_o, out.to(dtype), mask=gl.expand_dims(om_o < Sq, 1))
         empty_r = l_i == 0.0
-        lse = gl.where(empty_r, float("-inf"), (m_used + gl.log2(gl.where(empty_r, 1.0, l_i))) * 0.6931471805599453)
+        lse = gl.where(empty_r, float("-inf"), (m_i + gl.log2(gl.where(empty_r, 1.0, l_i))) * 0.6931471805599453)
         gl.store(LSE + (b * HQ + h).to(gl.int64) * Sq + o_m, lse, mask=o_m < Sq)
 
 
