@@ -117,3 +117,11 @@ def test_readme_forward_table_is_generated_from_the_csv():
     readme = (root / "README.md").read_text(encoding="utf-8")
     section = readme.split(forward_table.START, 1)[1].split(forward_table.END, 1)[0]
     assert forward_table.table(str(root / "benchmarks/results/forward_variants.csv")) in section
+
+
+def test_older_triton_takes_the_portable_forward(monkeypatch):
+    import triton
+
+    assert configs.gluon_hopper_available()  # the pinned Triton 3.6
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    assert not configs.gluon_hopper_available()

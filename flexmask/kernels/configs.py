@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from .tma import device_has_tma
 
@@ -146,13 +147,24 @@ def _clip(cfg: LaunchConfig, tile_m: int, tile_n: int, step: int) -> LaunchConfi
                         masked, cfg.masked_stages)
 
 
+def gluon_hopper_available() -> bool:
+    """The Hopper forward is written against Triton 3.6's Gluon (`gl.warp_specialize` taking
+    (function, args) pairs, Hopper TMA and wgmma); older Tritons take the portable kernel."""
+    try:
+        major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except (ImportError, ValueError):
+        return False
+    return (major, minor) >= (3, 6)
+
+
 def forward_path(q: torch.Tensor, cm) -> str:
     """Which forward kernel runs: "hopper" (forward_hopper.py: Gluon, persistent, warp-specialised)
     on sm_90 GPUs for fp16/bf16 at head dim 64 or 128 with the default 128 x 128 tables and
     inputs the copy engine can read (16-byte aligned, (B, H, S, D) or (B, S, H, D) memory
     order); "portable" (forward.py) everywhere else: the CPU interpreter (Gluon kernels do not
     run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles."""
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9 or not gluon_hopper_available():
         return "portable"
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
         return "portable"
