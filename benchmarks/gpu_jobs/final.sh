@@ -7,6 +7,7 @@
 # 3. phase A of the sweep (D=128 at 32K and 8K, every provider), appended to a copy of the
 #    committed gpu.csv, and the README table printed from it.
 # Few files come back from a device call, so the logs are gathered into two.
+# SWEEP=0 leaves out step 3; PARITY=1 adds the transformers parity run of ecosystem.sh (stage 3).
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -39,6 +40,13 @@ grep -h "^== \|passed\|failed" "$logs"/tests_*.log
 
 timeout 150 python3 -m benchmarks.speed_check --out "$OUT" --families causal sliding_window_1024 causal_document \
     2>&1 | grep -v Warning | tee "$OUT/final_speed_check_log.txt"
+
+if [ "${PARITY:-0}" = 1 ]; then
+  timeout 200 python3 -m examples.train_hf_packed --steps 60 --seq-len 4096 --batch-size 2 --out "$OUT" \
+      > "$OUT/hf_parity_log.txt" 2>&1
+  echo "parity exit $? after $((SECONDS - T0)) s" | tee -a "$OUT/hf_parity_log.txt"
+fi
+[ "${SWEEP:-1}" = 0 ] && { echo "final.sh took $((SECONDS - T0)) s"; exit 0; }
 
 mkdir -p /tmp/sweep && cp benchmarks/results/gpu.csv /tmp/sweep/gpu.csv
 left=$((560 - (SECONDS - T0)))
