@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward_fused import fused_backward
+from .backward_fused import convert_dq, fused_backward
 from .configs import (backward_config, backward_fused_config, backward_fused_dq_tma, backward_fused_dq_transposed,
-                      backward_fused_uses_tma, backward_uses_tma)
+                      backward_fused_uses_tma, backward_path, backward_uses_tma)
 from .forward import LOG2E, mask_broadcast, precision_for
 from .masking import (block_source, column_intervals, load_block, mask_row, masked_elements, masked_elements_t,
                       row_stats)
@@ -316,7 +316,8 @@ def _dq_kernel(
 
 
 def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=None, use_tma=None,
-                       deterministic: bool = True, fused_config=None, dq_transposed=None, dq_tma=None):
+                       deterministic: bool = True, fused_config=None, dq_transposed=None, dq_tma=None,
+                       kernel: str | None = None):
     """Gradients (dq, dk, dv) of `attention_forward`; dlse (or None) is the gradient of the LSE.
 
     deterministic=True runs the two-pass path (dK/dV, then dQ; bitwise reproducible);
@@ -324,27 +325,44 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     configs.backward_fused_config offers one, else the two-pass path.
     `configs` ((dK/dV, dQ) LaunchConfigs), `fused_config`, `dq_transposed` (the fused kernel's
     dQ product as (K^T dS^T)^T), `dq_tma` (its dQ added by TMA bulk reductions rather than
-    per-element atomics) and `use_tma` override the defaults (tuning, tests)."""
+    per-element atomics) and `use_tma` override the defaults (tuning, tests). `kernel`
+    ("hopper", "fused" or "two-pass") overrides configs.backward_path."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
+    if kernel is None:
+        kernel = "fused" if fused_config is not None else backward_path(q, cm, deterministic)
+    if kernel not in ("hopper", "fused", "two-pass"):
+        raise ValueError(f"kernel must be 'hopper', 'fused', 'two-pass' or None, got {kernel!r}")
+    if kernel == "hopper":
+        from . import backward_hopper  # Gluon: imported only where it can run
+
+        if not backward_hopper.supports(q, k, v, do, cm):
+            raise ValueError("kernel='hopper' takes fp16/bf16 inputs with head dim 128, 128 x 128 tables and "
+                             f"TMA-readable layouts; got {q.dtype}, head dim {d}, tables {cm.block_m} x {cm.block_n}")
     cfg_fused = None
-    if not deterministic:
+    if kernel == "fused":
         cfg_fused = fused_config or backward_fused_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
     stats = torch.empty(batch * hq, 2, sq, dtype=torch.float32, device=q.device)  # (LSE log2, D) rows
     # rows of BLOCK_D floats: 16-byte aligned for the TMA reduction whatever the head dim
-    dq_acc = torch.empty(batch * hq, sq, block_d, dtype=torch.float32, device=q.device) if cfg_fused else stats
+    accumulate_dq = cfg_fused is not None or kernel == "hopper"
+    dq_acc = torch.empty(batch * hq, sq, block_d, dtype=torch.float32, device=q.device) if accumulate_dq else stats
     pre_m = 64
     _preprocess_kernel[(triton.cdiv(sq, pre_m), batch * hq)](
         o, do, dlse if dlse is not None else lse, lse, stats, dq_acc,
         o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         sq, hq,
-        HAS_DLSE=dlse is not None, ZERO_DQ=cfg_fused is not None, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
+        HAS_DLSE=dlse is not None, ZERO_DQ=accumulate_dq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
     )
 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
+    if kernel == "hopper":
+        backward_hopper.backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale,
+                                        mask_broadcast(cm, batch, hq, hkv))
+        convert_dq(dq_acc, dq, scale, block_d)
+        return dq, dk, dv
     if use_tma is None:
         walk = cm.num_tiles_visited / max(1, cm.batch * cm.heads * cm.num_kv_blocks)  # tiles per program
         use_tma = (backward_fused_uses_tma if cfg_fused else backward_uses_tma)(d, q.dtype, q.device, walk)

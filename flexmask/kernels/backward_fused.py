@@ -194,8 +194,14 @@ def fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale: float, cfg
         MASKED_BLOCK=min(cfg.step_masked or cfg.block_m, cfg.block_m), MASKED_STAGES=cfg.stages_masked,
         DQ_T=dq_transposed, DQ_TMA=dq_tma, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    convert_dq(dq_acc, dq, scale, common["BLOCK_D"])
+
+
+def convert_dq(dq_acc, dq, scale: float, block_d: int) -> None:
+    """dQ = scale * the fp32 sums [B * Hq, Sq, block_d], cast to dq's dtype and layout."""
+    batch, hq, sq, d = dq.shape
     conv_m = 64
     _convert_dq_kernel[(triton.cdiv(sq, conv_m), batch * hq)](
         dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), sq, hq, scale,
-        HEAD_DIM=d, BLOCK_D=common["BLOCK_D"], BLOCK_M=conv_m,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=conv_m,
     )

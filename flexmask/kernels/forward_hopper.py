@@ -371,13 +371,18 @@ def work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, 
             group = q_heads // kv_heads
             kv_index = (bh // q_heads) * kv_heads + (bh % q_heads) // group  # (b, kv head) of each bh
             chunk = (kv_index // kv_per_chunk).repeat_interleave(nqb)
-            per_item = chunk * (cm.num_kv_blocks + 1) - per_item  # chunk first, then heaviest first
-            per_table[key] = torch.argsort(per_item, stable=True).to(torch.int32)
+            per_table[key] = heaviest_first(per_item, chunk, cm.num_kv_blocks)
         elif order == "count":
             per_table[key] = torch.argsort(per_item, descending=True, stable=True).to(torch.int32)
         else:
             raise ValueError(f"order must be 'chunked' or 'count', got {order!r}")
     return per_table[key]
+
+
+def heaviest_first(weight: torch.Tensor, chunk: torch.Tensor, max_weight: int) -> torch.Tensor:
+    """Item indices (int32) ordered by chunk, then heaviest first inside a chunk (ties keep
+    index order); `max_weight` bounds every weight."""
+    return torch.argsort(chunk * (max_weight + 1) - weight, stable=True).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,385 @@
+"""Hopper (sm_90) backward in Gluon: persistent, warp-specialised, five products per tile pair.
+
+The portable fused backward (backward_fused.py) runs near FlexAttention's speed and no faster:
+each program waits for its own Q/dO loads and runs the softmax-gradient arithmetic between its
+matrix products with the tensor cores idle. Here, as in the Hopper forward:
+- one persistent program per SM takes (kv-block, batch x kv head) work items from a list
+  ordered heaviest first (the backward table's tile counts summed over the GQA group) within
+  chunks of heads whose Q/dO fit in L2 (`backward_work_list`);
+- a one-warp producer loads the item's K and V once, then streams the 64-row steps of Q and dO
+  that the backward table lists through TMA into a ring of shared-memory stages;
+- two consumer warpgroups own 64 kv rows each. Per step each computes, with wgmma,
+
+      S^T  = K Q^T       [64 kv, 64 q]     P^T  = exp2(S^T * scale - lse)   (masked if PARTIAL)
+      dP^T = V dO^T      [64 kv, 64 q]     dS^T = P^T (dP^T - delta)
+      dV  += P^T dO      [64 kv, D]        (P^T from registers)
+      dK  += dS^T Q      [64 kv, D]        (dS^T from registers)
+
+  and writes dS^T to shared memory; once both halves are there, each warpgroup computes
+      dQ[:, half]  = dS K[:, half]  [64 q, D / 2]
+  and adds it to the fp32 dQ buffer with a TMA bulk reduction (no per-element atomics).
+Masks come from the same column intervals: in S^T a row is a key, so the intervals of a
+warpgroup's 64 keys are loaded once per head and each element costs four compares.
+Rows that attend nothing have LSE = +inf in the statistics, so P = 0 and their gradients are 0.
+The dQ sums run in whatever order the reductions land: not bitwise reproducible, like the
+portable fused path; `deterministic=True` keeps the two-pass path.
+
+Gluon kernels do not run under the CPU interpreter: `configs.backward_hopper_available` keeps
+this kernel off by default until it is validated on a GPU (tests/test_gpu_hopper_backward.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .forward_hopper import _descriptor, _num_sms, heaviest_first
+
+LOG2E = 1.4426950408889634
+PRODUCER_REGS = gl.constexpr(24)
+CONSUMER_REGS = gl.constexpr(240)
+KV_ROWS = 128  # kv rows per work item (the table's tile), 64 per consumer warpgroup
+Q_ROWS = 64  # query rows per step (half a table tile)
+KV_BLOCK = gl.constexpr(KV_ROWS)
+Q_STEP = gl.constexpr(Q_ROWS)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory block `src` into global memory at `coord` (cp.reduce.async.bulk
+    .tensor ... add); elements outside the descriptor's bounds are dropped. Completion is
+    tracked like a TMA store (tma.store_wait). Triton 3.6 has the op, not a Gluon wrapper."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _item(WORK, w, NKB, HKV):
+    """Work item w: (batch, kv head, kv-block)."""
+    item = gl.load(WORK + w)
+    bhk = item // NKB
+    return bhk // HKV, bhk % HKV, item % NKB
+
+
+@gluon.jit
+def _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
+    """Mask row of (b, h) and its walk over kv-block n: (row, first FULL, first PARTIAL, end)."""
+    row = b * MASK_B_STRIDE + (h // MASK_H_DIV) * MASK_H_STRIDE
+    seg = row * NKB + n
+    t_lo = gl.load(BWD_OFFSETS + seg)
+    t_mid = t_lo + gl.load(BWD_NUM_FULL + seg)
+    t_hi = gl.load(BWD_OFFSETS + seg + 1)
+    return row, t_lo, t_mid, t_hi
+
+
+@gluon.jit
+def _producer(
+    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
+    WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+    NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+    STAGES: gl.constexpr,
+):
+    """One warp: per work item, K and V once, then Q and dO step by step in walk order."""
+    kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free = bars
+    step = 0
+    item_count = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, n = _item(WORK, w, NKB, HKV)
+        x_kv = b * KV_X_B + hk * KV_X_H
+        c_kv = hk * KV_C_H
+        mbarrier.wait(kv_empty, (item_count & 1) ^ 1)
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, v_smem)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
+                                                MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+            x_q = b * Q_X_B + h * Q_X_H
+            c_q = h * Q_C_H
+            for i in range(2 * (t_hi - t_lo)):
+                start_m = gl.load(BWD_BLOCKS + t_lo + i // 2) * (2 * Q_STEP) + (i % 2) * Q_STEP
+                s = step % STAGES
+                mbarrier.wait(q_empty.index(s), ((step // STAGES) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [x_q, start_m, c_q], q_ready.index(s), q_bufs.index(s))
+                tma.async_copy_global_to_shared(do_desc, [x_q, start_m, c_q], q_ready.index(s), do_bufs.index(s))
+                step += 1
+        item_count += 1
+
+
+@gluon.jit
+def _consumer(
+    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_desc, bars,
+    STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+):
+    """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block."""
+    kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free = bars
+    dtype: gl.constexpr = q_bufs.dtype
+    ROWS: gl.constexpr = KV_BLOCK // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    num_warps: gl.constexpr = 4
+    # S^T, dP^T: [ROWS, Q_STEP]; dK, dV: [ROWS, HEAD_DIM]; dQ half: [Q_STEP, HALF_D]
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, Q_STEP, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HALF_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # one value per key (row of S^T)
+    query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query (column of S^T)
+    stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # [Q_STEP] over 128 threads
+
+    k_all = k_smem.reshape([KV_BLOCK, HEAD_DIM])
+    v_all = v_smem.reshape([KV_BLOCK, HEAD_DIM])
+    k_rows = k_all.slice(WG * ROWS, ROWS, dim=0)  # [ROWS, HEAD_DIM]: A of S^T = K Q^T
+    v_rows = v_all.slice(WG * ROWS, ROWS, dim=0)  # A of dP^T = V dO^T
+    k_cols = k_all.slice(WG * HALF_D, HALF_D, dim=1)  # [KV_BLOCK, HALF_D]: B of this warpgroup's dQ half
+    ds_rows = ds_smem.slice(WG * ROWS, ROWS, dim=1)  # [Q_STEP, ROWS]: where this warpgroup's dS lands
+
+    step = 0
+    item_count = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, n = _item(WORK, w, NKB, HKV)
+        o_n = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=key_layout)
+        in_k = o_n < Sk
+        dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
+        dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
+        mbarrier.wait(kv_ready, item_count & 1)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
+                                                MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+            # this warpgroup's keys' masked query rows: [lts, lte) and [uts, ute); keys past Sk
+            # mask every row
+            p_intv = INTV + row.to(gl.int64) * 4 * Sk + o_n
+            lts = gl.load(p_intv, mask=in_k, other=0)
+            lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
+            uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
+            ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
+            bh = b * HQ + h
+            p_stats = STATS + bh.to(gl.int64) * 2 * Sq
+            for i in range(2 * (t_hi - t_lo)):
+                t = t_lo + i // 2
+                start_m = gl.load(BWD_BLOCKS + t) * (2 * Q_STEP) + (i % 2) * Q_STEP
+                # the step's statistics, one per thread, then spread to the columns of S^T
+                o_c = start_m + gl.arange(0, Q_STEP, layout=stat_layout)
+                lse2 = gl.convert_layout(gl.load(p_stats + o_c, mask=o_c < Sq, other=float("inf")), query_layout)  # rows past Sq: P = 0
+                s = step % STAGES
+                mbarrier.wait(q_ready.index(s), (step // STAGES) & 1)
+                q_view = q_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
+                do_view = do_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
+                zeros_st = gl.zeros([ROWS, Q_STEP], gl.float32, layout=st_layout)
+                st = warpgroup_mma(k_rows, q_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
+                dpt = warpgroup_mma(v_rows, do_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
+                st = warpgroup_mma_wait(1, deps=(st,))
+                pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))  # [ROWS, Q_STEP]
+                delta = gl.convert_layout(gl.load(p_stats + Sq + o_c, mask=o_c < Sq, other=0.0), query_layout)
+                if t >= t_mid:  # PARTIAL tile
+                    qm = gl.expand_dims(start_m + gl.arange(0, Q_STEP, layout=query_layout), 0)
+                    masked = (((qm >= gl.expand_dims(lts, 1)) & (qm < gl.expand_dims(lte, 1)))
+                              | ((qm >= gl.expand_dims(uts, 1)) & (qm < gl.expand_dims(ute, 1))))
+                    pt = gl.where(masked, 0.0, pt)
+                dpt = warpgroup_mma_wait(0, deps=(dpt,))
+                pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+                dv = warpgroup_mma(pt_op, do_view, dv, is_async=True)
+                dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)  # [ROWS, Q_STEP]
+                dst_op = gl.convert_layout(dst, a_layout)
+                dk = warpgroup_mma(dst_op, q_view, dk, is_async=True)
+                # dS (query-major) to shared memory, once the other warpgroup has read the last one
+                mbarrier.wait(ds_free, (step & 1) ^ 1)
+                ds_rows.store(gl.permute(dst, (1, 0)))
+                fence_async_shared()
+                mbarrier.arrive(ds_ready, count=1)
+                dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+                mbarrier.arrive(q_empty.index(s), count=1)
+                # dQ[:, half] = dS K[:, half] over the whole kv-block: both warpgroups' dS
+                mbarrier.wait(ds_ready, step & 1)
+                dq = warpgroup_mma(ds_smem, k_cols, gl.zeros([Q_STEP, HALF_D], gl.float32, layout=dq_layout),
+                                   use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+                mbarrier.arrive(ds_free, count=1)
+                # two boxes of 32 columns (128 bytes, the widest a swizzled TMA box takes)
+                dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, HALF_D // 2]), (0, 2, 1)))
+                tma.store_wait(0)  # the previous reductions have read the buffers
+                dq_smem.index(2 * WG).reshape([Q_STEP, HALF_D // 2]).store(dq_lo)
+                dq_smem.index(2 * WG + 1).reshape([Q_STEP, HALF_D // 2]).store(dq_hi)
+                fence_async_shared()
+                # rows past Sq fall outside the descriptor and are dropped
+                _tma_reduce_add(dq_desc, [bh, start_m, WG * HALF_D], dq_smem.index(2 * WG))
+                _tma_reduce_add(dq_desc, [bh, start_m, WG * HALF_D + HALF_D // 2], dq_smem.index(2 * WG + 1))
+                step += 1
+        mbarrier.arrive(kv_empty, count=1)
+        item_count += 1
+
+        # epilogue: this warpgroup's rows of dK (scaled) and dV
+        om = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
+        od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+        keep = gl.expand_dims(om < Sk, 1)
+        rows64 = gl.expand_dims(om.to(gl.int64), 1)
+        p_dk = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + rows64 * stride_dkn + gl.expand_dims(od, 0)
+        p_dv = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + rows64 * stride_dvn + gl.expand_dims(od, 0)
+        gl.store(p_dk, (dk * sm_scale).to(dtype), mask=keep)
+        gl.store(p_dv, dv.to(dtype), mask=keep)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _backward_hopper_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, STATS, DK, DV,
+    INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+    qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)  # [1, KV_BLOCK, HEAD_DIM]
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)  # [STAGES, 1, Q_STEP, HEAD_DIM]
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_STEP, KV_BLOCK], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [Q_STEP, KV_BLOCK], ds_layout)  # dS, query-major
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)  # [4, 1, Q_STEP, HEAD_DIM / 4]
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    mbarrier.init(kv_empty, count=2)  # both consumer warpgroups release K/V
+    mbarrier.init(ds_ready, count=2)  # both halves of dS written
+    mbarrier.init(ds_free, count=2)  # both warpgroups' dQ products have read dS
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    fence_async_shared()
+    bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free)
+
+    gl.warp_specialize([
+        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_desc, bars,
+                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+                     HEAD_DIM, STAGES)),
+        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_desc, bars,
+                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+                     HEAD_DIM, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
+                     WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+                     NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+                     STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# --- host side -----------------------------------------------------------------------------
+
+_WORK_CACHE: dict = {}  # id(bwd_offsets) -> (weak reference to it, {launch key: work list})
+L2_SHARE_BYTES = 24 << 20  # Q/dO bytes that the programs running at one time should share
+
+
+def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, int, int],
+                       q_bytes: int) -> torch.Tensor:
+    """(batch x kv head, kv-block) items packed as bhk * NKB + n, heaviest first (tiles summed
+    over the GQA group) within chunks of kv heads whose groups' Q and dO (`q_bytes` per query
+    head) fit in L2_SHARE_BYTES. Cached per tile table."""
+    entry = _WORK_CACHE.get(id(cm.bwd_offsets))
+    if entry is None or entry[0]() is not cm.bwd_offsets:
+        for key in [k for k, (ref, _) in _WORK_CACHE.items() if ref() is None]:
+            del _WORK_CACHE[key]
+        entry = _WORK_CACHE[id(cm.bwd_offsets)] = (weakref.ref(cm.bwd_offsets), {})
+    per_table = entry[1]
+    key = (batch, q_heads, kv_heads, mask_map, q_bytes)
+    if key not in per_table:
+        nkb = cm.num_kv_blocks
+        group = q_heads // kv_heads
+        mb, mdiv, mh = mask_map
+        counts = (cm.bwd_offsets[1:] - cm.bwd_offsets[:-1]).view(-1, nkb)  # [mask rows, NKB]
+        bh = torch.arange(batch * q_heads, device=counts.device)
+        rows = (bh // q_heads) * mb + ((bh % q_heads) // mdiv) * mh
+        per_item = counts[rows].view(batch * kv_heads, group, nkb).sum(1).reshape(-1).to(torch.int64)
+        heads_per_chunk = max(1, L2_SHARE_BYTES // max(1, group * q_bytes))
+        chunk = (torch.arange(batch * kv_heads, device=counts.device) // heads_per_chunk).repeat_interleave(nkb)
+        per_table[key] = heaviest_first(per_item, chunk, nkb * group)
+    return per_table[key]
+
+
+def supports(q, k, v, do, cm) -> bool:
+    """Whether the Hopper backward takes these inputs: fp16/bf16, head dim 128 (the dQ product
+    splits the head dim between the two warpgroups at a 128-byte swizzle boundary), 128 x 128
+    tables, TMA-readable layouts."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == 128
+            and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS
+            and _descriptor(k, KV_ROWS) is not None and _descriptor(v, KV_ROWS) is not None
+            and _descriptor(q, Q_ROWS) is not None and _descriptor(do, Q_ROWS) is not None)
+
+
+def _dq_descriptor(dq_acc: torch.Tensor):
+    """3-D descriptor of the fp32 dQ buffer [B * Hq, Sq, BLOCK_D]: a block that overhangs Sq is
+    clipped at its own head's end, not added into the next head's rows."""
+    rows, sq, width = dq_acc.shape
+    block = [1, Q_ROWS, width // 4]  # a quarter of the head dim: 32 fp32 at D = 128
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(dq_acc, [rows, sq, width], [sq * width, width, 1], block, layout)
+
+
+def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_map: tuple[int, int, int],
+                    stages: int = 2) -> None:
+    """dK, dV into `dk`, `dv` and scaled-free dQ sums into the zeroed fp32 `dq_acc`
+    [B * Hq, Sq, D] (backward.py's preprocess made `stats` and zeroed it; its conversion kernel
+    scales and casts it). Call only when `supports` says yes."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    q_desc, (qxb, qxh, qch) = _descriptor(q, Q_ROWS)
+    do_desc, do_coords = _descriptor(do, Q_ROWS)
+    if do_coords != (qxb, qxh, qch):  # one set of coordinates serves Q and dO
+        do = do.contiguous() if q.is_contiguous() else do.transpose(1, 2).contiguous().transpose(1, 2)
+        do_desc, do_coords = _descriptor(do, Q_ROWS)
+        if do_coords != (qxb, qxh, qch):
+            raise ValueError(f"do: expected q's memory order, got strides {tuple(do.stride())} for q's {tuple(q.stride())}")
+    k_desc, (kxb, kxh, kch) = _descriptor(k, KV_ROWS)
+    v_desc, v_coords = _descriptor(v, KV_ROWS)
+    if v_coords != (kxb, kxh, kch):
+        raise ValueError(f"v: expected k's memory order, got strides {tuple(v.stride())} for k's {tuple(k.stride())}")
+    q_bytes = 2 * sq * d * q.element_size()  # one query head's Q and dO
+    work = backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes)
+    n_items = work.numel()
+    grid = (min(n_items, _num_sms(q.device.index or 0)),)
+    mb, mdiv, mh = mask_map
+    _backward_hopper_kernel[grid](
+        q_desc, k_desc, v_desc, do_desc, _dq_descriptor(dq_acc), stats, dk, dv,
+        cm.kernel_intervals, work, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        sq, sk, cm.num_kv_blocks, hq, hkv, hq // hkv, mb, mdiv, mh,
+        qxb, qxh, qch, kxb, kxh, kch,
+        scale * LOG2E, scale,
+        HEAD_DIM=d, STAGES=stages, num_warps=4, maxnreg=168,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_bytes(stages: int, head_dim: int = 128) -> int:
+    """Shared memory the kernel allocates (K, V, the Q/dO ring, dS, two dQ halves)."""
+    two = 2  # bytes per fp16/bf16 element
+    return (2 * KV_ROWS * head_dim * two + 2 * stages * Q_ROWS * head_dim * two
+            + Q_ROWS * KV_ROWS * two + 2 * Q_ROWS * (head_dim // 2) * 4)
