@@ -4,7 +4,11 @@ beside torch.compile(flex_attention) in the same process, bf16, D=128, 16 heads,
 FlexAttention gets its natural mask_mod for each family (its fastest form), built with
 create_block_mask outside the timed region. TFLOP/s count unmasked elements only (backward =
 2.5x forward, fwd_bwd = 3.5x). flexmask runs twice: `flexmask` with the fused backward
-(deterministic=False), `flexmask_det` with the two-pass, bitwise reproducible one. Writes a CSV (GPU, versions, command, date in every row).
+(deterministic=False), `flexmask_det` with the two-pass, bitwise reproducible one; with
+--hopper-backward also `flexmask_hopper_bwd`, the Hopper backward (backward_hopper.py) switched on
+for its rows whatever configs.HOPPER_BACKWARD_IS_DEFAULT says, and the relative difference of its
+gradients to the two-pass path's (`rel_err_grads_vs_det`). Writes a CSV (GPU, versions, command,
+date in every row).
 
     PYTHONPATH=$PWD python3 -m benchmarks.speed_check --out benchmarks/results
 """
@@ -16,12 +20,14 @@ import csv
 import datetime
 import os
 import sys
+import time
 
 import torch
 import triton
 
 import flexmask
 from flexmask import masks
+from flexmask.kernels import configs
 from flexmask.masks.intervals import unmasked_count
 
 from .cuda_guard import require_cuda
@@ -58,6 +64,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--families", nargs="*", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--hopper-backward", action="store_true", help="also time the Hopper backward kernel")
     args = ap.parse_args(argv)
     require_cuda("benchmarks.speed_check", "times flexmask and FlexAttention on a GPU")
 
@@ -97,7 +104,28 @@ def main(argv=None):
         def run_flex():
             return flex(q, k, v, block_mask=block_mask)
 
-        for provider, fn in (("flexmask", run_fm), ("flexmask_det", run_fm_det), ("flex_attention", run_flex)):
+        def grads(fn):
+            out = fn()
+            return torch.autograd.grad(out, (q, k, v), do)
+
+        runs = [("flexmask", run_fm), ("flexmask_det", run_fm_det), ("flex_attention", run_flex)]
+        if args.hopper_backward:
+            runs.insert(1, ("flexmask_hopper_bwd", run_fm))
+        for provider, fn in runs:
+            default = configs.HOPPER_BACKWARD_IS_DEFAULT
+            configs.HOPPER_BACKWARD_IS_DEFAULT = provider == "flexmask_hopper_bwd" or (
+                default and provider == "flexmask")
+            extra = {}
+            if provider == "flexmask_hopper_bwd":
+                t0 = time.perf_counter()
+                got = grads(fn)
+                torch.cuda.synchronize()
+                extra["first_call_s"] = time.perf_counter() - t0  # compile of the backward included
+                configs.HOPPER_BACKWARD_IS_DEFAULT = False
+                want = grads(run_fm_det)
+                configs.HOPPER_BACKWARD_IS_DEFAULT = True
+                extra["rel_err_grads_vs_det"] = max(
+                    ((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want))
             out = fn()
             fwd = bench(fn)
             out.backward(do, retain_graph=True)
@@ -109,8 +137,11 @@ def main(argv=None):
                     **meta, "family": name, "provider": provider, "direction": direction,
                     "batch": b, "heads": h, "seq": s, "head_dim": d, "density": pairs / (b * h * s * s),
                     "ms": med, "ms_p20": p20, "ms_p80": p80, "tflops": flops / med * 1e-9,
+                    "first_call_s": extra.get("first_call_s", ""),
+                    "rel_err_grads_vs_det": extra.get("rel_err_grads_vs_det", ""),
                 })
             q.grad = k.grad = v.grad = None
+            configs.HOPPER_BACKWARD_IS_DEFAULT = default
         ref = run_flex().float()
         err = ((run_fm().float() - ref).norm() / ref.norm()).item()
         for r in rows:

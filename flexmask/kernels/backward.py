@@ -337,9 +337,11 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     if kernel == "hopper":
         from . import backward_hopper  # Gluon: imported only where it can run
 
-        if not backward_hopper.supports(q, k, v, do, cm):
-            raise ValueError("kernel='hopper' takes fp16/bf16 inputs with head dim 128, 128 x 128 tables and "
-                             f"TMA-readable layouts; got {q.dtype}, head dim {d}, tables {cm.block_m} x {cm.block_n}")
+        on_hopper = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
+        if not on_hopper or not backward_hopper.supports(q, k, v, do, cm):
+            raise ValueError("kernel='hopper' takes fp16/bf16 inputs on an sm_90 GPU with head dim 128, 128 x 128 "
+                             f"tables and TMA-readable layouts; got {q.dtype} on {q.device}, head dim {d}, "
+                             f"tables {cm.block_m} x {cm.block_n}")
     cfg_fused = None
     if kernel == "fused":
         cfg_fused = fused_config or backward_fused_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)

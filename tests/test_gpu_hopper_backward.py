@@ -1,0 +1,112 @@
+"""GPU tests of the Hopper backward (backward_hopper.py, Gluon; marked `gpu`, skipped without a
+Hopper GPU), run through `attention_backward(kernel="hopper")` whatever configs.backward_path
+picks by default: every mask family of the CPU suite, GQA, Sq != Sk, odd lengths, both memory
+orders, fp16 and bf16, a gradient of the LSE, rows that attend nothing, against the float64
+reference with the DESIGN.md section 4 rule; and a 32K causal case against the two-pass path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexmask import compile_mask, masks
+from tests.conftest import FAMILIES, assert_close_to_reference, default_floor, make_mask, make_qkv, reference_grads
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _grads(q, k, v, do, cm, scale, kernel, dlse=None):
+    from flexmask.kernels.backward import attention_backward
+    from flexmask.kernels.forward import attention_forward
+
+    out, lse = attention_forward(q, k, v, cm, scale)
+    return attention_backward(do, dlse, q, k, v, out, lse, cm, scale, deterministic=False, kernel=kernel)
+
+
+def _check(family, b, hq, hkv, sq, sk, dtype, layout, seed=0, mask=None, with_dlse=False):
+    d = 128
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=seed, layout=layout))
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(b, hq, sq, d, generator=gen).to(dtype).cuda()
+    if layout == "bshd":
+        do = do.transpose(1, 2).contiguous().transpose(1, 2)
+    dlse = torch.randn(b, hq, sq, generator=gen).cuda() if with_dlse else None
+    mask = mask if mask is not None else make_mask(family, sq, sk, batch=b, heads=hq, seed=seed)
+    cm = compile_mask(mask, sq, sk, device="cuda")
+    scale = d ** -0.5
+    got = _grads(q, k, v, do, cm, scale, "hopper", dlse)
+    ref64 = reference_grads(q, k, v, mask, do, dlse=dlse)[2:]
+    low = reference_grads(q, k, v, mask, do, dtype=dtype, dlse=dlse)[2:]
+    floor = default_floor(dtype, gradient=True)
+    for name, g, r, l in zip(("dq", "dk", "dv"), got, ref64, low):
+        assert_close_to_reference(g, r, l, floor, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_every_family(family):
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    _check(family, 2, 4, 2, 700, 700, torch.bfloat16, "bhsd", seed=1)
+
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,sq,sk,dtype,layout,family",
+    [
+        (1, 8, 1, 197, 1500, torch.bfloat16, "bshd", "causal"),
+        (2, 4, 4, 1500, 777, torch.float16, "bhsd", "document"),
+        (1, 2, 2, 1, 300, torch.bfloat16, "bhsd", "sliding_window"),
+        (3, 6, 2, 63, 63, torch.bfloat16, "bshd", "column_intervals"),
+        (1, 4, 2, 2053, 2053, torch.float16, "bshd", "random_eviction"),
+    ],
+)
+def test_shapes_layouts_dtypes(b, hq, hkv, sq, sk, dtype, layout, family):
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    _check(family, b, hq, hkv, sq, sk, dtype, layout, seed=sq)
+
+
+def test_lse_gradient_and_empty_rows():
+    """dlse flows into delta; rows that attend nothing (a key range masked for them) get zero
+    gradients, never NaN."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    s = 515
+    lts = torch.zeros(s, dtype=torch.int32)
+    lte = torch.full((s,), 130, dtype=torch.int32)  # rows 0..129 see no key: empty
+    empty_rows = masks.column_intervals(lts, lte, torch.zeros_like(lts), torch.zeros_like(lts))
+    _check(None, 1, 2, 1, s, s, torch.bfloat16, "bhsd", seed=3, mask=empty_rows, with_dlse=True)
+
+
+def test_matches_two_pass_at_32k():
+    """Causal at 32K minus a ragged tail, GQA group of 2: the Hopper kernel's gradients meet the
+    accuracy rule against the two-pass path's fp32-accumulated ones and carry no NaN."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    torch.manual_seed(0)
+    s, d = 32768 - 77, 128
+    q = torch.randn(1, 4, s, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn_like(q)
+    cm = compile_mask(masks.causal(), s, s, device="cuda")
+    hopper = _grads(q, k, v, do, cm, d ** -0.5, "hopper")
+    two_pass = _grads(q, k, v, do, cm, d ** -0.5, "two-pass")
+    for name, a, b in zip(("dq", "dk", "dv"), hopper, two_pass):
+        assert not a.isnan().any(), name
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 2e-2, f"{name}: relative difference {rel:.2e} to the two-pass path"
+
+
+def test_declines_unsupported_inputs():
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels.backward import attention_backward
+
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    cm = compile_mask(masks.causal(), 256, 256, device="cuda")
+    with pytest.raises(ValueError, match="kernel='hopper'"):
+        attention_backward(q, None, q, q, q, q, torch.zeros(1, 2, 256, device="cuda"), cm, 0.125,
+                           deterministic=False, kernel="hopper")

@@ -1,0 +1,83 @@
+"""CPU tests of the Hopper backward's host side (backward_hopper.py): the work list of
+(kv-block, batch x kv head) items, the dispatch rule and its errors, and that both Hopper
+kernels compile for sm_90 here (Triton's bundled ptxas) within the shared memory of one SM.
+The kernels run only on sm_90 GPUs (tests/test_gpu_hopper_backward.py, tests/test_gpu_hopper.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexmask import compile_mask, masks
+from flexmask.kernels import backward_hopper, configs
+from flexmask.kernels.backward import attention_backward
+from flexmask.kernels.forward import attention_forward, mask_broadcast
+
+HOPPER_SHARED_BYTES = 227 * 1024
+
+
+@pytest.mark.parametrize("mask_heads", [1, 4], ids=lambda h: f"Hm{h}")
+def test_work_list_sums_the_group_heaviest_first(mask_heads):
+    batch, hq, hkv, s = 2, 4, 2, 900
+    mask = masks.causal() if mask_heads == 1 else masks.random_eviction(s // 2, seed=5, num_heads=mask_heads)
+    cm = compile_mask(mask, s, s, device="cpu", block_m=128, block_n=128)
+    mask_map = mask_broadcast(cm, batch, hq, hkv)
+    q_bytes = 2 * s * 128 * 2
+    work = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes).long()
+    nkb, group = cm.num_kv_blocks, hq // hkv
+    assert torch.equal(work.sort().values, torch.arange(batch * hkv * nkb))
+    counts = (cm.bwd_offsets[1:] - cm.bwd_offsets[:-1]).view(-1, nkb)
+    bhk, n = work // nkb, work % nkb
+    weight = torch.zeros_like(work)
+    for g in range(group):  # tiles of every query head of the kv head's group
+        bh = (bhk // hkv) * hq + (bhk % hkv) * group + g
+        rows = (bh // hq) * mask_map[0] + ((bh % hq) // mask_map[1]) * mask_map[2]
+        weight += counts[rows, n]
+    chunk = bhk // max(1, backward_hopper.L2_SHARE_BYTES // (group * q_bytes))
+    assert (chunk[:-1] <= chunk[1:]).all(), "chunks out of order"
+    same = chunk[:-1] == chunk[1:]
+    assert (weight[:-1][same] >= weight[1:][same]).all(), "not heaviest first inside a chunk"
+    again = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes)
+    assert again.data_ptr() == work.data_ptr() or torch.equal(again.long(), work), "not cached"
+
+
+def test_backward_path_rule():
+    cm = compile_mask(masks.causal(), 256, 256, device="cpu")
+    q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
+    assert configs.backward_path(q, cm, deterministic=True) == "two-pass"
+    assert configs.backward_path(q, cm, deterministic=False) == "fused"  # the interpreter: no Gluon
+
+
+def test_kernel_argument_errors():
+    s, d = 128, 128
+    q, k, v = (torch.randn(1, 2, s, d, dtype=torch.bfloat16) for _ in range(3))
+    cm = compile_mask(masks.causal(), s, s, device="cpu", block_m=64, block_n=64)
+    o, lse = attention_forward(q, k, v, cm, d ** -0.5)
+    with pytest.raises(ValueError, match="kernel must be"):
+        attention_backward(q, None, q, k, v, o, lse, cm, d ** -0.5, kernel="fastest")
+    with pytest.raises(ValueError, match="sm_90 GPU"):
+        attention_backward(q, None, q, k, v, o, lse, cm, d ** -0.5, deterministic=False, kernel="hopper")
+
+
+def test_supports_rule():
+    cm = compile_mask(masks.causal(), 300, 300, device="cpu", block_m=128, block_n=128)
+    q = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
+    assert backward_hopper.supports(q, q, q, q, cm)
+    assert not backward_hopper.supports(q.float(), q.float(), q.float(), q.float(), cm)
+    small = q[..., :64].contiguous()
+    assert not backward_hopper.supports(small, small, small, small, cm)
+    cm64 = compile_mask(masks.causal(), 300, 300, device="cpu", block_m=64, block_n=64)
+    assert not backward_hopper.supports(q, q, q, q, cm64)
+
+
+def test_hopper_kernels_compile_for_sm90():
+    """Both Gluon kernels go through Triton and ptxas for sm_90 on this machine and fit in one
+    SM's shared memory; the forward also without register spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    from benchmarks import offline_compile
+
+    fwd = offline_compile._hopper_forward(128, 2)
+    assert fwd.metadata.shared <= HOPPER_SHARED_BYTES
+    assert "0 bytes spill stores" in offline_compile.report("forward", fwd)
+    bwd = offline_compile._hopper_backward(2)
+    assert bwd.metadata.shared <= HOPPER_SHARED_BYTES
