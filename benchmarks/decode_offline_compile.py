@@ -94,8 +94,10 @@ if __name__ == "__main__":
         # the plans decode_plan gives bench_decode's points (bn128 st2), two-launch then fused
         ("split D=128 bf16 Sq=1 GQA4 bn128 st2", lambda: split_kv(128, bf16, 4, 4, 128, 64, 2, 2, 4, False)),
         ("split D=128 bf16 Sq=16 GQA4 bn128 st2", lambda: split_kv(128, bf16, 4, 16, 128, 64, 2, 2, 4, False)),
-        ("fused D=128 bf16 Sq=1 GQA4 bn128 st2 33 splits", lambda: split_kv(128, bf16, 4, 4, 128, 64, 2, 2, 4, False, True, 1, 33)),
-        ("fused D=128 bf16 Sq=16 GQA4 bn128 st2 5 splits", lambda: split_kv(128, bf16, 4, 16, 128, 64, 2, 2, 4, False, True, 16, 5)),
+        ("fused D=128 bf16 Sq=1 GQA4 bn128 st2 33 splits",
+         lambda: split_kv(128, bf16, 4, 4, 128, 64, 2, 2, 4, False, True, 1, 33)),
+        ("fused D=128 bf16 Sq=16 GQA4 bn128 st2 5 splits",
+         lambda: split_kv(128, bf16, 4, 16, 128, 64, 2, 2, 4, False, True, 16, 5)),
         ("fused D=64 fp16 Sq=1 MHA", lambda: split_kv(64, torch.float16, 1, 16, 64, 64, 3, 2, 4, False, True, 1, 9)),
         ("fused D=256 bf16 Sq=1", lambda: split_kv(256, bf16, 4, 4, 32, 32, 2, 2, 4, False, True, 1, 33)),
         ("fused D=128 fp32 Sq=1", lambda: split_kv(128, torch.float32, 4, 4, 32, 32, 2, 2, 4, False, True, 1, 33)),
