@@ -1,12 +1,15 @@
 """Decoding benchmark: achieved memory bandwidth of a decode step against a KV cache.
 
     python -m benchmarks.bench_decode --out benchmarks/results            # the sweep (GPU)
+    python -m benchmarks.bench_decode --providers flexmask,flexmask_fused,flex --name decode_fused
     python -m benchmarks.bench_decode --table benchmarks/results/decode.csv   # print the table
     python -m benchmarks.bench_decode --table benchmarks/results/decode.csv --readme README.md
 
 Per point (batch B, cache length Sk, Sq queries; Hq=32, Hkv=8, D=128, bf16; every cache full,
 so every provider reads all of K/V): flexmask.attention with a precompiled `masks.kv_cache`
-mask (it takes the split-KV path), flexmask's q-block kernel on the same mask (the path a
+mask (it takes the split-KV path, with the merge configs.decode_merge picks), `flexmask_fused`
+(the same split-KV plan with the fused merge: the last split program of each row group merges,
+no second launch), flexmask's q-block kernel on the same mask (the path a
 decode step took before), FlexAttention (`torch.compile(flex_attention)` with a BlockMask,
 its decode kernel for small Sq) and SDPA (default backend choice, enable_gqa). Bandwidth =
 bytes of K and V read / median time (triton.testing.do_bench: the L2 cache is flushed before
@@ -34,13 +37,14 @@ COLUMNS = ("date", "gpu", "torch", "triton", "command", "provider", "batch", "q_
            # eager calls: host overhead included where it exceeds the L2 flush before each call
            "ms", "p20_ms", "p80_ms", "bandwidth_gbps", "pct_of_copy", "vs_flex",
            "mask_build_ms", "path", "num_splits", "rel_err_vs_flex")
-PROVIDERS = ("flexmask", "flexmask_qblock", "flex", "sdpa")
+PROVIDERS = ("flexmask", "flexmask_fused", "flexmask_qblock", "flex", "sdpa")
 COPY_BYTES = 4 << 30
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="benchmarks/results", help="folder for decode.csv and decode.png")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the CSV and the PNG")
+    p.add_argument("--name", default="decode", help="their file name: NAME.csv and NAME.png")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--seqlens", default="8192,32768,131072,524288")
     p.add_argument("--q-lens", default="1", help="query lengths of the full sweep")
@@ -139,6 +143,7 @@ def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, co
     import flexmask
     from flexmask import masks
     from flexmask.kernels import configs
+    from flexmask.kernels.decode import attention_decode
     from flexmask.kernels.forward import attention_forward
 
     hq, hkv, d, dtype = args.heads, args.kv_heads, args.head_dim, torch.bfloat16
@@ -159,7 +164,7 @@ def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, co
     for name, row in rows.items():
         try:
             t0 = time.perf_counter()
-            if name in ("flexmask", "flexmask_qblock"):
+            if name in ("flexmask", "flexmask_fused", "flexmask_qblock"):
                 cm = flexmask.compile_mask(masks.kv_cache(lengths), sq, sk, device="cuda")
                 torch.cuda.synchronize()
                 row["mask_build_ms"] = (time.perf_counter() - t0) * 1e3
@@ -167,8 +172,14 @@ def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, co
                     fn = lambda: flexmask.attention(q, k, v, cm)  # noqa: E731
                     plan = configs.decode_plan(batch, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n),
                                                cm.heads)
-                    row["path"] = "split-kv" if plan is not None else "q-block"
+                    row["path"] = f"split-kv {plan.merge}" if plan is not None else "q-block"
                     row["num_splits"] = plan.num_splits if plan is not None else None
+                elif name == "flexmask_fused":  # the split-KV plan of this point, merged in the same launch
+                    plan = configs.decode_plan(batch, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n),
+                                               cm.heads, force=True)
+                    fn = lambda: attention_decode(q, k, v, cm, d ** -0.5, merge="fused")[0]  # noqa: E731
+                    row["path"] = "split-kv fused" if plan.num_splits > 1 else "split-kv direct"
+                    row["num_splits"] = plan.num_splits
                 else:
                     fn = lambda: attention_forward(q, k, v, cm, d ** -0.5)[0]  # noqa: E731
                     row["path"] = "q-block"
@@ -235,9 +246,10 @@ def table(rows: list[dict]) -> str:
     names = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
     points = list(dict.fromkeys((int(r["q_len"]), int(r["batch"]), int(r["kv_len"])) for r in rows))
     by = {(int(r["q_len"]), int(r["batch"]), int(r["kv_len"]), r["provider"]): r for r in rows}
+    fused = "flexmask_fused" in names  # then also its speedup over FlexAttention in graphs
     head = ("| Sq | B | Sk | " + " | ".join(f"{n} GB/s (% copy)" for n in names)
-            + " | flexmask vs flex (graph) | flexmask vs flex (eager) |")
-    lines = [head, "|" + "---|" * (len(names) + 5)]
+            + " | flexmask vs flex (graph) | flexmask vs flex (eager) |" + (" fused vs flex (graph) |" if fused else ""))
+    lines = [head, "|" + "---|" * (len(names) + 5 + fused)]
     for sq, b, sk in points:
         cells = []
         for n in names:
@@ -249,6 +261,9 @@ def table(rows: list[dict]) -> str:
         mine = by.get((sq, b, sk, "flexmask"), {})
         for col in ("graph_vs_flex", "vs_flex"):
             cells.append(f"{float(mine[col]):.2f}x" if mine.get(col) else "–")
+        if fused:
+            mine = by.get((sq, b, sk, "flexmask_fused"), {})
+            cells.append(f"{float(mine['graph_vs_flex']):.2f}x" if mine.get("graph_vs_flex") else "–")
         lines.append(f"| {sq} | {b} | {_size(sk)} | " + " | ".join(cells) + " |")
     first = rows[0]
     copy = sorted({f"{float(r['copy_gbps']):.0f}" for r in rows if r.get("copy_gbps")})
@@ -334,7 +349,7 @@ def main(argv=None) -> int:
     points = [(sq, b, sk) for sq in _ints(args.q_lens) for b in _ints(args.batches) for sk in _ints(args.seqlens)]
     if args.extra_q_len:
         points += [(args.extra_q_len, b, sk) for b in _ints(args.extra_q_batches) for sk in _ints(args.seqlens)]
-    csv_path = os.path.join(args.out, "decode.csv")
+    csv_path = os.path.join(args.out, f"{args.name}.csv")
     start, append = time.monotonic(), args.append
     all_rows = []
     for sq, b, sk in points:
@@ -355,7 +370,7 @@ def main(argv=None) -> int:
             print(f"Sq={sq} B={b} Sk={sk} {r['provider']}: {r['status']} {bw} "
                   f"{'vs flex %.2fx (graph %.2fx)' % (r['vs_flex'], r.get('graph_vs_flex') or 0) if r.get('vs_flex') else ''} "
                   f"{'splits=%s' % r['num_splits'] if r.get('num_splits') else ''}", flush=True)
-    plot(read_csv(csv_path), os.path.join(args.out, "decode.png"))
+    plot(read_csv(csv_path), os.path.join(args.out, f"{args.name}.png"))
     print(table(read_csv(csv_path)))
     return 0
 

@@ -34,12 +34,15 @@ def compile_offline(fn, args: dict, constexprs: dict, options: dict):
 
 
 def split_kv(head_dim: int, dtype, block_h: int, block_q: int, block_n: int, masked_block_n: int,
-             stages: int, masked_stages: int, warps: int, direct: bool):
-    from flexmask.kernels import decode
+             stages: int, masked_stages: int, warps: int, direct: bool, fused: bool = False, sq: int = 1,
+             splits: int = 33):
+    """The split kernel as attention_decode launches it; `fused` adds the merge by the last
+    arrival (its chunk from configs.decode_merge_chunk for `sq` query rows and `splits` shares)."""
+    from flexmask.kernels import configs, decode
 
     t = torch.empty(8, dtype=dtype)
     f32, i32 = torch.empty(8), torch.empty(8, dtype=torch.int32)
-    args = dict(Q=t, K=t, V=t, O=t, LSE=f32, O_PART=f32, LSE_PART=f32, INTV=i32, FWD_OFFSETS=i32,
+    args = dict(Q=t, K=t, V=t, O=t, LSE=f32, O_PART=f32, LSE_PART=f32, SEMAPHORES=i32, INTV=i32, FWD_OFFSETS=i32,
                 FWD_NUM_FULL=i32, FWD_BLOCKS=i32, stride_qb=4096, stride_qh=128, stride_qm=128,
                 stride_kb=2 ** 20, stride_kh=2 ** 17, stride_kn=128, stride_vb=2 ** 20, stride_vh=2 ** 17,
                 stride_vn=128, stride_ob=4096, stride_oh=128, stride_om=128, Sq=3, Sk=1000, NQB=3, ROWS=1000, MASK_B_STRIDE=3, MASK_H_DIV=3, MASK_H_STRIDE=3,
@@ -48,7 +51,9 @@ def split_kv(head_dim: int, dtype, block_h: int, block_q: int, block_n: int, mas
     consts = dict(HQ=32, HKV=8, GROUP=4, HEAD_BLOCKS=1, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
                   BLOCK_Q=block_q, BLOCK_N=block_n, MASKED_BLOCK_N=masked_block_n, TILE_M=128, TILE_N=128,
                   PRECISION="ieee" if dtype == torch.float32 else "tf32", EVEN_N=False, DIRECT=direct,
-                  NUM_STAGES=stages, MASKED_STAGES=masked_stages)
+                  NUM_STAGES=stages, MASKED_STAGES=masked_stages, FUSED=fused,
+                  MERGE_Q=min(block_q, 1 << (sq - 1).bit_length()))
+    consts["MERGE_CHUNK"] = configs.decode_merge_chunk(block_h * consts["MERGE_Q"], block_d, warps, splits)
     return compile_offline(decode._split_kv_kernel, args, consts, {"num_warps": warps, "num_stages": stages})
 
 
@@ -63,6 +68,18 @@ def merge(head_dim: int, dtype, splits: int):
     return compile_offline(decode._merge_kernel, args, consts, {"num_warps": 4})
 
 
+def fused_merge_ptx(kernel) -> str:
+    """What the ticket compiles to: the atomic's PTX (its ordering and scope), the barriers
+    around it and the L2 (.cg) loads of the merge."""
+    import re
+
+    ptx = kernel.asm["ptx"]
+    atoms = ", ".join(sorted(set(re.findall(r"atom\.[\w.]+", ptx)))) or "NO ATOMIC"
+    count = {what: len(re.findall(pattern, ptx)) for what, pattern in
+             (("bar.sync", r"bar\.sync"), ("ld.global.cg", r"ld\.global\.cg"), ("fence", r"fence\."))}
+    return f"ticket: {atoms}; " + "; ".join(f"{what} x{n}" for what, n in count.items())
+
+
 if __name__ == "__main__":
     bf16 = torch.bfloat16
     cases = [
@@ -74,13 +91,27 @@ if __name__ == "__main__":
         ("split D=256 bf16", lambda: split_kv(256, bf16, 4, 4, 32, 32, 2, 2, 4, False)),
         ("split D=128 fp32", lambda: split_kv(128, torch.float32, 4, 4, 32, 32, 2, 2, 4, False)),
         ("split D=80 bf16", lambda: split_kv(80, bf16, 4, 4, 64, 64, 3, 2, 4, False)),
+        # the plans decode_plan gives bench_decode's points (bn128 st2), two-launch then fused
+        ("split D=128 bf16 Sq=1 GQA4 bn128 st2", lambda: split_kv(128, bf16, 4, 4, 128, 64, 2, 2, 4, False)),
+        ("split D=128 bf16 Sq=16 GQA4 bn128 st2", lambda: split_kv(128, bf16, 4, 16, 128, 64, 2, 2, 4, False)),
+        ("fused D=128 bf16 Sq=1 GQA4 bn128 st2 33 splits",
+         lambda: split_kv(128, bf16, 4, 4, 128, 64, 2, 2, 4, False, True, 1, 33)),
+        ("fused D=128 bf16 Sq=16 GQA4 bn128 st2 5 splits",
+         lambda: split_kv(128, bf16, 4, 16, 128, 64, 2, 2, 4, False, True, 16, 5)),
+        ("fused D=64 fp16 Sq=1 MHA", lambda: split_kv(64, torch.float16, 1, 16, 64, 64, 3, 2, 4, False, True, 1, 9)),
+        ("fused D=256 bf16 Sq=1", lambda: split_kv(256, bf16, 4, 4, 32, 32, 2, 2, 4, False, True, 1, 33)),
+        ("fused D=128 fp32 Sq=1", lambda: split_kv(128, torch.float32, 4, 4, 32, 32, 2, 2, 4, False, True, 1, 33)),
+        ("fused D=80 bf16 Sq=4", lambda: split_kv(80, bf16, 4, 4, 64, 64, 3, 2, 4, False, True, 4, 17)),
         ("merge D=128 64 splits", lambda: merge(128, bf16, 64)),
         ("merge D=128 130 splits", lambda: merge(128, bf16, 130)),
     ]
     failed = 0
     for name, build in cases:
         try:
-            print(report(name, build()), flush=True)
+            kernel = build()
+            print(report(name, kernel), flush=True)
+            if name.startswith("fused"):
+                print(f"  {fused_merge_ptx(kernel)}", flush=True)
         except Exception as exc:  # report and go on: a diagnostic tool
             failed += 1
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:2000]}", file=sys.stderr)

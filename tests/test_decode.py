@@ -2,7 +2,8 @@
 
 CPU tests run the split-KV kernels under the Triton interpreter, forced through
 `attention_decode(..., num_splits=...)` (1 split: the kernel writes the result itself; more:
-partial results merged by their LSE) and through `flexmask.attention`'s own choice; results
+partial results merged by their LSE; under the interpreter configs.decode_merge picks the fused
+merge, test_decode_fused.py runs both merges) and through `flexmask.attention`'s own choice; results
 are judged against the float64 reference with the DESIGN.md section 4 rule. GPU-marked tests
 run 128K-key caches on the device.
 """

@@ -8,6 +8,7 @@ new sequence length never recompiles a kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -252,7 +253,7 @@ CPU_DECODE_PROGRAMS = 8  # the interpreter: a few shares, so the merge is exerci
 class DecodePlan:
     """Launch shape of the split-KV kernel: BLOCK_H query heads x BLOCK_Q query rows per program,
     num_splits shares of each row's kv-tile list, kv columns per step (block_n on FULL tiles,
-    masked_block_n on PARTIAL ones), warps and pipeline stages."""
+    masked_block_n on PARTIAL ones), warps and pipeline stages, and the merge of the shares."""
     block_h: int
     block_q: int
     num_splits: int
@@ -261,10 +262,13 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     masked_stages: int
+    merge: str = "two_launch"  # how the shares are merged when num_splits > 1: see DECODE_MERGES
 
     def with_splits(self, num_splits: int) -> DecodePlan:
-        return DecodePlan(self.block_h, self.block_q, num_splits, self.block_n, self.masked_block_n,
-                          self.num_warps, self.num_stages, self.masked_stages)
+        return dataclasses.replace(self, num_splits=num_splits)
+
+    def with_merge(self, merge: str) -> DecodePlan:
+        return dataclasses.replace(self, merge=merge)
 
 
 _SM_COUNTS: dict = {}
@@ -306,10 +310,60 @@ def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, 
         target = CPU_DECODE_PROGRAMS
     splits = max(1, min(-(-target // programs), -(-kv_tiles // DECODE_MIN_TILES_PER_SPLIT)))
     block_d = _head_block(head_dim)
+    merge = decode_merge(device)
     if not on_gpu:
-        return DecodePlan(block_h, block_q, splits, min(64, tile_n), min(32, tile_n), 4, 1, 1)
+        return DecodePlan(block_h, block_q, splits, min(64, tile_n), min(32, tile_n), 4, 1, 1, merge)
     if dtype == torch.float32 or block_d > 128:
-        return DecodePlan(block_h, block_q, splits, min(32, tile_n), min(32, tile_n), 4, 2, 2)
+        return DecodePlan(block_h, block_q, splits, min(32, tile_n), min(32, tile_n), 4, 2, 2, merge)
     # H200: 128 kv columns a step, 2 stages, 4 warps; 64 columns and 4 stages within 5%, 8 warps
     # 15-35% slower at Sq=16 (tune_decode.csv)
-    return DecodePlan(block_h, block_q, splits, min(128, tile_n), min(64, tile_n), 4, 2, 2)
+    return DecodePlan(block_h, block_q, splits, min(128, tile_n), min(64, tile_n), 4, 2, 2, merge)
+
+
+# Merging the shares (num_splits > 1; with one split the kernel writes the result itself):
+#   "two_launch"  the split kernel writes each share's partial (O, LSE) in fp32, then a second
+#                 launch, decode._merge_kernel (one program per output row), weights them by
+#                 exp(LSE - max LSE). Measured (benchmarks/results/decode.csv, H200).
+#   "fused"       one launch: each split program writes its partial (O, LSE), then takes a
+#                 ticket from an int32 counter of its row group (the programs that share its
+#                 rows and differ only by split) with an acq_rel atomic add; the program that
+#                 draws the last ticket merges every share of that row group, writes the final
+#                 (O, LSE) and puts the counter back to 0. Meant to remove the second launch
+#                 and the drain before it: the last shares of one row group merge while other
+#                 row groups still run. NOT MEASURED yet (benchmarks/gpu_jobs/decode_fused.sh
+#                 times both and runs the GPU tests); DECODE_FUSED_MERGE_ON_GPU flips it.
+# Which runs where (decode_merge):
+#   CUDA            "two_launch" while DECODE_FUSED_MERGE_ON_GPU is False (the default until the
+#                   fused merge is measured faster).
+#   CPU interpreter "fused": the interpreter runs a kernel's programs one after another, so the
+#                   semaphore logic is exercised there (the last program of each row group
+#                   merges); making it the interpreter default puts every CPU decode test that
+#                   goes through the default plan (families, ragged caches, empty rows, strided
+#                   views, flexmask.attention's dispatch, torch.compile) on the new code, while
+#                   the two-launch path, the measured GPU default, stays covered by CPU tests
+#                   that ask for it (attention_decode(..., merge="two_launch")).
+# attention_decode(..., merge=...) overrides the choice (tests, benchmarks).
+DECODE_MERGES = ("two_launch", "fused")
+DECODE_FUSED_MERGE_ON_GPU = False
+# The fused merge reads a chunk of shares x rows x head dim per step; registers per thread the
+# chunk may take (the main loop's accumulators are dead by then)
+DECODE_MERGE_CHUNK_REGS = 64
+# Counters for fused merges captured in CUDA graphs: a per-device arena of this many int32s, of
+# which every captured call keeps its own slice (decode.merge_counters)
+DECODE_GRAPH_COUNTERS = 1 << 18
+
+
+def decode_merge(device) -> str:
+    """"fused" or "two_launch" for this device (see the table above)."""
+    if torch.device(device).type != "cuda":
+        return "fused"
+    return "fused" if DECODE_FUSED_MERGE_ON_GPU else "two_launch"
+
+
+def decode_merge_chunk(merge_rows: int, block_d: int, num_warps: int, num_splits: int) -> int:
+    """Shares the fused merge reads per step: a power of two, at most the (padded) number of
+    shares, with chunk x merge_rows x block_d fp32 values within DECODE_MERGE_CHUNK_REGS registers
+    a thread. Decode steps (Sq = 1, GQA 4, D = 128, 4 warps: 4 rows) read 16 shares a step."""
+    budget = DECODE_MERGE_CHUNK_REGS * 32 * num_warps // (merge_rows * block_d)
+    chunk = 1 << max(0, budget.bit_length() - 1) if budget >= 1 else 1
+    return max(1, min(chunk, _pow2_at_least(num_splits)))

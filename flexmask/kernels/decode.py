@@ -10,9 +10,12 @@ whole K/V of its KV head once per query head. Here instead:
   tiles absent) are cut into `num_splits` equal shares, one program per share, so even a batch
   of one fills the GPU. The shares are cut on the device from each row's own tile count, so a
   ragged KV cache or a sparse mask needs nothing from the host;
-- each program writes its partial (O, LSE) in fp32; `_merge_kernel` weights the partial
-  outputs by exp(LSE - max LSE). A share with no tile has LSE -inf and weight 0; a row that
-  attends nothing at all gets output 0 and LSE -inf, never NaN.
+- each program writes its partial (O, LSE) in fp32, and the partials are weighted by
+  exp(LSE - max LSE), either by a second launch (`_merge_kernel`, "two_launch") or, "fused", by
+  the program of each row group that finishes last (`_merge_last_arrival`: a ticket from an
+  int32 counter per row group, see `merge_counters`). A share with no tile has LSE -inf and
+  weight 0; a row that attends nothing at all gets output 0 and LSE -inf, never NaN.
+  configs.decode_merge says which merge runs where.
 
 FULL tiles run with no mask arithmetic, PARTIAL tiles are masked from the column intervals,
 exactly as in forward.py, so every mask family keeps its semantics. With one split the
@@ -29,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import configs
 from .configs import DecodePlan, decode_plan
 from .forward import LOG2E, mask_broadcast, precision_for
 from .masking import column_intervals, load_block, mask_row, masked_elements
@@ -76,9 +80,75 @@ def _walk_tiles(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _merge_last_arrival(
+    p_sem, O_PART, LSE_PART, O, LSE,
+    b, kvh, hb, pid_q, Sq, ROWS, num_splits,
+    stride_ob, stride_oh, stride_om,
+    HQ: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_Q: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+):
+    """The fused merge. Called by every split program of a row group once its partial (O, LSE) is
+    stored: the program that draws the last ticket of the group's counter at p_sem merges the
+    num_splits partials of the group's rows into O and LSE, then puts the counter back to 0.
+
+    Memory order (the split-K "serial reduction" pattern of CUTLASS's Semaphore): a CTA barrier
+    puts every thread's partial stores before the ticket, and the atomic add is acq_rel at GPU
+    scope: its release publishes them to the other programs of the group, and in the last
+    program its acquire (the ticket reaches all threads through shared memory, behind a barrier)
+    makes every other program's partials visible before they are read. The reads go through L2
+    (.cg), never through a line of this SM's L1 left over from an earlier call.
+
+    The merge walks the rows a partial can hold: BLOCK_H heads x MERGE_Q query rows, MERGE_Q =
+    min(BLOCK_Q, Sq rounded up to a power of two), so a decode step (Sq = 1) merges its BLOCK_H
+    rows, not the BLOCK_H x BLOCK_Q padded rows of the main loop; MERGE_CHUNK shares per step,
+    with the LSE-weighted sum kept online (running max, finite pivot while nothing is seen)."""
+    tl.debug_barrier()  # every thread's partial stores happen before the ticket
+    ticket = tl.atomic_add(p_sem, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_splits - 1:
+        MERGE_ROWS: tl.constexpr = BLOCK_H * MERGE_Q
+        o_c = tl.arange(0, MERGE_ROWS)
+        g_c = hb * BLOCK_H + o_c // MERGE_Q
+        h_c = kvh * GROUP + g_c  # [MERGE_ROWS] query heads
+        q_c = pid_q * BLOCK_Q + o_c % MERGE_Q  # [MERGE_ROWS] query rows
+        valid = (g_c < GROUP) & (q_c < Sq)
+        r_c = (b * HQ + h_c).to(tl.int64) * Sq + q_c  # [MERGE_ROWS] row of (B, Hq, Sq)
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < HEAD_DIM
+        o_s = tl.arange(0, MERGE_CHUNK)
+        m_i = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([MERGE_ROWS], tl.float32)
+        acc = tl.zeros([MERGE_ROWS, BLOCK_D], tl.float32)
+        for s0 in range(0, num_splits, MERGE_CHUNK):
+            s = s0 + o_s
+            m_sc = (s < num_splits)[:, None] & valid[None, :]  # [MERGE_CHUNK, MERGE_ROWS]
+            p_part = s.to(tl.int64)[:, None] * ROWS + r_c[None, :]  # [MERGE_CHUNK, MERGE_ROWS]
+            b_lse = tl.load(LSE_PART + p_part, mask=m_sc, other=float("-inf"), cache_modifier=".cg")
+            b_o = tl.load(O_PART + p_part[:, :, None] * HEAD_DIM + o_d[None, None, :],
+                          mask=m_sc[:, :, None] & m_d[None, None, :], other=0.0,
+                          cache_modifier=".cg")  # [MERGE_CHUNK, MERGE_ROWS, BLOCK_D]; an empty share's is 0
+            m_new = tl.maximum(m_i, tl.max(b_lse, 0))
+            pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while no share saw a key
+            alpha = tl.math.exp2(m_i - pivot)  # [MERGE_ROWS]
+            w = tl.math.exp2(b_lse - pivot[None, :])  # [MERGE_CHUNK, MERGE_ROWS]; exp2(-inf) = 0
+            l_i = l_i * alpha + tl.sum(w, 0)
+            acc = acc * alpha[:, None] + tl.sum(b_o * w[:, :, None], 0)
+            m_i = m_new
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]  # [MERGE_ROWS, BLOCK_D]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+        p_o = (O + b.to(tl.int64) * stride_ob + h_c.to(tl.int64)[:, None] * stride_oh
+               + q_c.to(tl.int64)[:, None] * stride_om + o_d[None, :])
+        tl.store(p_o, out.to(O.dtype.element_ty), mask=valid[:, None] & m_d[None, :])
+        tl.store(LSE + r_c, lse, mask=valid)
+        # every program of the group has drawn its ticket: nothing else touches the counter in
+        # this launch, and the next launch on the stream finds it at 0 again
+        tl.store(p_sem, 0)
+
+
 @triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "ROWS"])
 def _split_kv_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART,
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEMAPHORES,
     INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -92,6 +162,7 @@ def _split_kv_kernel(
     BLOCK_N: tl.constexpr, MASKED_BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_N: tl.constexpr, DIRECT: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    FUSED: tl.constexpr, MERGE_Q: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     # grid: (split, q sub-block of BLOCK_Q rows, batch x KV head x head block of BLOCK_H heads)
     pid_s = tl.program_id(0)
@@ -155,6 +226,13 @@ def _split_kv_kernel(
         p_part = pid_s.to(tl.int64) * ROWS + r_out  # [BLOCK_M] row of (split, B, Hq, Sq)
         tl.store(O_PART + p_part[:, None] * HEAD_DIM + o_d[None, :], b_o, mask=m_out)
         tl.store(LSE_PART + p_part, lse2, mask=valid)
+        if FUSED:  # the last split program of this row group merges; no second launch
+            _merge_last_arrival(
+                SEMAPHORES + pid_q * tl.num_programs(2) + pid_g, O_PART, LSE_PART, O, LSE,
+                b, kvh, hb, pid_q, Sq, ROWS, tl.num_programs(0),
+                stride_ob, stride_oh, stride_om,
+                HQ, GROUP, BLOCK_H, BLOCK_Q, HEAD_DIM, BLOCK_D, MERGE_Q, MERGE_CHUNK,
+            )
 
 
 @triton.jit(do_not_specialize=["Sq", "ROWS"])
@@ -198,11 +276,53 @@ def _merge_kernel(
     tl.store(LSE + r, lse)
 
 
-def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = None, num_splits: int | None = None):
+# Counters of the fused merge. Invariant: every counter is 0 between launches (the program that
+# draws a row group's last ticket puts it back), so a buffer is zeroed once, when it is made,
+# and never by a memset before a launch.
+_COUNTERS: dict = {}  # (device, stream) -> int32 buffer for eager calls
+_GRAPH_COUNTERS: dict = {}  # CUDA device -> [int32 arena, first free index] for captured calls
+
+
+def merge_counters(device: torch.device, n: int) -> Tensor:
+    """n int32 counters at 0 for one fused launch, with no host sync and nothing that depends on
+    the data (n comes from shapes).
+
+    - Eager calls share one cached buffer per (device, stream), grown by a fresh torch.zeros on
+      that stream: launches on one stream run one after another, and each leaves the counters
+      at 0 for the next. Two streams get two buffers, so concurrent calls never share a counter.
+    - A call captured in a CUDA graph takes its own slice of a per-device arena
+      (configs.DECODE_GRAPH_COUNTERS int32s) that an eager call zeroed before (the usual warm-up
+      before capture makes it; torch.cuda.graph synchronises before capturing). A slice is never
+      handed out twice, so graphs replayed on different streams never share a counter, and the
+      graph holds no memset. With no arena (no eager fused call yet on this device) or a full one,
+      the captured call allocates torch.zeros(n) from the graph's pool: correct, at the price of
+      a memset node in the graph."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        arena = _GRAPH_COUNTERS.get(device)
+        if arena is not None and arena[1] + n <= arena[0].numel():
+            start = arena[1]
+            arena[1] += n
+            return arena[0][start:start + n]
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    if device.type == "cuda":
+        if device not in _GRAPH_COUNTERS:
+            _GRAPH_COUNTERS[device] = [torch.zeros(configs.DECODE_GRAPH_COUNTERS, dtype=torch.int32, device=device), 0]
+        key = (device, torch.cuda.current_stream(device).cuda_stream)
+    else:
+        key = (device, None)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf[:n]
+
+
+def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = None, num_splits: int | None = None,
+                     merge: str | None = None):
     """Split-KV forward. q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), last dim contiguous; cm a
     CompiledMask for (Sq, Sk) on q's device. Returns (o in q's dtype and layout, lse (B, Hq, Sq)
-    float32), like forward.attention_forward. `plan` (a configs.DecodePlan) or `num_splits`
-    override the choice of configs.decode_plan (tests force both paths through these)."""
+    float32), like forward.attention_forward. `plan` (a configs.DecodePlan), `num_splits` and
+    `merge` ("fused" or "two_launch", see configs.decode_merge) override the choice of
+    configs.decode_plan (tests force every path through these)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -214,6 +334,10 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
         plan = plan.with_splits(num_splits)
+    if merge is not None:
+        if merge not in configs.DECODE_MERGES:
+            raise ValueError(f"merge must be one of {configs.DECODE_MERGES}, got {merge!r}")
+        plan = plan.with_merge(merge)
     if cm.heads == hq and group > 1 and plan.block_h > 1:
         raise ValueError(f"a mask with one row per query head needs block_h=1, got {plan.block_h}")
     if cm.block_m % plan.block_q:
@@ -222,16 +346,19 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
     rows = batch * hq * sq
     direct = plan.num_splits == 1
+    fused = not direct and plan.merge == "fused"
+    block_d = max(16, triton.next_power_of_2(d))
+    head_blocks = triton.cdiv(group, plan.block_h)
+    grid = (plan.num_splits, triton.cdiv(sq, plan.block_q), batch * hkv * head_blocks)
     if direct:
         o_part = lse_part = lse  # unused
     else:
         o_part = torch.empty(plan.num_splits, rows, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(plan.num_splits, rows, dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(d))
-    head_blocks = triton.cdiv(group, plan.block_h)
-    grid = (plan.num_splits, triton.cdiv(sq, plan.block_q), batch * hkv * head_blocks)
+    merge_q = min(plan.block_q, triton.next_power_of_2(sq))  # rows a partial can hold, per head
+    semaphores = merge_counters(q.device, grid[1] * grid[2]) if fused else lse  # one per row group
     _split_kv_kernel[grid](
-        q, k, v, o, lse, o_part, lse_part,
+        q, k, v, o, lse, o_part, lse_part, semaphores,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -246,9 +373,11 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         TILE_M=cm.block_m, TILE_N=cm.block_n,
         PRECISION=precision_for(q.dtype), EVEN_N=sk % cm.block_n == 0, DIRECT=direct,
         NUM_STAGES=plan.num_stages, MASKED_STAGES=plan.masked_stages,
+        FUSED=fused, MERGE_Q=merge_q,
+        MERGE_CHUNK=configs.decode_merge_chunk(plan.block_h * merge_q, block_d, plan.num_warps, plan.num_splits),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if not direct:
+    if not direct and not fused:
         _merge_kernel[(rows,)](
             o_part, lse_part, o, lse,
             o.stride(0), o.stride(1), o.stride(2),
