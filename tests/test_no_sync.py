@@ -52,13 +52,20 @@ class SyncRecorder(TorchDispatchMode):
         super().__init__()
         self.events = []
         self._monkeypatch = monkeypatch
+        # on a GPU, CPU tensors are host data: reading them costs no sync (on the CPU every
+        # tensor stands for a device tensor)
+        self._host_is_free = torch.cuda.is_available()
+
+    def _on_device(self, t) -> bool:
+        return not (self._host_is_free and isinstance(t, torch.Tensor) and t.device.type == "cpu")
 
     def __enter__(self):
         for name in ("tolist", "numpy", "cpu"):
             original = getattr(torch.Tensor, name)
 
             def patched(t, *args, _name=name, _original=original, **kwargs):
-                self.events.append((f"Tensor.{_name}", "device -> host copy"))
+                if self._on_device(t):
+                    self.events.append((f"Tensor.{_name}", "device -> host copy"))
                 return _original(t, *args, **kwargs)
 
             self._monkeypatch.setattr(torch.Tensor, name, patched)
@@ -71,7 +78,7 @@ class SyncRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if func in _READS:
+        if func in _READS and self._on_device(args[0]):
             self.events.append((str(func), "value read"))
         elif func in _DYNAMIC or name.startswith(("unique", "_unique")):
             self.events.append((str(func), "data-dependent shape"))
@@ -79,7 +86,7 @@ class SyncRecorder(TorchDispatchMode):
             self.events.append((str(func), "data-dependent shape (no output_size)"))
         elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and _bool_index(args):
             self.events.append((str(func), "boolean index"))
-        elif name == "lift_fresh" and not _from_helper():
+        elif name == "lift_fresh" and not _from_helper() and not self._host_is_free:
             self.events.append((str(func), "host data copied to the device outside intervals.to_device"))
         elif name in ("_to_copy", "copy_") and _pageable_upload(func, args, kwargs):
             self.events.append((str(func), "blocking host -> device copy"))
