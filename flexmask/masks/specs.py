@@ -439,6 +439,10 @@ def column_intervals(lts, lte=None, uts=None, ute=None) -> Mask:
     (B, H, kv_len); missing ones default to ``lte = q_len`` (mask to the end) and an empty
     upper interval (``uts = 0`` when only ``ute`` is given). The canonical tensor
     [B|1, H|1, kv_len, 4] of (LTS, LTE, UTS, UTE) may also be passed alone as ``lts``.
+
+    Tensors on a GPU are used there with no host sync, so their values are not checked: rows
+    are clamped to [0, q_len] and a reversed interval reads as empty. Lists and CPU tensors are
+    checked (a ValueError names the column).
     """
     if isinstance(lts, torch.Tensor) and lts.dim() == 4 and lts.shape[-1] == 4 and lte is uts is ute is None:
         lts, lte, uts, ute = lts.unbind(-1)
@@ -480,6 +484,8 @@ def from_startend_row_indices(startend_row_indices: torch.Tensor, causal: bool) 
 
     As in FlashMask (whose generators fill columns with kv_len when q_len < kv_len), an index
     above q_len means "to the last row" and reads as q_len; a negative index is a ValueError.
+    On a GPU the indices are not read on the host (no sync): there a negative index reads as 0
+    and a reversed interval as empty instead of raising.
     """
     idx = startend_row_indices
     if not isinstance(idx, torch.Tensor):
