@@ -7,6 +7,7 @@ result itself (bytes per key column), and the result's size. Writes a CSV (devic
 command and date in every row) and a PNG.
 
     python -m benchmarks.bench_compile [--lengths 8192 32768 131072 1048576] [--families ...]
+        [--extras causal_document_tensor document&sliding_window ...]
         [--flex-families causal sliding_window causal_document] [--flex-max-len 1048576]
         [--devices cuda|cpu] [--out DIR]
 """
@@ -84,6 +85,37 @@ def _peak(fn, device: str):
     out = fn()
     torch.cuda.synchronize()
     return out, torch.cuda.max_memory_allocated() - base
+
+
+def _extra_cases(s: int, device: str) -> list:
+    """Compile-only cases of issue 13's device path: document lengths given as a tensor on the
+    device (never read on the host), and compositions (`&`, `|`, kv_cache) that compile with no
+    host sync. Their names are not attention families (benchmarks.families)."""
+    from flexmask import masks
+
+    splits = fam._document_splits(s, 1, 0)
+    w = fam.window(s)
+
+    def lengths():
+        return torch.tensor(splits, device=device)
+
+    return [
+        fam.Case("causal_document_tensor", fam._describe_splits(splits) + ", lengths on the device", s,
+                 lambda: masks.document(lengths(), causal=True)),
+        fam.Case("document_tensor", fam._describe_splits(splits) + ", lengths on the device", s,
+                 lambda: masks.document(lengths(), causal=False)),
+        fam.Case("causal&sliding_window", f"left={w}", s, lambda: masks.causal() & masks.sliding_window(w)),
+        fam.Case("document&sliding_window", f"left=right={w // 2}", s,
+                 lambda: masks.document(splits, causal=False) & masks.sliding_window(w // 2, w // 2)),
+        fam.Case("causal_document|sliding_window", f"left={w}", s,
+                 lambda: masks.document(splits, causal=True) | masks.sliding_window(w)),
+        fam.Case("kv_cache&sliding_window", f"kv_lengths=[{s}] on the device, left={w}", s,
+                 lambda: masks.kv_cache(torch.tensor([s], device=device)) & masks.sliding_window(w)),
+    ]
+
+
+EXTRAS = ("causal_document_tensor", "document_tensor", "causal&sliding_window", "document&sliding_window",
+          "causal_document|sliding_window", "kv_cache&sliding_window")
 
 
 def _flexmask_case(case, s: int, device: str):
@@ -207,6 +239,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="*", default=[8192, 32768, 131072, 1048576])
     ap.add_argument("--families", nargs="*", default=list(fam.FAMILIES))
+    ap.add_argument("--extras", nargs="*", default=[], choices=EXTRAS,
+                    help="compile-only cases of the device path (document lengths on the device, compositions)")
     ap.add_argument("--flex-families", nargs="*", default=["causal", "sliding_window", "causal_document"])
     ap.add_argument("--flex-max-len", type=int, default=1048576)
     ap.add_argument("--devices", nargs="*", default=None, help="cuda (default when present) or cpu (flexmask only)")
@@ -242,8 +276,9 @@ def _run(args, device: str, argv) -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"compile_cost_{device}.csv")
     for s in sorted(args.lengths):
-        for family in args.families:
-            case = fam.build(family, s, batch=1, heads=1)
+        extras = {c.family: c for c in _extra_cases(s, device)}
+        for family in [*args.families, *args.extras]:
+            case = extras[family] if family in extras else fam.build(family, s, batch=1, heads=1)
             providers = [("flexmask", _flexmask_case)]
             if device == "cuda" and family in args.flex_families and s <= args.flex_max_len:
                 providers.append(("flex", _flex_case))

@@ -20,7 +20,7 @@ from flexmask import masks
 from flexmask.masks import FULL, PARTIAL, SKIP
 from flexmask.masks.compiler import compile_spec
 
-from conftest import FAMILIES, dense_from_intervals, make_mask, random_row_intervals
+from conftest import FAMILIES, dense_from_intervals, make_mask, random_row_intervals, random_split
 
 BLOCKS = [(16, 16), (16, 32), (32, 16), (64, 64)]
 SHAPES = [(197, 197), (63, 197), (197, 63), (1, 197), (128, 128), (100, 33)]
@@ -428,3 +428,84 @@ def test_kernel_compiler_counts_when_the_bound_is_every_tile(monkeypatch):
     assert loose.num_tiles_visited == 5 * 5 and loose.fwd_blocks.numel() == 25
     assert counted.num_tiles_visited == expected.num_tiles_visited == counted.fwd_blocks.numel() == 5 * 3
     assert_same_tables(expected, counted)
+
+
+# --- device-path inputs: document lengths as tensors, compositions (issue 13) -----------------------
+
+
+def tensor_and_list_documents(sk: int, seed: int = 0):
+    """Pairs (mask from tensors of lengths, the same mask from lists): one row, and two batch rows
+    of different document counts (the shorter row padded with zero lengths in the tensor)."""
+    gen = torch.Generator().manual_seed(sk + seed)
+    one = random_split(sk, 4, gen)
+    rows = [random_split(sk, 3, gen), random_split(sk, 2, gen)]
+    padded = torch.tensor([rows[0], rows[1] + [0]])
+    prefixes = [[int(torch.randint(0, n + 1, (), generator=gen)) for n in r] for r in rows]
+    padded_prefixes = torch.tensor([prefixes[0], prefixes[1] + [0]])
+    return {
+        "document": (masks.document(torch.tensor(one)), masks.document(one)),
+        "document_bidir_per_batch": (masks.document(padded, causal=False), masks.document(rows, causal=False)),
+        "causal_blockwise_per_batch": (masks.causal_blockwise(padded), masks.causal_blockwise(rows)),
+        "prefix_lm_document_per_batch": (masks.prefix_lm_document(padded, padded_prefixes),
+                                         masks.prefix_lm_document(rows, prefixes)),
+    }
+
+
+TENSOR_CASES = [(197, 197, 64, 64), (63, 197, 32, 64), (197, 63, 64, 32), (1, 63, 16, 64)]
+
+
+@pytest.mark.parametrize("name", list(tensor_and_list_documents(8)))
+def test_kernel_compiler_tensor_documents(name):
+    """Document lengths given as a tensor (on a GPU: read on the device, never on the host) give
+    the tables of the same lengths given as lists, on both paths, bit for bit; against the brute
+    force once. Odd lengths, Sq != Sk, batch rows of different document counts."""
+    for i, (sq, sk, block_m, block_n) in enumerate(TENSOR_CASES):
+        from_tensor, from_list = tensor_and_list_documents(sk)[name]
+        expected = compile_spec(from_list, sq, sk, torch.device("cpu"), block_m, block_n, on_device=False)
+        if i == 0:
+            got = check_compiled(from_tensor, sq, sk, block_m, block_n, on_device=True)
+        else:
+            got = compile_spec(from_tensor, sq, sk, torch.device("cpu"), block_m, block_n, on_device=True)
+        assert_same_tables(expected, got)
+        assert got.num_tiles_visited >= expected.num_tiles_visited
+        host = compile_spec(from_tensor, sq, sk, torch.device("cpu"), block_m, block_n, on_device=False)
+        assert_same_tables(expected, host)
+
+
+def test_tensor_documents_checked_on_the_host_path():
+    """A tensor of lengths on the host path is checked like a list; on the device path (a GPU
+    tensor) it is not read, and a wrong sum gives some mask, not a crash."""
+    with pytest.raises(ValueError, match=r"seqlens must sum to kv_len=100, got 90"):
+        compile_spec(masks.document(torch.tensor([50, 40])), 100, 100, torch.device("cpu"), 32, 32, on_device=False)
+    with pytest.raises(ValueError, match=r"seqlens\[1\] must sum to kv_len=100, got 99"):
+        compile_spec(masks.document(torch.tensor([[50, 50], [99, 0]])), 100, 100, torch.device("cpu"), 32, 32)
+    cm = compile_spec(masks.document(torch.tensor([50, 40])), 100, 100, torch.device("cpu"), 32, 32, on_device=True)
+    assert cm.intervals.shape == (1, 1, 100, 4)
+
+
+DEVICE_COMPOSITIONS = {
+    "causal&sliding_window": lambda sq, sk: masks.causal() & masks.sliding_window(sk // 4),
+    "document&sliding_window": lambda sq, sk: make_mask("document_bidir", sq, sk) & masks.sliding_window(20, 20),
+    "tensor_document&sliding_window": lambda sq, sk: tensor_and_list_documents(sk)["document_bidir_per_batch"][0]
+    & masks.sliding_window(9, 3),
+    "causal&global_sliding_window": lambda sq, sk: masks.causal() & masks.global_sliding_window(3, 20, 20),
+    "document|sliding_window": lambda sq, sk: make_mask("document", sq, sk) | masks.sliding_window(7),
+    "kv_cache&document_per_batch": lambda sq, sk: masks.kv_cache([sk, sk // 2]) & make_mask("document_per_batch", sq, sk),
+    "kv_cache_tensor&sliding_window": lambda sq, sk: masks.kv_cache(torch.tensor([sk // 3, sk])) & masks.sliding_window(11),
+    "random_eviction_per_head&qk_sparse": lambda sq, sk: make_mask("random_eviction_per_head", sq, sk)
+    & make_mask("qk_sparse", sq, sk),
+}
+
+
+@pytest.mark.parametrize("name", list(DEVICE_COMPOSITIONS))
+def test_kernel_compiler_compositions(name):
+    """Compositions on the device path (no check of the composed runs where `run_bounds` proves
+    they fit) give the torch path's tables bit for bit; against the brute force once."""
+    for i, (sq, sk, block_m, block_n) in enumerate(TENSOR_CASES):
+        mask = DEVICE_COMPOSITIONS[name](sq, sk)
+        expected = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=False)
+        if i == 0:
+            got = check_compiled(mask, sq, sk, block_m, block_n, on_device=True)
+        else:
+            got = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=True)
+        assert_same_tables(expected, got)

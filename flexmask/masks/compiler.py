@@ -207,7 +207,8 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
         return build_tables(build_intervals(mask, q_len, kv_len, device), q_len, kv_len, block_m, block_n,
                             source=mask, on_device=False)
     family = device_intervals.device_family(mask, q_len, kv_len, device)
-    intervals = None if family is not None else build_intervals(mask, q_len, kv_len, device).contiguous()
+    intervals = None if family is not None else build_intervals(mask, q_len, kv_len, device,
+                                                                on_device=True).contiguous()
     shape = family[1] if family is not None else tuple(intervals.shape[:2])
     rows = shape[0] * shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)

@@ -1,9 +1,9 @@
 """Built-in masks whose column intervals the compile kernel computes on the device itself.
 
 For these families the intervals are a closed form of the column index and a few host
-parameters (plus, for documents, the document bounds copied once to the device without a
-sync), so `compile_mask` on a GPU builds them inside its first kernel instead of running a
-dozen torch ops: the same canonical intervals as `intervals.py`'s builders, bit for bit.
+parameters (plus, for documents, the document bounds: computed on the device from the lengths,
+a device tensor or host lists copied once through pinned memory, with no sync), so
+`compile_mask` on a GPU builds them inside its first kernel instead of running a dozen torch ops: the same canonical intervals as `intervals.py`'s builders, bit for bit.
 """
 
 from __future__ import annotations
@@ -11,38 +11,16 @@ from __future__ import annotations
 import torch
 
 from ..kernels import compile_kernels as ck
-from . import specs
+from . import intervals, specs
 
 
-def _to_device(values: list[list[int]], device: torch.device) -> torch.Tensor:
-    """int32 [rows, n] on `device`; from pinned memory, so the copy does not wait for the GPU."""
-    t = torch.tensor(values, dtype=torch.int32)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _check_rows(seqlens, kv_len: int) -> list[list[int]]:
-    """One list of document lengths per batch row, each summing to kv_len (as intervals.py checks)."""
-    rows = seqlens if isinstance(seqlens[0], list) else [seqlens]
-    for b, row in enumerate(rows):
-        if sum(row) != kv_len:
-            where = f"seqlens[{b}]" if len(rows) > 1 else "seqlens"
-            raise ValueError(f"{where} must sum to kv_len={kv_len}, got {sum(row)}")
-    return rows
-
-
-def _document_bounds(rows: list[list[int]], kv_len: int, device: torch.device) -> torch.Tensor:
-    """[rows, docs + 2]: 0, each document's end (padded with kv_len), then the start of the row's
-    last document (causal_blockwise reads it)."""
-    width = max(len(r) for r in rows) + 1
-    out = []
-    for row in rows:
-        ends = [0]
-        for n in row:
-            ends.append(ends[-1] + n)
-        out.append(ends + [kv_len] * (width - len(ends)) + [kv_len - row[-1]])
-    return _to_device(out, device)
+def _document_bounds(lengths: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, docs + 2] from int64 lengths [rows, docs] on the device: 0, each document's
+    end (zero-length padding repeats the last end), then the start of the row's last non-empty
+    document (causal_blockwise reads it). Device ops only: no sync, whoever gave the lengths."""
+    ends = torch.cumsum(lengths, -1)
+    zero = torch.zeros_like(ends[:, :1])
+    return torch.cat([zero, ends, intervals.last_doc_start(lengths)[:, None]], -1).to(torch.int32)
 
 
 _FAMILIES = ("full", "causal", "sliding_window", "document", "prefix_lm", "share_question", "global_sliding_window",
@@ -69,18 +47,16 @@ def device_family(mask: specs.Mask, q_len: int, kv_len: int, device: torch.devic
     if kind == "global_sliding_window":
         return (ck.GLOBAL_SLIDING_WINDOW, min(p["global_tokens"], far), min(p["left"], far), min(p["right"], far),
                 None, None), one
+    g = intervals.geometry(q_len, kv_len, device, on_device=True)
     if kind == "share_question":
-        question = p["question_len"]
-        seqlens = [question, *p["answer_lens"]] if question > 0 else list(p["answer_lens"])
-        if sum(seqlens) != kv_len:
-            raise ValueError(f"question_len + sum(answer_lens) must equal kv_len={kv_len}, got {sum(seqlens)}")
-        return (ck.SHARE_QUESTION, question, 0, 0, _document_bounds([seqlens], kv_len, device), None), one
-    rows = _check_rows(p["seqlens"], kv_len)
+        lengths = intervals.to_device([intervals.share_question_lengths(p, kv_len)], device)
+        return (ck.SHARE_QUESTION, p["question_len"], 0, 0, _document_bounds(lengths), None), one
+    # lists are checked and uploaded without a sync; lengths already on the device stay there
+    lengths = intervals.doc_lengths("seqlens", p["seqlens"], g)
     if kind == "prefix_lm_document":
-        prefix_rows = p["prefix_lens"] if isinstance(p["prefix_lens"][0], list) else [p["prefix_lens"]]
-        rows = rows[:len(prefix_rows)]  # paired row by row, as the torch builder zips them
-        width = max(len(r) for r in rows)
-        prefixes = _to_device([list(r) + [0] * (width - len(r)) for r in prefix_rows[:len(rows)]], device)
-        return (ck.PREFIX_LM_DOCUMENT, 0, 0, 0, _document_bounds(rows, kv_len, device), prefixes), (len(rows), 1)
+        prefixes = intervals.doc_lengths("prefix_lens", p["prefix_lens"], g, check_sum=False)
+        rows = min(lengths.shape[0], prefixes.shape[0])  # paired row by row, as the torch builder does
+        lengths, prefixes = lengths[:rows], prefixes[:rows].to(torch.int32).contiguous()
+        return (ck.PREFIX_LM_DOCUMENT, 0, 0, 0, _document_bounds(lengths), prefixes), (rows, 1)
     code = ck.DOCUMENT if kind == "document" else ck.CAUSAL_BLOCKWISE
-    return (code, int(p.get("causal", True)), 0, 0, _document_bounds(rows, kv_len, device), None), (len(rows), 1)
+    return (code, int(p.get("causal", True)), 0, 0, _document_bounds(lengths), None), (lengths.shape[0], 1)

@@ -176,6 +176,22 @@ def _check_lengths(name: str, values, minimum: int = 0) -> list:
     return out
 
 
+def _check_doc_lengths(name: str, values, minimum: int = 1):
+    """Document lengths: as `_check_lengths`, or an integer tensor [docs] or [B, docs] kept as a
+    tensor where it lies, so that lengths on a GPU never go to the host (the compiler reads them
+    on the device). In a tensor, zero lengths pad the rows that hold fewer documents; a CPU
+    tensor is checked here, a GPU tensor is not (reading it would sync)."""
+    if not isinstance(values, torch.Tensor):
+        return _check_lengths(name, values, minimum)
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {values.dtype}")
+    if values.dim() not in (1, 2) or values.numel() == 0:
+        raise ValueError(f"{name} must be a tensor of shape (docs,) or (B, docs), got shape {tuple(values.shape)}")
+    if values.device.type == "cpu" and bool((values < 0).any()):
+        raise ValueError(f"{name} must be >= 0, got {values.tolist()}")
+    return values.detach().to(torch.int64, copy=True)
+
+
 class _Simple(Mask):
     def __init__(self, kind: str, **params) -> None:
         super().__init__()
@@ -188,6 +204,8 @@ class _Simple(Mask):
     def natural_length(self) -> int | None:
         p = self._params
         if "seqlens" in p:
+            if isinstance(p["seqlens"], torch.Tensor):  # pictures only: reads the lengths
+                return int(p["seqlens"].reshape(-1, p["seqlens"].shape[-1])[0].sum())
             first = p["seqlens"][0] if isinstance(p["seqlens"][0], list) else p["seqlens"]
             return sum(first)
         if "answer_lens" in p:
@@ -238,6 +256,9 @@ def document(seqlens, causal: bool = True) -> Mask:
     """Packed documents: attend within the same document (and ``j <= i`` if causal).
     ``seqlens`` lists the lengths of the packed documents over the key positions; one list
     for the whole batch, or one list per batch row. Each list must sum to kv_len.
+    ``seqlens`` may also be an integer tensor (docs,) or (B, docs), zero lengths padding the
+    rows with fewer documents: a tensor on the GPU stays there (the compiler reads it on the
+    device, no host sync), so its values are not checked.
     ::
         seqlens=[2, 3], causal      causal=False
         #....                       ##...
@@ -246,7 +267,7 @@ def document(seqlens, causal: bool = True) -> Mask:
         ..##.                       ..###
         ..###                       ..###
     """
-    return _Simple("document", seqlens=_check_lengths("seqlens", seqlens, 1), causal=bool(causal))
+    return _Simple("document", seqlens=_check_doc_lengths("seqlens", seqlens, 1), causal=bool(causal))
 
 
 def prefix_lm(prefix_len: int) -> Mask:
@@ -265,7 +286,7 @@ def prefix_lm(prefix_len: int) -> Mask:
 def prefix_lm_document(seqlens, prefix_lens) -> Mask:
     """Packed documents, each with a bidirectional prefix and a causal rest.
     ``seqlens`` and ``prefix_lens`` are parallel lists (or one pair of lists per batch row),
-    with ``prefix_lens[d] <= seqlens[d]``.
+    with ``prefix_lens[d] <= seqlens[d]``; or two integer tensors of one shape, as in `document`.
     ::
         seqlens=[3, 3], prefix_lens=[2, 1]
         ##....
@@ -275,6 +296,17 @@ def prefix_lm_document(seqlens, prefix_lens) -> Mask:
         ...##.
         ...###
     """
+    if isinstance(seqlens, torch.Tensor) or isinstance(prefix_lens, torch.Tensor):
+        seqlens = _check_doc_lengths("seqlens", seqlens, 1)
+        prefix_lens = _check_doc_lengths("prefix_lens", prefix_lens, 0)
+        if not isinstance(seqlens, torch.Tensor) or not isinstance(prefix_lens, torch.Tensor) or (
+                seqlens.shape != prefix_lens.shape):
+            raise ValueError(f"seqlens and prefix_lens given as tensors must be two tensors of one shape, got "
+                             f"{_short(seqlens)} and {_short(prefix_lens)}")
+        if seqlens.device.type == "cpu" and bool((prefix_lens > seqlens).any()):
+            raise ValueError(f"prefix_lens must be <= seqlens, got prefix_lens={prefix_lens.tolist()} and "
+                             f"seqlens={seqlens.tolist()}")
+        return _Simple("prefix_lm_document", seqlens=seqlens, prefix_lens=prefix_lens)
     seqlens = _check_lengths("seqlens", seqlens, 1)
     prefix_lens = _check_lengths("prefix_lens", prefix_lens, 0)
     rows_s = seqlens if isinstance(seqlens[0], list) else [seqlens]
@@ -335,7 +367,7 @@ def global_sliding_window(global_tokens: int, left: int, right: int | None = Non
 def causal_blockwise(seqlens) -> Mask:
     """In-context learning blocks: causal within each block, blocks do not see each other,
     except the last block, which sees every earlier block (and itself causally).
-    ``seqlens`` must sum to kv_len.
+    ``seqlens`` must sum to kv_len; a tensor of lengths is read as in `document`.
     ::
         seqlens=[2, 2, 2]
         #.....
@@ -345,7 +377,7 @@ def causal_blockwise(seqlens) -> Mask:
         #####.
         ######
     """
-    return _Simple("causal_blockwise", seqlens=_check_lengths("seqlens", seqlens, 1))
+    return _Simple("causal_blockwise", seqlens=_check_doc_lengths("seqlens", seqlens, 1))
 
 
 def qk_sparse(maskout) -> Mask:
@@ -407,6 +439,10 @@ def column_intervals(lts, lte=None, uts=None, ute=None) -> Mask:
     (B, H, kv_len); missing ones default to ``lte = q_len`` (mask to the end) and an empty
     upper interval (``uts = 0`` when only ``ute`` is given). The canonical tensor
     [B|1, H|1, kv_len, 4] of (LTS, LTE, UTS, UTE) may also be passed alone as ``lts``.
+
+    Tensors on a GPU are used there with no host sync, so their values are not checked: rows
+    are clamped to [0, q_len] and a reversed interval reads as empty. Lists and CPU tensors are
+    checked (a ValueError names the column).
     """
     if isinstance(lts, torch.Tensor) and lts.dim() == 4 and lts.shape[-1] == 4 and lte is uts is ute is None:
         lts, lte, uts, ute = lts.unbind(-1)
@@ -448,6 +484,8 @@ def from_startend_row_indices(startend_row_indices: torch.Tensor, causal: bool) 
 
     As in FlashMask (whose generators fill columns with kv_len when q_len < kv_len), an index
     above q_len means "to the last row" and reads as q_len; a negative index is a ValueError.
+    On a GPU the indices are not read on the host (no sync): there a negative index reads as 0
+    and a reversed interval as empty instead of raising.
     """
     idx = startend_row_indices
     if not isinstance(idx, torch.Tensor):

@@ -6,7 +6,7 @@ meet the hull [lo, hi] of the key columns its rows attend; per family the hull c
 mask's parameters alone. It is exact when the columns attended by a block of rows are one
 contiguous range (full, causal, sliding window, documents, prefix-LM), and an upper bound
 otherwise (families that attend a subset of causal take the causal hull; masks given as
-tensors take every tile).
+tensors take every tile, documents given as a tensor of lengths the causal hull or every tile).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import torch
 
 from . import specs
 
@@ -77,6 +78,9 @@ def _leaf_hull(kind: str, p: dict, b: _Blocks):
         return b.causal()
     if kind == "sliding_window":
         return b.p0 - p["left"], b.p1 + p["right"]
+    if kind in ("document", "prefix_lm_document") and isinstance(p["seqlens"], torch.Tensor):
+        # lengths given as a tensor are never read on the host: the causal hull, or every tile
+        return b.causal() if p.get("causal") else b.everything()
     if kind == "document":
         return _document_hull(b, p["seqlens"], p["causal"])
     if kind == "prefix_lm_document":

@@ -1,0 +1,141 @@
+"""How many masked row intervals a column of a mask may need, from the mask's kinds alone.
+
+A composition (`a & b`, `a | b`) is computed as runs of masked rows per column; the canonical
+form holds two. Checking the result against that limit reads the data (a host sync on a GPU),
+so the compiler first asks `max_runs(mask)`: when the kinds of the operands prove that no
+column needs more than two runs, there is nothing to check.
+
+Each masked interval of a leaf is described by its shape and its side of the diagonal (row
+r_j of column j is the query at key j's own position, DESIGN.md 2.3):
+
+    shape  T  starts at row 0             side  L  inside rows [0, r_j)   (positions before j)
+           B  ends at row q_len                 L* exactly rows [0, r_j) (causal families)
+           M  anywhere                          U  inside rows [r_j, q_len]
+                                                X  anywhere
+
+Union (`&`: masked where either masks) merges every T into one run and every B into one, and
+an L* run absorbs every L interval; intersection (`|`) of an L interval and a U interval is
+empty, L* with an L or L* interval leaves that interval, T with T stays T, B with B
+stays B, any other pair gives an M (on the side of either operand, if it has one). The count
+is also capped by what unions and intersections of runs can give (ka + kb and ka + kb - 1).
+A kv_cache composition shifts the position-based operands' rows by the same amount per batch
+row and clamps them, which keeps both shapes and sides; masks given as query rows are not
+shifted, so there their sides say nothing (X).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import specs
+
+T, B, M = "T", "B", "M"
+L, U, X = "L", "U", "X"
+ALL_L = "L*"  # exactly rows [0, r_j): the causal triangle, which holds every L interval
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """Interval classes (shape, side) a column may hold, and a cap on how many runs at once."""
+
+    classes: tuple
+    cap: int
+
+    @property
+    def bound(self) -> int:
+        return min(self.cap, len(self.classes))
+
+
+def _leaf(*classes) -> _Runs:
+    return _Runs(tuple(classes), len(classes))
+
+
+def _leaf_runs(mask: specs.Mask) -> _Runs:
+    kind, p = mask.kind, mask.params()
+    if kind == "full":
+        return _leaf()
+    if kind == "causal":
+        return _leaf((T, ALL_L))
+    if kind == "prefix_lm":  # [0, 0) or [0, r_j)
+        return _leaf((T, L))
+    if kind in ("sliding_window", "prefix_lm_document") or (kind == "document" and not p["causal"]):
+        # [0, r(j - right)), [0, r(start)), ... before the diagonal; [r(p), q_len) with p > j after
+        return _leaf((T, L), (B, U))
+    if kind in ("document", "share_question", "random_eviction"):  # causal, and [r(p), q_len) with p > j
+        return _leaf((T, ALL_L), (B, U))
+    if kind == "global_sliding_window":  # [r(global), r(j - right)) and [r(j + left + 1), q_len)
+        return _leaf((M, L), (B, U))
+    if kind in ("causal_blockwise", "qk_sparse"):  # [r(j), r(span end)), [r(end), r(last start)); causal
+        return _leaf((M, U), (T, ALL_L))
+    if kind == "kv_cache":
+        return _leaf((T, ALL_L)) if p["causal"] else _leaf((B, X))
+    if kind == "from_startend_row_indices":
+        n = p["startend_row_indices"].shape[-1]
+        if p["causal"]:
+            return _leaf((B if n == 1 else M, X), (T, ALL_L))
+        return _leaf((B, X), (T, X)) if n == 2 else _leaf((M, X), (M, X))
+    if kind == "column_intervals":
+        first = (B, X) if "lte" not in p else (M, X)
+        if "ute" not in p:
+            return _leaf(first)
+        return _leaf(first, (T, X) if "uts" not in p else (M, X))
+    return _leaf((M, X), (M, X))  # unknown: any two intervals
+
+
+def _merge(classes) -> tuple:
+    """Union of intervals: an L* run absorbs the L ones; then all T into one, all B into one
+    (a merged side is kept only when the sides agree)."""
+    if (T, ALL_L) in classes:
+        classes = [c for c in classes if c[1] not in (L, ALL_L)] + [(T, ALL_L)]
+    out = []
+    for shape in (T, B):
+        sides = {side for s, side in classes if s == shape}
+        if sides:
+            out.append((shape, sides.pop() if len(sides) == 1 else X))
+    return tuple(out) + tuple(c for c in classes if c[0] == M)
+
+
+def _lower(side: str) -> bool:
+    return side in (L, ALL_L)
+
+
+def _intersect(a, b):
+    (sa, da), (sb, db) = a, b
+    if (_lower(da) and db == U) or (da == U and _lower(db)):
+        return None
+    if da == ALL_L and _lower(db):
+        return b
+    if db == ALL_L and _lower(da):
+        return a
+    shape = sa if sa == sb and sa != M else M
+    side = da if da != X else db
+    return shape, L if side == ALL_L else side
+
+
+_EXPLICIT_ROWS = ("column_intervals", "from_startend_row_indices")
+
+
+def _has_cache(mask: specs.Mask) -> bool:
+    if mask.kind in ("and", "or"):
+        return _has_cache(mask.a) or _has_cache(mask.b)
+    return mask.kind == "kv_cache"
+
+
+def _runs(mask: specs.Mask, cache: bool) -> _Runs:
+    if mask.kind not in ("and", "or"):
+        runs = _leaf_runs(mask)
+        if cache and mask.kind in _EXPLICIT_ROWS:  # rows not moved with the cache: no side
+            return _Runs(tuple((shape, X) for shape, _ in runs.classes), runs.cap)
+        return runs
+    a, b = _runs(mask.a, cache), _runs(mask.b, cache)
+    if mask.kind == "and":  # masked where either masks
+        return _Runs(_merge(a.classes + b.classes), a.bound + b.bound)
+    if a.bound == 0 or b.bound == 0:  # attend where either attends: one masks nothing
+        return _Runs((), 0)
+    pairs = [_intersect(x, y) for x in a.classes for y in b.classes]
+    return _Runs(_merge([c for c in pairs if c is not None]), a.bound + b.bound - 1)
+
+
+def max_runs(mask: specs.Mask) -> int:
+    """An upper bound on the masked row intervals of any column of `mask`, for any lengths."""
+    return _runs(mask, _has_cache(mask)).bound
