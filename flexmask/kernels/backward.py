@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .backward_fused import convert_dq, fused_backward
 from .configs import (backward_config, backward_fused_config, backward_fused_dq_tma, backward_fused_dq_transposed,
-                      backward_fused_uses_tma, backward_path, backward_uses_tma)
+                      backward_fused_uses_tma, backward_path, backward_uses_tma, flat_steps)
 from .forward import LOG2E, mask_broadcast, precision_for
 from .masking import (block_source, column_intervals, load_block, mask_row, masked_elements, masked_elements_t,
                       row_stats)
@@ -61,6 +61,29 @@ def _preprocess_kernel(
 
 
 @triton.jit
+def _dkdv_step(
+    dk, dv, b_k, b_v, start_m, o_bm, lts, l_width, uts, u_width,
+    q_src, do_src, stride_qm, stride_dom, p_stats, Sq, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr,
+):
+    """dK/dV += the products of one BLOCK_M-row step of query rows from start_m."""
+    o_m = start_m + o_bm
+    b_q = load_block(q_src, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
+    b_do = load_block(do_src, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
+    b_lse2, b_delta = row_stats(p_stats, o_m, Sq, not EVEN_M)  # [BLOCK_M] each
+    b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+    b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
+    if MASKED:
+        b_pt = tl.where(masked_elements_t(lts, l_width, uts, u_width, o_m), 0.0, b_pt)
+    dv = tl.dot(b_pt.to(b_do.dtype), b_do, dv, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
+    b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+    b_dst = b_pt * (b_dpt - b_delta[None, :])
+    dk = tl.dot(b_dst.to(b_q.dtype), b_q, dk, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_tiles(
     dk, dv, b_k, b_v,
     q_src, do_src, stride_qm, stride_dom, p_stats,
@@ -68,29 +91,28 @@ def _dkdv_tiles(
     o_n, p_intv, Sq, Sk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FLAT: tl.constexpr,
 ):
     o_bm = tl.arange(0, BLOCK_M)
+    lts, l_width, uts, u_width = o_n, o_n, o_n, o_n  # unused on FULL tiles
     if MASKED:
         lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)  # this program's columns, once
-    # a flat loop over the BLOCK_M steps (one set of pipeline buffers instead of one per step)
-    # measured 10-15% slower on an H200 (benchmarks/results/bwd_fused_variants_log.txt, run 3)
-    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
-        m = tl.load(p_blocks + t)
-        for i in tl.static_range(TILE_M // BLOCK_M):
-            start_m = m * TILE_M + i * BLOCK_M
-            o_m = start_m + o_bm
-            b_q = load_block(q_src, start_m, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
-            b_do = load_block(do_src, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
-            b_lse2, b_delta = row_stats(p_stats, o_m, Sq, not EVEN_M)  # [BLOCK_M] each
-            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
-            b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
-            if MASKED:
-                b_pt = tl.where(masked_elements_t(lts, l_width, uts, u_width, o_m), 0.0, b_pt)
-            dv = tl.dot(b_pt.to(b_do.dtype), b_do, dv, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
-            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
-            b_dst = b_pt * (b_dpt - b_delta[None, :])
-            dk = tl.dot(b_dst.to(b_q.dtype), b_q, dk, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
+    STEPS: tl.constexpr = TILE_M // BLOCK_M
+    if FLAT:  # one loop over the steps (configs.flat_steps: fp32, whose unrolled steps compile for minutes)
+        for s in tl.range(t_lo * STEPS, t_hi * STEPS, num_stages=NUM_STAGES):
+            start_m = tl.load(p_blocks + s // STEPS) * TILE_M + (s % STEPS) * BLOCK_M
+            dk, dv = _dkdv_step(dk, dv, b_k, b_v, start_m, o_bm, lts, l_width, uts, u_width, q_src, do_src,
+                                stride_qm, stride_dom, p_stats, Sq, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED,
+                                PRECISION, USE_TMA, EVEN_M)
+    else:
+        # a flat loop over the BLOCK_M steps (one set of pipeline buffers instead of one per step)
+        # measured 10-15% slower on an H200 (benchmarks/results/bwd_fused_variants_log.txt, run 3)
+        for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
+            m = tl.load(p_blocks + t)
+            for i in tl.static_range(STEPS):
+                dk, dv = _dkdv_step(dk, dv, b_k, b_v, m * TILE_M + i * BLOCK_M, o_bm, lts, l_width, uts, u_width,
+                                    q_src, do_src, stride_qm, stride_dom, p_stats, Sq, qk_scale, HEAD_DIM, BLOCK_D,
+                                    BLOCK_M, MASKED, PRECISION, USE_TMA, EVEN_M)
     return dk, dv
 
 
@@ -111,7 +133,7 @@ def _dkdv_program(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, FLAT: tl.constexpr,
 ):
     """dK, dV of BLOCK_N kv rows of one (batch, kv head), summed over its query-head group."""
     # kv-blocks in order within a (batch, kv head): under causal-like masks the first ones see
@@ -147,11 +169,11 @@ def _dkdv_program(
         p_stats = STATS + (b.to(tl.int64) * HQ + h) * 2 * Sq
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, q_src, do_src, stride_qm, stride_dom, p_stats, BWD_BLOCKS, t_lo, t_mid,
-            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, TILE_M, False, PRECISION, USE_TMA, EVEN_M, NUM_STAGES,
+            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, TILE_M, False, PRECISION, USE_TMA, EVEN_M, NUM_STAGES, FLAT,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, q_src_masked, do_src_masked, stride_qm, stride_dom, p_stats, BWD_BLOCKS, t_mid, t_hi,
-            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_M, True, PRECISION, USE_TMA, EVEN_M, MASKED_STAGES,
+            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_M, True, PRECISION, USE_TMA, EVEN_M, MASKED_STAGES, FLAT,
         )
 
     dk *= sm_scale
@@ -163,6 +185,32 @@ def _dkdv_program(
 
 
 @triton.jit
+def _dq_step(
+    dq, b_q, b_do, b_lse2, b_delta, start_n, o_bn,
+    k_src, v_src, stride_kn, stride_vn, o_m, p_intv, Sk, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """dQ += the products of one BLOCK_N-column step of kv columns from start_n."""
+    o_n = start_n + o_bn
+    if MASKED:  # FULL tiles lie inside [0, Sk)
+        lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)
+        b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
+        b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
+    else:
+        b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
+        b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
+    if MASKED:
+        b_p = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), 0.0, b_p)
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    dq = tl.dot(b_ds.to(b_k.dtype), b_k, dq, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
+    return dq
+
+
+@triton.jit
 def _dq_tiles(
     dq, b_q, b_do, b_lse2, b_delta,
     k_src, v_src, stride_kn, stride_vn,
@@ -170,28 +218,22 @@ def _dq_tiles(
     o_m, p_intv, Sk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FLAT: tl.constexpr,
 ):
     o_bn = tl.arange(0, BLOCK_N)
-    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
-        n = tl.load(p_blocks + t)
-        for j in tl.static_range(TILE_N // BLOCK_N):
-            start_n = n * TILE_N + j * BLOCK_N
-            o_n = start_n + o_bn
-            if MASKED:  # FULL tiles lie inside [0, Sk)
-                lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)
-                b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
-                b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
-            else:
-                b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
-                b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-            b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
-            if MASKED:
-                b_p = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), 0.0, b_p)
-            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-            b_ds = b_p * (b_dp - b_delta[:, None])
-            dq = tl.dot(b_ds.to(b_k.dtype), b_k, dq, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
+    STEPS: tl.constexpr = TILE_N // BLOCK_N
+    if FLAT:  # one loop over the steps (configs.flat_steps)
+        for s in tl.range(t_lo * STEPS, t_hi * STEPS, num_stages=NUM_STAGES):
+            start_n = tl.load(p_blocks + s // STEPS) * TILE_N + (s % STEPS) * BLOCK_N
+            dq = _dq_step(dq, b_q, b_do, b_lse2, b_delta, start_n, o_bn, k_src, v_src, stride_kn, stride_vn, o_m,
+                          p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, PRECISION, USE_TMA, EVEN_N)
+    else:
+        for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
+            n = tl.load(p_blocks + t)
+            for j in tl.static_range(STEPS):
+                dq = _dq_step(dq, b_q, b_do, b_lse2, b_delta, n * TILE_N + j * BLOCK_N, o_bn, k_src, v_src,
+                              stride_kn, stride_vn, o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED,
+                              PRECISION, USE_TMA, EVEN_N)
     return dq
 
 
@@ -211,7 +253,7 @@ def _dq_program(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, FLAT: tl.constexpr,
 ):
     """dQ of BLOCK_M query rows of one (batch, query head)."""
     # q-blocks in reverse: the last rows of causal-like masks are the heaviest, so they start first
@@ -246,11 +288,11 @@ def _dq_program(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq = _dq_tiles(
         dq, b_q, b_do, b_lse2, b_delta, k_src, v_src, stride_kn, stride_vn, FWD_BLOCKS, t_lo, t_mid,
-        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES,
+        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES, FLAT,
     )
     dq = _dq_tiles(
         dq, b_q, b_do, b_lse2, b_delta, k_src_masked, v_src_masked, stride_kn, stride_vn, FWD_BLOCKS, t_mid, t_hi,
-        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES,
+        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES, FLAT,
     )
     dq *= sm_scale
     m_md = in_q[:, None] & (o_d[None, :] < HEAD_DIM)
@@ -274,7 +316,7 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, FLAT: tl.constexpr,
 ):
     _dkdv_program(
         tl.program_id(0), PROGRAMS_PER_BH,
@@ -283,7 +325,7 @@ def _dkdv_kernel(
         stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
         Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, TILE_M, TILE_N, PRECISION, USE_TMA, EVEN_M, EVEN_N,
-        NUM_STAGES, MASKED_BLOCK, MASKED_STAGES,
+        NUM_STAGES, MASKED_BLOCK, MASKED_STAGES, FLAT,
     )
 
 
@@ -302,7 +344,7 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, FLAT: tl.constexpr,
 ):
     _dq_program(
         tl.program_id(0), PROGRAMS_PER_BH,
@@ -311,7 +353,7 @@ def _dq_kernel(
         stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, TILE_M, TILE_N, PRECISION, USE_TMA, EVEN_M, EVEN_N,
-        NUM_STAGES, MASKED_BLOCK, MASKED_STAGES,
+        NUM_STAGES, MASKED_BLOCK, MASKED_STAGES, FLAT,
     )
 
 
@@ -402,6 +444,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         scale * LOG2E, scale, kv_per_bh,
         BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, NUM_STAGES=cfg_kv.num_stages,
         MASKED_BLOCK=min(cfg_kv.step_masked or cfg_kv.block_m, cfg_kv.block_m), MASKED_STAGES=cfg_kv.stages_masked,
+        FLAT=flat_steps(q.dtype, cm.num_tiles_visited, cm.block_m // min(cfg_kv.step_masked or cfg_kv.block_m, cfg_kv.block_m)),
         **common, num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
     q_per_bh = triton.cdiv(sq, cfg_q.block_m)
@@ -418,6 +461,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         scale * LOG2E, scale, q_per_bh,
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, NUM_STAGES=cfg_q.num_stages,
         MASKED_BLOCK=min(cfg_q.step_masked or cfg_q.block_n, cfg_q.block_n), MASKED_STAGES=cfg_q.stages_masked,
+        FLAT=flat_steps(q.dtype, cm.num_tiles_visited, cm.block_n // min(cfg_q.step_masked or cfg_q.block_n, cfg_q.block_n)),
         **common, num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
     )
     return dq, dk, dv

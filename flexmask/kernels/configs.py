@@ -142,6 +142,17 @@ def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per
     return False
 
 
+def flat_steps(dtype: torch.dtype, tiles_listed: int, steps_per_tile: int) -> bool:
+    """Whether the forward, dK/dV and dQ kernels walk a tile's BLOCK-sized steps in one loop
+    (`for s in range(t_lo * steps, t_hi * steps)`) rather than unrolling them inside the loop over
+    tiles. fp32: its exact (ieee) dots compile to FMA code that grows with every unrolled step;
+    unrolled, the sm_90 compiles of the head-dim-128 kernels take minutes (dK/dV about 5 minutes:
+    benchmarks/results/fp32_compile_diag_log.md). Same arithmetic in the same order either way.
+    16-bit types keep the unrolled steps (a flat loop measured 10-15% slower there). The flat
+    loop counts steps in int32: lists too long for that keep the unrolled steps."""
+    return dtype == torch.float32 and (tiles_listed + 1) * steps_per_tile < 2**31
+
+
 def _clip(cfg: LaunchConfig, tile_m: int, tile_n: int, step: int) -> LaunchConfig:
     masked = min(cfg.masked_block, step) if cfg.masked_block else None
     return LaunchConfig(min(cfg.block_m, tile_m), min(cfg.block_n, tile_n), cfg.num_warps, cfg.num_stages,

@@ -15,11 +15,47 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import forward_config, forward_path, forward_uses_tma
+from .configs import flat_steps, forward_config, forward_path, forward_uses_tma
 from .masking import block_source, column_intervals, load_block, mask_row, masked_elements
 from .tma import prepare_tma, tma_enabled
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_step(
+    acc, l_i, m_i, b_q, start_n, o_bn,
+    k_src, v_src, stride_kn, stride_vn,
+    o_m, p_intv, Sk, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """Online softmax over the BLOCK_N kv columns from start_n."""
+    o_n = start_n + o_bn
+    # FULL tiles lie inside [0, Sk): the ragged last column tile is always PARTIAL
+    if MASKED:
+        lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)
+        b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
+    else:
+        b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+        m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while nothing seen
+    else:
+        m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+        m_pivot = m_new
+    b_p = tl.math.exp2(b_s * qk_scale - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
+    alpha = tl.math.exp2(m_i - m_pivot)  # [BLOCK_M]
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    if MASKED:
+        b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
+    else:
+        b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -30,38 +66,23 @@ def _attend_tiles(
     o_m, p_intv, Sk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FLAT: tl.constexpr,
 ):
     o_bn = tl.arange(0, BLOCK_N)
-    for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
-        n = tl.load(p_blocks + t)
-        for j in tl.static_range(TILE_N // BLOCK_N):
-            start_n = n * TILE_N + j * BLOCK_N
-            o_n = start_n + o_bn
-            # FULL tiles lie inside [0, Sk): the ragged last column tile is always PARTIAL
-            if MASKED:
-                lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)
-                b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
-            else:
-                b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-            if MASKED:
-                b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
-                m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-                m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while nothing seen
-            else:
-                m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-                m_pivot = m_new
-            b_p = tl.math.exp2(b_s * qk_scale - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
-            alpha = tl.math.exp2(m_i - m_pivot)  # [BLOCK_M]
-            l_i = l_i * alpha + tl.sum(b_p, 1)
-            if MASKED:
-                b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
-            else:
-                b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(b_p.to(b_v.dtype), b_v, acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_D]
-            m_i = m_new
+    STEPS: tl.constexpr = TILE_N // BLOCK_N
+    if FLAT:  # one loop over the steps (configs.flat_steps: fp32, whose unrolled steps compile for minutes)
+        for s in tl.range(t_lo * STEPS, t_hi * STEPS, num_stages=NUM_STAGES):
+            start_n = tl.load(p_blocks + s // STEPS) * TILE_N + (s % STEPS) * BLOCK_N
+            acc, l_i, m_i = _attend_step(acc, l_i, m_i, b_q, start_n, o_bn, k_src, v_src, stride_kn, stride_vn, o_m,
+                                         p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, PRECISION, USE_TMA,
+                                         EVEN_N)
+    else:
+        for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
+            n = tl.load(p_blocks + t)
+            for j in tl.static_range(STEPS):
+                acc, l_i, m_i = _attend_step(acc, l_i, m_i, b_q, n * TILE_N + j * BLOCK_N, o_bn, k_src, v_src,
+                                             stride_kn, stride_vn, o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D,
+                                             BLOCK_N, MASKED, PRECISION, USE_TMA, EVEN_N)
     return acc, l_i, m_i
 
 
@@ -79,7 +100,7 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    MASKED_BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    MASKED_BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FLAT: tl.constexpr,
 ):
     # heaviest q-blocks (last rows of causal-like masks) are scheduled first
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -113,11 +134,11 @@ def _forward_kernel(
     # ends the program, and the short masked walk no longer follows a drained pipeline)
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, b_q, k_src_masked, v_src_masked, stride_kn, stride_vn, FWD_BLOCKS, t_mid, t_hi,
-        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK_N, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES,
+        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK_N, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES, FLAT,
     )
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, b_q, k_src, v_src, stride_kn, stride_vn, FWD_BLOCKS, t_lo, t_mid,
-        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES,
+        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES, FLAT,
     )
 
     empty = l_i == 0.0
@@ -185,6 +206,7 @@ def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, k
         MASKED_BLOCK_N=min(cfg.step_masked or cfg.block_n, cfg.block_n),
         NUM_STAGES=cfg.num_stages, MASKED_STAGES=cfg.stages_masked,
         PRECISION=precision_for(q.dtype), USE_TMA=tma,
+        FLAT=flat_steps(q.dtype, cm.num_tiles_visited, cm.block_n // min(cfg.step_masked or cfg.block_n, cfg.block_n)),
         EVEN_M=sq % cm.block_m == 0, EVEN_N=sk % cm.block_n == 0,  # whole tiles: no bounds checks
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
