@@ -6,13 +6,16 @@ ptxas): compile errors, registers, spills and shared memory before any device ti
 
 from __future__ import annotations
 
+import os
 import sys
 
-from .offline_compile import HOPPER, report  # pops TRITON_INTERPRET before triton loads
+os.environ.pop("TRITON_INTERPRET", None)  # before triton loads: compile the kernels, not interpret them
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
+
+from .offline_compile import HOPPER, report  # noqa: E402
 
 DO_NOT_SPECIALIZE = {"Sq", "Sk", "NQB", "ROWS"}
 
