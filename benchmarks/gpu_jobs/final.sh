@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's closing GPU batch, one call of under 10 minutes on an H100/H200. From the repo root:
 #     OUT=/some/dir bash benchmarks/gpu_jobs/final.sh
-# 1. every GPU-marked test, in four processes side by side (one GPU);
+# 1. every GPU-marked test, in six processes side by side (one GPU);
 # 2. the speed check: flexmask (Hopper forward, fused backward), flexmask_det (deterministic
 #    backward) and FlexAttention, bf16, D=128, 16 heads, 32K;
 # 3. phase A of the sweep (D=128 at 32K and 8K, every provider), appended to a copy of the
@@ -24,15 +24,18 @@ mkdir -p $logs
 tests() {  # tests NAME PYTEST-ARGS...
   local name=$1
   shift
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu "$@" > "$logs/tests_$name.log" 2>&1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$@" > "$logs/tests_$name.log" 2>&1
   echo "== $name: exit $? after $((SECONDS - T0)) s" >> "$logs/tests_$name.log"
 }
-others=(tests/test_decode.py tests/test_varlen.py tests/test_readme.py tests/test_train_smoke.py
-        tests/test_transformers_integration.py)
-[ -f tests/test_cuda_graph.py ] && others+=(tests/test_cuda_graph.py)
+others=(tests/test_decode.py tests/test_decode_fused.py tests/test_varlen.py tests/test_readme.py
+        tests/test_train_smoke.py tests/test_transformers_integration.py tests/test_cuda_graph.py
+        tests/test_no_sync.py)
 tests hopper tests/test_gpu_hopper.py &
+tests hopper_backward tests/test_gpu_hopper_backward.py -x &  # not yet run on a GPU: may fail or hang
 tests families tests/test_gpu.py -k family_matches_reference &
-tests gpu_rest tests/test_gpu.py -k "not family_matches_reference" &
+# fp32 kernels compile for one to two minutes each from a cold cache (fp32_compile_diag_log.md)
+tests dtypes tests/test_gpu.py -k dtypes_and_head_dims &
+tests gpu_rest tests/test_gpu.py -k "not family_matches_reference and not dtypes_and_head_dims" &
 tests others "${others[@]}" &
 wait
 for f in "$logs"/tests_*.log; do echo "#### $f"; tail -n 25 "$f"; done > "$OUT/final_tests_log.txt"
