@@ -27,12 +27,12 @@ def _grads(q, k, v, do, cm, scale, kernel, dlse=None):
     return attention_backward(do, dlse, q, k, v, out, lse, cm, scale, deterministic=False, kernel=kernel)
 
 
-def _check(family, b, hq, hkv, sq, sk, dtype, layout, seed=0, mask=None, with_dlse=False):
+def _check(family, b, hq, hkv, sq, sk, dtype, layout, seed=0, mask=None, with_dlse=False, do_like_q=True):
     d = 128
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=seed, layout=layout))
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(b, hq, sq, d, generator=gen).to(dtype).cuda()
-    if layout == "bshd":
+    if layout == "bshd" and do_like_q:  # else dO is (B, H, S, D) beside a (B, S, H, D) q: copied
         do = do.transpose(1, 2).contiguous().transpose(1, 2)
     dlse = torch.randn(b, hq, sq, generator=gen).cuda() if with_dlse else None
     mask = mask if mask is not None else make_mask(family, sq, sk, batch=b, heads=hq, seed=seed)
@@ -67,6 +67,13 @@ def test_shapes_layouts_dtypes(b, hq, hkv, sq, sk, dtype, layout, family):
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     _check(family, b, hq, hkv, sq, sk, dtype, layout, seed=sq)
+
+
+def test_do_in_another_layout():
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    _check("document", 2, 4, 2, 999, 999,
+           torch.bfloat16, "bshd", seed=7, do_like_q=False)
 
 
 def test_lse_gradient_and_empty_rows():

@@ -61,13 +61,28 @@ def test_kernel_argument_errors():
 
 def test_supports_rule():
     cm = compile_mask(masks.causal(), 300, 300, device="cpu", block_m=128, block_n=128)
-    q = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
-    assert backward_hopper.supports(q, q, q, q, cm)
-    assert not backward_hopper.supports(q.float(), q.float(), q.float(), q.float(), cm)
+    q = torch.randn(2, 2, 300, 128, dtype=torch.bfloat16)  # batch 2: the two memory orders differ
+    assert backward_hopper.supports(q, q, q, cm)
+    assert backward_hopper.supports(q, q.transpose(1, 2).contiguous().transpose(1, 2), q.transpose(1, 2).contiguous().transpose(1, 2), cm)
+    assert not backward_hopper.supports(q, q, q.transpose(1, 2).contiguous().transpose(1, 2), cm), "k and v differ in layout"
+    assert not backward_hopper.supports(q.float(), q.float(), q.float(), cm)
     small = q[..., :64].contiguous()
-    assert not backward_hopper.supports(small, small, small, small, cm)
+    assert not backward_hopper.supports(small, small, small, cm)
     cm64 = compile_mask(masks.causal(), 300, 300, device="cpu", block_m=64, block_n=64)
-    assert not backward_hopper.supports(q, q, q, q, cm64)
+    assert not backward_hopper.supports(q, q, q, cm64)
+
+
+@pytest.mark.parametrize("q_layout", ["bhsd", "bshd"])
+def test_do_follows_q_layout(q_layout):
+    """dO is read with Q's descriptor coordinates: copied into Q's memory order when it is not."""
+    base = torch.randn(2, 3, 200, 128, dtype=torch.bfloat16)
+    q = base if q_layout == "bhsd" else base.transpose(1, 2).contiguous().transpose(1, 2)
+    for do in (base.clone(), base.transpose(1, 2).contiguous().transpose(1, 2), base[:, :, :, :].clone()):
+        got = backward_hopper._like_q(do, q)
+        assert torch.equal(got, do)
+        assert backward_hopper._descriptor(got, 64)[1] == backward_hopper._descriptor(q, 64)[1]
+    same = q.clone() if q_layout == "bhsd" else q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert backward_hopper._like_q(same, q) is same, "copied although already in q's order"
 
 
 def test_hopper_kernels_compile_for_sm90():

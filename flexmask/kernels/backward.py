@@ -372,7 +372,8 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
-    if kernel is None:
+    chosen = kernel is None
+    if chosen:
         kernel = "fused" if fused_config is not None else backward_path(q, cm, deterministic)
     if kernel not in ("hopper", "fused", "two-pass"):
         raise ValueError(f"kernel must be 'hopper', 'fused', 'two-pass' or None, got {kernel!r}")
@@ -380,7 +381,9 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         from . import backward_hopper  # Gluon: imported only where it can run
 
         on_hopper = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
-        if not on_hopper or not backward_hopper.supports(q, k, v, do, cm):
+        if chosen and not backward_hopper.supports(q, k, v, cm):  # strides the copy engine cannot read
+            kernel = "fused"
+        elif not on_hopper or not backward_hopper.supports(q, k, v, cm):
             raise ValueError("kernel='hopper' takes fp16/bf16 inputs on an sm_90 GPU with head dim 128, 128 x 128 "
                              f"tables and TMA-readable layouts; got {q.dtype} on {q.device}, head dim {d}, "
                              f"tables {cm.block_m} x {cm.block_n}")

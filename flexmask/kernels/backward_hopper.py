@@ -324,14 +324,25 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
     return per_table[key]
 
 
-def supports(q, k, v, do, cm) -> bool:
+def supports(q, k, v, cm) -> bool:
     """Whether the Hopper backward takes these inputs: fp16/bf16, head dim 128 (the dQ product
     splits the head dim between the two warpgroups at a 128-byte swizzle boundary), 128 x 128
-    tables, TMA-readable layouts."""
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == 128
-            and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS
-            and _descriptor(k, KV_ROWS) is not None and _descriptor(v, KV_ROWS) is not None
-            and _descriptor(q, Q_ROWS) is not None and _descriptor(do, Q_ROWS) is not None)
+    tables, q/k/v in layouts the copy engine reads, k and v in the same one (dO is copied into
+    q's layout when it is not)."""
+    if not (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == 128
+            and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS):
+        return False
+    q_view, k_view, v_view = _descriptor(q, Q_ROWS), _descriptor(k, KV_ROWS), _descriptor(v, KV_ROWS)
+    return q_view is not None and k_view is not None and v_view is not None and k_view[1] == v_view[1]
+
+
+def _like_q(do: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """dO in q's memory order ((B, H, S, D) or a (B, S, H, D) view), copied only when it is not."""
+    if _descriptor(do, Q_ROWS) is not None and _descriptor(do, Q_ROWS)[1] == _descriptor(q, Q_ROWS)[1]:
+        return do
+    if q.stride(1) >= q.stride(2):  # heads outer: (B, H, S, D)
+        return do.contiguous()
+    return do.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _dq_descriptor(dq_acc: torch.Tensor):
@@ -351,16 +362,9 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     q_desc, (qxb, qxh, qch) = _descriptor(q, Q_ROWS)
-    do_desc, do_coords = _descriptor(do, Q_ROWS)
-    if do_coords != (qxb, qxh, qch):  # one set of coordinates serves Q and dO
-        do = do.contiguous() if q.is_contiguous() else do.transpose(1, 2).contiguous().transpose(1, 2)
-        do_desc, do_coords = _descriptor(do, Q_ROWS)
-        if do_coords != (qxb, qxh, qch):
-            raise ValueError(f"do: expected q's memory order, got strides {tuple(do.stride())} for q's {tuple(q.stride())}")
+    do_desc, _ = _descriptor(_like_q(do, q), Q_ROWS)  # one set of coordinates serves Q and dO
     k_desc, (kxb, kxh, kch) = _descriptor(k, KV_ROWS)
-    v_desc, v_coords = _descriptor(v, KV_ROWS)
-    if v_coords != (kxb, kxh, kch):
-        raise ValueError(f"v: expected k's memory order, got strides {tuple(v.stride())} for k's {tuple(k.stride())}")
+    v_desc, _ = _descriptor(v, KV_ROWS)
     q_bytes = 2 * sq * d * q.element_size()  # one query head's Q and dO
     work = backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes)
     n_items = work.numel()
