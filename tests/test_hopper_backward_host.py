@@ -16,13 +16,20 @@ from flexmask.kernels.forward import attention_forward, mask_broadcast
 HOPPER_SHARED_BYTES = 227 * 1024
 
 
+@pytest.mark.parametrize("sq", [900, 3000], ids=lambda s: f"Sq{s}")  # 3000: more q-blocks than kv-blocks
 @pytest.mark.parametrize("mask_heads", [1, 4], ids=lambda h: f"Hm{h}")
-def test_work_list_sums_the_group_heaviest_first(mask_heads):
+def test_work_list_sums_the_group_heaviest_first(mask_heads, sq):
     batch, hq, hkv, s = 2, 4, 2, 900
-    mask = masks.causal() if mask_heads == 1 else masks.random_eviction(s // 2, seed=5, num_heads=mask_heads)
-    cm = compile_mask(mask, s, s, device="cpu", block_m=128, block_n=128)
+    if mask_heads == 1 and sq <= s:
+        mask = masks.causal()
+    elif mask_heads == 1:  # key j hidden from rows < 3j: kv-blocks meet 3 to 21 of 24 q-blocks, more than NKB
+        lte = torch.arange(s, dtype=torch.int32) * 3
+        mask = masks.column_intervals(torch.zeros_like(lte), lte)
+    else:
+        mask = masks.random_eviction(s // 2, seed=5, num_heads=mask_heads)
+    cm = compile_mask(mask, sq, s, device="cpu", block_m=128, block_n=128)
     mask_map = mask_broadcast(cm, batch, hq, hkv)
-    q_bytes = 2 * s * 128 * 2
+    q_bytes = 2 * sq * 128 * 2 * 64  # large: several chunks
     work = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes).long()
     nkb, group = cm.num_kv_blocks, hq // hkv
     assert torch.equal(work.sort().values, torch.arange(batch * hkv * nkb))

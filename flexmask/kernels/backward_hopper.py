@@ -320,7 +320,7 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
         per_item = counts[rows].view(batch * kv_heads, group, nkb).sum(1).reshape(-1).to(torch.int64)
         heads_per_chunk = max(1, L2_SHARE_BYTES // max(1, group * q_bytes))
         chunk = (torch.arange(batch * kv_heads, device=counts.device) // heads_per_chunk).repeat_interleave(nkb)
-        per_table[key] = heaviest_first(per_item, chunk, nkb * group)
+        per_table[key] = heaviest_first(per_item, chunk, cm.num_q_blocks * group)  # a kv-block meets <= NQB q-blocks per head
     return per_table[key]
 
 
