@@ -3,7 +3,7 @@ registers, spills and shared memory: catches compile errors and register/shared-
 overflows before any device time is spent.
 
     python -m benchmarks.offline_compile            # the Hopper forward, D=64 and 128
-    python -m benchmarks.offline_compile backward   # the Hopper backward, D=128
+    python -m benchmarks.offline_compile backward   # the Hopper backward, D=128 and 64
 """
 
 from __future__ import annotations
@@ -62,23 +62,23 @@ def _hopper_forward(head_dim: int, stages: int):
                            source_cls=GluonASTSource)
 
 
-def _hopper_backward(stages: int):
+def _hopper_backward(stages: int, head_dim: int = 128):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels import backward_hopper as bh
     from flexmask.kernels import forward_hopper as fh
 
-    q = torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16)
-    k = torch.empty(2, 2, 1024, 128, dtype=torch.bfloat16)
+    q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
     qd, _ = fh._descriptor(q, bh.Q_ROWS)
     kd, _ = fh._descriptor(k, bh.KV_ROWS)
-    dqd = bh._dq_descriptor(torch.empty(8, 1024, 128))
+    dqd = bh._dq_descriptor(torch.empty(8, 1024, head_dim))
     i32 = torch.empty(8, dtype=torch.int32)
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, STATS=torch.empty(8), DK=k, DV=k,
                 INTV=i32, WORK=i32, BWD_OFFSETS=i32, BWD_NUM_FULL=i32, BWD_BLOCKS=i32, n_items=1000,
                 stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
                 Sq=1000, Sk=1000, NKB=7, HQ=4, HKV=2, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
-    consts = dict(HEAD_DIM=128, STAGES=stages, num_warps=4)
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
@@ -86,11 +86,11 @@ def _hopper_backward(stages: int):
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
     if sys.argv[1:] == ["backward"]:
-        for st in (2,):
+        for d in (128, 64):
             try:
-                print(report(f"backward_hopper D=128 stages={st}", _hopper_backward(st)), flush=True)
+                print(report(f"backward_hopper D={d} stages=2", _hopper_backward(2, d)), flush=True)
             except Exception as exc:
-                print(f"backward_hopper stages={st}: FAILED {type(exc).__name__}: {str(exc)[:6000]}", file=sys.stderr)
+                print(f"backward_hopper D={d}: FAILED {type(exc).__name__}: {str(exc)[:6000]}", file=sys.stderr)
         sys.exit(0)
     for d, st in ((128, 2), (64, 2), (64, 3)):
         try:

@@ -384,7 +384,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         if chosen and not backward_hopper.supports(q, k, v, cm):  # strides the copy engine cannot read
             kernel = "fused"
         elif not on_hopper or not backward_hopper.supports(q, k, v, cm):
-            raise ValueError("kernel='hopper' takes fp16/bf16 inputs on an sm_90 GPU with head dim 128, 128 x 128 "
+            raise ValueError("kernel='hopper' takes fp16/bf16 inputs on an sm_90 GPU with head dim 64 or 128, 128 x 128 "
                              f"tables and TMA-readable layouts; got {q.dtype} on {q.device}, head dim {d}, "
                              f"tables {cm.block_m} x {cm.block_n}")
     cfg_fused = None

@@ -30,7 +30,6 @@ this kernel off by default until it is validated on a GPU (tests/test_gpu_hopper
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -131,15 +130,20 @@ def _consumer(
     kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
-    HALF_D: gl.constexpr = HEAD_DIM // 2
+    # dQ = dS K is [Q_STEP, HEAD_DIM]: at head dim 128 each warpgroup takes 64 of its columns every
+    # step; at 64 (a 32-column slice would cut K's 128-byte swizzle) one warpgroup takes all of
+    # them, the two alternating from step to step
+    SPLIT_DQ: gl.constexpr = HEAD_DIM == 128
+    DQ_N: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM
+    BOX: gl.constexpr = DQ_N // 2  # 32 fp32 columns: 128 bytes, the widest a swizzled TMA box takes
     num_warps: gl.constexpr = 4
-    # S^T, dP^T: [ROWS, Q_STEP]; dK, dV: [ROWS, HEAD_DIM]; dQ half: [Q_STEP, HALF_D]
+    # S^T, dP^T: [ROWS, Q_STEP]; dK, dV: [ROWS, HEAD_DIM]; dQ part: [Q_STEP, DQ_N]
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, Q_STEP, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, HALF_D, 16])
+                                                        instr_shape=[16, DQ_N, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # one value per key (row of S^T)
     query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query (column of S^T)
@@ -149,7 +153,11 @@ def _consumer(
     v_all = v_smem.reshape([KV_BLOCK, HEAD_DIM])
     k_rows = k_all.slice(WG * ROWS, ROWS, dim=0)  # [ROWS, HEAD_DIM]: A of S^T = K Q^T
     v_rows = v_all.slice(WG * ROWS, ROWS, dim=0)  # A of dP^T = V dO^T
-    k_cols = k_all.slice(WG * HALF_D, HALF_D, dim=1)  # [KV_BLOCK, HALF_D]: B of this warpgroup's dQ half
+    if SPLIT_DQ:
+        k_cols = k_all.slice(WG * DQ_N, DQ_N, dim=1)  # [KV_BLOCK, DQ_N]: B of this warpgroup's dQ columns
+    else:
+        k_cols = k_all
+    dq_col = WG * DQ_N if SPLIT_DQ else 0
     ds_rows = ds_smem.slice(WG * ROWS, ROWS, dim=1)  # [Q_STEP, ROWS]: where this warpgroup's dS lands
 
     step = 0
@@ -208,21 +216,22 @@ def _consumer(
                 mbarrier.arrive(ds_ready, count=1)
                 dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
                 mbarrier.arrive(q_empty.index(s), count=1)
-                # dQ[:, half] = dS K[:, half] over the whole kv-block: both warpgroups' dS
-                mbarrier.wait(ds_ready, step & 1)
-                dq = warpgroup_mma(ds_smem, k_cols, gl.zeros([Q_STEP, HALF_D], gl.float32, layout=dq_layout),
-                                   use_acc=False, is_async=True)
-                dq = warpgroup_mma_wait(0, deps=(dq,))
-                mbarrier.arrive(ds_free, count=1)
-                # two boxes of 32 columns (128 bytes, the widest a swizzled TMA box takes)
-                dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, HALF_D // 2]), (0, 2, 1)))
-                tma.store_wait(0)  # the previous reductions have read the buffers
-                dq_smem.index(2 * WG).reshape([Q_STEP, HALF_D // 2]).store(dq_lo)
-                dq_smem.index(2 * WG + 1).reshape([Q_STEP, HALF_D // 2]).store(dq_hi)
-                fence_async_shared()
-                # rows past Sq fall outside the descriptor and are dropped
-                _tma_reduce_add(dq_desc, [bh, start_m, WG * HALF_D], dq_smem.index(2 * WG))
-                _tma_reduce_add(dq_desc, [bh, start_m, WG * HALF_D + HALF_D // 2], dq_smem.index(2 * WG + 1))
+                if SPLIT_DQ or step % 2 == WG:
+                    # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
+                    mbarrier.wait(ds_ready, step & 1)
+                    dq = warpgroup_mma(ds_smem, k_cols, gl.zeros([Q_STEP, DQ_N], gl.float32, layout=dq_layout),
+                                       use_acc=False, is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=(dq,))
+                    mbarrier.arrive(ds_free, count=1)
+                    # two boxes of BOX columns
+                    dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
+                    tma.store_wait(0)  # the previous reductions have read the buffers
+                    dq_smem.index(2 * WG).reshape([Q_STEP, BOX]).store(dq_lo)
+                    dq_smem.index(2 * WG + 1).reshape([Q_STEP, BOX]).store(dq_hi)
+                    fence_async_shared()
+                    # rows past Sq fall outside the descriptor and are dropped
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], dq_smem.index(2 * WG))
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], dq_smem.index(2 * WG + 1))
                 step += 1
         mbarrier.arrive(kv_empty, count=1)
         item_count += 1
@@ -249,6 +258,7 @@ def _backward_hopper_kernel(
     qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
+    DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)  # [1, KV_BLOCK, HEAD_DIM]
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -266,7 +276,7 @@ def _backward_hopper_kernel(
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(kv_empty, count=2)  # both consumer warpgroups release K/V
     mbarrier.init(ds_ready, count=2)  # both halves of dS written
-    mbarrier.init(ds_free, count=2)  # both warpgroups' dQ products have read dS
+    mbarrier.init(ds_free, count=DQ_READERS)  # every warpgroup that took a dQ product has read dS
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
@@ -325,11 +335,10 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
 
 
 def supports(q, k, v, cm) -> bool:
-    """Whether the Hopper backward takes these inputs: fp16/bf16, head dim 128 (the dQ product
-    splits the head dim between the two warpgroups at a 128-byte swizzle boundary), 128 x 128
+    """Whether the Hopper backward takes these inputs: fp16/bf16, head dim 64 or 128, 128 x 128
     tables, q/k/v in layouts the copy engine reads, k and v in the same one (dO is copied into
     q's layout when it is not)."""
-    if not (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == 128
+    if not (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
             and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS):
         return False
     q_view, k_view, v_view = _descriptor(q, Q_ROWS), _descriptor(k, KV_ROWS), _descriptor(v, KV_ROWS)
@@ -349,7 +358,7 @@ def _dq_descriptor(dq_acc: torch.Tensor):
     """3-D descriptor of the fp32 dQ buffer [B * Hq, Sq, BLOCK_D]: a block that overhangs Sq is
     clipped at its own head's end, not added into the next head's rows."""
     rows, sq, width = dq_acc.shape
-    block = [1, Q_ROWS, width // 4]  # a quarter of the head dim: 32 fp32 at D = 128
+    block = [1, Q_ROWS, 32]  # 32 fp32 columns: 128 bytes, the widest a swizzled box takes
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     return TensorDescriptor(dq_acc, [rows, sq, width], [sq * width, width, 1], block, layout)
 
@@ -379,11 +388,3 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         scale * LOG2E, scale,
         HEAD_DIM=d, STAGES=stages, num_warps=4, maxnreg=168,
     )
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_bytes(stages: int, head_dim: int = 128) -> int:
-    """Shared memory the kernel allocates (K, V, the Q/dO ring, dS, two dQ halves)."""
-    two = 2  # bytes per fp16/bf16 element
-    return (2 * KV_ROWS * head_dim * two + 2 * stages * Q_ROWS * head_dim * two
-            + Q_ROWS * KV_ROWS * two + 2 * Q_ROWS * (head_dim // 2) * 4)

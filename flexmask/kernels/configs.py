@@ -193,14 +193,14 @@ HOPPER_FORWARD_IS_DEFAULT = True
 def backward_path(q: torch.Tensor, cm, deterministic: bool) -> str:
     """Which backward runs: "two-pass" when determinism is asked (backward.py, bitwise
     reproducible); otherwise "hopper" (backward_hopper.py: Gluon, persistent, warp-specialised)
-    where HOPPER_BACKWARD_IS_DEFAULT and the inputs suit it (sm_90, fp16/bf16, head dim 128,
-    128 x 128 tables), else "fused" (backward_fused.py) where backward_fused_config offers a
+    where HOPPER_BACKWARD_IS_DEFAULT and the inputs suit it (sm_90, fp16/bf16, head dim 64 or
+    128, 128 x 128 tables, layouts the copy engine reads), else "fused" (backward_fused.py) where backward_fused_config offers a
     config, else "two-pass"."""
     if deterministic:
         return "two-pass"
     if (HOPPER_BACKWARD_IS_DEFAULT and q.device.type == "cuda" and gluon_hopper_available()
             and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] == 128 and (cm.block_m, cm.block_n) == (128, 128)):
+            and q.shape[-1] in (64, 128) and (cm.block_m, cm.block_n) == (128, 128)):
         return "hopper"
     return "fused" if backward_fused_config(q.shape[-1], q.dtype, (cm.block_m, cm.block_n), q.device) else "two-pass"
 
