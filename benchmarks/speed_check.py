@@ -3,10 +3,11 @@ beside torch.compile(flex_attention) in the same process, bf16, D=128, 16 heads,
 
 FlexAttention gets its natural mask_mod for each family (its fastest form), built with
 create_block_mask outside the timed region. TFLOP/s count unmasked elements only (backward =
-2.5x forward, fwd_bwd = 3.5x). flexmask runs twice: `flexmask` with the fused backward
-(deterministic=False), `flexmask_det` with the two-pass, bitwise reproducible one; with
---hopper-backward also `flexmask_hopper_bwd`, the Hopper backward (backward_hopper.py) switched on
-for its rows whatever configs.HOPPER_BACKWARD_IS_DEFAULT says, and the relative difference of its
+2.5x forward, fwd_bwd = 3.5x). flexmask runs twice: `flexmask` with the default backward
+(deterministic=False: the Hopper or the fused kernel, configs.backward_path), `flexmask_det` with
+the two-pass, bitwise reproducible one; with --hopper-backward, `flexmask` is the fused backward
+and `flexmask_hopper_bwd` the Hopper backward (backward_hopper.py) whatever
+configs.HOPPER_BACKWARD_HEAD_DIMS says, with the relative difference of its
 gradients to the two-pass path's (`rel_err_grads_vs_det`). Writes a CSV (GPU, versions, command,
 date in every row).
 
@@ -112,18 +113,18 @@ def main(argv=None):
         if args.hopper_backward:
             runs.insert(1, ("flexmask_hopper_bwd", run_fm))
         for provider, fn in runs:
-            default = configs.HOPPER_BACKWARD_IS_DEFAULT
-            configs.HOPPER_BACKWARD_IS_DEFAULT = provider == "flexmask_hopper_bwd" or (
-                default and provider == "flexmask")
+            default = configs.HOPPER_BACKWARD_HEAD_DIMS
+            if provider == "flexmask_hopper_bwd":
+                configs.HOPPER_BACKWARD_HEAD_DIMS = frozenset({args.head_dim})
+            elif args.hopper_backward:  # `flexmask` is then the fused path, to compare against
+                configs.HOPPER_BACKWARD_HEAD_DIMS = frozenset()
             extra = {}
             if provider == "flexmask_hopper_bwd":
                 t0 = time.perf_counter()
                 got = grads(fn)
                 torch.cuda.synchronize()
                 extra["first_call_s"] = time.perf_counter() - t0  # compile of the backward included
-                configs.HOPPER_BACKWARD_IS_DEFAULT = False
                 want = grads(run_fm_det)
-                configs.HOPPER_BACKWARD_IS_DEFAULT = True
                 extra["rel_err_grads_vs_det"] = max(
                     ((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want))
             out = fn()
@@ -141,7 +142,7 @@ def main(argv=None):
                     "rel_err_grads_vs_det": extra.get("rel_err_grads_vs_det", ""),
                 })
             q.grad = k.grad = v.grad = None
-            configs.HOPPER_BACKWARD_IS_DEFAULT = default
+            configs.HOPPER_BACKWARD_HEAD_DIMS = default
         ref = run_flex().float()
         err = ((run_fm().float() - ref).norm() / ref.norm()).item()
         for r in rows:

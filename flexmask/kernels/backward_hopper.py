@@ -10,22 +10,24 @@ matrix products with the tensor cores idle. Here, as in the Hopper forward:
   that the backward table lists through TMA into a ring of shared-memory stages;
 - two consumer warpgroups own 64 kv rows each. Per step each computes, with wgmma,
 
-      S^T  = K Q^T       [64 kv, 64 q]     P^T  = exp2(S^T * scale - lse)   (masked if PARTIAL)
-      dP^T = V dO^T      [64 kv, 64 q]     dS^T = P^T (dP^T - delta)
-      dV  += P^T dO      [64 kv, D]        (P^T from registers)
-      dK  += dS^T Q      [64 kv, D]        (dS^T from registers)
+      S  = Q K^T        [64 q, 64 kv]     P  = exp2(S * scale - lse)   (masked if PARTIAL)
+      dP = dO V^T       [64 q, 64 kv]     dS = P (dP - delta)
+      dV += P^T dO      [64 kv, D]        (P through shared memory, read transposed)
+      dK += dS^T Q      [64 kv, D]        (dS likewise)
 
-  and writes dS^T to shared memory; once both halves are there, each warpgroup computes
-      dQ[:, half]  = dS K[:, half]  [64 q, D / 2]
+  with queries on the rows of S, so a query's LSE and delta are two registers per thread (keys
+  on the rows, as in a first version, cost 16 each and spilled at D = 128). Once both halves of
+  dS are in shared memory, each warpgroup computes
+      dQ[:, half]  = dS K[:, half]  [64 q, D / 2]   (at D = 64 one takes all of dQ, in turns)
   and adds it to the fp32 dQ buffer with a TMA bulk reduction (no per-element atomics).
-Masks come from the same column intervals: in S^T a row is a key, so the intervals of a
-warpgroup's 64 keys are loaded once per head and each element costs four compares.
+Masks come from the same column intervals, turned into one word of masked rows per key as in
+the Hopper forward (`forward_hopper._masked_scores`).
 Rows that attend nothing have LSE = +inf in the statistics, so P = 0 and their gradients are 0.
 The dQ sums run in whatever order the reductions land: not bitwise reproducible, like the
 portable fused path; `deterministic=True` keeps the two-pass path.
 
-Gluon kernels do not run under the CPU interpreter: `configs.backward_hopper_available` keeps
-this kernel off by default until it is validated on a GPU (tests/test_gpu_hopper_backward.py).
+Gluon kernels do not run under the CPU interpreter: CPU tests cover the host side and an
+offline sm_90 compile; tests/test_gpu_hopper_backward.py checks the kernel on a GPU.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .forward_hopper import _descriptor, _num_sms, heaviest_first
+from .forward_hopper import _descriptor, _masked_scores, _num_sms, heaviest_first
 
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = gl.constexpr(24)
@@ -99,8 +101,8 @@ def _producer(
         c_kv = hk * KV_C_H
         mbarrier.wait(kv_empty, (item_count & 1) ^ 1)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, v_smem)
+        tma.async_copy_global_to_shared(k_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, k_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, v_smem.index(0))
         for g in range(GROUP):
             h = hk * GROUP + g
             row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
@@ -120,7 +122,7 @@ def _producer(
 
 @gluon.jit
 def _consumer(
-    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_desc, bars,
+    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
@@ -137,35 +139,21 @@ def _consumer(
     DQ_N: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM
     BOX: gl.constexpr = DQ_N // 2  # 32 fp32 columns: 128 bytes, the widest a swizzled TMA box takes
     num_warps: gl.constexpr = 4
-    # S^T, dP^T: [ROWS, Q_STEP]; dK, dV: [ROWS, HEAD_DIM]; dQ part: [Q_STEP, DQ_N]
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, Q_STEP, 16])
+    # S, dP: [Q_STEP, ROWS] (queries on M, so a query's statistics are two registers per
+    # thread); dK, dV: [ROWS, HEAD_DIM]; dQ part: [Q_STEP, DQ_N]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, ROWS, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, DQ_N, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)  # one value per key (row of S^T)
-    query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query (column of S^T)
-    stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # [Q_STEP] over 128 threads
-
-    k_all = k_smem.reshape([KV_BLOCK, HEAD_DIM])
-    v_all = v_smem.reshape([KV_BLOCK, HEAD_DIM])
-    k_rows = k_all.slice(WG * ROWS, ROWS, dim=0)  # [ROWS, HEAD_DIM]: A of S^T = K Q^T
-    v_rows = v_all.slice(WG * ROWS, ROWS, dim=0)  # A of dP^T = V dO^T
-    if SPLIT_DQ:
-        k_cols = k_all.slice(WG * DQ_N, DQ_N, dim=1)  # [KV_BLOCK, DQ_N]: B of this warpgroup's dQ columns
-    else:
-        k_cols = k_all
+    query_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per query (row of S)
     dq_col = WG * DQ_N if SPLIT_DQ else 0
-    ds_rows = ds_smem.slice(WG * ROWS, ROWS, dim=1)  # [Q_STEP, ROWS]: where this warpgroup's dS lands
 
     step = 0
     item_count = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, hk, n = _item(WORK, w, NKB, HKV)
-        o_n = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=key_layout)
-        in_k = o_n < Sk
         dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         mbarrier.wait(kv_ready, item_count & 1)
@@ -173,53 +161,56 @@ def _consumer(
             h = hk * GROUP + g
             row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
                                                 MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
-            # this warpgroup's keys' masked query rows: [lts, lte) and [uts, ute); keys past Sk
-            # mask every row
-            p_intv = INTV + row.to(gl.int64) * 4 * Sk + o_n
-            lts = gl.load(p_intv, mask=in_k, other=0)
-            lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
-            uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
-            ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
             bh = b * HQ + h
             p_stats = STATS + bh.to(gl.int64) * 2 * Sq
             for i in range(2 * (t_hi - t_lo)):
                 t = t_lo + i // 2
                 start_m = gl.load(BWD_BLOCKS + t) * (2 * Q_STEP) + (i % 2) * Q_STEP
-                # the step's statistics, one per thread, then spread to the columns of S^T
-                o_c = start_m + gl.arange(0, Q_STEP, layout=stat_layout)
-                lse2 = gl.convert_layout(gl.load(p_stats + o_c, mask=o_c < Sq, other=float("inf")), query_layout)  # rows past Sq: P = 0
+                o_m = start_m + gl.arange(0, Q_STEP, layout=query_layout)
+                lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
+                delta = gl.load(p_stats + Sq + o_m, mask=o_m < Sq, other=0.0)
+                # shared-memory views, rebuilt every step from an index the compiler cannot see is
+                # 0: hoisted out of the loop, their wgmma descriptors (one per k-step) stayed live
+                # across it and spilled
+                zero = step >> 31
+                k_all = k_smem.index(zero).reshape([KV_BLOCK, HEAD_DIM])
+                v_all = v_smem.index(zero).reshape([KV_BLOCK, HEAD_DIM])
+                k_t = k_all.slice(WG * ROWS, ROWS, dim=0).permute((1, 0))  # [HEAD_DIM, ROWS]: B of S = Q K^T
+                v_t = v_all.slice(WG * ROWS, ROWS, dim=0).permute((1, 0))  # B of dP = dO V^T
+                ds_all = ds_smem.index(zero)  # [Q_STEP, KV_BLOCK]
+                ds_cols = ds_all.slice(WG * ROWS, ROWS, dim=1)  # [Q_STEP, ROWS]: this warpgroup's dS
+                p_cols = p_smem.index(zero).slice(WG * ROWS, ROWS, dim=1)  # its P (read by its own dV product)
                 s = step % STAGES
                 mbarrier.wait(q_ready.index(s), (step // STAGES) & 1)
                 q_view = q_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
                 do_view = do_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
-                zeros_st = gl.zeros([ROWS, Q_STEP], gl.float32, layout=st_layout)
-                st = warpgroup_mma(k_rows, q_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
-                dpt = warpgroup_mma(v_rows, do_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
-                st = warpgroup_mma_wait(1, deps=(st,))
-                pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))  # [ROWS, Q_STEP]
-                delta = gl.convert_layout(gl.load(p_stats + Sq + o_c, mask=o_c < Sq, other=0.0), query_layout)
-                if t >= t_mid:  # PARTIAL tile
-                    qm = gl.expand_dims(start_m + gl.arange(0, Q_STEP, layout=query_layout), 0)
-                    masked = (((qm >= gl.expand_dims(lts, 1)) & (qm < gl.expand_dims(lte, 1)))
-                              | ((qm >= gl.expand_dims(uts, 1)) & (qm < gl.expand_dims(ute, 1))))
-                    pt = gl.where(masked, 0.0, pt)
-                dpt = warpgroup_mma_wait(0, deps=(dpt,))
-                pt_op = gl.convert_layout(pt.to(dtype), a_layout)
-                dv = warpgroup_mma(pt_op, do_view, dv, is_async=True)
-                dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)  # [ROWS, Q_STEP]
-                dst_op = gl.convert_layout(dst, a_layout)
-                dk = warpgroup_mma(dst_op, q_view, dk, is_async=True)
-                # dS (query-major) to shared memory, once the other warpgroup has read the last one
+                zeros_s = gl.zeros([Q_STEP, ROWS], gl.float32, layout=s_layout)
+                qk = warpgroup_mma(q_view, k_t, zeros_s, use_acc=False, is_async=True)
+                dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
+                qk = warpgroup_mma_wait(1, deps=(qk,))
+                if t >= t_mid:  # PARTIAL tile: -inf where masked or past Sk
+                    qk = _masked_scores(qk, INTV, row, 2 * n + WG, Sk, start_m, ROWS, Q_STEP, num_warps)
+                p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
+                p_cols.store(p.to(dtype))
+                dp = warpgroup_mma_wait(0, deps=(dp,))
+                ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)  # [Q_STEP, ROWS]
+                # dS to shared memory, once the other warpgroup has read the last one
                 mbarrier.wait(ds_free, (step & 1) ^ 1)
-                ds_rows.store(gl.permute(dst, (1, 0)))
+                ds_cols.store(ds)
                 fence_async_shared()
                 mbarrier.arrive(ds_ready, count=1)
-                dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+                dv = warpgroup_mma(p_cols.permute((1, 0)), do_view, dv, is_async=True)  # P^T dO
+                dk = warpgroup_mma(ds_cols.permute((1, 0)), q_view, dk, is_async=True)  # dS^T Q
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                 mbarrier.arrive(q_empty.index(s), count=1)
                 if SPLIT_DQ or step % 2 == WG:
                     # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
                     mbarrier.wait(ds_ready, step & 1)
-                    dq = warpgroup_mma(ds_smem, k_cols, gl.zeros([Q_STEP, DQ_N], gl.float32, layout=dq_layout),
+                    if SPLIT_DQ:
+                        k_cols = k_all.slice(WG * DQ_N, DQ_N, dim=1)  # [KV_BLOCK, DQ_N]: B of this warpgroup's dQ columns
+                    else:
+                        k_cols = k_all
+                    dq = warpgroup_mma(ds_all, k_cols, gl.zeros([Q_STEP, DQ_N], gl.float32, layout=dq_layout),
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(0, deps=(dq,))
                     mbarrier.arrive(ds_free, count=1)
@@ -260,12 +251,13 @@ def _backward_hopper_kernel(
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     dtype: gl.constexpr = q_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)  # [1, KV_BLOCK, HEAD_DIM]
-    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)  # [1, 1, KV_BLOCK, HEAD_DIM]
+    v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)  # [STAGES, 1, Q_STEP, HEAD_DIM]
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_STEP, KV_BLOCK], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [Q_STEP, KV_BLOCK], ds_layout)  # dS, query-major
+    ds_smem = gl.allocate_shared_memory(dtype, [1, Q_STEP, KV_BLOCK], ds_layout)  # dS, query-major
+    p_smem = gl.allocate_shared_memory(dtype, [1, Q_STEP, KV_BLOCK], ds_layout)  # P, query-major
     dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)  # [4, 1, Q_STEP, HEAD_DIM / 4]
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -284,12 +276,12 @@ def _backward_hopper_kernel(
     bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free)
 
     gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_desc, bars,
+        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      HEAD_DIM, STAGES)),
-        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, dq_desc, bars,
+        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,

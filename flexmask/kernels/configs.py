@@ -193,23 +193,24 @@ HOPPER_FORWARD_IS_DEFAULT = True
 def backward_path(q: torch.Tensor, cm, deterministic: bool) -> str:
     """Which backward runs: "two-pass" when determinism is asked (backward.py, bitwise
     reproducible); otherwise "hopper" (backward_hopper.py: Gluon, persistent, warp-specialised)
-    where HOPPER_BACKWARD_IS_DEFAULT and the inputs suit it (sm_90, fp16/bf16, head dim 64 or
-    128, 128 x 128 tables, layouts the copy engine reads), else "fused" (backward_fused.py) where backward_fused_config offers a
+    where the head dim is in HOPPER_BACKWARD_HEAD_DIMS and the inputs suit it (sm_90, fp16/bf16,
+    128 x 128 tables, layouts the copy engine reads), else "fused" (backward_fused.py) where backward_fused_config offers a
     config, else "two-pass"."""
     if deterministic:
         return "two-pass"
-    if (HOPPER_BACKWARD_IS_DEFAULT and q.device.type == "cuda" and gluon_hopper_available()
+    if (q.shape[-1] in HOPPER_BACKWARD_HEAD_DIMS and q.device.type == "cuda" and gluon_hopper_available()
             and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] in (64, 128) and (cm.block_m, cm.block_n) == (128, 128)):
+            and (cm.block_m, cm.block_n) == (128, 128)):
         return "hopper"
     return "fused" if backward_fused_config(q.shape[-1], q.dtype, (cm.block_m, cm.block_n), q.device) else "two-pass"
 
 
-# The Hopper backward (backward_hopper.py) is written and compiles for sm_90 with no register
-# spills in its loop's arithmetic beyond descriptor reloads (benchmarks/offline_compile.py
-# backward), but has not run on a GPU yet: it stays off until tests/test_gpu_hopper_backward.py
-# passes and benchmarks/backward_variants.py measures it faster than the fused path.
-HOPPER_BACKWARD_IS_DEFAULT = False
+# Head dims where the Hopper backward (backward_hopper.py) is the default. On an H200 at 32K
+# (bf16, causal, sliding window 1024, causal document) it passes tests/test_gpu_hopper_backward.py
+# and runs 1.21-1.43x FlexAttention's backward against 0.95-1.07x for the fused path
+# (speed_check_S32768_D128.csv / _D64.csv, backward_hopper_log.md). Empty sends every input to
+# the fused path.
+HOPPER_BACKWARD_HEAD_DIMS = frozenset({64, 128})
 
 
 def forward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
