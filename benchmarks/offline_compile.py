@@ -3,7 +3,7 @@ registers, spills and shared memory: catches compile errors and register/shared-
 overflows before any device time is spent.
 
     python -m benchmarks.offline_compile            # the Hopper forward, D=64 and 128
-    python -m benchmarks.offline_compile backward   # the Hopper backward, D=128 and 64
+    python -m benchmarks.offline_compile backward   # the Hopper backward, D=128 and 64 (and dK/dV only)
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _hopper_forward(head_dim: int, stages: int):
                            source_cls=GluonASTSource)
 
 
-def _hopper_backward(stages: int, head_dim: int = 128):
+def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels import backward_hopper as bh
     from flexmask.kernels import forward_hopper as fh
@@ -78,7 +78,7 @@ def _hopper_backward(stages: int, head_dim: int = 128):
                 stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
                 Sq=1000, Sk=1000, NKB=7, HQ=4, HKV=2, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
-    consts = dict(HEAD_DIM=head_dim, STAGES=stages, num_warps=4)
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
@@ -86,9 +86,10 @@ def _hopper_backward(stages: int, head_dim: int = 128):
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
     if sys.argv[1:] == ["backward"]:
-        for d in (128, 64):
+        for d, with_dq in ((128, True), (64, True), (128, False)):
             try:
-                print(report(f"backward_hopper D={d} stages=2", _hopper_backward(2, d)), flush=True)
+                print(report(f"backward_hopper D={d} stages=2 with_dq={with_dq}", _hopper_backward(2, d, with_dq)),
+                      flush=True)
             except Exception as exc:
                 print(f"backward_hopper D={d}: FAILED {type(exc).__name__}: {str(exc)[:6000]}", file=sys.stderr)
         sys.exit(0)

@@ -24,10 +24,12 @@ def _grads(q, k, v, do, cm, scale, kernel, dlse=None):
     from flexmask.kernels.forward import attention_forward
 
     out, lse = attention_forward(q, k, v, cm, scale)
-    return attention_backward(do, dlse, q, k, v, out, lse, cm, scale, deterministic=False, kernel=kernel)
+    return attention_backward(do, dlse, q, k, v, out, lse, cm, scale, deterministic=kernel == "two-pass",
+                              kernel=kernel)
 
 
-def _check(family, b, hq, hkv, sq, sk, dtype, layout, seed=0, mask=None, with_dlse=False, do_like_q=True, d=128):
+def _check(family, b, hq, hkv, sq, sk, dtype, layout, seed=0, mask=None, with_dlse=False, do_like_q=True, d=128,
+           kernel="hopper"):
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=seed, layout=layout))
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(b, hq, sq, d, generator=gen).to(dtype).cuda()
@@ -37,7 +39,11 @@ def _check(family, b, hq, hkv, sq, sk, dtype, layout, seed=0, mask=None, with_dl
     mask = mask if mask is not None else make_mask(family, sq, sk, batch=b, heads=hq, seed=seed)
     cm = compile_mask(mask, sq, sk, device="cuda")
     scale = d ** -0.5
-    got = _grads(q, k, v, do, cm, scale, "hopper", dlse)
+    got = _grads(q, k, v, do, cm, scale, kernel, dlse)
+    if kernel == "two-pass":  # the Hopper kernel's dK/dV pass: bitwise the same on a second run
+        again = _grads(q, k, v, do, cm, scale, kernel, dlse)
+        for name, a, b in zip(("dq", "dk", "dv"), got, again):
+            assert torch.equal(a, b), f"{name}: the deterministic path differs between two runs"
     ref64 = reference_grads(q, k, v, mask, do, dlse=dlse)[2:]
     low = reference_grads(q, k, v, mask, do, dtype=dtype, dlse=dlse)[2:]
     floor = default_floor(dtype, gradient=True)
@@ -51,6 +57,20 @@ def test_every_family(family, head_dim):
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     _check(family, 2, 4, 2, 700, 700, torch.bfloat16, "bhsd", seed=1, d=head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_deterministic_path_with_hopper_dkdv(family, head_dim):
+    """deterministic=True: dK/dV from the Hopper kernel with its dQ product left out, dQ from the
+    portable pass; close to the reference and bitwise reproducible."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels import configs
+
+    q = torch.empty(1, 4, 700, head_dim, device="cuda", dtype=torch.bfloat16)
+    assert configs.two_pass_dkdv_path(q, compile_mask(masks.causal(), 700, 700, device="cuda")) == "hopper"
+    _check(family, 2, 4, 2, 700, 651, torch.bfloat16, "bhsd", seed=2, d=head_dim, kernel="two-pass")
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,7 @@ def test_backward_path_rule():
     q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
     assert configs.backward_path(q, cm, deterministic=True) == "two-pass"
     assert configs.backward_path(q, cm, deterministic=False) == "fused"  # the interpreter: no Gluon
+    assert configs.two_pass_dkdv_path(q, cm) == "portable"
 
 
 def test_kernel_argument_errors():
@@ -102,6 +103,6 @@ def test_hopper_kernels_compile_for_sm90():
     fwd = offline_compile._hopper_forward(128, 2)
     assert fwd.metadata.shared <= HOPPER_SHARED_BYTES
     assert "0 bytes spill stores" in offline_compile.report("forward", fwd)
-    for d in (128, 64):
-        bwd = offline_compile._hopper_backward(2, d)
+    for d, with_dq in ((128, True), (64, True), (128, False)):
+        bwd = offline_compile._hopper_backward(2, d, with_dq)
         assert bwd.metadata.shared <= HOPPER_SHARED_BYTES

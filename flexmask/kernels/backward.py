@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .backward_fused import convert_dq, fused_backward
 from .configs import (backward_config, backward_fused_config, backward_fused_dq_tma, backward_fused_dq_transposed,
-                      backward_fused_uses_tma, backward_path, backward_uses_tma, flat_steps)
+                      backward_fused_uses_tma, backward_path, backward_uses_tma, flat_steps, two_pass_dkdv_path)
 from .forward import LOG2E, mask_broadcast, precision_for
 from .masking import (block_source, column_intervals, load_block, mask_row, masked_elements, masked_elements_t,
                       row_stats)
@@ -357,6 +357,31 @@ def _dq_kernel(
     )
 
 
+def _launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale: float, cfg_kv, kv_per_bh: int,
+                 mask_map: tuple[int, int, int], common: dict) -> None:
+    """The two-pass path's first pass (portable): dK, dV per kv-block."""
+    batch, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    mb, mdiv, mh = mask_map
+    _dkdv_kernel[(kv_per_bh * batch * hkv,)](
+        q, k, v, do, stats, dk, dv,
+        cm.kernel_intervals, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        sq, sk, cm.num_kv_blocks, hq, hkv, hq // hkv,
+        mb, mdiv, mh,
+        scale * LOG2E, scale, kv_per_bh,
+        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, NUM_STAGES=cfg_kv.num_stages,
+        MASKED_BLOCK=min(cfg_kv.step_masked or cfg_kv.block_m, cfg_kv.block_m), MASKED_STAGES=cfg_kv.stages_masked,
+        FLAT=flat_steps(q.dtype, cm.num_tiles_visited, cm.block_m // min(cfg_kv.step_masked or cfg_kv.block_m, cfg_kv.block_m)),
+        **common, num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+    )
+
+
 def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=None, use_tma=None,
                        deterministic: bool = True, fused_config=None, dq_transposed=None, dq_tma=None,
                        kernel: str | None = None):
@@ -433,23 +458,14 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         return dq, dk, dv
     cfg_kv, cfg_q = configs or backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
     kv_per_bh = triton.cdiv(sk, cfg_kv.block_n)
-    _dkdv_kernel[(kv_per_bh * batch * hkv,)](
-        q, k, v, do, stats, dk, dv,
-        cm.kernel_intervals, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        sq, sk, cm.num_kv_blocks, hq, hkv, hq // hkv,
-        mb, mdiv, mh,
-        scale * LOG2E, scale, kv_per_bh,
-        BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, NUM_STAGES=cfg_kv.num_stages,
-        MASKED_BLOCK=min(cfg_kv.step_masked or cfg_kv.block_m, cfg_kv.block_m), MASKED_STAGES=cfg_kv.stages_masked,
-        FLAT=flat_steps(q.dtype, cm.num_tiles_visited, cm.block_m // min(cfg_kv.step_masked or cfg_kv.block_m, cfg_kv.block_m)),
-        **common, num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
-    )
+    if configs is None and two_pass_dkdv_path(q, cm) == "hopper":
+        from . import backward_hopper
+
+        if backward_hopper.supports(q, k, v, cm):  # dK/dV by the Hopper kernel, no dQ in it
+            backward_hopper.backward_hopper(q, k, v, do, stats, None, dk, dv, cm, scale, (mb, mdiv, mh))
+            kv_per_bh = 0
+    if kv_per_bh:
+        _launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale, cfg_kv, kv_per_bh, (mb, mdiv, mh), common)
     q_per_bh = triton.cdiv(sq, cfg_q.block_m)
     _dq_kernel[(q_per_bh * batch * hq,)](
         q, k, v, do, stats, dq,

@@ -126,9 +126,10 @@ def _consumer(
     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr,
 ):
-    """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block."""
+    """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
+    WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass)."""
     kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
@@ -195,15 +196,17 @@ def _consumer(
                 dp = warpgroup_mma_wait(0, deps=(dp,))
                 ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)  # [Q_STEP, ROWS]
                 # dS to shared memory, once the other warpgroup has read the last one
-                mbarrier.wait(ds_free, (step & 1) ^ 1)
+                if WITH_DQ:
+                    mbarrier.wait(ds_free, (step & 1) ^ 1)
                 ds_cols.store(ds)
                 fence_async_shared()
-                mbarrier.arrive(ds_ready, count=1)
+                if WITH_DQ:
+                    mbarrier.arrive(ds_ready, count=1)
                 dv = warpgroup_mma(p_cols.permute((1, 0)), do_view, dv, is_async=True)  # P^T dO
                 dk = warpgroup_mma(ds_cols.permute((1, 0)), q_view, dk, is_async=True)  # dS^T Q
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
                 mbarrier.arrive(q_empty.index(s), count=1)
-                if SPLIT_DQ or step % 2 == WG:
+                if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
                     # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
                     mbarrier.wait(ds_ready, step & 1)
                     if SPLIT_DQ:
@@ -247,7 +250,7 @@ def _backward_hopper_kernel(
     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale, sm_scale,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     dtype: gl.constexpr = q_desc.dtype
@@ -258,7 +261,8 @@ def _backward_hopper_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_STEP, KV_BLOCK], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [1, Q_STEP, KV_BLOCK], ds_layout)  # dS, query-major
     p_smem = gl.allocate_shared_memory(dtype, [1, Q_STEP, KV_BLOCK], ds_layout)  # P, query-major
-    dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)  # [4, 1, Q_STEP, HEAD_DIM / 4]
+    DQ_BOXES: gl.constexpr = 4 if WITH_DQ else 1  # (one unused box without dQ)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)  # [4, 1, Q_STEP, 32]
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -280,12 +284,12 @@ def _backward_hopper_kernel(
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
-                     HEAD_DIM, STAGES)),
+                     HEAD_DIM, STAGES, WITH_DQ)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
-                     HEAD_DIM, STAGES)),
+                     HEAD_DIM, STAGES, WITH_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
                      WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -359,7 +363,8 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
                     stages: int = 2) -> None:
     """dK, dV into `dk`, `dv` and scaled-free dQ sums into the zeroed fp32 `dq_acc`
     [B * Hq, Sq, D] (backward.py's preprocess made `stats` and zeroed it; its conversion kernel
-    scales and casts it). Call only when `supports` says yes."""
+    scales and casts it); `dq_acc=None` leaves dQ out, and dK/dV are then bitwise reproducible
+    (each work item sums its own rows in walk order). Call only when `supports` says yes."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     q_desc, (qxb, qxh, qch) = _descriptor(q, Q_ROWS)
@@ -371,6 +376,9 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     n_items = work.numel()
     grid = (min(n_items, _num_sms(q.device.index or 0)),)
     mb, mdiv, mh = mask_map
+    with_dq = dq_acc is not None
+    if not with_dq:  # the kernel still takes a descriptor: one over a single box, never used
+        dq_acc = torch.empty(1, Q_ROWS, 32, dtype=torch.float32, device=q.device)
     _backward_hopper_kernel[grid](
         q_desc, k_desc, v_desc, do_desc, _dq_descriptor(dq_acc), stats, dk, dv,
         cm.kernel_intervals, work, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
@@ -378,5 +386,5 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         sq, sk, cm.num_kv_blocks, hq, hkv, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale,
-        HEAD_DIM=d, STAGES=stages, num_warps=4, maxnreg=168,
+        HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, num_warps=4, maxnreg=168,
     )

@@ -213,6 +213,19 @@ def backward_path(q: torch.Tensor, cm, deterministic: bool) -> str:
 HOPPER_BACKWARD_HEAD_DIMS = frozenset({64, 128})
 
 
+def two_pass_dkdv_path(q: torch.Tensor, cm) -> str:
+    """Which kernel runs the two-pass (deterministic) path's dK/dV pass: "hopper" (backward_hopper.py
+    with its dQ product left out: each work item sums its own rows in walk order, so the result
+    is bitwise reproducible) where HOPPER_DKDV_IN_TWO_PASS and the Hopper backward would take the
+    inputs, else "portable" (backward.py's _dkdv_kernel). The dQ pass stays portable."""
+    if HOPPER_DKDV_IN_TWO_PASS and backward_path(q, cm, deterministic=False) == "hopper":
+        return "hopper"
+    return "portable"
+
+
+HOPPER_DKDV_IN_TWO_PASS = True
+
+
 def forward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
     """TMA descriptor loads of K/V in the forward: measured no faster than pointer loads there."""
     return False
