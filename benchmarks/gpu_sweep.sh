@@ -20,6 +20,8 @@
 #   D  D=128 at 32K with FlexAttention's hand-written mask_mods too (flex_native): what the
 #      generic interval-reading mask_mod costs FlexAttention (one compile per family; deadline
 #      $DEADLINE_D, default 450 s from the start: run it alone, PHASES=D)
+#   E  D=128 at 32K, 8K and 128K: the deterministic backward (flexmask_det) beside FlexAttention,
+#      every family (deadline $DEADLINE_E, default 450 s: run it alone, PHASES=E)
 # The log ends with the results table in markdown (python -m benchmarks.readme_table --print).
 set -uo pipefail
 
@@ -70,7 +72,9 @@ for phase in $PHASES; do
            --time-budget "$(budget_until "${DEADLINE_C:-460}")" ;;
     D) run --shapes 32K:128 --sweep-shapes none --providers flexmask,flex,flex_native \
            --time-budget "$(budget_until "${DEADLINE_D:-450}")" ;;
-    *) echo "unknown phase $phase (expected A, B, C or D)" >&2; status=2 ;;
+    E) run --shapes 32K:128,8K:128,128K:128 --sweep-shapes none --providers flexmask_det,flex \
+           --time-budget "$(budget_until "${DEADLINE_E:-450}")" ;;
+    *) echo "unknown phase $phase (expected A, B, C, D or E)" >&2; status=2 ;;
   esac
 done
 

@@ -325,6 +325,23 @@ def test_kernel_compiler_random_intervals(sq, sk, block_m, block_n, h, seed):
     assert_same_tables(check_compiled(mask, sq, sk, block_m, block_n), got)
 
 
+def test_kernel_compiler_qk_sparse_edges():
+    """qk_sparse built inside the compile kernel (its spans and gaps as documents): spans at
+    column 0, back to back (an empty gap between), ending at kv_len, one column long, none;
+    Sq != Sk both ways; the same tables as the torch builder's."""
+    from flexmask.masks import device_intervals
+
+    cpu = torch.device("cpu")
+    for sq, sk in ((90, 90), (61, 90), (90, 61)):
+        for spans in ([(0, 5), (5, 7), (30, sk - 30)], [(sk - 1, 1)], [(3, 1), (10, 20)], []):
+            mask = masks.qk_sparse(spans)
+            assert device_intervals.device_family(mask, sq, sk, cpu) is not None
+            got = check_compiled(mask, sq, sk, 16, 32, on_device=True)
+            assert_same_tables(compile_spec(mask, sq, sk, cpu, 16, 32, on_device=False), got)
+    with pytest.raises(ValueError, match=r"maskout span \(80, 20\) ends past kv_len=90"):
+        compile_spec(masks.qk_sparse([(80, 20)]), 90, 90, cpu, 32, 32, on_device=True)
+
+
 def test_kernel_compiler_long_chunks():
     """More q-blocks than one chunk of the classify kernel (64), with chunks where the class is
     constant and chunks where it changes; a ragged last kv-block; a window ending mid-chunk."""
@@ -509,3 +526,24 @@ def test_kernel_compiler_compositions(name):
         else:
             got = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=True)
         assert_same_tables(expected, got)
+
+
+def test_host_document_bounds_match_the_device_ops():
+    """The document bounds the device path computes on the host for host lengths equal the
+    torch ops' result for the same lengths: ragged rows, zero-length documents (padding and
+    inside a row, and last), a row of one document."""
+    from flexmask.masks import device_intervals
+
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        rows = []
+        for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):
+            n = int(torch.randint(1, 7, (1,), generator=gen))
+            row = torch.randint(0, 40, (n,), generator=gen)
+            row[torch.rand(n, generator=gen) < 0.3] = 0
+            rows.append(row.tolist())
+        width = max(len(r) for r in rows)
+        padded = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        want = device_intervals._document_bounds(padded)
+        got = torch.tensor(device_intervals._host_document_bounds(rows), dtype=torch.int32)
+        assert torch.equal(got, want), (rows, got, want)

@@ -31,11 +31,12 @@ import triton.language as tl
 # families whose intervals the classify kernel computes itself (FAMILY constexpr)
 # (the families from DOCUMENT on read document bounds)
 (LOAD, FULL_MASK, CAUSAL, SLIDING_WINDOW, PREFIX_LM, GLOBAL_SLIDING_WINDOW, DOCUMENT, SHARE_QUESTION,
- CAUSAL_BLOCKWISE, PREFIX_LM_DOCUMENT) = range(10)
+ CAUSAL_BLOCKWISE, PREFIX_LM_DOCUMENT, QK_SPARSE) = range(11)
 _LOAD, _FULL_MASK, _CAUSAL = tl.constexpr(LOAD), tl.constexpr(FULL_MASK), tl.constexpr(CAUSAL)
 _SLIDING_WINDOW, _DOCUMENT, _PREFIX_LM = tl.constexpr(SLIDING_WINDOW), tl.constexpr(DOCUMENT), tl.constexpr(PREFIX_LM)
 _SHARE_QUESTION, _GLOBAL_SLIDING_WINDOW = tl.constexpr(SHARE_QUESTION), tl.constexpr(GLOBAL_SLIDING_WINDOW)
 _CAUSAL_BLOCKWISE, _PREFIX_LM_DOCUMENT = tl.constexpr(CAUSAL_BLOCKWISE), tl.constexpr(PREFIX_LM_DOCUMENT)
+_QK_SPARSE = tl.constexpr(QK_SPARSE)
 
 CHUNK_M = 128  # q-blocks per step of the per-kv-block programs (a multiple of 4 and of FWD_M)
 FWD_M, FWD_N = 32, 64  # q-blocks per forward-list program, kv-blocks per step
@@ -116,6 +117,11 @@ def _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRI
         in_last = start == extra  # documents are non-empty: only the last one starts there
         a0 = tl.where(in_last, Sq, _rows(end, offset, Sq))
         a1 = tl.where(in_last, Sq, zero + _rows(extra, offset, Sq))
+        b0, b1 = zero, _rows(j, offset, Sq)
+    elif FAMILY == _QK_SPARSE:  # the gaps and the spans alternate as documents: odd ones are spans
+        inside = (lo % 2) == 1
+        a0 = tl.where(inside, _rows(j, offset, Sq), Sq)
+        a1 = tl.where(inside, _rows(end, offset, Sq), Sq)
         b0, b1 = zero, _rows(j, offset, Sq)
     else:  # PREFIX_LM_DOCUMENT: PREFIXES[row, doc]
         prefix = tl.load(PREFIXES + row.to(tl.int64) * (DOC_STRIDE - 2) + lo).to(tl.int64)

@@ -223,6 +223,8 @@ def two_pass_dkdv_path(q: torch.Tensor, cm) -> str:
     return "portable"
 
 
+# measured on an H200 at 32K (speed_check_S32768_D128.csv / _D64.csv, backward_hopper_log.md):
+# the deterministic backward gains over the portable dK/dV pass at both head dims
 HOPPER_DKDV_IN_TWO_PASS = True
 
 

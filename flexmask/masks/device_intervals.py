@@ -8,6 +8,8 @@ a device tensor or host lists copied once through pinned memory, with no sync), 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..kernels import compile_kernels as ck
@@ -23,8 +25,28 @@ def _document_bounds(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([zero, ends, intervals.last_doc_start(lengths)[:, None]], -1).to(torch.int32)
 
 
+def _host_document_bounds(rows: list[list[int]]) -> list[list[int]]:
+    """`_document_bounds` of host rows, computed on the host (the same values): uploaded in one
+    copy, this saves the handful of device launches the torch ops cost."""
+    width = max(len(r) for r in rows)
+    out = []
+    for r in rows:
+        ends = list(itertools.accumulate(r)) + [sum(r)] * (width - len(r))
+        last_start = max((e - n for e, n in zip(ends, r) if n > 0), default=0)
+        out.append([0, *ends, last_start])
+    return out
+
+
+def _bounds(name: str, lengths, g) -> torch.Tensor:
+    """int32 [rows, docs + 2] document bounds (see `_document_bounds`) of checked lengths: from
+    the host and uploaded once for host data, by device ops for lengths that live on the device."""
+    if intervals.is_device_lengths(lengths, g):
+        return _document_bounds(intervals.doc_lengths(name, lengths, g))
+    return intervals.to_device(_host_document_bounds(intervals.host_doc_rows(name, lengths, g)), g.device, torch.int32)
+
+
 _FAMILIES = ("full", "causal", "sliding_window", "document", "prefix_lm", "share_question", "global_sliding_window",
-             "causal_blockwise", "prefix_lm_document")
+             "causal_blockwise", "prefix_lm_document", "qk_sparse")
 
 
 def device_family(mask: specs.Mask, q_len: int, kv_len: int, device: torch.device):
@@ -47,16 +69,38 @@ def device_family(mask: specs.Mask, q_len: int, kv_len: int, device: torch.devic
     if kind == "global_sliding_window":
         return (ck.GLOBAL_SLIDING_WINDOW, min(p["global_tokens"], far), min(p["left"], far), min(p["right"], far),
                 None, None), one
+    if kind == "qk_sparse":  # the gaps and the spans between them as documents (a gap may be empty)
+        lengths, pos = [], 0
+        for off, n in p["maskout"]:
+            if off + n > kv_len:
+                raise ValueError(f"maskout span ({off}, {n}) ends past kv_len={kv_len}")
+            lengths += [off - pos, n]
+            pos = off + n
+        bounds = _host_document_bounds([lengths + [kv_len - pos]])
+        return (ck.QK_SPARSE, 0, 0, 0, intervals.to_device(bounds, device, torch.int32), None), one
     g = intervals.geometry(q_len, kv_len, device, on_device=True)
     if kind == "share_question":
-        lengths = intervals.to_device([intervals.share_question_lengths(p, kv_len)], device)
-        return (ck.SHARE_QUESTION, p["question_len"], 0, 0, _document_bounds(lengths), None), one
+        bounds = _host_document_bounds([intervals.share_question_lengths(p, kv_len)])
+        return (ck.SHARE_QUESTION, p["question_len"], 0, 0, intervals.to_device(bounds, device, torch.int32),
+                None), one
     # lists are checked and uploaded without a sync; lengths already on the device stay there
-    lengths = intervals.doc_lengths("seqlens", p["seqlens"], g)
     if kind == "prefix_lm_document":
-        prefixes = intervals.doc_lengths("prefix_lens", p["prefix_lens"], g, check_sum=False)
-        rows = min(lengths.shape[0], prefixes.shape[0])  # paired row by row, as the torch builder does
-        lengths, prefixes = lengths[:rows], prefixes[:rows].to(torch.int32).contiguous()
-        return (ck.PREFIX_LM_DOCUMENT, 0, 0, 0, _document_bounds(lengths), prefixes), (rows, 1)
+        seqlens, prefix_lens = p["seqlens"], p["prefix_lens"]
+        if intervals.is_device_lengths(seqlens, g) or intervals.is_device_lengths(prefix_lens, g):
+            lengths = intervals.doc_lengths("seqlens", seqlens, g)
+            prefixes = intervals.doc_lengths("prefix_lens", prefix_lens, g, check_sum=False)
+            rows = min(lengths.shape[0], prefixes.shape[0])  # paired row by row, as the torch builder does
+            bounds, prefixes = _document_bounds(lengths[:rows]), prefixes[:rows].to(torch.int32).contiguous()
+        else:  # host data: bounds and prefixes computed here, one upload each
+            length_rows = intervals.host_doc_rows("seqlens", seqlens, g)
+            prefix_rows = intervals.host_doc_rows("prefix_lens", prefix_lens, g, check_sum=False)
+            rows = min(len(length_rows), len(prefix_rows))
+            host_bounds = _host_document_bounds(length_rows[:rows])
+            width = len(host_bounds[0]) - 2  # the kernel reads prefixes with the bounds' row stride
+            bounds = intervals.to_device(host_bounds, device, torch.int32)
+            prefixes = intervals.to_device([(list(r) + [0] * width)[:width] for r in prefix_rows[:rows]], device,
+                                           torch.int32)
+        return (ck.PREFIX_LM_DOCUMENT, 0, 0, 0, bounds, prefixes), (rows, 1)
+    bounds = _bounds("seqlens", p["seqlens"], g)
     code = ck.DOCUMENT if kind == "document" else ck.CAUSAL_BLOCKWISE
-    return (code, int(p.get("causal", True)), 0, 0, _document_bounds(lengths), None), (lengths.shape[0], 1)
+    return (code, int(p.get("causal", True)), 0, 0, bounds, None), (bounds.shape[0], 1)

@@ -140,18 +140,33 @@ def doc_lengths(name: str, lengths, g: _Geometry, check_sum: bool = True) -> tor
     documents. Host data (lists, a CPU tensor of a GPU compile) is checked (each row sums to
     kv_len) and uploaded without a sync; a tensor already on the device is used as it is, never
     read on the host: negative lengths read as 0, and its sums are not checked."""
+    if is_device_lengths(lengths, g):
+        return g.upload(lengths.reshape(1, -1) if lengths.dim() == 1 else lengths).clamp(min=0)
     if isinstance(lengths, torch.Tensor):
         t = lengths.reshape(1, -1) if lengths.dim() == 1 else lengths
-        if g.is_device_data(t):
-            return g.upload(t).clamp(min=0)
-        if check_sum:  # host data: checked like a list (reading it costs no sync)
-            if bool((t < 0).any()):
-                raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
-            _rows_per_batch(name, t.tolist() if t.shape[0] > 1 else t[0].tolist(), g)
+        host_doc_rows(name, lengths, g, check_sum)
         return g.upload(t)
-    rows = _rows_per_batch(name, lengths, g) if check_sum else (lengths if isinstance(lengths[0], list) else [lengths])
+    rows = host_doc_rows(name, lengths, g, check_sum)
     width = max(len(r) for r in rows)
     return to_device([list(r) + [0] * (width - len(r)) for r in rows], g.device)
+
+
+def is_device_lengths(lengths, g: _Geometry) -> bool:
+    """Whether document lengths are device data (never read on the host) rather than host data."""
+    return isinstance(lengths, torch.Tensor) and g.is_device_data(lengths)
+
+
+def host_doc_rows(name: str, lengths, g: _Geometry, check_sum: bool = True) -> list[list[int]]:
+    """Host document lengths (a list, a list of lists or a CPU tensor) as rows of ints, each row
+    checked to sum to kv_len when check_sum (a tensor's values also to be >= 0)."""
+    if isinstance(lengths, torch.Tensor):
+        t = lengths.reshape(1, -1) if lengths.dim() == 1 else lengths
+        if check_sum and bool((t < 0).any()):
+            raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
+        lengths = t.tolist() if t.shape[0] > 1 else t[0].tolist()
+    if check_sum:
+        return _rows_per_batch(name, lengths, g)
+    return lengths if isinstance(lengths[0], list) else [lengths]
 
 
 def _doc_columns(lengths: torch.Tensor, g: _Geometry):
@@ -237,6 +252,9 @@ def _qk_sparse(m, g):
     for off, length in spans:
         if off + length > g.kv_len:
             raise ValueError(f"maskout span ({off}, {length}) ends past kv_len={g.kv_len}")
+    if not spans:  # nothing hidden: causal
+        q = g.full_like_cols(g.q_len)
+        return _pack(q, q, _no_interval(g), _causal_upper(g))
     table = to_device([[off for off, _ in spans], [off + n for off, n in spans]], g.device)  # [2, spans]
     span = (torch.searchsorted(table[0], g.cols, right=True) - 1).clamp(min=0)
     span_end = table[1].gather(0, span)

@@ -31,6 +31,8 @@ class _Blocks:
         last_row = np.minimum(first_row + block_m, q_len) - 1
         offset = kv_len - q_len  # bottom-right alignment (DESIGN.md 2.3)
         self.p0, self.p1 = first_row + offset, last_row + offset
+        top = kv_len - 1  # (np.minimum/np.maximum: np.clip costs several times more on short arrays)
+        self.clipped = np.minimum(np.maximum(self.p0, 0), top), np.minimum(np.maximum(self.p1, 0), top)
 
     def everything(self):
         return np.zeros_like(self.p0), np.full_like(self.p1, self.kv_len - 1)
@@ -48,8 +50,7 @@ def _document_hull(blocks: _Blocks, seqlens, causal: bool):
     """Union over the batch rows of the hulls of each row's documents."""
     lo = np.full_like(blocks.p0, blocks.kv_len)
     hi = np.full_like(blocks.p1, -1)
-    p0 = np.clip(blocks.p0, 0, blocks.kv_len - 1)  # rows at negative positions attend nothing
-    p1 = np.clip(blocks.p1, 0, blocks.kv_len - 1)
+    p0, p1 = blocks.clipped  # rows at negative positions attend nothing
     for ends in _doc_bounds(seqlens):
         first_doc = np.searchsorted(ends, p0, side="right") - 1
         last_doc = np.searchsorted(ends, p1, side="right") - 1
@@ -120,14 +121,19 @@ def _scalar_bound(kind: str, params: tuple, q_len: int, kv_len: int, block_m: in
     return _count(*_leaf_hull(kind, dict(params), b), kv_len, block_n)
 
 
+@functools.lru_cache(maxsize=64)
+def _blocks(q_len: int, kv_len: int, block_m: int) -> _Blocks:
+    return _Blocks(q_len, kv_len, block_m)  # read only: shared by the calls of one shape
+
+
 def _bound(mask, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
-    b = _Blocks(q_len, kv_len, block_m)
+    b = _blocks(q_len, kv_len, block_m)
     return _count(*(b.everything() if mask is None else _hull(mask, b)), kv_len, block_n)
 
 
 def _count(lo, hi, kv_len: int, block_n: int) -> int:
     """Tiles of the kv-blocks meeting each q-block's hull [lo, hi], summed."""
-    lo = np.clip(lo, 0, kv_len - 1)
-    hi = np.clip(hi, -1, kv_len - 1)
+    lo = np.minimum(np.maximum(lo, 0), kv_len - 1)
+    hi = np.minimum(np.maximum(hi, -1), kv_len - 1)
     blocks = np.where(hi >= lo, hi // block_n - lo // block_n + 1, 0)
     return int(blocks.sum())
