@@ -87,3 +87,24 @@ def test_readme_table_is_generated_between_the_markers(tmp_path):
     assert "| causal | 8K | 4 | 0.500 | 412 / 315 | 301 / 251 | 330 / 264 | 1.31x / 1.20x / 1.25x |" in text
     assert "OOM" in text
     assert readme_table.main([str(tmp_path / "gpu.csv"), "--readme", str(readme), "--check"]) == 0
+
+
+def test_targets_reports_misses(tmp_path):
+    """benchmarks.targets flags a case under its target and counts the ones met."""
+    from benchmarks import targets
+
+    fields = ["provider", "family", "params", "seqlen", "head_dim", "status", "mode", "fwd_vs_flex", "bwd_vs_flex",
+              "fwd_bwd_vs_flex", "fwd_tflops", "bwd_tflops"]
+    rows = [
+        ["flexmask", "causal", "", "32768", "128", "ok", "gpu", "1.3", "1.3", "1.3", "550", "500"],
+        ["flexmask", "document", "", "8192", "128", "ok", "gpu", "1.1", "1.3", "1.3", "400", "400"],
+        ["sdpa_cudnn", "causal", "", "32768", "128", "ok", "gpu", "", "", "", "600", "600"],
+        ["flexmask_det", "causal", "", "32768", "128", "ok", "gpu", "", "0.9", "", "", ""],
+    ]
+    path = tmp_path / "gpu.csv"
+    path.write_text("\n".join(",".join(r) for r in [fields, *rows]) + "\n")
+    out = targets.check(str(path))
+    assert "document 8K D=128: forward 1.10x FlexAttention" in out
+    assert "causal 32K D=128: backward 0.83x SDPA cuDNN" in out
+    assert "causal 32K D=128: deterministic backward 0.90x FlexAttention" in out
+    assert out[-1] == "4 of 7 checks met"
