@@ -3,7 +3,7 @@ registers, spills and shared memory: catches compile errors and register/shared-
 overflows before any device time is spent.
 
     python -m benchmarks.offline_compile            # the Hopper forward, D=64 and 128
-    python -m benchmarks.offline_compile backward   # the Hopper backward, D=128 and 64 (and dK/dV only)
+    python -m benchmarks.offline_compile backward   # the Hopper backward, D=128 and 64 (and dK/dV only; the dQ pass)
 """
 
 from __future__ import annotations
@@ -83,9 +83,35 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True):
                            source_cls=GluonASTSource)
 
 
+def _hopper_dq(stages: int, head_dim: int = 128):
+    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from flexmask.kernels import backward_hopper_dq as bq
+    from flexmask.kernels import forward_hopper as fh
+
+    q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
+    qd, _ = fh._descriptor(q, fh.HOPPER_BLOCK // 2)
+    kd, _ = fh._descriptor(k, fh.HOPPER_BLOCK)
+    i32 = torch.empty(8, dtype=torch.int32)
+    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, DQ=q, STATS=torch.empty(8), INTV=i32, WORK=i32,
+                FWD_OFFSETS=i32, FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_dqb=7, stride_dqh=7,
+                stride_dqm=7, Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1,
+                MASK_H_STRIDE=0, Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5,
+                sm_scale=0.3)  # as launched
+    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, num_warps=4)
+    return compile_offline(bq._dq_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
+                           source_cls=GluonASTSource)
+
+
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
     if sys.argv[1:] == ["backward"]:
+        for d in (128, 64):
+            try:
+                print(report(f"backward_hopper_dq D={d} stages=2", _hopper_dq(2, d)), flush=True)
+            except Exception as exc:
+                print(f"backward_hopper_dq D={d}: FAILED {type(exc).__name__}: {str(exc)[:6000]}", file=sys.stderr)
         for d, with_dq in ((128, True), (64, True), (128, False)):
             try:
                 print(report(f"backward_hopper D={d} stages=2 with_dq={with_dq}", _hopper_backward(2, d, with_dq)),

@@ -7,8 +7,10 @@ create_block_mask outside the timed region. TFLOP/s count unmasked elements only
 (deterministic=False: the Hopper or the fused kernel, configs.backward_path), `flexmask_det` with
 the two-pass, bitwise reproducible one; with --hopper-backward, `flexmask` is the fused backward
 and `flexmask_hopper_bwd` the Hopper backward (backward_hopper.py) whatever
-configs.HOPPER_BACKWARD_HEAD_DIMS says, with the relative difference of its
-gradients to the two-pass path's (`rel_err_grads_vs_det`). Writes a CSV (GPU, versions, command,
+configs.HOPPER_BACKWARD_HEAD_DIMS says; with --hopper-dq, `flexmask_det` takes the portable dQ
+pass and `flexmask_det_hopper_dq` the Hopper one (backward_hopper_dq.py). Those two new kernels'
+rows carry their first call's time (compile included) and the relative difference of their
+gradients to the portable two-pass path's (`rel_err_grads_vs_det`). Writes a CSV (GPU, versions, command,
 date in every row).
 
     PYTHONPATH=$PWD python3 -m benchmarks.speed_check --out benchmarks/results
@@ -66,6 +68,8 @@ def main(argv=None):
     ap.add_argument("--families", nargs="*", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--hopper-backward", action="store_true", help="also time the Hopper backward kernel")
+    ap.add_argument("--hopper-dq", action="store_true",
+                    help="also time the deterministic path with the Hopper dQ pass (flexmask_det_hopper_dq)")
     args = ap.parse_args(argv)
     require_cuda("benchmarks.speed_check", "times flexmask and FlexAttention on a GPU")
 
@@ -112,19 +116,26 @@ def main(argv=None):
         runs = [("flexmask", run_fm), ("flexmask_det", run_fm_det), ("flex_attention", run_flex)]
         if args.hopper_backward:
             runs.insert(1, ("flexmask_hopper_bwd", run_fm))
+        if args.hopper_dq:
+            runs.insert(-1, ("flexmask_det_hopper_dq", run_fm_det))
+        dq_default = configs.HOPPER_DQ_IN_TWO_PASS
         for provider, fn in runs:
             default = configs.HOPPER_BACKWARD_HEAD_DIMS
+            configs.HOPPER_DQ_IN_TWO_PASS = provider == "flexmask_det_hopper_dq" or (
+                dq_default and provider == "flexmask_det" and not args.hopper_dq)
             if provider == "flexmask_hopper_bwd":
                 configs.HOPPER_BACKWARD_HEAD_DIMS = frozenset({args.head_dim})
             elif args.hopper_backward:  # `flexmask` is then the fused path, to compare against
                 configs.HOPPER_BACKWARD_HEAD_DIMS = frozenset()
             extra = {}
-            if provider == "flexmask_hopper_bwd":
+            if provider in ("flexmask_hopper_bwd", "flexmask_det_hopper_dq"):
                 t0 = time.perf_counter()
                 got = grads(fn)
                 torch.cuda.synchronize()
                 extra["first_call_s"] = time.perf_counter() - t0  # compile of the backward included
+                configs.HOPPER_DQ_IN_TWO_PASS = False
                 want = grads(run_fm_det)
+                configs.HOPPER_DQ_IN_TWO_PASS = provider == "flexmask_det_hopper_dq"
                 extra["rel_err_grads_vs_det"] = max(
                     ((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want))
             out = fn()
@@ -143,6 +154,7 @@ def main(argv=None):
                 })
             q.grad = k.grad = v.grad = None
             configs.HOPPER_BACKWARD_HEAD_DIMS = default
+            configs.HOPPER_DQ_IN_TWO_PASS = dq_default
         ref = run_flex().float()
         err = ((run_fm().float() - ref).norm() / ref.norm()).item()
         for r in rows:

@@ -59,18 +59,42 @@ def test_every_family(family, head_dim):
     _check(family, 2, 4, 2, 700, 700, torch.bfloat16, "bhsd", seed=1, d=head_dim)
 
 
+@pytest.mark.parametrize("dq_pass", ["portable", "hopper"])
 @pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("family", FAMILIES, ids=str)
-def test_deterministic_path_with_hopper_dkdv(family, head_dim):
+def test_deterministic_path_with_hopper_dkdv(family, head_dim, dq_pass, monkeypatch):
     """deterministic=True: dK/dV from the Hopper kernel with its dQ product left out, dQ from the
-    portable pass; close to the reference and bitwise reproducible."""
+    portable pass or from backward_hopper_dq.py; close to the reference and bitwise reproducible."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     from flexmask.kernels import configs
 
+    monkeypatch.setattr(configs, "HOPPER_DQ_IN_TWO_PASS", dq_pass == "hopper")
     q = torch.empty(1, 4, 700, head_dim, device="cuda", dtype=torch.bfloat16)
-    assert configs.two_pass_dkdv_path(q, compile_mask(masks.causal(), 700, 700, device="cuda")) == "hopper"
+    cm = compile_mask(masks.causal(), 700, 700, device="cuda")
+    assert configs.two_pass_dkdv_path(q, cm) == "hopper"
+    assert configs.two_pass_dq_path(q, cm) == dq_pass
     _check(family, 2, 4, 2, 700, 651, torch.bfloat16, "bhsd", seed=2, d=head_dim, kernel="two-pass")
+
+
+@pytest.mark.parametrize("d", [128, 64], ids=lambda d: f"D{d}")
+def test_hopper_dq_pass_odd_shapes(d, monkeypatch):
+    """The Hopper dQ pass with GQA, Sq != Sk both ways, the (B, S, H, D) layout, fp16, a
+    gradient of the LSE and rows that attend nothing."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels import configs
+
+    monkeypatch.setattr(configs, "HOPPER_DQ_IN_TWO_PASS", True)
+    _check("causal", 1, 8, 2, 197, 1500, torch.bfloat16, "bshd", d=d, kernel="two-pass")
+    _check("document", 2, 4, 4, 1500, 777, torch.float16, "bhsd", d=d, kernel="two-pass")
+    s = 300
+    lts = torch.zeros(1, 1, s, dtype=torch.int32)  # rows 100..199 see no key: masked in every column
+    lte = torch.zeros_like(lts)
+    lts[..., :] = 100
+    lte[..., :] = 200
+    empty_rows = masks.column_intervals(lts, lte, torch.zeros_like(lts), torch.zeros_like(lts))
+    _check(None, 1, 2, 1, s, s, torch.bfloat16, "bhsd", seed=3, mask=empty_rows, with_dlse=True, d=d, kernel="two-pass")
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,7 @@ def test_backward_path_rule():
     assert configs.backward_path(q, cm, deterministic=True) == "two-pass"
     assert configs.backward_path(q, cm, deterministic=False) == "fused"  # the interpreter: no Gluon
     assert configs.two_pass_dkdv_path(q, cm) == "portable"
+    assert configs.two_pass_dq_path(q, cm) == "portable"
 
 
 def test_kernel_argument_errors():
@@ -95,8 +96,8 @@ def test_do_follows_q_layout(q_layout):
 
 
 def test_hopper_kernels_compile_for_sm90():
-    """Both Gluon kernels go through Triton and ptxas for sm_90 on this machine and fit in one
-    SM's shared memory; the forward also without register spills."""
+    """The Gluon kernels go through Triton and ptxas for sm_90 on this machine and fit in one
+    SM's shared memory; the forward and the dQ pass also without register spills."""
     pytest.importorskip("triton.experimental.gluon")
     from benchmarks import offline_compile
 
@@ -106,3 +107,7 @@ def test_hopper_kernels_compile_for_sm90():
     for d, with_dq in ((128, True), (64, True), (128, False)):
         bwd = offline_compile._hopper_backward(2, d, with_dq)
         assert bwd.metadata.shared <= HOPPER_SHARED_BYTES
+    for d in (128, 64):  # the deterministic path's dQ pass: also without spills
+        dq = offline_compile._hopper_dq(2, d)
+        assert dq.metadata.shared <= HOPPER_SHARED_BYTES
+        assert "0 bytes spill stores" in offline_compile.report("dq", dq)

@@ -20,7 +20,8 @@ import triton.language as tl
 
 from .backward_fused import convert_dq, fused_backward
 from .configs import (backward_config, backward_fused_config, backward_fused_dq_tma, backward_fused_dq_transposed,
-                      backward_fused_uses_tma, backward_path, backward_uses_tma, flat_steps, two_pass_dkdv_path)
+                      backward_fused_uses_tma, backward_path, backward_uses_tma, flat_steps, two_pass_dkdv_path,
+                      two_pass_dq_path)
 from .forward import LOG2E, mask_broadcast, precision_for
 from .masking import (block_source, column_intervals, load_block, mask_row, masked_elements, masked_elements_t,
                       row_stats)
@@ -466,6 +467,12 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
             kv_per_bh = 0
     if kv_per_bh:
         _launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale, cfg_kv, kv_per_bh, (mb, mdiv, mh), common)
+    if configs is None and two_pass_dq_path(q, cm) == "hopper":
+        from . import backward_hopper, backward_hopper_dq
+
+        if backward_hopper.supports(q, k, v, cm):  # dQ per q-block by the Hopper kernel
+            backward_hopper_dq.dq_hopper(q, k, v, do, stats, dq, cm, scale, (mb, mdiv, mh))
+            return dq, dk, dv
     q_per_bh = triton.cdiv(sq, cfg_q.block_m)
     _dq_kernel[(q_per_bh * batch * hq,)](
         q, k, v, do, stats, dq,

@@ -228,6 +228,21 @@ def two_pass_dkdv_path(q: torch.Tensor, cm) -> str:
 HOPPER_DKDV_IN_TWO_PASS = True
 
 
+def two_pass_dq_path(q: torch.Tensor, cm) -> str:
+    """Which kernel runs the two-pass path's dQ pass: "hopper" (backward_hopper_dq.py: the
+    forward's schedule, one program sums each dQ row in walk order) where HOPPER_DQ_IN_TWO_PASS
+    and the Hopper backward would take the inputs, else "portable" (backward.py's _dq_kernel)."""
+    if HOPPER_DQ_IN_TWO_PASS and backward_path(q, cm, deterministic=False) == "hopper":
+        return "hopper"
+    return "portable"
+
+
+# backward_hopper_dq.py compiles for sm_90 with no spills at head dims 64 and 128 but has not run
+# on a GPU yet: off until tests/test_gpu_hopper_backward.py passes with it and the speed check
+# measures the deterministic path faster (benchmarks/gpu_jobs/backward_hopper.sh)
+HOPPER_DQ_IN_TWO_PASS = False
+
+
 def forward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
     """TMA descriptor loads of K/V in the forward: measured no faster than pointer loads there."""
     return False

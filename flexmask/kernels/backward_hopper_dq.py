@@ -1,0 +1,224 @@
+"""Hopper (sm_90) dQ pass of the deterministic backward, in Gluon: the forward's schedule with
+the gradient's products.
+
+`deterministic=True` runs dK/dV (backward_hopper.py with its dQ product left out) and then dQ
+per q-block, so that every dQ row is summed by one program in a fixed order. This kernel is
+that second pass on Hopper, built like the Hopper forward (forward_hopper.py): persistent
+programs over (q-block, batch x head) items from the forward's heaviest-first work list, a
+one-warp TMA producer that loads the item's Q and dO halves once and then streams K and V tiles
+in walk order, and two consumer warpgroups of 64 query rows that never wait for each other.
+Per 64-key half of a tile each warpgroup computes
+
+    S  = Q K^T     [64 q, 64 kv]     P  = exp2(S * scale - lse)   (masked if PARTIAL)
+    dP = dO V^T    [64 q, 64 kv]     dS = P (dP - delta)
+    dQ += dS K     [64 q, D]         (dS from registers)
+
+with queries on the rows, so LSE and delta are two registers per thread. The walk order is
+fixed by the table, so dQ is bitwise reproducible.
+
+Not yet run on a GPU: `configs.HOPPER_DQ_IN_TWO_PASS` keeps it off until
+tests/test_gpu_hopper_backward.py passes and the speed check measures it.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from .backward_hopper import LOG2E, _like_q
+from .forward_hopper import (
+    CONSUMER_REGS, HOPPER_BLOCK, PRODUCER_REGS, _descriptor, _masked_scores, _num_sms, _tile_of, _walk_bounds,
+    _work_item, work_list,
+)
+
+
+@gluon.jit
+def _producer(
+    q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_bufs, v_bufs, bars,
+    WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):
+    """One warp: each work item's Q and dO halves, then its K and V tiles in walk order."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    kv_count = 0
+    item_count = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, m, seg = _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+        t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
+        hk = h // GROUP
+        for g in gl.static_range(2):  # one half of the q-block per consumer warpgroup
+            mbarrier.wait(q_empty.index(g), (item_count & 1) ^ 1)
+            mbarrier.expect(q_ready.index(g), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            coord = [b * Q_X_B + h * Q_X_H, m * BLOCK_M + g * (BLOCK_M // 2), h * Q_C_H]
+            tma.async_copy_global_to_shared(q_desc, coord, q_ready.index(g), q_smem.index(g))
+            tma.async_copy_global_to_shared(do_desc, coord, q_ready.index(g), do_smem.index(g))
+        x_kv = b * KV_X_B + hk * KV_X_H
+        c_kv = hk * KV_C_H
+        for i in range(t_hi - t_lo):
+            n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
+            s = kv_count % STAGES
+            phase = (kv_count // STAGES) & 1
+            mbarrier.wait(k_empty.index(s), phase ^ 1)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [x_kv, n * BLOCK_N, c_kv], k_ready.index(s), k_bufs.index(s))
+            mbarrier.wait(v_empty.index(s), phase ^ 1)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [x_kv, n * BLOCK_N, c_kv], v_ready.index(s), v_bufs.index(s))
+            kv_count += 1
+        item_count += 1
+
+
+@gluon.jit
+def _consumer(
+    WG: gl.constexpr, q_smem, do_smem, k_bufs, v_bufs, bars,
+    DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    stride_dqb, stride_dqh, stride_dqm,
+    Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+):
+    """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    dtype: gl.constexpr = q_smem.dtype
+    ROWS: gl.constexpr = BLOCK_M // 2
+    HALF: gl.constexpr = BLOCK_N // 2  # keys per step: S and dP of a whole tile would not fit beside dQ
+    num_warps: gl.constexpr = 4
+    # S, dP: [ROWS, HALF]; dQ: [ROWS, HEAD_DIM]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HALF, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_view = q_smem.index(WG).reshape([ROWS, HEAD_DIM])
+    do_view = do_smem.index(WG).reshape([ROWS, HEAD_DIM])
+
+    kv_count = 0
+    item_count = 0
+    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, m, seg = _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+        t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
+        row = seg // NQB
+        row0 = m * BLOCK_M + WG * ROWS
+        o_m = row0 + gl.arange(0, ROWS, layout=row_layout)
+        p_stats = STATS + (b * HQ + h).to(gl.int64) * 2 * Sq
+        lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
+        delta = gl.load(p_stats + Sq + o_m, mask=o_m < Sq, other=0.0)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+        mbarrier.wait(q_ready.index(WG), item_count & 1)
+        for i in range(t_hi - t_lo):
+            n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
+            s_idx = kv_count % STAGES
+            phase = (kv_count // STAGES) & 1
+            mbarrier.wait(k_ready.index(s_idx), phase)
+            mbarrier.wait(v_ready.index(s_idx), phase)
+            k_tile = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM])
+            v_tile = v_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM])
+            for half in gl.static_range(2):
+                k_half = k_tile.slice(half * HALF, HALF, dim=0)  # [HALF, HEAD_DIM]
+                v_half = v_tile.slice(half * HALF, HALF, dim=0)
+                zeros_s = gl.zeros([ROWS, HALF], gl.float32, layout=s_layout)
+                qk = warpgroup_mma(q_view, k_half.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+                dp = warpgroup_mma(do_view, v_half.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+                qk = warpgroup_mma_wait(1, deps=(qk,))
+                if is_partial:  # -inf where masked or past Sk
+                    qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps)
+                p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))
+                dp = warpgroup_mma_wait(0, deps=(dp,))
+                ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), ds_layout)
+                acc = warpgroup_mma(ds, k_half, acc, is_async=True)
+                acc, ds = warpgroup_mma_wait(0, deps=(acc, ds))
+            mbarrier.arrive(k_empty.index(s_idx), count=1)
+            mbarrier.arrive(v_empty.index(s_idx), count=1)
+            kv_count += 1
+        mbarrier.arrive(q_empty.index(WG), count=1)
+        item_count += 1
+
+        # epilogue: dQ = scale * sum of dS K, rows past Sq dropped
+        om = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        p_dq = (DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
+                + gl.expand_dims(om.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(od, 0))
+        gl.store(p_dq, (acc * sm_scale).to(dtype), mask=gl.expand_dims(om < Sq, 1))
+
+
+@gluon.jit
+def _dq_hopper_kernel(
+    q_desc, k_desc, v_desc, do_desc, DQ, STATS,
+    INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    stride_dqb, stride_dqh, stride_dqm,
+    Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+    qk_scale, sm_scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # [2, 1, BLOCK_M / 2, HEAD_DIM]
+    do_smem = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # [STAGES, 1, BLOCK_N, HEAD_DIM]
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for g in gl.static_range(2):
+        mbarrier.init(q_ready.index(g), count=1)
+        mbarrier.init(q_empty.index(g), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, do_smem, k_bufs, v_bufs, bars,
+                     DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     stride_dqb, stride_dqh, stride_dqm,
+                     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (1, q_smem, do_smem, k_bufs, v_bufs, bars,
+                     DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     stride_dqb, stride_dqh, stride_dqm,
+                     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_bufs, v_bufs, bars,
+                     WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+                     BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2) -> None:
+    """dQ of the deterministic path into `dq` (q's shape and dtype), from backward.py's
+    preprocess statistics `stats` [B * Hq, 2, Sq] (LSE in log2, delta). Takes what
+    backward_hopper.supports takes."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    q_desc, (qxb, qxh, qch) = _descriptor(q, HOPPER_BLOCK // 2)
+    do_desc, _ = _descriptor(_like_q(do, q), HOPPER_BLOCK // 2)  # one set of coordinates serves Q and dO
+    k_desc, (kxb, kxh, kch) = _descriptor(k, HOPPER_BLOCK)
+    v_desc, _ = _descriptor(v, HOPPER_BLOCK)
+    work = work_list(cm, batch, hq, hkv, mask_map, 2 * sk * d * k.element_size())
+    n_items = work.numel()
+    grid = (min(n_items, _num_sms(q.device.index or 0)),)
+    mb, mdiv, mh = mask_map
+    _dq_hopper_kernel[grid](
+        q_desc, k_desc, v_desc, do_desc, dq, stats,
+        cm.kernel_intervals, work, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        sq, sk, cm.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
+        qxb, qxh, qch, kxb, kxh, kch,
+        scale * LOG2E, scale,
+        BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, num_warps=4, maxnreg=168,
+    )
