@@ -6,6 +6,7 @@ the forward/backward lists that the kernels walk must visit exactly the non-skip
 FULL ones first, with the ragged last kv-block always on the bounds-checked (partial) path.
 """
 
+import re
 import time
 
 import pytest
@@ -547,3 +548,55 @@ def test_host_document_bounds_match_the_device_ops():
         want = device_intervals._document_bounds(padded)
         got = torch.tensor(device_intervals._host_document_bounds(rows), dtype=torch.int32)
         assert torch.equal(got, want), (rows, got, want)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sq=st.integers(1, 80),
+    sk=st.integers(1, 80),
+    op=st.sampled_from(["&", "|", "(&)|", "(|)&"]),
+    heads=st.sampled_from([(1, 1), (1, 2), (2, 1)]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_device_composition_matches_the_torch_path(sq, sk, op, heads, seed):
+    """The compile kernels' one-launch composition (`compose_intervals`) against the torch runs
+    path: random two-interval columns, & and |, nested, operands broadcast over heads; the same
+    canonical intervals, or the same ValueError where a column would need three intervals."""
+    from flexmask.masks.intervals import build_intervals
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def operand(h):
+        lts, lte, uts, ute = piecewise_intervals(1, h, sq, sk, 8, gen)
+        return masks.column_intervals(torch.minimum(lts, lte), torch.maximum(lts, lte),
+                                      torch.minimum(uts, ute), torch.maximum(uts, ute))
+
+    a, b, c = operand(heads[0]), operand(heads[1]), masks.causal()
+    mask = {"&": a & b, "|": a | b, "(&)|": (a & c) | b, "(|)&": (a | b) & c}[op]
+    cpu = torch.device("cpu")
+    try:
+        want = build_intervals(mask, sq, sk, cpu)
+    except ValueError as exc:
+        with pytest.raises(ValueError, match=re.escape(str(exc))):
+            build_intervals(mask, sq, sk, cpu, on_device=True)
+        return
+    assert torch.equal(build_intervals(mask, sq, sk, cpu, on_device=True), want)
+
+
+@pytest.mark.parametrize("sq, sk", [(97, 97), (40, 97), (97, 40)])
+def test_family_kernel_matches_the_torch_builders(sq, sk):
+    """`compile_kernels.family_intervals` (the device path's composition operands) gives every
+    built-in family's canonical intervals as the torch builders do, also for Sq != Sk."""
+    from flexmask.kernels.compile_kernels import family_intervals
+    from flexmask.masks import device_intervals
+    from flexmask.masks.intervals import build_intervals
+
+    cpu = torch.device("cpu")
+    names = ["full", "causal", "sliding_window", "document", "document_per_batch", "prefix_lm", "share_question",
+             "global_sliding_window", "causal_blockwise", "prefix_lm_document", "qk_sparse"]
+    for name in names:
+        mask = make_mask(name, sq, sk, batch=2)
+        family = device_intervals.device_family(mask, sq, sk, cpu)
+        assert family is not None, name
+        got = family_intervals(sq, sk, family[0], family[1], cpu)
+        assert torch.equal(got, build_intervals(mask, sq, sk, cpu)), name

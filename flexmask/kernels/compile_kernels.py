@@ -436,3 +436,151 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
         fwd_offsets=fwd_offsets, fwd_num_full=fwd_num_full, fwd_blocks=fwd_blocks,
         bwd_offsets=bwd_offsets, bwd_num_full=bwd_num_full, bwd_blocks=bwd_blocks, bwd_exact=bwd_exact,
     )
+
+
+# --- compositions: `a & b` and `a | b` of two canonical operands, one launch ---------------
+
+
+@triton.jit
+def _sorted_swap(s0, e0, s1, e1):
+    """(s0, e0), (s1, e1) ordered by start."""
+    swap = s1 < s0
+    return tl.where(swap, s1, s0), tl.where(swap, e1, e0), tl.where(swap, s0, s1), tl.where(swap, e0, e1)
+
+
+@triton.jit
+def _union_runs(s0, e0, s1, e1, s2, e2, s3, e3, Sq):
+    """Union of four row intervals (empty where end <= start) as sorted runs, touching ones
+    merged, as intervals._normalize_runs: (lower run, upper run, number of runs)."""
+    none = Sq + 1  # empty intervals sort last
+    s0, e0 = tl.where(e0 <= s0, none, s0), tl.where(e0 <= s0, none, e0)
+    s1, e1 = tl.where(e1 <= s1, none, s1), tl.where(e1 <= s1, none, e1)
+    s2, e2 = tl.where(e2 <= s2, none, s2), tl.where(e2 <= s2, none, e2)
+    s3, e3 = tl.where(e3 <= s3, none, s3), tl.where(e3 <= s3, none, e3)
+    # sorting network of four
+    s0, e0, s1, e1 = _sorted_swap(s0, e0, s1, e1)
+    s2, e2, s3, e3 = _sorted_swap(s2, e2, s3, e3)
+    s0, e0, s2, e2 = _sorted_swap(s0, e0, s2, e2)
+    s1, e1, s3, e3 = _sorted_swap(s1, e1, s3, e3)
+    s1, e1, s2, e2 = _sorted_swap(s1, e1, s2, e2)
+    # sweep: an interval opens a run when it starts after every earlier end
+    n = tl.where(s0 <= Sq, 1, 0)
+    lo_s, lo_e = s0, e0  # first run
+    hi_s, hi_e = s0 * 0 + none, e0 * 0 + none  # second run
+    last = e0
+    for k in tl.static_range(3):
+        if k == 0:
+            s, e = s1, e1
+        elif k == 1:
+            s, e = s2, e2
+        else:
+            s, e = s3, e3
+        valid = s <= Sq
+        new = valid & (s > last)
+        hi_s = tl.where(new & (n == 1), s, hi_s)
+        hi_e = tl.where(new & (n == 1), e, hi_e)
+        grow = valid & (~new)
+        lo_e = tl.where(grow & (n == 1), tl.maximum(lo_e, e), lo_e)
+        hi_e = tl.where(grow & (n == 2), tl.maximum(hi_e, e), hi_e)
+        n = n + tl.where(new, 1, 0)
+        last = tl.where(valid, tl.maximum(last, e), last)
+    return lo_s, lo_e, hi_s, hi_e, n
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "HEADS"])
+def _compose_kernel(A, B, OUT, MAX_RUNS, a_sb, a_sh, b_sb, b_sh, Sq, Sk, HEADS,
+                    AND: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (batch x head, block of columns): canonical a and b (int32 [.., Sk, 4],
+    broadcast by zero strides) -> canonical OUT [B * H, Sk, 4]; the largest number of runs a
+    column needed goes into MAX_RUNS (read only where the kinds do not bound it)."""
+    bh = tl.program_id(1)
+    b = bh // HEADS
+    h = bh % HEADS
+    o_j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = o_j < Sk
+    p_a = A + b.to(tl.int64) * a_sb + h.to(tl.int64) * a_sh + o_j * 4
+    p_b = B + b.to(tl.int64) * b_sb + h.to(tl.int64) * b_sh + o_j * 4
+    a_ls, a_le = tl.load(p_a, mask=ok, other=0), tl.load(p_a + 1, mask=ok, other=0)
+    a_us, a_ue = tl.load(p_a + 2, mask=ok, other=0), tl.load(p_a + 3, mask=ok, other=0)
+    b_ls, b_le = tl.load(p_b, mask=ok, other=0), tl.load(p_b + 1, mask=ok, other=0)
+    b_us, b_ue = tl.load(p_b + 2, mask=ok, other=0), tl.load(p_b + 3, mask=ok, other=0)
+    if AND:  # attend where both attend: masked where either masks
+        lo_s, lo_e, hi_s, hi_e, n = _union_runs(a_us, a_ue, a_ls, a_le, b_us, b_ue, b_ls, b_le, Sq)
+    else:  # attend where either attends: masked where both mask (pairwise intersections)
+        lo_s, lo_e, hi_s, hi_e, n = _union_runs(
+            tl.maximum(a_us, b_us), tl.minimum(a_ue, b_ue), tl.maximum(a_us, b_ls), tl.minimum(a_ue, b_le),
+            tl.maximum(a_ls, b_us), tl.minimum(a_le, b_ue), tl.maximum(a_ls, b_ls), tl.minimum(a_le, b_le), Sq)
+    has_hi = n >= 2
+    has_lo = n >= 1
+    lts = tl.where(has_hi, hi_s, tl.where(has_lo, lo_s, 0))
+    lte = tl.where(has_hi, hi_e, tl.where(has_lo, lo_e, 0))
+    uts = tl.where(has_hi, lo_s, 0)
+    ute = tl.where(has_hi, lo_e, 0)
+    p_o = OUT + bh.to(tl.int64) * Sk * 4 + o_j * 4
+    tl.store(p_o, lts, mask=ok)
+    tl.store(p_o + 1, lte, mask=ok)
+    tl.store(p_o + 2, uts, mask=ok)
+    tl.store(p_o + 3, ute, mask=ok)
+    tl.atomic_max(MAX_RUNS, tl.max(tl.where(ok, n, 0), 0))
+
+
+COMPOSE_BLOCK = 1024
+
+
+def compose_intervals(a: torch.Tensor, b: torch.Tensor, is_and: bool, q_len: int):
+    """`a & b` (is_and) or `a | b` of canonical int32 intervals [Ba|1, Ha|1, Sk, 4] and
+    [Bb|1, Hb|1, Sk, 4] on one device, in one launch and no host sync: (canonical int32
+    [B, H, Sk, 4], int32 [1] the most runs any column needed; more than 2 means the result
+    does not fit the canonical form and the caller must not use it)."""
+    a, b = a.contiguous(), b.contiguous()
+    batch, heads = max(a.shape[0], b.shape[0]), max(a.shape[1], b.shape[1])
+    kv_len = a.shape[2]
+    out = torch.empty(batch, heads, kv_len, 4, dtype=torch.int32, device=a.device)
+    max_runs = torch.zeros(1, dtype=torch.int32, device=a.device)
+
+    def strides(t):  # zero where the operand broadcasts
+        return (0 if t.shape[0] == 1 else t.stride(0)), (0 if t.shape[1] == 1 else t.stride(1))
+
+    if kv_len and batch * heads:
+        _compose_kernel[(triton.cdiv(kv_len, COMPOSE_BLOCK), batch * heads)](
+            a, b, out, max_runs, *strides(a), *strides(b), q_len, kv_len, heads,
+            AND=is_and, BLOCK=COMPOSE_BLOCK, num_warps=4,
+        )
+    return out, max_runs
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "offset", "P0", "P1", "P2", "DOC_STRIDE", "DOC_ITERS"])
+def _family_kernel(OUT, DOCS, PREFIXES, Sq, Sk, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS,
+                   FAMILY: tl.constexpr, BLOCK: tl.constexpr):
+    """Canonical intervals of a built-in family alone (the classify kernel's first step): one
+    program per (block of columns, mask row), OUT [rows, Sk, 4] int32."""
+    row = tl.program_id(1)
+    o_j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = o_j < Sk
+    a0, a1, b0, b1 = _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS,
+                                       FAMILY)
+    lts, lte, uts, ute = _canonical(a0, a1, b0, b1, Sq)
+    p_o = OUT + row.to(tl.int64) * Sk * 4 + o_j * 4
+    tl.store(p_o, lts.to(tl.int32), mask=ok)
+    tl.store(p_o + 1, lte.to(tl.int32), mask=ok)
+    tl.store(p_o + 2, uts.to(tl.int32), mask=ok)
+    tl.store(p_o + 3, ute.to(tl.int32), mask=ok)
+
+
+def family_intervals(q_len: int, kv_len: int, family: tuple, shape: tuple, device) -> torch.Tensor:
+    """Canonical int32 [Bm, Hm, kv_len, 4] of a built-in family (`device_intervals.device_family`'s
+    (code, p0, p1, p2, docs, prefixes) and (Bm, Hm)), in one launch: the operands of a
+    composition on the device path."""
+    code, p0, p1, p2, docs, prefixes = family
+    out = torch.empty(*shape, kv_len, 4, dtype=torch.int32, device=device)
+    if docs is None:
+        docs, doc_stride, doc_iters = out, 2, 0  # an unused pointer
+    else:
+        doc_stride = docs.shape[1]
+        doc_iters = max(1, (doc_stride - 2).bit_length())
+    if kv_len and shape[0] * shape[1]:
+        _family_kernel[(triton.cdiv(kv_len, COMPOSE_BLOCK), shape[0] * shape[1])](
+            out, docs, out if prefixes is None else prefixes, q_len, kv_len, kv_len - q_len, p0, p1, p2,
+            doc_stride, doc_iters, FAMILY=code, BLOCK=COMPOSE_BLOCK, num_warps=4,
+        )
+    return out

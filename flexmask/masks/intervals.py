@@ -415,14 +415,27 @@ def _find_cache(m) -> list:
     return [m] if m.kind == "kv_cache" else []
 
 
+def _leaf_intervals(m, q_len: int, g: _Geometry) -> torch.Tensor:
+    """Canonical intervals of a leaf for q_len rows: on the device path one launch of the compile
+    kernels' family builder where the family has one, else the torch builders."""
+    if g.on_device:
+        from ..kernels.compile_kernels import family_intervals
+        from .device_intervals import device_family
+
+        family = device_family(m, q_len, g.kv_len, g.device)
+        if family is not None:
+            return family_intervals(q_len, g.kv_len, family[0], family[1], g.device)
+    return build_intervals(m, q_len, g.kv_len, g.device, on_device=g.on_device)
+
+
 def _operand_intervals(m, g) -> torch.Tensor:
     """Canonical intervals of a leaf of a composition. Next to a kv_cache mask, a position-based
     leaf is built for q_len + kv_len virtual rows (virtual row r sits at position r - q_len);
     row i of batch row b, at position L[b] - q_len + i, is virtual row i + L[b]: shift and
     clamp, on the device."""
     if g.cache_lengths is None or m.kind in ("kv_cache", *_EXPLICIT_ROWS):
-        return build_intervals(m, g.q_len, g.kv_len, g.device, on_device=g.on_device)
-    virtual = build_intervals(m, g.q_len + g.kv_len, g.kv_len, g.device, on_device=g.on_device).long()  # [Bm|1, H|1, Sk, 4]
+        return _leaf_intervals(m, g.q_len, g)
+    virtual = _leaf_intervals(m, g.q_len + g.kv_len, g).long()  # [Bm|1, H|1, Sk, 4]
     lengths = g.cache_lengths
     if virtual.shape[0] not in (1, lengths.shape[0]):
         raise ValueError(
@@ -499,12 +512,41 @@ def _format_runs(runs: torch.Tensor) -> str:
     return ", ".join(f"[{s}, {e})" for s, e in runs.tolist())
 
 
+def _composed_on_device(m, g: _Geometry, root: bool = False):
+    """Canonical intervals of composition m by the compile kernels' one-launch composition
+    (`compile_kernels.compose_intervals`), or None where it does not apply: an operand that is
+    itself a composition which may need more than two runs, operands whose batch rows or heads
+    do not broadcast, or (at the root) a result that needs more than two runs (the torch path
+    then names the column). Reads the device only where the kinds leave the count open."""
+    from ..kernels.compile_kernels import compose_intervals
+
+    if m.kind not in ("and", "or"):
+        return _operand_intervals(m, g)
+    if not root and run_bounds.max_runs(m) > 2:
+        return None
+    a = _composed_on_device(m.a, g)
+    b = a if a is None else _composed_on_device(m.b, g)
+    if b is None:
+        return None
+    lead = [max(x, y) for x, y in zip(a.shape[:2], b.shape[:2])]
+    if any(t.shape[i] not in (1, lead[i]) for t in (a, b) for i in range(2)):
+        return None
+    out, most_runs = compose_intervals(a, b, m.op == "and", g.q_len)
+    if root and run_bounds.max_runs(m) > 2 and int(most_runs) > 2:  # a host sync, as on the torch path
+        return None
+    return out
+
+
 def _combined(m, g):
     caches = _find_cache(m)
     if len({id(c) for c in caches}) > 1:
         raise ValueError(f"{m!r}: a composition may hold one kv_cache mask (it sets the query positions), got {len(caches)}")
     if caches:
         g.cache_lengths = _cache_lengths(caches[0], g)
+    if g.on_device:
+        composed = _composed_on_device(m, g, root=True)
+        if composed is not None:
+            return composed
     runs = _compose_runs(m, g)
     # A result that may need more than two intervals per column has to be looked at (a host
     # sync on a GPU): DESIGN.md promises a ValueError naming the column. `run_bounds` proves from
