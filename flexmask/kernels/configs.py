@@ -372,8 +372,11 @@ def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, 
 #                 draws the last ticket merges every share of that row group, writes the final
 #                 (O, LSE) and puts the counter back to 0. Meant to remove the second launch
 #                 and the drain before it: the last shares of one row group merge while other
-#                 row groups still run. NOT MEASURED yet (benchmarks/gpu_jobs/decode_fused.sh
-#                 times both and runs the GPU tests); DECODE_FUSED_MERGE_ON_GPU flips it.
+#                 row groups still run. Measured on an H200 (stage 2, session 3;
+#                 benchmarks/results/decode_fused.csv, bench_decode --table of it): correct on
+#                 the GPU (tests/test_decode_fused.py passes), but slower than the two launches
+#                 at B = 1 and no faster at B = 8, so it stays off there; DECODE_FUSED_MERGE_ON_GPU
+#                 flips it.
 # Which runs where (decode_merge):
 #   CUDA            "two_launch" while DECODE_FUSED_MERGE_ON_GPU is False (the default until the
 #                   fused merge is measured faster).
