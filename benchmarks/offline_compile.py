@@ -44,7 +44,7 @@ def report(name: str, kernel) -> str:
     return f"{name}: shared={kernel.metadata.shared} B; " + " | ".join(lines)
 
 
-def _hopper_forward(head_dim: int, stages: int):
+def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels import forward_hopper as fh
 
@@ -57,7 +57,7 @@ def _hopper_forward(head_dim: int, stages: int):
                 FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_ob=7, stride_oh=7, stride_om=7,
                 Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5)  # as launched
-    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, num_warps=4)
+    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, num_warps=4)
     return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
@@ -119,8 +119,8 @@ if __name__ == "__main__":
             except Exception as exc:
                 print(f"backward_hopper D={d}: FAILED {type(exc).__name__}: {str(exc)[:6000]}", file=sys.stderr)
         sys.exit(0)
-    for d, st in ((128, 2), (64, 2), (64, 3)):
+    for d, st, qb in ((128, 2, 1), (64, 2, 1), (64, 3, 1), (128, 2, 2), (64, 2, 2)):
         try:
-            print(report(f"forward_hopper D={d} stages={st}", _hopper_forward(d, st)), flush=True)
+            print(report(f"forward_hopper D={d} stages={st} q_buffers={qb}", _hopper_forward(d, st, qb)), flush=True)
         except Exception as exc:  # report and go on: this is a diagnostic tool
             print(f"forward_hopper D={d} stages={st}: FAILED {type(exc).__name__}: {str(exc)[:3000]}", file=sys.stderr)

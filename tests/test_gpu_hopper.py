@@ -69,3 +69,25 @@ def test_portable_elsewhere():
     assert configs.forward_path(q[..., :96].contiguous().half(), cm) == "portable"
     small = compile_mask(make_mask("causal", 256, 256), 256, 256, device="cuda", block_m=64, block_n=64)
     assert configs.forward_path(q.half(), small) == "portable"
+
+
+@pytest.mark.parametrize("d", [128, 64], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_q_double_buffer(family, d):
+    """attention_forward_hopper(q_buffers=2) (Q of the next work item loaded during this one's
+    walk) against the reference: every family, with many short items (Sq > Sk, GQA)."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels import forward_hopper
+    from flexmask.kernels.forward import mask_broadcast
+
+    b, hq, hkv, sq, sk = 2, 4, 2, 1500, 700
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=4, layout="bhsd"))
+    mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=4)
+    cm = compile_mask(mask, sq, sk, device="cuda")
+    out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, d ** -0.5, mask_broadcast(cm, b, hq, hkv),
+                                                       q_buffers=2)
+    (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask)
+    floor = default_floor(torch.bfloat16)
+    assert_close_to_reference(out, ref_o, low_o, floor, "out")
+    assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")

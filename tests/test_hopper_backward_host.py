@@ -101,9 +101,10 @@ def test_hopper_kernels_compile_for_sm90():
     pytest.importorskip("triton.experimental.gluon")
     from benchmarks import offline_compile
 
-    fwd = offline_compile._hopper_forward(128, 2)
-    assert fwd.metadata.shared <= HOPPER_SHARED_BYTES
-    assert "0 bytes spill stores" in offline_compile.report("forward", fwd)
+    for d, q_buffers in ((128, 1), (128, 2), (64, 2)):
+        fwd = offline_compile._hopper_forward(d, 2, q_buffers)
+        assert fwd.metadata.shared <= HOPPER_SHARED_BYTES
+        assert "0 bytes spill stores" in offline_compile.report("forward", fwd)
     for d, with_dq in ((128, True), (64, True), (128, False)):
         bwd = offline_compile._hopper_backward(2, d, with_dq)
         assert bwd.metadata.shared <= HOPPER_SHARED_BYTES

@@ -125,3 +125,16 @@ def test_older_triton_takes_the_portable_forward(monkeypatch):
     assert configs.gluon_hopper_available()  # the pinned Triton 3.6
     monkeypatch.setattr(triton, "__version__", "3.5.1")
     assert not configs.gluon_hopper_available()
+
+
+def test_q_buffers_argument_is_checked():
+    """attention_forward_hopper takes one or two Q buffers and says so otherwise (before any
+    device work)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flexmask import compile_mask, masks
+    from flexmask.kernels import forward_hopper
+
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    cm = compile_mask(masks.causal(), 128, 128, device="cpu", block_m=128, block_n=128)
+    with pytest.raises(ValueError, match=r"q_buffers must be 1 or 2, got 3"):
+        forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), q_buffers=3)

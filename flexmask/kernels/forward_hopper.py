@@ -74,9 +74,10 @@ def _producer(
     WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
 ):
-    """One warp: TMA loads of each work item's Q block, then of its K and V tiles in walk order."""
+    """One warp: TMA loads of each work item's Q block, then of its K and V tiles in walk order.
+    With Q_BUFS = 2 the next item's Q goes into the other buffer while this item's walk ends."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     kv_count = 0
     item_count = 0
@@ -84,11 +85,13 @@ def _producer(
         b, h, m, seg = _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
         t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
         hk = h // GROUP
+        q_slot = (item_count % Q_BUFS) * 2
+        q_phase = (item_count // Q_BUFS) & 1
         for g in gl.static_range(2):  # one half of the q-block per consumer warpgroup
-            mbarrier.wait(q_empty.index(g), (item_count & 1) ^ 1)
-            mbarrier.expect(q_ready.index(g), q_desc.block_type.nbytes)
+            mbarrier.wait(q_empty.index(q_slot + g), q_phase ^ 1)
+            mbarrier.expect(q_ready.index(q_slot + g), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b * Q_X_B + h * Q_X_H, m * BLOCK_M + g * (BLOCK_M // 2), h * Q_C_H],
-                                            q_ready.index(g), q_smem.index(g))
+                                            q_ready.index(q_slot + g), q_smem.index(q_slot + g))
         x_kv = b * KV_X_B + hk * KV_X_H
         c_kv = hk * KV_C_H
         for i in range(t_hi - t_lo):
@@ -165,6 +168,7 @@ def _consumer(
     stride_ob, stride_oh, stride_om,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    Q_BUFS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     The two warpgroups share the K/V stages (released when both have read them) but never
@@ -180,7 +184,6 @@ def _consumer(
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    q_view = q_smem.index(WG).reshape([ROWS, HEAD_DIM])
 
     kv_count = 0
     item_count = 0
@@ -194,7 +197,9 @@ def _consumer(
         l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         n_tiles = t_hi - t_lo
-        mbarrier.wait(q_ready.index(WG), item_count & 1)
+        q_idx = (item_count % Q_BUFS) * 2 + WG
+        q_view = q_smem.index(q_idx).reshape([ROWS, HEAD_DIM])
+        mbarrier.wait(q_ready.index(q_idx), (item_count // Q_BUFS) & 1)
         if n_tiles > 0:
             # tile 0: S = Q K^T, softmax
             n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, 0)
@@ -236,7 +241,7 @@ def _consumer(
             acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev_idx), count=1)
-        mbarrier.arrive(q_empty.index(WG), count=1)
+        mbarrier.arrive(q_empty.index(q_idx), count=1)
         item_count += 1
 
         # epilogue: O = acc / l (0 for rows that attend nothing), LSE in natural log
@@ -262,19 +267,19 @@ def _forward_hopper_kernel(
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    Q_BUFS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # [2, 1, BLOCK_M / 2, HEAD_DIM]
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)  # [2 * Q_BUFS, 1, BLOCK_M / 2, HEAD_DIM]
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # [STAGES, 1, BLOCK_N, HEAD_DIM]
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for g in gl.static_range(2):
+    for g in gl.static_range(2 * Q_BUFS):
         mbarrier.init(q_ready.index(g), count=1)
         mbarrier.init(q_empty.index(g), count=1)
     for i in gl.static_range(STAGES):
@@ -290,17 +295,17 @@ def _forward_hopper_kernel(
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS)),
         (_consumer, (1, q_smem, k_bufs, v_bufs, bars,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                      WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                     BLOCK_M, BLOCK_N, STAGES)),
+                     BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -402,8 +407,12 @@ def supports(q, k, v, cm) -> bool:
 
 
 def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2,
-                             order: str = "chunked"):
-    """Same contract as forward.attention_forward; call only when `supports` says yes."""
+                             order: str = "chunked", q_buffers: int = 1):
+    """Same contract as forward.attention_forward; call only when `supports` says yes.
+    `q_buffers=2` double-buffers Q across work items (the next item's Q loads while this one's
+    walk ends: meant for short walks; compiles for sm_90, not yet measured on a GPU)."""
+    if q_buffers not in (1, 2):
+        raise ValueError(f"q_buffers must be 1 or 2, got {q_buffers!r}")
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
@@ -423,7 +432,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         sq, sk, cm.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E,
-        BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages,
+        BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
         num_warps=4, maxnreg=168,
     )
     return o, lse
