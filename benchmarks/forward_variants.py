@@ -44,15 +44,16 @@ def _all_full(cm):
 
 def _forward(q, k, v, cm, scale, kernel):
     """kernel: "hopper", "portable", "hopper-<order>" (a work-list order of forward_hopper) or
-    "hopper-qbuf2" (Q double-buffered across work items)."""
+    "hopper-qbuf1" / "hopper-qbuf2" (one Q buffer / Q double-buffered across work items; "hopper"
+    takes configs.hopper_forward_q_buffers)."""
     if kernel.startswith("hopper-"):
         from flexmask.kernels import forward_hopper
         from flexmask.kernels.forward import mask_broadcast
 
         mask_map = mask_broadcast(cm, q.shape[0], q.shape[1], k.shape[1])
         variant = kernel.split("-", 1)[1]
-        if variant == "qbuf2":
-            return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_map, q_buffers=2)
+        if variant in ("qbuf1", "qbuf2"):
+            return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_map, q_buffers=int(variant[-1]))
         return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_map, order=variant)
     return attention_forward(q, k, v, cm, scale, kernel=kernel)
 

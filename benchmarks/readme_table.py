@@ -119,6 +119,26 @@ def sdpa_table(rows: Sequence[dict], head_dim: int) -> list[str]:
     return lines
 
 
+def deterministic_table(rows: Sequence[dict], head_dim: int) -> list[str]:
+    """The deterministic backward (flexmask_det rows, sweep phase E) beside FlexAttention's, with
+    the FlexAttention row of the same run (its ratio columns were measured in one process)."""
+    det = [r for r in rows if r["provider"] == "flexmask_det" and int(r["head_dim"]) == head_dim]
+    if not det:
+        return []
+    lines = ["| family | S | TFLOP/s bwd | TFLOP/s fwd+bwd | speedup bwd / fwd+bwd |",
+             "|---|---:|---:|---:|---:|"]
+    for r in sorted(det, key=lambda r: (int(r["seqlen"]), FAMILIES.index(r["family"]) if r["family"] in FAMILIES else 99)):
+        bad = _status(r)
+        if bad is not None:
+            lines.append(f"| {r['family']} | {_size(int(r['seqlen']))} | {bad} | | |")
+            continue
+        bwd, both = float(r["bwd_tflops"]), float(r["fwd_bwd_tflops"])
+        ratio_bwd, ratio_both = float(r["bwd_vs_flex"]), float(r["fwd_bwd_vs_flex"])
+        lines.append(f"| {r['family']} | {_size(int(r['seqlen']))} | {bwd:.0f} / {bwd / ratio_bwd:.0f} "
+                     f"| {both:.0f} / {both / ratio_both:.0f} | {ratio_bwd:.2f}x / {ratio_both:.2f}x |")
+    return lines
+
+
 def markdown(rows: Sequence[dict], csv_name: str) -> str:
     rows = [r for r in latest(rows) if r.get("mode") == "gpu"] or latest(rows)
     if not rows:
@@ -141,6 +161,10 @@ def markdown(rows: Sequence[dict], csv_name: str) -> str:
         sdpa = sdpa_table(rows, d)
         if sdpa:
             out += ["", f"Full and causal against SDPA (D = {d}), TFLOP/s:", ""] + sdpa
+        det = deterministic_table(rows, d)
+        if det:
+            out += ["", (f"Deterministic backward (D = {d}, `deterministic=True`): flexmask / FlexAttention "
+                         "(FlexAttention's own non-deterministic backward, same process)."), ""] + det
     return "\n".join(out)
 
 

@@ -138,3 +138,25 @@ def test_q_buffers_argument_is_checked():
     cm = compile_mask(masks.causal(), 128, 128, device="cpu", block_m=128, block_n=128)
     with pytest.raises(ValueError, match=r"q_buffers must be 1 or 2, got 3"):
         forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), q_buffers=3)
+
+
+@pytest.mark.parametrize("mask, head_dim, want", [
+    (masks.sliding_window(1024), 64, 2),  # ~9 tiles per q-block: the measured gain
+    (masks.causal(), 64, 1),  # ~32 tiles on average at 8K: long walks lose with two buffers
+    (masks.full(), 64, 1),
+    (masks.sliding_window(1024), 128, 1),  # never gained at D = 128
+])
+def test_q_buffer_rule(mask, head_dim, want):
+    """Two Q buffers only where configs.hopper_forward_q_buffers measured a gain: short walks
+    at D = 64, decided from host values (no read of the GPU tables)."""
+    cm = compile_mask(mask, 8192, 8192, device="cpu", block_m=128, block_n=128)
+    assert configs.hopper_forward_q_buffers(head_dim, cm) == want
+
+
+def test_q_buffer_rule_follows_the_walk_length(monkeypatch):
+    cm = compile_mask(masks.sliding_window(1024), 8192, 8192, device="cpu", block_m=128, block_n=128)
+    walk = cm.num_tiles_visited / (cm.batch * cm.heads * cm.num_q_blocks)
+    monkeypatch.setattr(configs, "HOPPER_QBUF2_MAX_WALK", int(walk) - 1)
+    assert configs.hopper_forward_q_buffers(64, cm) == 1
+    monkeypatch.setattr(configs, "HOPPER_QBUF2_MAX_WALK", int(walk) + 1)
+    assert configs.hopper_forward_q_buffers(64, cm) == 2

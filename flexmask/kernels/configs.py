@@ -190,6 +190,25 @@ def forward_path(q: torch.Tensor, cm) -> str:
 HOPPER_FORWARD_IS_DEFAULT = True
 
 
+def hopper_forward_q_buffers(head_dim: int, cm) -> int:
+    """Q buffers of the Hopper forward (forward_hopper.py): 2 (the next work item's Q loads while
+    this item's walk ends) at the head dims of HOPPER_QBUF2_HEAD_DIMS when a q-block visits at most
+    HOPPER_QBUF2_MAX_WALK tiles on average, else 1. Reads only host values: `num_tiles_visited`
+    is exact for full, causal, sliding-window, document and prefix-LM masks and an upper bound
+    for the rest, so a mask of unknown shape keeps one buffer."""
+    if head_dim not in HOPPER_QBUF2_HEAD_DIMS:
+        return 1
+    walks = cm.batch * cm.heads * cm.num_q_blocks
+    return 2 if cm.num_tiles_visited <= HOPPER_QBUF2_MAX_WALK * walks else 1
+
+
+# measured on an H200 at 32K (forward_variants_qbuf.csv): the second Q buffer gains ~7% on a
+# 1024-key sliding window at D = 64 (walks of ~9 tiles), is level on causal documents and costs
+# 2-8% on long walks (causal, full) at D = 64 and up to 18% at D = 128, where it never gained
+HOPPER_QBUF2_HEAD_DIMS = frozenset({64})
+HOPPER_QBUF2_MAX_WALK = 16
+
+
 def backward_path(q: torch.Tensor, cm, deterministic: bool) -> str:
     """Which backward runs: "two-pass" when determinism is asked (backward.py, bitwise
     reproducible); otherwise "hopper" (backward_hopper.py: Gluon, persistent, warp-specialised)

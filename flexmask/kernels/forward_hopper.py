@@ -32,6 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import configs
+
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the one-warp TMA producer
 CONSUMER_REGS = gl.constexpr(240)  # the second consumer warpgroup (the first gets what is left)
@@ -407,10 +409,12 @@ def supports(q, k, v, cm) -> bool:
 
 
 def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2,
-                             order: str = "chunked", q_buffers: int = 1):
+                             order: str = "chunked", q_buffers: int | None = None):
     """Same contract as forward.attention_forward; call only when `supports` says yes.
     `q_buffers=2` double-buffers Q across work items (the next item's Q loads while this one's
-    walk ends: meant for short walks; compiles for sm_90, not yet measured on a GPU)."""
+    walk ends: pays on short walks); None takes `configs.hopper_forward_q_buffers`."""
+    if q_buffers is None:
+        q_buffers = configs.hopper_forward_q_buffers(q.shape[-1], cm)
     if q_buffers not in (1, 2):
         raise ValueError(f"q_buffers must be 1 or 2, got {q_buffers!r}")
     batch, hq, sq, d = q.shape
