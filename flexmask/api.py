@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .autograd import attention_fwd
+from .autograd import attention_eager, attention_fwd
 from .kernels import configs
 from .kernels.decode import decode_forward, decode_fwd
 from .kernels.forward import _forward_kernel
@@ -208,7 +208,8 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         split_kv_forward = decode_fwd if torch.compiler.is_compiling() else decode_forward  # op only for the compiler
         out, lse = split_kv_forward(q, k, v, *tables[:4], *tables[7:11], float(scale))
         return (out, lse) if return_lse else out
-    out, lse = attention_fwd(q, k, v, *tables, float(scale), int(deterministic))
+    op = attention_fwd if torch.compiler.is_compiling() else attention_eager  # the op only for the compiler
+    out, lse = op(q, k, v, *tables, float(scale), int(deterministic))
     return (out, lse) if return_lse else out
 
 

@@ -1,6 +1,12 @@
-"""The attention op as `torch.library` custom ops with autograd, so it runs under
-`torch.compile(fullgraph=True)` without graph breaks. The forward saves only
-(q, k, v, o, lse) and the mask tables."""
+"""The attention op, two ways with one implementation: `torch.library` custom ops with autograd,
+so it runs under `torch.compile(fullgraph=True)` without graph breaks, and a plain
+`torch.autograd.Function` for eager calls. Both save only (q, k, v, o, lse) and the mask tables.
+
+Why two: an eager call of a custom op with registered autograd costs ~0.2-0.3 ms of host time
+per call in torch 2.11-2.13 (its argument defaults are re-read from the schema on every call),
+more than a short masked forward takes on an H200, so eager training steps were host-bound
+(benchmarks/results/host_bound_probe_log.txt). `attention` (api.py) calls `apply` below in
+eager mode and the op only while torch.compile traces."""
 
 from __future__ import annotations
 
@@ -25,6 +31,25 @@ def _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_n
     )
 
 
+def _forward_impl(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
+                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic=-1):
+    cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
+                 mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
+    return attention_forward(q, k, v, cm, scale)
+
+
+def _backward_impl(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets,
+                   bwd_num_full, bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale,
+                   deterministic=-1):
+    cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
+                 mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    if deterministic < 0:
+        deterministic = int(torch.are_deterministic_algorithms_enabled())
+    return attention_backward(do, dlse, q, k, v, o, lse, cm, scale, deterministic=bool(deterministic))
+
+
 @torch.library.custom_op("flexmask::attention_fwd", mutates_args=())
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor,
@@ -36,9 +61,8 @@ def attention_fwd(
     """`deterministic` only travels to the backward: 1 the two-pass path (bitwise reproducible),
     0 the fused path, -1 whatever torch.are_deterministic_algorithms_enabled() says when the
     backward runs (flexmask.attention always resolves it to 0 or 1 at call time)."""
-    cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
-                 mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
-    return attention_forward(q, k, v, cm, scale)
+    return _forward_impl(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full,
+                         bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic)
 
 
 @attention_fwd.register_fake
@@ -56,13 +80,9 @@ def attention_bwd(
     mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, tiles_visited: int, scale: float,
     deterministic: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
-                 mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
-    if do.stride(-1) != 1:
-        do = do.contiguous()
-    if deterministic < 0:
-        deterministic = int(torch.are_deterministic_algorithms_enabled())
-    return attention_backward(do, dlse, q, k, v, o, lse, cm, scale, deterministic=bool(deterministic))
+    return _backward_impl(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets,
+                          bwd_num_full, bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale,
+                          deterministic)
 
 
 @attention_bwd.register_fake
@@ -96,3 +116,33 @@ def _backward(ctx, do, dlse):
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The same forward and backward as the ops above, for eager calls (no schema handling)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *args):
+        o, lse = _forward_impl(q, k, v, *args)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, as with the op
+        ctx.save_for_backward(q, k, v, o, lse, *args[:7])
+        ctx.consts = tuple(args[7:])
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, *tables = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        if dlse is not None:
+            dlse = dlse.contiguous()
+        dq, dk, dv = _backward_impl(do, dlse, q, k, v, o, lse, *tables, *ctx.consts)
+        return dq, dk, dv, *([None] * (7 + len(ctx.consts)))
+
+
+def attention_eager(q, k, v, *args) -> tuple[Tensor, Tensor]:
+    """attention_fwd's arguments; autograd only where a gradient can flow (otherwise the kernels
+    are called directly: the Function's own bookkeeping is skipped too)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, *args)
+    return _forward_impl(q, k, v, *args)

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .forward_hopper import _descriptor, _masked_scores, _num_sms, heaviest_first
+from .forward_hopper import _descriptor, _masked_scores, _num_sms, _tma_view, heaviest_first, shared_layout
 
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = gl.constexpr(24)
@@ -337,13 +337,14 @@ def supports(q, k, v, cm) -> bool:
     if not (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
             and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS):
         return False
-    q_view, k_view, v_view = _descriptor(q, Q_ROWS), _descriptor(k, KV_ROWS), _descriptor(v, KV_ROWS)
-    return q_view is not None and k_view is not None and v_view is not None and k_view[1] == v_view[1]
+    q_view, k_view, v_view = _tma_view(q), _tma_view(k), _tma_view(v)
+    return q_view is not None and k_view is not None and v_view is not None and k_view[2] == v_view[2]
 
 
 def _like_q(do: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """dO in q's memory order ((B, H, S, D) or a (B, S, H, D) view), copied only when it is not."""
-    if _descriptor(do, Q_ROWS) is not None and _descriptor(do, Q_ROWS)[1] == _descriptor(q, Q_ROWS)[1]:
+    do_view = _tma_view(do)
+    if do_view is not None and do_view[2] == _tma_view(q)[2]:
         return do
     if q.stride(1) >= q.stride(2):  # heads outer: (B, H, S, D)
         return do.contiguous()
@@ -354,9 +355,9 @@ def _dq_descriptor(dq_acc: torch.Tensor):
     """3-D descriptor of the fp32 dQ buffer [B * Hq, Sq, BLOCK_D]: a block that overhangs Sq is
     clipped at its own head's end, not added into the next head's rows."""
     rows, sq, width = dq_acc.shape
-    block = [1, Q_ROWS, 32]  # 32 fp32 columns: 128 bytes, the widest a swizzled box takes
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
-    return TensorDescriptor(dq_acc, [rows, sq, width], [sq * width, width, 1], block, layout)
+    block = (1, Q_ROWS, 32)  # 32 fp32 columns: 128 bytes, the widest a swizzled box takes
+    return TensorDescriptor(dq_acc, [rows, sq, width], [sq * width, width, 1], list(block),
+                            shared_layout(block, torch.float32))
 
 
 def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_map: tuple[int, int, int],
