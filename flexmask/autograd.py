@@ -119,30 +119,31 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The same forward and backward as the ops above, for eager calls (no schema handling)."""
+    """The same forward and backward as the ops above, for eager calls (no schema handling). The
+    mask tables travel as one tuple, not as inputs: autograd has nothing to track there."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *args):
-        o, lse = _forward_impl(q, k, v, *args)
+    def forward(ctx, q, k, v, tables, consts):
+        o, lse = _forward_impl(q, k, v, *tables, *consts)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, as with the op
-        ctx.save_for_backward(q, k, v, o, lse, *args[:7])
-        ctx.consts = tuple(args[7:])
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.tables, ctx.consts = tables, consts
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, *tables = ctx.saved_tensors
+        q, k, v, o, lse = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         if dlse is not None:
             dlse = dlse.contiguous()
-        dq, dk, dv = _backward_impl(do, dlse, q, k, v, o, lse, *tables, *ctx.consts)
-        return dq, dk, dv, *([None] * (7 + len(ctx.consts)))
+        dq, dk, dv = _backward_impl(do, dlse, q, k, v, o, lse, *ctx.tables, *ctx.consts)
+        return dq, dk, dv, None, None
 
 
 def attention_eager(q, k, v, *args) -> tuple[Tensor, Tensor]:
     """attention_fwd's arguments; autograd only where a gradient can flow (otherwise the kernels
     are called directly: the Function's own bookkeeping is skipped too)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, *args)
+        return _EagerAttention.apply(q, k, v, args[:7], args[7:])
     return _forward_impl(q, k, v, *args)

@@ -302,3 +302,30 @@ def test_torch_compile_mask_none(monkeypatch):
     monkeypatch.setattr(api, "_FULL_CACHE", {})
     compiled = torch.compile(lambda q, k, v: flexmask.attention(q, k, v), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(q, k, v), eager)
+
+
+def test_eager_calls_skip_the_custom_op(monkeypatch):
+    """Eager calls run the kernels through a plain autograd.Function (the custom op's per-call
+    schema handling cost more host time than a short forward takes on a GPU), or without
+    autograd when nothing needs a gradient; the op is what torch.compile traces. Both give the
+    same output and gradients."""
+    import flexmask.autograd as fm_autograd
+
+    s, d = 64, 16
+    cm = flexmask.compile_mask(make_mask("causal", s, s), s, s, device="cpu", block_m=32, block_n=32)
+    q, k, v = make_qkv(1, 2, 2, s, s, d, FP32, seed=12)
+    do = random_do(1, 2, s, d, FP32)
+    op_calls = []
+    real_op = fm_autograd.attention_fwd
+    monkeypatch.setattr(flexmask.api, "attention_fwd", lambda *a: op_calls.append(1) or real_op(*a))
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = flexmask.attention(qg, kg, vg, mask=cm)
+    assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+    eager = (out, *torch.autograd.grad(out, (qg, kg, vg), do))
+    assert flexmask.attention(q, k, v, mask=cm).grad_fn is None  # no input needs a gradient
+    assert not op_calls, "an eager call went through the custom op"
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = real_op(qg, kg, vg, *flexmask.api._table_args(cm), d ** -0.5, 0)[0]
+    through_op = (out, *torch.autograd.grad(out, (qg, kg, vg), do))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), eager, through_op):
+        assert torch.equal(a, b), f"{name}: the eager Function differs from the custom op"
