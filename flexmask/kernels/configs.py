@@ -236,7 +236,7 @@ def two_pass_dkdv_path(q: torch.Tensor, cm) -> str:
     """Which kernel runs the two-pass (deterministic) path's dK/dV pass: "hopper" (backward_hopper.py
     with its dQ product left out: each work item sums its own rows in walk order, so the result
     is bitwise reproducible) where HOPPER_DKDV_IN_TWO_PASS and the Hopper backward would take the
-    inputs, else "portable" (backward.py's _dkdv_kernel). The dQ pass stays portable."""
+    inputs, else "portable" (backward.py's _dkdv_kernel). The dQ pass: two_pass_dq_path."""
     if HOPPER_DKDV_IN_TWO_PASS and backward_path(q, cm, deterministic=False) == "hopper":
         return "hopper"
     return "portable"
