@@ -40,7 +40,7 @@ def main(argv=None):
 
     import flexmask
     from benchmarks import families, gpu
-    from benchmarks.providers import Setup, registry
+    from benchmarks.providers import registry
 
     s, h, d, dev = args.seq, 16, args.head_dim, torch.device("cuda")
     case = families.cases_for([args.family], s, 1, h, 0)[0]

@@ -204,24 +204,27 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         tables = _spec_table_args(mask, sq, sk, q.device)
     _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    if _split_kv(q, k, v, tables):  # few queries, long keys, no gradient: Flash-Decoding
-        split_kv_forward = decode_fwd if torch.compiler.is_compiling() else decode_forward  # op only for the compiler
-        out, lse = split_kv_forward(q, k, v, *tables[:4], *tables[7:11], float(scale))
+    plan = _split_kv_plan(q, k, v, tables)
+    if plan is not None:  # few queries, long keys, no gradient: Flash-Decoding
+        if torch.compiler.is_compiling():  # the op only for the compiler
+            out, lse = decode_fwd(q, k, v, *tables[:4], *tables[7:11], float(scale))
+        else:
+            out, lse = decode_forward(q, k, v, *tables[:4], *tables[7:11], float(scale), plan=plan)
         return (out, lse) if return_lse else out
     op = attention_fwd if torch.compiler.is_compiling() else attention_eager  # the op only for the compiler
     out, lse = op(q, k, v, *tables, float(scale), int(deterministic))
     return (out, lse) if return_lse else out
 
 
-def _split_kv(q, k, v, tables) -> bool:
-    """The split-KV forward (kernels/decode.py) serves small Sq when no gradient is needed; the
-    choice by shape is configs.decode_plan's. With gradients the q-block path runs (it saves
-    what the backward needs)."""
+def _split_kv_plan(q, k, v, tables):
+    """The split-KV forward's plan (kernels/decode.py), or None for the q-block path. Split-KV
+    serves small Sq when no gradient is needed; the choice by shape is configs.decode_plan's.
+    With gradients the q-block path runs (it saves what the backward needs)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return False
+        return None
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    return configs.decode_plan(b, hq, hkv, sq, sk, d, q.dtype, q.device, (tables[9], tables[10]), tables[8]) is not None
+    return configs.decode_plan(b, hq, hkv, sq, sk, d, q.dtype, q.device, (tables[9], tables[10]), tables[8])
 
 
 def flashmask_attention(query, key, value, startend_row_indices=None, *, causal: bool = False,

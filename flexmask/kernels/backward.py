@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .intmath import cdiv, next_pow2
 from .backward_fused import convert_dq, fused_backward
 from .configs import (backward_config, backward_fused_config, backward_fused_dq_tma, backward_fused_dq_transposed,
                       backward_fused_uses_tma, backward_path, backward_uses_tma, flat_steps, two_pass_dkdv_path,
@@ -397,7 +398,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     ("hopper", "fused" or "two-pass") overrides configs.backward_path."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     chosen = kernel is None
     if chosen:
         kernel = "fused" if fused_config is not None else backward_path(q, cm, deterministic)
@@ -421,7 +422,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     accumulate_dq = cfg_fused is not None or kernel == "hopper"
     dq_acc = torch.empty(batch * hq, sq, block_d, dtype=torch.float32, device=q.device) if accumulate_dq else stats
     pre_m = 64
-    _preprocess_kernel[(triton.cdiv(sq, pre_m), batch * hq)](
+    _preprocess_kernel[(cdiv(sq, pre_m), batch * hq)](
         o, do, dlse if dlse is not None else lse, lse, stats, dq_acc,
         o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         sq, hq,
@@ -458,7 +459,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
                        precision, common, dq_transposed, dq_tma)
         return dq, dk, dv
     cfg_kv, cfg_q = configs or backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
-    kv_per_bh = triton.cdiv(sk, cfg_kv.block_n)
+    kv_per_bh = cdiv(sk, cfg_kv.block_n)
     if configs is None and two_pass_dkdv_path(q, cm) == "hopper":
         from . import backward_hopper
 
@@ -473,7 +474,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         if backward_hopper.supports(q, k, v, cm):  # dQ per q-block by the Hopper kernel
             backward_hopper_dq.dq_hopper(q, k, v, do, stats, dq, cm, scale, (mb, mdiv, mh))
             return dq, dk, dv
-    q_per_bh = triton.cdiv(sq, cfg_q.block_m)
+    q_per_bh = cdiv(sq, cfg_q.block_m)
     _dq_kernel[(q_per_bh * batch * hq,)](
         q, k, v, do, stats, dq,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .intmath import cdiv
 from .masking import block_source, column_intervals, load_block, mask_row, masked_elements_t, row_stats
 
 
@@ -177,7 +178,7 @@ def fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale: float, cfg
     come from the preprocess; `cfg` is the LaunchConfig of configs.backward_fused_config."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    kv_per_bh = triton.cdiv(sk, cfg.block_n)
+    kv_per_bh = cdiv(sk, cfg.block_n)
     _fused_kernel[(kv_per_bh * batch * hkv,)](
         q, k, v, do, stats, dq_acc, dk, dv,
         cm.kernel_intervals, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
@@ -201,7 +202,7 @@ def convert_dq(dq_acc, dq, scale: float, block_d: int) -> None:
     """dQ = scale * the fp32 sums [B * Hq, Sq, block_d], cast to dq's dtype and layout."""
     batch, hq, sq, d = dq.shape
     conv_m = 64
-    _convert_dq_kernel[(triton.cdiv(sq, conv_m), batch * hq)](
+    _convert_dq_kernel[(cdiv(sq, conv_m), batch * hq)](
         dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), sq, hq, scale,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=conv_m,
     )

@@ -22,7 +22,6 @@ measures the deterministic backward faster with it than with the portable dQ pas
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .intmath import cdiv
 
 # families whose intervals the classify kernel computes itself (FAMILY constexpr)
 # (the families from DOCUMENT on read document bounds)
@@ -542,7 +543,7 @@ def compose_intervals(a: torch.Tensor, b: torch.Tensor, is_and: bool, q_len: int
         return (0 if t.shape[0] == 1 else t.stride(0)), (0 if t.shape[1] == 1 else t.stride(1))
 
     if kv_len and batch * heads:
-        _compose_kernel[(triton.cdiv(kv_len, COMPOSE_BLOCK), batch * heads)](
+        _compose_kernel[(cdiv(kv_len, COMPOSE_BLOCK), batch * heads)](
             a, b, out, max_runs, *strides(a), *strides(b), q_len, kv_len, heads,
             AND=is_and, BLOCK=COMPOSE_BLOCK, num_warps=4,
         )
@@ -579,7 +580,7 @@ def family_intervals(q_len: int, kv_len: int, family: tuple, shape: tuple, devic
         doc_stride = docs.shape[1]
         doc_iters = max(1, (doc_stride - 2).bit_length())
     if kv_len and shape[0] * shape[1]:
-        _family_kernel[(triton.cdiv(kv_len, COMPOSE_BLOCK), shape[0] * shape[1])](
+        _family_kernel[(cdiv(kv_len, COMPOSE_BLOCK), shape[0] * shape[1])](
             out, docs, out if prefixes is None else prefixes, q_len, kv_len, kv_len - q_len, p0, p1, p2,
             doc_stride, doc_iters, FAMILY=code, BLOCK=COMPOSE_BLOCK, num_warps=4,
         )

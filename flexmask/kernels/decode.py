@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .intmath import cdiv, next_pow2
 from . import configs
 from .configs import DecodePlan, decode_plan
 from .forward import LOG2E, mask_broadcast, precision_for
@@ -347,15 +348,15 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
     rows = batch * hq * sq
     direct = plan.num_splits == 1
     fused = not direct and plan.merge == "fused"
-    block_d = max(16, triton.next_power_of_2(d))
-    head_blocks = triton.cdiv(group, plan.block_h)
-    grid = (plan.num_splits, triton.cdiv(sq, plan.block_q), batch * hkv * head_blocks)
+    block_d = max(16, next_pow2(d))
+    head_blocks = cdiv(group, plan.block_h)
+    grid = (plan.num_splits, cdiv(sq, plan.block_q), batch * hkv * head_blocks)
     if direct:
         o_part = lse_part = lse  # unused
     else:
         o_part = torch.empty(plan.num_splits, rows, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(plan.num_splits, rows, dtype=torch.float32, device=q.device)
-    merge_q = min(plan.block_q, triton.next_power_of_2(sq))  # rows a partial can hold, per head
+    merge_q = min(plan.block_q, next_pow2(sq))  # rows a partial can hold, per head
     semaphores = merge_counters(q.device, grid[1] * grid[2]) if fused else lse  # one per row group
     _split_kv_kernel[grid](
         q, k, v, o, lse, o_part, lse_part, semaphores,
@@ -383,7 +384,7 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
             o.stride(0), o.stride(1), o.stride(2),
             sq, rows,
             HQ=hq, NUM_SPLITS=plan.num_splits, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=min(64, triton.next_power_of_2(plan.num_splits)),
+            BLOCK_S=min(64, next_pow2(plan.num_splits)),
             num_warps=4 if block_d >= 128 else 2,
         )
     return o, lse
@@ -401,12 +402,13 @@ def _mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mas
 def decode_forward(
     q: Tensor, k: Tensor, v: Tensor,
     intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
-    mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, scale: float,
+    mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, scale: float, plan: DecodePlan | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """attention_decode on the mask tables as flexmask.attention passes them."""
+    """attention_decode on the mask tables as flexmask.attention passes them (with the plan it
+    already made, in eager mode)."""
     cm = _mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n,
                     q.shape[2], k.shape[2])
-    return attention_decode(q, k, v, cm, scale)
+    return attention_decode(q, k, v, cm, scale, plan=plan)
 
 
 @torch.library.custom_op("flexmask::decode_fwd", mutates_args=())

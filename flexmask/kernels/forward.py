@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .intmath import cdiv, next_pow2
 from .configs import flat_steps, forward_config, forward_path, forward_uses_tma
 from .masking import block_source, column_intervals, load_block, mask_row, masked_elements
 from .tma import prepare_tma, tma_enabled
@@ -188,9 +189,9 @@ def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, k
     tma = tma_enabled(forward_uses_tma(d, q.dtype, q.device) if use_tma is None else use_tma, k, v)
     if tma:
         prepare_tma(q.device)
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
-    grid = (triton.cdiv(sq, cfg.block_m), batch * hq)
+    grid = (cdiv(sq, cfg.block_m), batch * hq)
     _forward_kernel[grid](
         q, k, v, o, lse,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
