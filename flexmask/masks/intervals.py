@@ -264,30 +264,52 @@ def _qk_sparse(m, g):
     return _pack(lts, lte, _no_interval(g), _causal_upper(g))
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32) (an int64 tensor or an int) and a 32-bit constant,
+    with every partial product below 2**49: no int64 overflow, the same bits on every device."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * (c & 0xFFFF)) << 16)) & _M32
+
+
+def _mix32(x):
+    """A 32-bit integer hash (C. Wellons' triple32): consecutive inputs give unrelated outputs,
+    uniform enough that x * n >> 32 draws from [0, n) without a visible bias."""
+    x = x ^ (x >> 17)
+    x = _mul32(x, 0xED5AD4BB)
+    x = x ^ (x >> 11)
+    x = _mul32(x, 0xAC4C1B51)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x31848BAB)
+    return x ^ (x >> 14)
+
+
 def _random_eviction(m, g):
     """A random-replacement KV cache of start_row keys: from position start_row on, each
     position replaces one uniformly drawn cache slot with its own key, so the key that slot
-    held is masked from that position on. Vectorised: sorting the positions by slot, the key a
-    position evicts is the one written by the previous position in its slot (or the slot's
-    initial key, keys 0..start_row-1 in slots 0..start_row-1)."""
+    held is masked from that position on. The slot of (head h, position t) is a hash of
+    (seed, h, t) scaled to [0, start_row): drawn on the compile's device with integer ops, the
+    same bits on a CPU and a GPU, no host data and no sync. Vectorised: sorting each head's
+    positions by slot (stable, so by position inside a slot), the key a position evicts is the
+    one written by the previous position in its slot, or the slot's initial key (keys
+    0..start_row-1 start in slots 0..start_row-1)."""
     p = m.params()
-    slots, s = p["start_row"], g.kv_len
-    gen = torch.Generator().manual_seed(p["seed"])
-    steps = torch.arange(min(slots, s), s)
-    per_head = []
-    for _ in range(p["num_heads"]):
-        evict_at = torch.full((s,), s, dtype=torch.int64)
-        if slots > 0 and len(steps):
-            slot = torch.randint(0, slots, (len(steps),), generator=gen)
-            order = torch.argsort(slot * s + steps)
-            by_slot, step = slot[order], steps[order]
-            after_same_slot = torch.zeros_like(by_slot, dtype=torch.bool)
-            after_same_slot[1:] = by_slot[1:] == by_slot[:-1]
-            evicted = torch.where(after_same_slot, torch.roll(step, 1), by_slot)
-            evict_at[evicted] = step
-        per_head.append(evict_at)
-    lts = g.rows(to_device(torch.stack(per_head), g.device))  # [H, Sk]: host data, drawn on the CPU
-    return _pack(lts, g.full_like_cols(g.q_len), _no_interval(g), _causal_upper(g))
+    slots, s, heads = p["start_row"], g.kv_len, p["num_heads"]
+    first = min(slots, s)
+    evict_at = torch.full((heads, s), s, dtype=torch.int64, device=g.device)
+    if slots > 0 and first < s:
+        head = torch.arange(heads, device=g.device).view(-1, 1)
+        base = _mix32((_mul32(head, 0x85EBCA6B) + _mul32(p["seed"] & _M32, 0x9E3779B9)) & _M32)  # [H, 1]
+        steps = torch.arange(first, s, device=g.device)  # [n] positions that evict
+        slot = ((_mix32((base + steps) & _M32) * slots) >> 32).to(torch.int32)  # [H, n] in [0, slots)
+        by_slot, order = torch.sort(slot, dim=-1, stable=True)
+        step = order + first  # [H, n] positions in slot order
+        evicted = by_slot.long()  # the first writer of a slot evicts the slot's initial key...
+        same = by_slot[:, 1:] == by_slot[:, :-1]
+        evicted[:, 1:] = torch.where(same, step[:, :-1], evicted[:, 1:])  # ...later ones its last writer
+        evict_at.scatter_(1, evicted, step)
+    return _pack(g.rows(evict_at), g.full_like_cols(g.q_len), _no_interval(g), _causal_upper(g))
 
 
 def _explicit_rows(name: str, t: torch.Tensor, g: _Geometry, checked: bool) -> torch.Tensor:

@@ -413,15 +413,17 @@ def random_eviction(start_row: int, seed: int = 0, num_heads: int = 1) -> Mask:
     """Causal, with a random-replacement KV cache of ``start_row`` keys: from position
     ``start_row`` on, each position evicts one random earlier key still in the cache (and adds
     its own); once evicted, a key is masked for every later query. Seeded, so the same
-    arguments always give the same mask; ``num_heads > 1`` draws one pattern per head.
+    arguments always give the same mask, on every device (the draw is an integer hash of
+    (seed, head, position), computed where the mask is compiled); ``num_heads > 1`` draws one
+    pattern per head.
     ::
-        start_row=3, seed=0
+        start_row=3, seed=4
         #.....
         ##....
         ###...
-        ##.#..
-        .#.##.
-        .#..##
+        #.##..
+        #.#.#.
+        ..#.##
     """
     return _Simple(
         "random_eviction",
