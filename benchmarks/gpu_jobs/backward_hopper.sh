@@ -12,11 +12,7 @@
 # If the dQ pass's tests pass and the check shows it faster, set
 # configs.HOPPER_DQ_IN_TWO_PASS = True (the Hopper backward is already the default).
 set -uo pipefail
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export TRITON_INTERPRET=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
-    || { echo "backward_hopper.sh: no CUDA device, nothing run"; exit 1; }
+. benchmarks/gpu_jobs/setup.sh
 T0=$SECONDS
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu_hopper_backward.py \
     -o faulthandler_timeout=200 2>&1 | tail -n 40 | tee "$OUT/backward_hopper_tests_log.txt"

@@ -7,11 +7,7 @@
 #    window 1024 and causal document; causal and random intervals as controls), D = 128 and 64, 32K.
 # If it is correct and faster, make q_buffers=2 the default in forward.py's Hopper call.
 set -uo pipefail
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export TRITON_INTERPRET=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
-    || { echo "forward_qbuf.sh: no CUDA device, nothing run"; exit 1; }
+. benchmarks/gpu_jobs/setup.sh
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_gpu_hopper.py -k q_double_buffer \
     2>&1 | tail -n 20 | tee "$OUT/forward_qbuf_tests_log.txt"
 timeout 300 python3 -m benchmarks.forward_variants --out "$OUT" --kernels hopper hopper-qbuf2 \

@@ -10,11 +10,7 @@
 # Then run the whole sweep (`bash benchmarks/gpu_sweep.sh`, ~8 minutes) in a call of its own,
 # `python -m benchmarks.readme_table` and `python -m benchmarks.targets`.
 set -uo pipefail
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export TRITON_INTERPRET=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
-    || { echo "host_overhead.sh: no CUDA device, nothing run"; exit 1; }
+. benchmarks/gpu_jobs/setup.sh
 T0=$SECONDS
 LOG="$OUT/host_overhead_gpu_log.txt"
 timeout 90 python3 -m benchmarks.host_bound_probe 2>&1 | grep -v -i "warn\|create_block_mask" | tee "$LOG"

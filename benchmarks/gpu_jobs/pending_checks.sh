@@ -9,11 +9,7 @@
 #    forward_variants hopper vs hopper-qbuf2 on short and long walks, bench_compile of every
 #    family 8K-128K on CUDA — each while time is left.
 set -uo pipefail
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export TRITON_INTERPRET=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
-    || { echo "pending_checks.sh: no CUDA device, nothing run"; exit 1; }
+. benchmarks/gpu_jobs/setup.sh
 T0=$SECONDS
 LOG="$OUT/pending_checks_log.txt"
 left() { echo $((${BUDGET:-560} - (SECONDS - T0))); }

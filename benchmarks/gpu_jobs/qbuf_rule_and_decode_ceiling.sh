@@ -8,11 +8,7 @@
 # 4. bench_decode with the size-matched copy (provider `copy`) beside flexmask and FlexAttention,
 #    B = 1 and 8, 8K-128K: the ceiling one streaming kernel reaches at each size.
 set -uo pipefail
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-export TRITON_INTERPRET=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
-    || { echo "qbuf_rule_and_decode_ceiling.sh: no CUDA device, nothing run"; exit 1; }
+. benchmarks/gpu_jobs/setup.sh
 T0=$SECONDS
 LOG="$OUT/qbuf_rule_log.txt"
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_hopper.py 2>&1 | tail -n 5 | tee "$LOG"
