@@ -4,6 +4,7 @@ overflows before any device time is spent.
 
     python -m benchmarks.offline_compile            # the Hopper forward, D=64 and 128
     python -m benchmarks.offline_compile backward   # the Hopper backward, D=128 and 64 (and dK/dV only; the dQ pass)
+    python -m benchmarks.offline_compile compiler   # the mask compiler's classify kernel, three families
 """
 
 from __future__ import annotations
@@ -104,8 +105,26 @@ def _hopper_dq(stages: int, head_dim: int = 128):
                            source_cls=GluonASTSource)
 
 
+def _classify(family: int):
+    """The mask compiler's classify kernel (kernels/compile_kernels.py) for one FAMILY code."""
+    from flexmask.kernels import compile_kernels as ck
+
+    t32 = torch.empty(16, dtype=torch.int32)
+    args = dict(IV=t32, PLANAR=t32, GRID=torch.empty(16, dtype=torch.uint8), COUNTS=t32, DIFFS=t32, DOCS=t32,
+                PREFIXES=t32, Sq=1000, Sk=1000, NQB=100, NKB=100, G_ROW=32, offset=0, P0=5, P1=6, P2=7,
+                DOC_STRIDE=9, DOC_ITERS=3, RAGGED_N=7)
+    constexprs = dict(FAMILY=family, TILE_M=128, TILE_N=128, CHUNK=ck.CHUNK_M)
+    return compile_offline(ck._classify_kernel, args, constexprs, dict(num_warps=4))
+
+
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
+    if sys.argv[1:] == ["compiler"]:
+        from flexmask.kernels import compile_kernels as ck
+
+        for name in ("LOAD", "CAUSAL", "DOCUMENT", "PREFIX_LM_DOCUMENT"):
+            print(report(f"classify {name}", _classify(getattr(ck, name))), flush=True)
+        sys.exit(0)
     if sys.argv[1:] == ["backward"]:
         for d in (128, 64):
             try:

@@ -343,12 +343,24 @@ def test_kernel_compiler_qk_sparse_edges():
         compile_spec(masks.qk_sparse([(80, 20)]), 90, 90, cpu, 32, 32, on_device=True)
 
 
-def test_kernel_compiler_long_chunks():
-    """More q-blocks than one chunk of the classify kernel (64), with chunks where the class is
-    constant and chunks where it changes; a ragged last kv-block; a window ending mid-chunk."""
-    s, cpu = 1100, torch.device("cpu")
-    for mask in (masks.sliding_window(300, 20), masks.document([500, 301, 299], causal=True)):
+@pytest.mark.parametrize("chunk", [32, 128])
+def test_kernel_compiler_long_chunks(chunk, monkeypatch):
+    """More q-blocks than one chunk of the classify kernel: chunks where the class changes
+    (histograms) and chunks where no range bound falls (the class carried over, no histogram),
+    a ragged last kv-block, a window ending mid-chunk, documents, random intervals. The chunk is
+    made small so that the interpreter walks many of them."""
+    from flexmask.kernels import compile_kernels
+
+    monkeypatch.setattr(compile_kernels, "CHUNK_M", chunk)
+    s, cpu = 1100 if chunk == 32 else 2300, torch.device("cpu")
+    gen = torch.Generator().manual_seed(chunk)
+    lts, lte, uts, ute = piecewise_intervals(1, 1, s, s, 128, gen)
+    cases = [masks.sliding_window(300, 20), masks.document([500, 301, 299 + s - 1100], causal=True), masks.causal(),
+             masks.column_intervals(torch.minimum(lts, lte), torch.maximum(lts, lte),
+                                    torch.minimum(uts, ute), torch.maximum(uts, ute))]
+    for mask in cases:
         got = compile_spec(mask, s, s, cpu, 16, 128, on_device=True)
+        assert got.num_q_blocks > 2 * chunk or chunk == 128
         assert_same_tables(compile_spec(mask, s, s, cpu, 16, 128, on_device=False), got)
 
 
@@ -600,3 +612,24 @@ def test_family_kernel_matches_the_torch_builders(sq, sk):
         assert family is not None, name
         got = family_intervals(sq, sk, family[0], family[1], cpu)
         assert torch.equal(got, build_intervals(mask, sq, sk, cpu)), name
+
+
+def test_classify_kernel_compiles_for_sm90():
+    """The classify kernel (its data-dependent branch per chunk included) goes through Triton and
+    ptxas for sm_90 on this machine, for a loaded and for computed families: the interpreter
+    does not type-check the branches of an `if` inside a loop the way the compiler does. In a
+    process of its own without TRITON_INTERPRET (under the flag @triton.jit kernels interpret)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "benchmarks.offline_compile", "compiler"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("classify ")]
+    assert len(lines) == 4, done.stdout
+    assert all("0 bytes spill stores" in ln for ln in lines), lines

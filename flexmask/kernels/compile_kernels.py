@@ -11,7 +11,8 @@ device, in three launches and with no host sync.
    difference array with integer atomics, a handful per run (exact, so deterministic). The
    sweep down the column goes by chunks of q-blocks: histograms of the columns' range ends
    that fall in the chunk, then prefix sums, give how many columns cover / touch each q-block,
-   so a chunk costs O(TILE_N + CHUNK_M) whatever the intervals.
+   so a chunk costs O(TILE_N + CHUNK_M) whatever the intervals; a chunk where no range bound
+   falls (most chunks of a long sequence) keeps the class before it and skips the histograms.
 2. `_scan_kernel`, two programs: prefix sums of the per-kv-block counts (backward offsets)
    and of the per-q-block difference arrays (forward counts, then offsets).
 3. `_emit_kernel`: programs per kv-block write the backward lists, programs per chunk of
@@ -155,6 +156,16 @@ def _class_at(m, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2):
 
 
 @triton.jit
+def _any_event_in(a, b, c, d, e, f, g, h, c0, CHUNK: tl.constexpr):
+    """Whether any of the eight [TILE_N] range bounds falls in the q-blocks [c0, c0 + CHUNK)."""
+    hit = ((a - c0).to(tl.uint32) < CHUNK) | ((b - c0).to(tl.uint32) < CHUNK)
+    hit |= ((c - c0).to(tl.uint32) < CHUNK) | ((d - c0).to(tl.uint32) < CHUNK)
+    hit |= ((e - c0).to(tl.uint32) < CHUNK) | ((f - c0).to(tl.uint32) < CHUNK)
+    hit |= ((g - c0).to(tl.uint32) < CHUNK) | ((h - c0).to(tl.uint32) < CHUNK)
+    return tl.max(hit.to(tl.int32), 0) > 0
+
+
+@triton.jit
 def _events(lo_a, lo_b, hi_a, hi_b, c0, CHUNK: tl.constexpr):
     """[CHUNK] per q-block c0 + i: ranges [lo, hi) of both slots starting there minus those ending there."""
     starts = tl.reshape(tl.join(lo_a, lo_b), [2 * lo_a.shape[0]]) - c0
@@ -224,27 +235,35 @@ def _classify_kernel(
     # are disjoint: a count of TILE_N means every column covers m).
     for c0 in range(0, NQB, CHUNK):
         o_m = c0 + o_c  # [CHUNK]
-        d_cover = _events(cl1, cl2, ch1, ch2, c0, CHUNK)  # [CHUNK]
-        d_touch = _events(tl1, tl2, th1, th2, c0, CHUNK)
-        cover = covering + tl.cumsum(d_cover, 0)
-        touch = touching + tl.cumsum(d_touch, 0)
         in_range = o_m < NQB
-        cls = tl.where(cover == TILE_N, 0, tl.where(touch == 0, 2, 1))
-        cls = tl.where(in_range, cls, 0)
-        # the class of the q-block before each one (none before q-block 0: SKIP)
-        cls_before = tl.where(cover - d_cover == TILE_N, 0, tl.where(touch - d_touch == 0, 2, 1))
-        cls_before = tl.where(o_m == 0, 0, cls_before)
-        covering += tl.sum(d_cover, 0)
-        touching += tl.sum(d_touch, 0)
+        # A chunk where no range starts or ends (most of them: a column's ranges end near its
+        # diagonal, its documents, its window) keeps the class of the q-block before it, so
+        # its classes, counts and (zero) differences need no histograms. Chunk 0 always takes
+        # the histograms: nothing precedes q-block 0.
+        if (c0 == 0) | _any_event_in(cl1, cl2, ch1, ch2, tl1, tl2, th1, th2, c0, CHUNK):
+            d_cover = _events(cl1, cl2, ch1, ch2, c0, CHUNK)  # [CHUNK]
+            d_touch = _events(tl1, tl2, th1, th2, c0, CHUNK)
+            cover = covering + tl.cumsum(d_cover, 0)
+            touch = touching + tl.cumsum(d_touch, 0)
+            cls = tl.where(cover == TILE_N, 0, tl.where(touch == 0, 2, 1))
+            cls = tl.where(in_range, cls, 0)
+            # the class of the q-block before each one (none before q-block 0: SKIP)
+            cls_before = tl.where(cover - d_cover == TILE_N, 0, tl.where(touch - d_touch == 0, 2, 1))
+            cls_before = tl.where(o_m == 0, 0, cls_before)
+            covering += tl.sum(d_cover, 0)
+            touching += tl.sum(d_touch, 0)
+            d_visit = (cls != 0).to(tl.int32) - (cls_before != 0).to(tl.int32)
+            d_full = ((cls == 2) & (~ragged)).to(tl.int32) - ((cls_before == 2) & (~ragged)).to(tl.int32)
+            tl.atomic_add(p_dv + o_m, d_visit, mask=in_range & (d_visit != 0))
+            tl.atomic_add(p_df + o_m, d_full, mask=in_range & (d_full != 0))
+        else:
+            constant = tl.where(covering == TILE_N, 0, tl.where(touching == 0, 2, 1))
+            cls = tl.where(in_range, constant, 0)
         # 2-bit classes, 4 q-blocks per byte
         packed = tl.sum(tl.reshape(cls, [CHUNK // 4, 4]) << shifts[None, :], 1)  # [CHUNK // 4]
         tl.store(p_grid + c0 // 4 + tl.arange(0, CHUNK // 4), packed.to(tl.uint8))
         n_full += tl.sum((cls == 2).to(tl.int32), 0)
         n_partial += tl.sum((cls == 1).to(tl.int32), 0)
-        d_visit = (cls != 0).to(tl.int32) - (cls_before != 0).to(tl.int32)
-        d_full = ((cls == 2) & (~ragged)).to(tl.int32) - ((cls_before == 2) & (~ragged)).to(tl.int32)
-        tl.atomic_add(p_dv + o_m, d_visit, mask=in_range & (d_visit != 0))
-        tl.atomic_add(p_df + o_m, d_full, mask=in_range & (d_full != 0))
     # runs reaching the last q-block end at NQB
     last = _class_at(NQB - 1, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2)
     tl.atomic_add(p_dv + NQB, -(last != 0).to(tl.int32), mask=last != 0)
