@@ -4,7 +4,7 @@ overflows before any device time is spent.
 
     python -m benchmarks.offline_compile            # the Hopper forward, D=64 and 128
     python -m benchmarks.offline_compile backward   # the Hopper backward, D=128 and 64 (and dK/dV only; the dQ pass)
-    python -m benchmarks.offline_compile compiler   # the mask compiler's classify kernel, three families
+    python -m benchmarks.offline_compile compiler   # the mask compiler's classify kernel (four families), shift kernel
 """
 
 from __future__ import annotations
@@ -117,6 +117,15 @@ def _classify(family: int):
     return compile_offline(ck._classify_kernel, args, constexprs, dict(num_warps=4))
 
 
+def _shift():
+    """The mask compiler's kv_cache shift kernel (kernels/compile_kernels.py)."""
+    from flexmask.kernels import compile_kernels as ck
+
+    args = dict(VIRTUAL=torch.empty(16, dtype=torch.int32), LENGTHS=torch.empty(4, dtype=torch.int64),
+                OUT=torch.empty(16, dtype=torch.int32), v_sb=0, v_sh=4000, Sq=1000, Sk=1000, HEADS=2)
+    return compile_offline(ck._shift_kernel, args, dict(BLOCK=ck.COMPOSE_BLOCK), dict(num_warps=4))
+
+
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
     if sys.argv[1:] == ["compiler"]:
@@ -124,6 +133,7 @@ if __name__ == "__main__":
 
         for name in ("LOAD", "CAUSAL", "DOCUMENT", "PREFIX_LM_DOCUMENT"):
             print(report(f"classify {name}", _classify(getattr(ck, name))), flush=True)
+        print(report("shift_to_cache", _shift()), flush=True)
         sys.exit(0)
     if sys.argv[1:] == ["backward"]:
         for d in (128, 64):

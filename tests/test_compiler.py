@@ -522,6 +522,8 @@ DEVICE_COMPOSITIONS = {
     "document|sliding_window": lambda sq, sk: make_mask("document", sq, sk) | masks.sliding_window(7),
     "kv_cache&document_per_batch": lambda sq, sk: masks.kv_cache([sk, sk // 2]) & make_mask("document_per_batch", sq, sk),
     "kv_cache_tensor&sliding_window": lambda sq, sk: masks.kv_cache(torch.tensor([sk // 3, sk])) & masks.sliding_window(11),
+    "kv_cache&random_eviction_per_head": lambda sq, sk: masks.kv_cache([sk, 0, sk // 2])
+    & make_mask("random_eviction_per_head", sq, sk),
     "random_eviction_per_head&qk_sparse": lambda sq, sk: make_mask("random_eviction_per_head", sq, sk)
     & make_mask("qk_sparse", sq, sk),
 }
@@ -615,8 +617,9 @@ def test_family_kernel_matches_the_torch_builders(sq, sk):
 
 
 def test_classify_kernel_compiles_for_sm90():
-    """The classify kernel (its data-dependent branch per chunk included) goes through Triton and
-    ptxas for sm_90 on this machine, for a loaded and for computed families: the interpreter
+    """The classify kernel (its data-dependent branch per chunk included) and the kv_cache shift
+    kernel go through Triton and ptxas for sm_90 on this machine, for a loaded and for computed
+    families: the interpreter
     does not type-check the branches of an `if` inside a loop the way the compiler does. In a
     process of its own without TRITON_INTERPRET (under the flag @triton.jit kernels interpret)."""
     import os
@@ -630,6 +633,6 @@ def test_classify_kernel_compiles_for_sm90():
     done = subprocess.run([sys.executable, "-m", "benchmarks.offline_compile", "compiler"], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("classify ")]
-    assert len(lines) == 4, done.stdout
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("classify ", "shift_to_cache"))]
+    assert len(lines) == 5, done.stdout
     assert all("0 bytes spill stores" in ln for ln in lines), lines

@@ -604,3 +604,42 @@ def family_intervals(q_len: int, kv_len: int, family: tuple, shape: tuple, devic
             doc_stride, doc_iters, FAMILY=code, BLOCK=COMPOSE_BLOCK, num_warps=4,
         )
     return out
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "HEADS", "v_sb", "v_sh"])
+def _shift_kernel(VIRTUAL, LENGTHS, OUT, v_sb, v_sh, Sq, Sk, HEADS, BLOCK: tl.constexpr):
+    """Rows of a leaf built for Sq + Sk virtual rows, moved to each batch row's cache: minus
+    LENGTHS[b], then canonical (clamped to [0, Sq]). One program per (block of columns,
+    batch x head row); OUT [B, H, Sk, 4] int32."""
+    bh = tl.program_id(1)
+    b, h = bh // HEADS, bh % HEADS
+    o_j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = o_j < Sk
+    shift = tl.load(LENGTHS + b).to(tl.int64)
+    p_v = VIRTUAL + b.to(tl.int64) * v_sb + h.to(tl.int64) * v_sh + o_j * 4
+    a0 = tl.load(p_v, mask=ok, other=0).to(tl.int64) - shift
+    a1 = tl.load(p_v + 1, mask=ok, other=0).to(tl.int64) - shift
+    b0 = tl.load(p_v + 2, mask=ok, other=0).to(tl.int64) - shift
+    b1 = tl.load(p_v + 3, mask=ok, other=0).to(tl.int64) - shift
+    lts, lte, uts, ute = _canonical(a0, a1, b0, b1, Sq)
+    p_o = OUT + bh.to(tl.int64) * Sk * 4 + o_j * 4
+    tl.store(p_o, lts.to(tl.int32), mask=ok)
+    tl.store(p_o + 1, lte.to(tl.int32), mask=ok)
+    tl.store(p_o + 2, uts.to(tl.int32), mask=ok)
+    tl.store(p_o + 3, ute.to(tl.int32), mask=ok)
+
+
+def shift_to_cache(virtual: torch.Tensor, lengths: torch.Tensor, q_len: int) -> torch.Tensor:
+    """`intervals.canonicalize(virtual - lengths.view(-1, 1, 1, 1), q_len)` in one launch, with no
+    int64 copies: virtual int32 [1 or B, H, Sk, 4] canonical rows of Sq + Sk virtual rows,
+    lengths [B] on the same device. Returns int32 [B, H, Sk, 4]."""
+    batch, heads, kv_len = lengths.shape[0], virtual.shape[1], virtual.shape[2]
+    virtual = virtual.to(torch.int32).contiguous()
+    out = torch.empty(batch, heads, kv_len, 4, dtype=torch.int32, device=virtual.device)
+    v_sb = 0 if virtual.shape[0] == 1 else virtual.stride(0)
+    v_sh = 0 if heads == 1 else virtual.stride(1)
+    if kv_len and batch * heads:
+        _shift_kernel[(cdiv(kv_len, COMPOSE_BLOCK), batch * heads)](
+            virtual, lengths, out, v_sb, v_sh, q_len, kv_len, heads, BLOCK=COMPOSE_BLOCK, num_warps=4,
+        )
+    return out

@@ -457,14 +457,18 @@ def _operand_intervals(m, g) -> torch.Tensor:
     clamp, on the device."""
     if g.cache_lengths is None or m.kind in ("kv_cache", *_EXPLICIT_ROWS):
         return _leaf_intervals(m, g.q_len, g)
-    virtual = _leaf_intervals(m, g.q_len + g.kv_len, g).long()  # [Bm|1, H|1, Sk, 4]
+    virtual = _leaf_intervals(m, g.q_len + g.kv_len, g)  # [Bm|1, H|1, Sk, 4]
     lengths = g.cache_lengths
     if virtual.shape[0] not in (1, lengths.shape[0]):
         raise ValueError(
             f"{m!r} has {virtual.shape[0]} batch rows but the kv_cache mask it is composed with has "
             f"{lengths.shape[0]} (kv_lengths)"
         )
-    return canonicalize(virtual - lengths.view(-1, 1, 1, 1), g.q_len)
+    if g.on_device:  # one launch, int32 throughout
+        from ..kernels.compile_kernels import shift_to_cache
+
+        return shift_to_cache(virtual, lengths, g.q_len)
+    return canonicalize(virtual.long() - lengths.view(-1, 1, 1, 1), g.q_len)
 
 
 # --- composition: several masked runs per column while composing ------------------------
