@@ -197,10 +197,10 @@ def test_device_tensor_parameters_without_sync(monkeypatch, name):
 
 
 def test_recorder_sees_the_syncs(monkeypatch):
-    """The recorder can fail: the CPU torch path syncs, and so does a composition that may need
+    """The recorder can fail: the torch path (on_device=False) syncs, and so does a composition that may need
     three intervals per column (its ValueError needs the data: the one sync left, by design)."""
     with SyncRecorder(monkeypatch) as rec:
-        compile_spec(masks.causal(), 100, 100, torch.device("cpu"), 32, 32, on_device=False)
+        compile_spec(masks.causal(), 100, 100, _device(), 32, 32, on_device=False)
     assert any(reason == "value read" for _, reason in rec.events)
     zeros = torch.zeros(100, dtype=torch.long)
     one_run = masks.column_intervals(zeros, torch.full((100,), 50), zeros, zeros)  # two slots, one used

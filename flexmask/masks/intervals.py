@@ -312,7 +312,7 @@ def _random_eviction(m, g):
     return _pack(g.rows(evict_at), g.full_like_cols(g.q_len), _no_interval(g), _causal_upper(g))
 
 
-def _explicit_rows(name: str, t: torch.Tensor, g: _Geometry, checked: bool) -> torch.Tensor:
+def _explicit_rows(name: str, t: torch.Tensor, g: _Geometry, checked: bool, upload: bool = True) -> torch.Tensor:
     """Row indices given as a tensor, int64 on the device. Checked (0 <= row <= q_len) when
     `checked`, i.e. when the tensors are host data; rows on the device are clamped instead."""
     if t.shape[-1] != g.kv_len:
@@ -325,10 +325,10 @@ def _explicit_rows(name: str, t: torch.Tensor, g: _Geometry, checked: bool) -> t
         raise ValueError(
             f"{name} holds row {int(t[tuple(pos)])} at column {pos[-1]}, outside [0, q_len={g.q_len}]"
         )
-    return g.upload(t)
+    return g.upload(t) if upload else t
 
 
-def _startend_rows(idx: torch.Tensor, g: _Geometry, checked: bool) -> torch.Tensor:
+def _startend_rows(idx: torch.Tensor, g: _Geometry, checked: bool, upload: bool = True) -> torch.Tensor:
     """FlashMask's reading of row indices (DESIGN.md 2.2): an index above q_len means "to the last
     row" (its own generators fill columns with kv_len when q_len < kv_len), a negative one is an
     error (when checked: host data; indices on the device read as 0 instead)."""
@@ -340,10 +340,10 @@ def _startend_rows(idx: torch.Tensor, g: _Geometry, checked: bool) -> torch.Tens
                 f"startend_row_indices{pos} is {int(idx[tuple(pos)])}: row indices must be >= 0 "
                 f"(indices above q_len={g.q_len} read as q_len)"
             )
-    return g.upload(idx).clamp(0, g.q_len)
+    return (g.upload(idx) if upload else idx.long()).clamp(0, g.q_len)
 
 
-def _check_ordered(lo_name, lo, hi_name, hi):
+def _check_ordered(lo_name, lo, hi, hi_name):
     bad = hi < lo
     if bool(bad.any()):
         pos = bad.nonzero()[0].tolist()
@@ -361,15 +361,17 @@ def _host_checked(g: _Geometry, *tensors: torch.Tensor) -> bool:
 def _column_intervals(m, g):
     p = m.params()
     checked = _host_checked(g, *(p[k] for k in ("lts", "lte", "uts", "ute") if k in p))
-    lts = _explicit_rows("lts", p["lts"], g, checked)
-    lte = _explicit_rows("lte", p["lte"], g, checked) if "lte" in p else g.full_like_cols(g.q_len)
-    ute = _explicit_rows("ute", p["ute"], g, checked) if "ute" in p else g.full_like_cols(0)
-    uts = _explicit_rows("uts", p["uts"], g, checked) if "uts" in p else torch.zeros_like(ute)
+    if checked:  # on the host tensors, before the upload: reading device copies would sync
+        host = {k: _explicit_rows(k, p[k], g, checked, upload=False) for k in ("lts", "lte", "uts", "ute") if k in p}
+        q_end, zero = torch.tensor(g.q_len), torch.tensor(0)
+        _check_ordered("lts", *torch.broadcast_tensors(host["lts"], host.get("lte", q_end)), hi_name="lte")
+        _check_ordered("uts", *torch.broadcast_tensors(host.get("uts", zero), host.get("ute", zero)), hi_name="ute")
+    lts = _explicit_rows("lts", p["lts"], g, checked=False)
+    lte = _explicit_rows("lte", p["lte"], g, checked=False) if "lte" in p else g.full_like_cols(g.q_len)
+    ute = _explicit_rows("ute", p["ute"], g, checked=False) if "ute" in p else g.full_like_cols(0)
+    uts = _explicit_rows("uts", p["uts"], g, checked=False) if "uts" in p else torch.zeros_like(ute)
     lts, lte = torch.broadcast_tensors(lts, lte)
     uts, ute = torch.broadcast_tensors(uts, ute)
-    if checked:
-        _check_ordered("lts", lts, "lte", lte)
-        _check_ordered("uts", uts, "ute", ute)
     if lts.dim() == 2:  # (H, Sk): heads, not batch
         lts, lte, uts, ute = (t.unsqueeze(0) for t in (lts, lte, uts, ute))
     return _pack(lts, lte, uts, ute)
@@ -383,20 +385,25 @@ def _from_startend(m, g):
             f"startend_row_indices must have kv_len={g.kv_len} columns (dim 2), got shape {tuple(idx.shape)}"
         )
     checked = _host_checked(g, idx)
-    idx = _startend_rows(idx, g, checked).movedim(-1, 0)  # [n, B, H, Sk]
+    if checked:  # on the host tensor, before the upload: reading the device copy would sync
+        _check_startend_order(_startend_rows(idx, g, checked=True, upload=False).movedim(-1, 0), causal)
+    idx = _startend_rows(idx, g, checked=False).movedim(-1, 0)  # [n, B, H, Sk]
     n = idx.shape[0]
     q_end = g.full_like_cols(g.q_len)
     if causal:
-        lte = idx[1] if n == 2 else q_end
-        if checked:
-            _check_ordered("startend_row_indices[..., 0] (LTS)", idx[0], "startend_row_indices[..., 1] (LTE)", lte)
-        return _pack(idx[0], lte, _no_interval(g), _causal_upper(g))
+        return _pack(idx[0], idx[1] if n == 2 else q_end, _no_interval(g), _causal_upper(g))
     if n == 2:
         return _pack(idx[0], q_end, _no_interval(g), idx[1])
-    if checked:
-        _check_ordered("startend_row_indices[..., 0] (LTS)", idx[0], "startend_row_indices[..., 1] (LTE)", idx[1])
-        _check_ordered("startend_row_indices[..., 2] (UTS)", idx[2], "startend_row_indices[..., 3] (UTE)", idx[3])
     return _pack(idx[0], idx[1], idx[2], idx[3])
+
+
+def _check_startend_order(idx: torch.Tensor, causal: bool) -> None:
+    """Reversed intervals of host startend indices ([n, B, H, Sk], clamped) raise."""
+    n = idx.shape[0]
+    if n == 4 or (causal and n == 2):
+        _check_ordered("startend_row_indices[..., 0] (LTS)", idx[0], idx[1], "startend_row_indices[..., 1] (LTE)")
+    if n == 4:
+        _check_ordered("startend_row_indices[..., 2] (UTS)", idx[2], idx[3], "startend_row_indices[..., 3] (UTE)")
 
 
 def _cache_lengths(m, g) -> torch.Tensor:
