@@ -4,7 +4,8 @@ overflows before any device time is spent.
 
     python -m benchmarks.offline_compile            # the Hopper forward, D=64 and 128
     python -m benchmarks.offline_compile backward   # the Hopper backward, D=128 and 64 (and dK/dV only; the dQ pass)
-    python -m benchmarks.offline_compile compiler   # the mask compiler's classify kernel (four families), shift kernel
+    python -m benchmarks.offline_compile compiler   # the mask compiler's classify kernel (four families), shift kernel,
+                                                    # random_eviction kernels
 """
 
 from __future__ import annotations
@@ -126,14 +127,28 @@ def _shift():
     return compile_offline(ck._shift_kernel, args, dict(BLOCK=ck.COMPOSE_BLOCK), dict(num_warps=4))
 
 
+def _eviction(kernel: str):
+    """The random_eviction kernels of the device path (masks/eviction_kernels.py)."""
+    from flexmask.masks import eviction_kernels as ek
+
+    out, keys = torch.empty(16, dtype=torch.int32), torch.empty(16, dtype=torch.int64)
+    if kernel == "keys":
+        args = dict(OUT=out, KEYS=keys, Sq=1000, Sk=1000, offset=0, first=500, slots=500, seed_term=-7)
+        return compile_offline(ek._eviction_keys_kernel, args, dict(BLOCK=ek.BLOCK), dict(num_warps=4))
+    args = dict(KEYS=keys, OUT=out, Sq=1000, Sk=1000, offset=0, n=500)
+    return compile_offline(ek._eviction_scatter_kernel, args, dict(BLOCK=ek.BLOCK), dict(num_warps=4))
+
+
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
     if sys.argv[1:] == ["compiler"]:
         from flexmask.kernels import compile_kernels as ck
 
-        for name in ("LOAD", "CAUSAL", "DOCUMENT", "PREFIX_LM_DOCUMENT"):
+        for name in ("LOAD", "CAUSAL", "DOCUMENT", "PREFIX_LM_DOCUMENT", "KV_CACHE"):
             print(report(f"classify {name}", _classify(getattr(ck, name))), flush=True)
         print(report("shift_to_cache", _shift()), flush=True)
+        for kernel in ("keys", "scatter"):
+            print(report(f"random_eviction {kernel}", _eviction(kernel)), flush=True)
         sys.exit(0)
     if sys.argv[1:] == ["backward"]:
         for d in (128, 64):

@@ -11,6 +11,8 @@ import time
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 import flexmask
 from flexmask import masks
-from flexmask.masks import FULL, PARTIAL, SKIP
+from flexmask.masks import FULL, PARTIAL, SKIP, eviction_kernels
 from flexmask.masks.compiler import compile_spec
 
 from conftest import FAMILIES, dense_from_intervals, make_mask, random_row_intervals, random_split
@@ -529,6 +531,33 @@ DEVICE_COMPOSITIONS = {
 }
 
 
+KV_CACHE_CASES = [(1, 97, 32, 32), (4, 130, 64, 32), (16, 300, 64, 64), (63, 97, 32, 64)]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_kv_cache_built_in_the_compile_kernel(causal):
+    """kv_cache alone is a family of the compile kernel (each batch row's length read on the
+    device): the torch path's tables bit for bit, with lengths 0 and Sk, as a list or a tensor
+    (clamped to [0, Sk] there, never read on the host), and next to another operand."""
+    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import device_intervals
+
+    for sq, sk, block_m, block_n in KV_CACHE_CASES:
+        lengths = [sk, 0, sk // 2, min(sk, sq + 3), 1]
+        for mask in (masks.kv_cache(lengths, causal=causal), masks.kv_cache(torch.tensor(lengths), causal=causal),
+                     masks.kv_cache(lengths, causal=causal) & masks.sliding_window(sk // 3)):
+            if mask.kind == "kv_cache":
+                family = device_intervals.device_family(mask, sq, sk, torch.device("cpu"))
+                assert family is not None and family[0][0] == ck.KV_CACHE and family[1] == (len(lengths), 1)
+            expected = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=False)
+            got = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=True)
+            assert_same_tables(expected, got)
+    too_long = masks.kv_cache(torch.tensor([5, 500]), causal=causal)  # on the device: clamped, no error
+    on_device = compile_spec(too_long, 4, 97, torch.device("cpu"), 32, 32, on_device=True)
+    clamped = compile_spec(masks.kv_cache([5, 97], causal=causal), 4, 97, torch.device("cpu"), 32, 32, on_device=False)
+    assert_same_tables(clamped, on_device)
+
+
 @pytest.mark.parametrize("name", list(DEVICE_COMPOSITIONS))
 def test_kernel_compiler_compositions(name):
     """Compositions on the device path (no check of the composed runs where `run_bounds` proves
@@ -616,10 +645,82 @@ def test_family_kernel_matches_the_torch_builders(sq, sk):
         assert torch.equal(got, build_intervals(mask, sq, sk, cpu)), name
 
 
+# (sq, sk, start_row, heads, seed): no eviction (start_row 0, >= Sk), one slot, Sq != Sk both
+# ways, odd lengths, more sorted keys than one program's block (runs of a slot across programs),
+# seeds past 2**31 and 2**32, and the docstring picture (start_row=3, seed=4)
+EVICTION_CASES = [(1, 1, 0, 1, 0), (6, 6, 3, 1, 4), (197, 197, 0, 2, 1), (197, 197, 1, 3, 2), (197, 197, 98, 2, 0),
+                  (197, 197, 197, 1, 5), (197, 197, 500, 2, 5), (63, 197, 65, 2, 2**32 + 5), (197, 63, 31, 1, 2**31 + 77),
+                  (1, 2501, 1, 1, 3), (2049, 2049, 1000, 2, 12345678901), (3001, 3001, 7, 1, 9)]
+
+
+@pytest.mark.parametrize("sq, sk, start_row, heads, seed", EVICTION_CASES,
+                         ids=[f"Sq{c[0]}-Sk{c[1]}-start{c[2]}-H{c[3]}-seed{c[4]}" for c in EVICTION_CASES])
+def test_eviction_kernels_match_the_torch_builder(sq, sk, start_row, heads, seed):
+    """random_eviction on the device path (eviction_kernels: a hash kernel, a sort, a scatter
+    kernel) gives the torch builder's canonical intervals bit for bit."""
+    from flexmask.masks.intervals import build_intervals
+
+    cpu = torch.device("cpu")
+    mask = masks.random_eviction(start_row, seed=seed, num_heads=heads)
+    want = build_intervals(mask, sq, sk, cpu)
+    got = build_intervals(mask, sq, sk, cpu, on_device=True)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+@triton.jit
+def _hash_kernel(X, OUT, N, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)  # [BLOCK]
+    x = tl.load(X + o, mask=o < N, other=0).to(tl.uint32)
+    tl.store(OUT + o, eviction_kernels._mix32(x).to(tl.int64), mask=o < N)
+
+
+def test_eviction_hash_kernel_bits():
+    """The kernels' uint32 triple32 (wrapping products) against intervals._mix32 (exact int64
+    partial products), at the edges of 32 bits: the interpreter's numpy and the GPU both wrap."""
+    from flexmask.masks.intervals import _mix32
+
+    xs = [0, 1, 2, 0xFFFF, 0x10000, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1] + list(range(12345, 12345 + 7 * 400, 7))
+    x = torch.tensor(xs, dtype=torch.int64)
+    out = torch.empty_like(x)
+    _hash_kernel[(1,)](x, out, len(xs), BLOCK=512)
+    assert torch.equal(out, _mix32(x))
+
+
+def test_eviction_device_path_is_few_ops():
+    """Issue 13: the device path of random_eviction was ~140 eager ops (launch-bound on a GPU);
+    now two allocations, one sort and two Triton launches. Ops the interpreter itself dispatches
+    while running a kernel are not counted (on a GPU a launch is one kernel)."""
+    import os
+    import sys
+
+    from flexmask.masks.intervals import build_intervals
+
+    triton_dir = os.path.dirname(triton.__file__)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            frame = sys._getframe(1)
+            while frame is not None and not frame.f_code.co_filename.startswith(triton_dir):
+                frame = frame.f_back
+            if frame is None:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    mask = masks.random_eviction(500, seed=1, num_heads=2)
+    with Ops() as rec:
+        build_intervals(mask, 1000, 1000, torch.device("cpu"), on_device=True)
+    assert len(rec.ops) <= 3, rec.ops
+
+
 def test_classify_kernel_compiles_for_sm90():
-    """The classify kernel (its data-dependent branch per chunk included) and the kv_cache shift
-    kernel go through Triton and ptxas for sm_90 on this machine, for a loaded and for computed
-    families: the interpreter
+    """The classify kernel (its data-dependent branch per chunk included), the kv_cache shift
+    kernel and the random_eviction kernels go through Triton and ptxas for sm_90 on this machine,
+    for a loaded and for computed families: the interpreter
     does not type-check the branches of an `if` inside a loop the way the compiler does. In a
     process of its own without TRITON_INTERPRET (under the flag @triton.jit kernels interpret)."""
     import os
@@ -633,6 +734,6 @@ def test_classify_kernel_compiles_for_sm90():
     done = subprocess.run([sys.executable, "-m", "benchmarks.offline_compile", "compiler"], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("classify ", "shift_to_cache"))]
-    assert len(lines) == 5, done.stdout
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("classify ", "shift_to_cache", "random_eviction "))]
+    assert len(lines) == 8, done.stdout
     assert all("0 bytes spill stores" in ln for ln in lines), lines

@@ -208,15 +208,17 @@ def test_recorder_sees_the_syncs(monkeypatch):
     assert run_bounds.max_runs(maybe_three) == 3
     events = recorded(monkeypatch, maybe_three, 100, 100)
     assert any(reason == "value read" for _, reason in events)
+    dev = _device()
     with SyncRecorder(monkeypatch) as rec:
-        torch.arange(4).tolist()
-        x = torch.arange(4)
-        x[x > 1] = 0
-        torch.repeat_interleave(torch.arange(3), torch.tensor([1, 2, 3]))
-    assert [r for _, r in rec.events] == ["device -> host copy", "host data copied to the device outside "
-                                          "intervals.to_device", "boolean index",
-                                          "host data copied to the device outside intervals.to_device",
-                                          "data-dependent shape (no output_size)"]
+        torch.arange(4, device=dev).tolist()
+        x = torch.arange(4, device=dev)
+        x[x > 1] = torch.zeros((), dtype=x.dtype, device=dev)  # a device value: no host data
+        torch.repeat_interleave(torch.arange(3, device=dev), torch.arange(1, 4, device=dev))
+        torch.tensor([1, 2, 3]).to(dev)
+    upload = "blocking host -> device copy" if dev.type == "cuda" else \
+        "host data copied to the device outside intervals.to_device"
+    assert [r for _, r in rec.events] == ["device -> host copy", "boolean index",
+                                          "data-dependent shape (no output_size)", upload]
 
 
 # --- run_bounds is sound: no column of any composition needs more runs than it promises ------------
@@ -229,7 +231,7 @@ def composed_runs(mask, sq, sk) -> int:
     g = intervals.geometry(sq, sk, torch.device("cpu"))
     caches = intervals._find_cache(mask)
     if caches:
-        g.cache_lengths = intervals._cache_lengths(caches[0], g)
+        g.cache_lengths = intervals.cache_lengths(caches[0], g)
     runs = intervals._compose_runs(mask, g)
     return int((runs[..., 0] <= sq).sum(-1).max())
 

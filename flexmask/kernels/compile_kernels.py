@@ -33,12 +33,12 @@ from .intmath import cdiv
 # families whose intervals the classify kernel computes itself (FAMILY constexpr)
 # (the families from DOCUMENT on read document bounds)
 (LOAD, FULL_MASK, CAUSAL, SLIDING_WINDOW, PREFIX_LM, GLOBAL_SLIDING_WINDOW, DOCUMENT, SHARE_QUESTION,
- CAUSAL_BLOCKWISE, PREFIX_LM_DOCUMENT, QK_SPARSE) = range(11)
+ CAUSAL_BLOCKWISE, PREFIX_LM_DOCUMENT, QK_SPARSE, KV_CACHE) = range(12)
 _LOAD, _FULL_MASK, _CAUSAL = tl.constexpr(LOAD), tl.constexpr(FULL_MASK), tl.constexpr(CAUSAL)
 _SLIDING_WINDOW, _DOCUMENT, _PREFIX_LM = tl.constexpr(SLIDING_WINDOW), tl.constexpr(DOCUMENT), tl.constexpr(PREFIX_LM)
 _SHARE_QUESTION, _GLOBAL_SLIDING_WINDOW = tl.constexpr(SHARE_QUESTION), tl.constexpr(GLOBAL_SLIDING_WINDOW)
 _CAUSAL_BLOCKWISE, _PREFIX_LM_DOCUMENT = tl.constexpr(CAUSAL_BLOCKWISE), tl.constexpr(PREFIX_LM_DOCUMENT)
-_QK_SPARSE = tl.constexpr(QK_SPARSE)
+_QK_SPARSE, _KV_CACHE = tl.constexpr(QK_SPARSE), tl.constexpr(KV_CACHE)
 
 CHUNK_M = 128  # q-blocks per step of the per-kv-block programs (a multiple of 4 and of FWD_M)
 FWD_M, FWD_N = 32, 64  # q-blocks per forward-list program, kv-blocks per step
@@ -79,10 +79,11 @@ def _canonical(a0, a1, b0, b1, Sq):
 def _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS, FAMILY: tl.constexpr):
     """Raw (a0, a1, b0, b1) row intervals of columns o_j [TILE_N] for a built-in family, as
     intervals.py's torch builders make them (int64 positions). Document families read
-    DOCS[row] = (0, the documents' ends..., padded with Sk, then one extra value)."""
+    DOCS[row] = (0, the documents' ends..., padded with Sk, then one extra value); KV_CACHE reads
+    its batch row's cache length, DOCS[row]."""
     j = o_j.to(tl.int64)
     zero = tl.zeros_like(j)
-    if FAMILY >= _DOCUMENT:
+    if (FAMILY >= _DOCUMENT) and (FAMILY != _KV_CACHE):
         p_docs = DOCS + row.to(tl.int64) * DOC_STRIDE
         lo = tl.zeros_like(o_j)
         hi = lo + (DOC_STRIDE - 2)
@@ -125,6 +126,12 @@ def _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRI
         a0 = tl.where(inside, _rows(j, offset, Sq), Sq)
         a1 = tl.where(inside, _rows(end, offset, Sq), Sq)
         b0, b1 = zero, _rows(j, offset, Sq)
+    elif FAMILY == _KV_CACHE:  # P0 = causal; query i of row b sits at position L[b] - Sq + i
+        cache_len = tl.load(DOCS + row).to(tl.int64)
+        if P0 != 0:
+            a0, a1, b0, b1 = zero, zero, zero, tl.minimum(tl.maximum(j - cache_len + Sq, 0), Sq)
+        else:  # keys past the cache masked for every row
+            a0, a1, b0, b1 = tl.where(j < cache_len, zero + Sq, zero), zero + Sq, zero, zero
     else:  # PREFIX_LM_DOCUMENT: PREFIXES[row, doc]
         prefix = tl.load(PREFIXES + row.to(tl.int64) * (DOC_STRIDE - 2) + lo).to(tl.int64)
         upper = tl.where(j < start + prefix, start, j)

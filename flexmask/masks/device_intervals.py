@@ -46,7 +46,7 @@ def _bounds(name: str, lengths, g) -> torch.Tensor:
 
 
 _FAMILIES = ("full", "causal", "sliding_window", "document", "prefix_lm", "share_question", "global_sliding_window",
-             "causal_blockwise", "prefix_lm_document", "qk_sparse")
+             "causal_blockwise", "prefix_lm_document", "qk_sparse", "kv_cache")
 
 
 def device_family(mask: specs.Mask, q_len: int, kv_len: int, device: torch.device):
@@ -79,6 +79,9 @@ def device_family(mask: specs.Mask, q_len: int, kv_len: int, device: torch.devic
         bounds = _host_document_bounds([lengths + [kv_len - pos]])
         return (ck.QK_SPARSE, 0, 0, 0, intervals.to_device(bounds, device, torch.int32), None), one
     g = intervals.geometry(q_len, kv_len, device, on_device=True)
+    if kind == "kv_cache":  # the kernel reads each batch row's length (checked host lists, clamped tensors)
+        lengths = intervals.cache_lengths(mask, g)
+        return (ck.KV_CACHE, int(p["causal"]), 0, 0, lengths.view(-1, 1), None), (lengths.shape[0], 1)
     if kind == "share_question":
         bounds = _host_document_bounds([intervals.share_question_lengths(p, kv_len)])
         return (ck.SHARE_QUESTION, p["question_len"], 0, 0, intervals.to_device(bounds, device, torch.int32),

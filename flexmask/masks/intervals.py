@@ -293,14 +293,20 @@ def _random_eviction(m, g):
     same bits on a CPU and a GPU, no host data and no sync. Vectorised: sorting each head's
     positions by slot (stable, so by position inside a slot), the key a position evicts is the
     one written by the previous position in its slot, or the slot's initial key (keys
-    0..start_row-1 start in slots 0..start_row-1)."""
+    0..start_row-1 start in slots 0..start_row-1). The device path gets the same bits, already
+    canonical, from `eviction_kernels` (two launches and a sort instead of ~60 ops)."""
     p = m.params()
     slots, s, heads = p["start_row"], g.kv_len, p["num_heads"]
+    seed_term = _mul32(p["seed"] & _M32, 0x9E3779B9)
+    if g.on_device:
+        from .eviction_kernels import eviction_intervals
+
+        return eviction_intervals(g.q_len, s, slots, seed_term, heads, g.device)
     first = min(slots, s)
     evict_at = torch.full((heads, s), s, dtype=torch.int64, device=g.device)
     if slots > 0 and first < s:
         head = torch.arange(heads, device=g.device).view(-1, 1)
-        base = _mix32((_mul32(head, 0x85EBCA6B) + _mul32(p["seed"] & _M32, 0x9E3779B9)) & _M32)  # [H, 1]
+        base = _mix32((_mul32(head, 0x85EBCA6B) + seed_term) & _M32)  # [H, 1]
         steps = torch.arange(first, s, device=g.device)  # [n] positions that evict
         slot = ((_mix32((base + steps) & _M32) * slots) >> 32).to(torch.int32)  # [H, n] in [0, slots)
         by_slot, order = torch.sort(slot, dim=-1, stable=True)
@@ -406,7 +412,7 @@ def _check_startend_order(idx: torch.Tensor, causal: bool) -> None:
         _check_ordered("startend_row_indices[..., 2] (UTS)", idx[2], idx[3], "startend_row_indices[..., 3] (UTE)")
 
 
-def _cache_lengths(m, g) -> torch.Tensor:
+def cache_lengths(m, g) -> torch.Tensor:
     """kv_lengths of a kv_cache mask as int64 [B] on the device. Checked against kv_len when
     they are on the host; a device tensor is clamped instead (checking it would sync)."""
     lengths = m.params()["kv_lengths"]
@@ -424,7 +430,7 @@ def _cache_lengths(m, g) -> torch.Tensor:
 def _kv_cache(m, g):
     """[B, 1, Sk, 4]: query i of row b sits at position L[b] - q_len + i; keys j >= L[b] are
     masked for every row, and with causal the rows before position j as well."""
-    length = _cache_lengths(m, g).view(-1, 1, 1)  # [B, 1, 1]
+    length = cache_lengths(m, g).view(-1, 1, 1)  # [B, 1, 1]
     cols = g.cols.view(1, 1, -1)  # [1, 1, Sk]
     z = torch.zeros_like(cols)
     if m.params()["causal"]:  # masked rows [0, j - (L - q_len)); every row once j >= L
@@ -575,7 +581,7 @@ def _combined(m, g):
     if len({id(c) for c in caches}) > 1:
         raise ValueError(f"{m!r}: a composition may hold one kv_cache mask (it sets the query positions), got {len(caches)}")
     if caches:
-        g.cache_lengths = _cache_lengths(caches[0], g)
+        g.cache_lengths = cache_lengths(caches[0], g)
     if g.on_device:
         composed = _composed_on_device(m, g, root=True)
         if composed is not None:
@@ -639,7 +645,7 @@ def build_intervals(mask: specs.Mask, q_len: int, kv_len: int, device=None, on_d
     device = torch.device(device) if device is not None else torch.device("cpu")
     g = _Geometry(q_len, kv_len, device, on_device)
     raw = _BUILDERS[mask.kind](mask, g)
-    if mask.kind in ("and", "or"):
+    if mask.kind in ("and", "or") or (on_device and mask.kind == "random_eviction"):  # built canonical
         return raw
     return canonicalize(raw, q_len)
 
