@@ -48,6 +48,47 @@ def test_work_list_sums_the_group_heaviest_first(mask_heads, sq):
     assert again.data_ptr() == work.data_ptr() or torch.equal(again.long(), work), "not cached"
 
 
+@pytest.mark.parametrize("mask_heads", [1, 4], ids=lambda h: f"Hm{h}")
+def test_bucketed_work_list_keeps_neighbours_together(mask_heads):
+    """The "bucketed" order: a permutation, chunks in order, the power-of-two bucket of the tile
+    count non-increasing inside a chunk and index order inside a bucket; the default order
+    follows configs.HOPPER_BACKWARD_ORDER; an unknown order is a ValueError."""
+    batch, hq, hkv, s = 2, 4, 2, 2000
+    mask = masks.document([300, 700, 1000]) if mask_heads == 1 else masks.random_eviction(s // 2, seed=3,
+                                                                                          num_heads=mask_heads)
+    cm = compile_mask(mask, s, s, device="cpu", block_m=128, block_n=128)
+    mask_map = mask_broadcast(cm, batch, hq, hkv)
+    q_bytes = 2 * s * 128 * 2 * 64  # several chunks
+    work = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order="bucketed").long()
+    nkb, group = cm.num_kv_blocks, hq // hkv
+    assert torch.equal(work.sort().values, torch.arange(batch * hkv * nkb))
+    heaviest = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order="heaviest").long()
+    if mask_heads == 1:  # a causal-like mask's weights fall with the index: the same order either way
+        assert not torch.equal(work, heaviest), "the orders should differ on documents"
+    counts = (cm.bwd_offsets[1:] - cm.bwd_offsets[:-1]).view(-1, nkb)
+    bhk, n = work // nkb, work % nkb
+    weight = torch.zeros_like(work)
+    for g in range(group):
+        bh = (bhk // hkv) * hq + (bhk % hkv) * group + g
+        rows = (bh // hq) * mask_map[0] + ((bh % hq) // mask_map[1]) * mask_map[2]
+        weight += counts[rows, n]
+    bucket = torch.where(weight > 0, torch.floor(torch.log2(weight.clamp(min=1).double())).long() + 1, 0)
+    chunk = bhk // max(1, backward_hopper.L2_SHARE_BYTES // (group * q_bytes))
+    assert (chunk[:-1] <= chunk[1:]).all(), "chunks out of order"
+    same_chunk = chunk[:-1] == chunk[1:]
+    assert (bucket[:-1][same_chunk] >= bucket[1:][same_chunk]).all(), "buckets not heaviest first"
+    same_bucket = same_chunk & (bucket[:-1] == bucket[1:])
+    assert (work[:-1][same_bucket] < work[1:][same_bucket]).all(), "not index order inside a bucket"
+    original = configs.HOPPER_BACKWARD_ORDER
+    try:
+        configs.HOPPER_BACKWARD_ORDER = "bucketed"
+        assert torch.equal(backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes).long(), work)
+    finally:
+        configs.HOPPER_BACKWARD_ORDER = original
+    with pytest.raises(ValueError, match="order must be 'heaviest' or 'bucketed', got 'random'"):
+        backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order="random")
+
+
 def test_backward_path_rule():
     cm = compile_mask(masks.causal(), 256, 256, device="cpu")
     q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)

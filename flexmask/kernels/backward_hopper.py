@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import configs
 from .forward_hopper import _descriptor, _masked_scores, _num_sms, _tma_view, heaviest_first, shared_layout
 
 LOG2E = 1.4426950408889634
@@ -305,17 +306,22 @@ L2_SHARE_BYTES = 24 << 20  # Q/dO bytes that the programs running at one time sh
 
 
 def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, int, int],
-                       q_bytes: int) -> torch.Tensor:
+                       q_bytes: int, order: str | None = None) -> torch.Tensor:
     """(batch x kv head, kv-block) items packed as bhk * NKB + n, heaviest first (tiles summed
     over the GQA group) within chunks of kv heads whose groups' Q and dO (`q_bytes` per query
-    head) fit in L2_SHARE_BYTES. Cached per tile table."""
+    head) fit in L2_SHARE_BYTES; `order` (default configs.HOPPER_BACKWARD_ORDER): "heaviest" by
+    tile count, or "bucketed" by power-of-two bucket of it, index order inside a bucket. Cached
+    per tile table."""
+    order = configs.HOPPER_BACKWARD_ORDER if order is None else order
+    if order not in ("heaviest", "bucketed"):
+        raise ValueError(f"order must be 'heaviest' or 'bucketed', got {order!r}")
     entry = _WORK_CACHE.get(id(cm.bwd_offsets))
     if entry is None or entry[0]() is not cm.bwd_offsets:
         for key in [k for k, (ref, _) in _WORK_CACHE.items() if ref() is None]:
             del _WORK_CACHE[key]
         entry = _WORK_CACHE[id(cm.bwd_offsets)] = (weakref.ref(cm.bwd_offsets), {})
     per_table = entry[1]
-    key = (batch, q_heads, kv_heads, mask_map, q_bytes)
+    key = (batch, q_heads, kv_heads, mask_map, q_bytes, order)
     if key not in per_table:
         nkb = cm.num_kv_blocks
         group = q_heads // kv_heads
@@ -326,7 +332,10 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
         per_item = counts[rows].view(batch * kv_heads, group, nkb).sum(1).reshape(-1).to(torch.int64)
         heads_per_chunk = max(1, L2_SHARE_BYTES // max(1, group * q_bytes))
         chunk = (torch.arange(batch * kv_heads, device=counts.device) // heads_per_chunk).repeat_interleave(nkb)
-        per_table[key] = heaviest_first(per_item, chunk, cm.num_q_blocks * group)  # a kv-block meets <= NQB q-blocks per head
+        max_weight = cm.num_q_blocks * group  # a kv-block meets <= NQB q-blocks per head
+        if order == "bucketed":  # frexp's exponent: 0 for no tile, k + 1 for [2**k, 2**(k+1))
+            per_item, max_weight = torch.frexp(per_item.double()).exponent.long(), 64
+        per_table[key] = heaviest_first(per_item, chunk, max_weight)
     return per_table[key]
 
 

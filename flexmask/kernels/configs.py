@@ -231,6 +231,16 @@ def backward_path(q: torch.Tensor, cm, deterministic: bool) -> str:
 # the fused path.
 HOPPER_BACKWARD_HEAD_DIMS = frozenset({64, 128})
 
+# The order the Hopper backward's persistent programs take their (kv-block, kv head) items in,
+# inside each chunk of heads (backward_hopper.backward_work_list): "heaviest" first by tile
+# count, or "bucketed": heaviest first by power-of-two bucket of the tile count, index order
+# inside a bucket, so that the programs running at one time hold neighbouring kv-blocks, which
+# walk the same q-blocks (documents: with "heaviest" they hold the first kv-blocks of every
+# document, whose Q/dO/dQ do not fit in L2; ncu_bwd_hopper_causal_document_128k.txt). Measured
+# on an H200 (benchmarks.backward_order, backward_order.csv): within noise of "heaviest", which
+# stays the default (backward_hopper_log.md, session 5).
+HOPPER_BACKWARD_ORDER = "heaviest"
+
 
 def two_pass_dkdv_path(q: torch.Tensor, cm) -> str:
     """Which kernel runs the two-pass (deterministic) path's dK/dV pass: "hopper" (backward_hopper.py
