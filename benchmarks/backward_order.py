@@ -10,9 +10,8 @@ backward_order.csv (GPU, versions, command and date in every row).
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
-import os
+import functools
 import sys
 
 import torch
@@ -24,6 +23,7 @@ from flexmask.kernels.backward import attention_backward
 from flexmask.kernels.forward import attention_forward
 
 from .cuda_guard import require_cuda
+from .report import write_rows
 from .speed_check import families
 
 ORDERS = ("heaviest", "bucketed")
@@ -54,10 +54,8 @@ def main(argv=None):
             original = backward_hopper.configs.HOPPER_BACKWARD_ORDER
             backward_hopper.configs.HOPPER_BACKWARD_ORDER = order
             try:
-                def run():
-                    return attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=False,
-                                              kernel="hopper")
-
+                run = functools.partial(attention_backward, do, None, q, k, v, o, lse, cm, scale,
+                                        deterministic=False, kernel="hopper")
                 grads[order] = run()
                 times[order] = triton.testing.do_bench(run, warmup=10, rep=60)
             finally:
@@ -74,13 +72,7 @@ def main(argv=None):
                   f"dk/dv equal {row['dk_dv_bitwise_equal']}  dq rel diff {row['dq_rel_diff']:.1e}", flush=True)
         del q, k, v, do, o, lse, grads
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "backward_order.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {path}")
+    print(f"wrote {write_rows(args.out, 'backward_order.csv', rows)}")
 
 
 if __name__ == "__main__":

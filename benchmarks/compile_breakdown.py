@@ -9,7 +9,6 @@ call. Prints one line per (family, length) and writes compile_breakdown.csv to -
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ def main(argv=None) -> None:
     from flexmask.masks import device_intervals, tile_bounds
 
     from . import families as fam
+    from .report import write_rows
 
     dev, tile, rows_out = torch.device("cuda"), 128, []
     for s in args.lengths:
@@ -61,11 +61,7 @@ def main(argv=None) -> None:
             torch.cuda.synchronize()
             rows_out.append(row)
             print(row, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "compile_breakdown.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-        w.writeheader()
-        w.writerows(rows_out)
+    write_rows(args.out, "compile_breakdown.csv", rows_out)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,13 @@ Writes host_overhead.csv (with device, versions and the command) into --out.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import time
 
 import torch
 
-from .report import environment
+from .report import environment, write_rows
 
 
 def per_call_us(fn, calls: int = 300, rounds: int = 7) -> float:
@@ -94,12 +93,7 @@ def main(argv=None) -> int:
     env = environment("cpu", argv)
     env["command"] = env["command"].replace("benchmarks.run", "benchmarks.host_overhead", 1)
     rows = [dict(env, **r) for r in measure()]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "host_overhead.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    path = write_rows(args.out, "host_overhead.csv", rows)
     for r in rows:
         print(f"{r['case']:<28} {r['us_per_call']:8.1f} us/call")
     print(f"wrote {path}")

@@ -66,6 +66,17 @@ def _cell(value) -> str:
     return str(value)
 
 
+def write_rows(out_dir: str, name: str, rows: Sequence[dict]) -> str:
+    """Write dict rows (the first row's keys as the header) to out_dir/name; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 class CsvWriter:
     """Writes rows as they are produced (a run cut short still leaves its results)."""
 
