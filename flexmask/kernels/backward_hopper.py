@@ -21,7 +21,7 @@ matrix products with the tensor cores idle. Here, as in the Hopper forward:
       dQ[:, half]  = dS K[:, half]  [64 q, D / 2]   (at D = 64 one takes all of dQ, in turns)
   and adds it to the fp32 dQ buffer with a TMA bulk reduction (no per-element atomics).
 Masks come from the same column intervals, turned into one word of masked rows per key as in
-the Hopper forward (`forward_hopper._masked_scores`).
+the Hopper forward (`forward_hopper._row_words`).
 Rows that attend nothing have LSE = +inf in the statistics, so P = 0 and their gradients are 0.
 The dQ sums run in whatever order the reductions land: not bitwise reproducible, like the
 portable fused path; `deterministic=True` keeps the two-pass path.
@@ -45,7 +45,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import configs
-from .forward_hopper import _descriptor, _masked_scores, _num_sms, _tma_view, heaviest_first, shared_layout
+from .forward_hopper import (
+    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_words, _tma_view, heaviest_first, shared_layout,
+)
 
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = gl.constexpr(24)
@@ -85,6 +87,22 @@ def _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB, MASK_B_STRIDE, MASK_H_DI
 
 
 @gluon.jit
+def _item_ahead(WORK, BWD_OFFSETS, BWD_NUM_FULL, w, n_items, NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
+    """Item w (clamped to the last one) and the walk of its first query head, loaded one item
+    ahead so that their latency hides behind the current walk."""
+    b, hk, n = _item(WORK, gl.minimum(w, n_items - 1), NKB, HKV)
+    row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, hk * GROUP, n, NKB,
+                                        MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+    return b, hk, n, row, t_lo, t_mid, t_hi
+
+
+@gluon.jit
+def _step_start(BWD_BLOCKS, t_lo, i, n_steps):
+    """First query row of step i of a walk (0 past the walk's end, where the loop has no step)."""
+    return gl.load(BWD_BLOCKS + t_lo + i // 2, mask=i < n_steps, other=0) * (2 * Q_STEP) + (i % 2) * Q_STEP
+
+
+@gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
     WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
@@ -100,10 +118,7 @@ def _producer(
         b, hk, n = _item(WORK, w, NKB, HKV)
         x_kv = b * KV_X_B + hk * KV_X_H
         c_kv = hk * KV_C_H
-        mbarrier.wait(kv_empty, (item_count & 1) ^ 1)
-        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, k_smem.index(0))
-        tma.async_copy_global_to_shared(v_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, v_smem.index(0))
+        first_step = step
         for g in range(GROUP):
             h = hk * GROUP + g
             row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
@@ -117,8 +132,22 @@ def _producer(
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [x_q, start_m, c_q], q_ready.index(s), q_bufs.index(s))
                 tma.async_copy_global_to_shared(do_desc, [x_q, start_m, c_q], q_ready.index(s), do_bufs.index(s))
+                # K and V once the first step's Q/dO are on their way: that step's loads need not
+                # wait until the consumers release the previous item's K and V
+                if step == first_step:
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv)
                 step += 1
+        if step == first_step:  # an item with no tiles: its dK/dV are zeros, K/V still handed over
+            _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv)
         item_count += 1
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv):
+    mbarrier.wait(kv_empty, (item_count & 1) ^ 1)
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, v_smem.index(0))
 
 
 @gluon.jit
@@ -154,20 +183,33 @@ def _consumer(
 
     step = 0
     item_count = 0
+    # every load an item's first step depends on (work list -> walk -> q-block -> statistics)
+    # is issued one item or one step ahead, so that no step waits on a chain of them
+    ahead = _item_ahead(WORK, BWD_OFFSETS, BWD_NUM_FULL, gl.program_id(0), n_items, NKB, HKV, GROUP,
+                        MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, hk, n = _item(WORK, w, NKB, HKV)
+        b, hk, n, row0, t_lo0, t_mid0, t_hi0 = ahead
+        ahead = _item_ahead(WORK, BWD_OFFSETS, BWD_NUM_FULL, w + gl.num_programs(0), n_items, NKB, HKV, GROUP,
+                            MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
         dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         mbarrier.wait(kv_ready, item_count & 1)
         for g in range(GROUP):
             h = hk * GROUP + g
-            row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
-                                                MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+            if g == 0:
+                row, t_lo, t_mid, t_hi = row0, t_lo0, t_mid0, t_hi0
+            else:
+                row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
+                                                    MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
             bh = b * HQ + h
             p_stats = STATS + bh.to(gl.int64) * 2 * Sq
-            for i in range(2 * (t_hi - t_lo)):
+            n_steps = 2 * (t_hi - t_lo)
+            # this warpgroup's keys' interval ends, once per walk (the PARTIAL steps' masks)
+            lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi)
+            start_m = _step_start(BWD_BLOCKS, t_lo, 0, n_steps)
+            for i in range(n_steps):
                 t = t_lo + i // 2
-                start_m = gl.load(BWD_BLOCKS + t) * (2 * Q_STEP) + (i % 2) * Q_STEP
+                start_next = _step_start(BWD_BLOCKS, t_lo, i + 1, n_steps)  # the next step's, loaded now
                 o_m = start_m + gl.arange(0, Q_STEP, layout=query_layout)
                 lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
                 delta = gl.load(p_stats + Sq + o_m, mask=o_m < Sq, other=0.0)
@@ -189,9 +231,10 @@ def _consumer(
                 zeros_s = gl.zeros([Q_STEP, ROWS], gl.float32, layout=s_layout)
                 qk = warpgroup_mma(q_view, k_t, zeros_s, use_acc=False, is_async=True)
                 dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
+                words = _row_words(lts, lte, uts, ute, start_m, Q_STEP // 2)  # while the products run
                 qk = warpgroup_mma_wait(1, deps=(qk,))
                 if t >= t_mid:  # PARTIAL tile: -inf where masked or past Sk
-                    qk = _masked_scores(qk, INTV, row, 2 * n + WG, Sk, start_m, ROWS, Q_STEP, num_warps)
+                    qk = _apply_row_words(qk, words, Q_STEP, ROWS)
                 p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
                 p_cols.store(p.to(dtype))
                 dp = warpgroup_mma_wait(0, deps=(dp,))
@@ -228,6 +271,7 @@ def _consumer(
                     _tma_reduce_add(dq_desc, [bh, start_m, dq_col], dq_smem.index(2 * WG))
                     _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], dq_smem.index(2 * WG + 1))
                 step += 1
+                start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
         item_count += 1
 

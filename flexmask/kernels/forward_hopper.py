@@ -61,6 +61,15 @@ def _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE
 
 
 @gluon.jit
+def _item_ahead(WORK, FWD_OFFSETS, FWD_NUM_FULL, w, n_items, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
+    """_work_item and _walk_bounds of item w (clamped to the last item, so that a consumer can
+    load the item after its current one while it walks, whether or not there is one)."""
+    b, h, m, seg = _work_item(WORK, gl.minimum(w, n_items - 1), NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+    t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
+    return b, h, m, seg, t_lo, t_mid, t_hi
+
+
+@gluon.jit
 def _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i):
     """The i-th kv-block of the walk (PARTIAL entries first, then FULL) and whether it is PARTIAL."""
     n_partial = t_hi - t_mid
@@ -120,27 +129,40 @@ def _row_bits(start, end, base):
 
 
 @gluon.jit
-def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """-inf where (row, column) of this warpgroup's ROWS x BLOCK_N part of a PARTIAL tile is
-    masked or past Sk.
-
-    The intervals of a column become, per 32-row half, a 32-bit word of masked rows, built with
-    one column per thread. Each warp of the wgmma layout holds rows of one half only, so a
-    thread needs one word per column it holds (BLOCK_N / 4 registers) instead of the four
-    interval ends (4x that, which spilled), and each element costs a shift and a test."""
+def _column_intervals(INTV, row, n, Sk, BLOCK_N: gl.constexpr, num_warps: gl.constexpr, pred):
+    """The four interval ends (LTS, LTE, UTS, UTE) of the BLOCK_N columns of kv-block n, one
+    column per thread. The loads are predicated on `pred`, so a walk can issue them before it
+    waits for its matrix product and use them only if the tile turns out PARTIAL: their
+    latency then hides behind the product instead of following it. Columns past Sk read as
+    masked on every row."""
     c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     o_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=c_layout)
-    in_k = o_n < Sk
+    in_k = (o_n < Sk) & pred
     p_intv = INTV + row.to(gl.int64) * 4 * Sk + o_n
     lts = gl.load(p_intv, mask=in_k, other=0)
-    lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)  # past Sk: every row masked
+    lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
     uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
     ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
-    HALF: gl.constexpr = ROWS // 2
+    return lts, lte, uts, ute
+
+
+@gluon.jit
+def _row_words(lts, lte, uts, ute, row0, HALF: gl.constexpr):
+    """[2, BLOCK_N] words of masked rows: bit r of word (j, c) is row row0 + j * HALF + r of
+    column c (HALF <= 32)."""
     w0 = _row_bits(lts, lte, row0) | _row_bits(uts, ute, row0)
     w1 = _row_bits(lts, lte, row0 + HALF) | _row_bits(uts, ute, row0 + HALF)
-    words = gl.permute(gl.join(w0, w1), [1, 0])  # [2, BLOCK_N]
+    return gl.permute(gl.join(w0, w1), [1, 0])
+
+
+@gluon.jit
+def _apply_row_words(s, words, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """-inf where `words` (from _row_words) mark the element of the ROWS x BLOCK_N scores s.
+
+    Each warp of the wgmma layout holds rows of one half only, so a thread needs one word per
+    column it holds (BLOCK_N / 4 registers) instead of the four interval ends (4x that, which
+    spilled), and each element costs a shift and a test."""
+    HALF: gl.constexpr = ROWS // 2
     s3 = gl.reshape(s, [2, HALF, BLOCK_N])
     s3_layout: gl.constexpr = s3.type.layout
     words = gl.convert_layout(words, gl.SliceLayout(1, s3_layout))
@@ -148,6 +170,15 @@ def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.co
     bits = (gl.expand_dims(words, 1) >> gl.expand_dims(gl.expand_dims(r, 0), 2)) & 1
     s3 = gl.where(bits != 0, float("-inf"), s3)
     return gl.convert_layout(gl.reshape(s3, [ROWS, BLOCK_N]), s.type.layout)
+
+
+@gluon.jit
+def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """-inf where (row, column) of this warpgroup's ROWS x BLOCK_N part of a PARTIAL tile is
+    masked or past Sk (the three steps above in one, loads included)."""
+    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, True)
+    return _apply_row_words(s, _row_words(lts, lte, uts, ute, row0, ROWS // 2), ROWS, BLOCK_N)
 
 
 @gluon.jit
@@ -186,11 +217,17 @@ def _consumer(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
+    HALF: gl.constexpr = ROWS // 2
     kv_count = 0
     item_count = 0
+    # the next item's coordinates and walk bounds load while this one walks: at an item's start
+    # the chain work list -> offsets -> kv-block -> intervals would otherwise wait on each load
+    ahead = _item_ahead(WORK, FWD_OFFSETS, FWD_NUM_FULL, gl.program_id(0), n_items,
+                        NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m, seg = _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
-        t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
+        b, h, m, seg, t_lo, t_mid, t_hi = ahead
+        ahead = _item_ahead(WORK, FWD_OFFSETS, FWD_NUM_FULL, w + gl.num_programs(0), n_items,
+                            NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
         row = seg // NQB
         row0 = m * BLOCK_M + WG * ROWS
         o_m = row0 + gl.arange(0, ROWS, layout=row_layout)
@@ -204,14 +241,16 @@ def _consumer(
         if n_tiles > 0:
             # tile 0: S = Q K^T, softmax
             n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, 0)
+            lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial)
             s_idx = kv_count % STAGES
             mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
             k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
             s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+            words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the product runs
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s_idx), count=1)
             if is_partial:
-                s = _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N, ROWS, num_warps)
+                s = _apply_row_words(s, words, ROWS, BLOCK_N)
             p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
             prev_idx = s_idx
@@ -219,6 +258,7 @@ def _consumer(
             kv_count += 1
             for i in range(1, n_tiles):
                 n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
+                lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial)
                 s_idx = kv_count % STAGES
                 mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
                 k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
@@ -226,10 +266,11 @@ def _consumer(
                 # O += P V of the previous tile runs on the tensor cores during this tile's softmax
                 mbarrier.wait(v_ready.index(prev_idx), prev_phase)
                 acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the products run
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(s_idx), count=1)
                 if is_partial:
-                    s = _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N, ROWS, num_warps)
+                    s = _apply_row_words(s, words, ROWS, BLOCK_N)
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev_idx), count=1)
