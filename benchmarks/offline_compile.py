@@ -55,7 +55,7 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1):
     qd, _ = fh._descriptor(q, fh.HOPPER_BLOCK // 2)
     kd, _ = fh._descriptor(k, fh.HOPPER_BLOCK)
     i32 = torch.empty(8, dtype=torch.int32)
-    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, O=q, LSE=torch.empty(8), INTV=i32, WORK=i32, FWD_OFFSETS=i32,
+    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, O=q, LSE=torch.empty(8), INTV=i32, WORK=i32, COUNTER=i32, FWD_OFFSETS=i32,
                 FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_ob=7, stride_oh=7, stride_om=7,
                 Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5)  # as launched
@@ -76,7 +76,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True):
     dqd = bh._dq_descriptor(torch.empty(8, 1024, head_dim))
     i32 = torch.empty(8, dtype=torch.int32)
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, STATS=torch.empty(8), DK=k, DV=k,
-                INTV=i32, WORK=i32, BWD_OFFSETS=i32, BWD_NUM_FULL=i32, BWD_BLOCKS=i32, n_items=1000,
+                INTV=i32, WORK=i32, COUNTER=i32, BWD_OFFSETS=i32, BWD_NUM_FULL=i32, BWD_BLOCKS=i32, n_items=1000,
                 stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
                 Sq=1000, Sk=1000, NKB=7, HQ=4, HKV=2, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched

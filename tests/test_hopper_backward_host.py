@@ -174,3 +174,18 @@ def test_hopper_kernels_compile_for_sm90():
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["name"] in ("forward", "dq"):
             assert "0 bytes spill stores" in r["report"], r
+
+
+def test_backward_work_list_hoist():
+    batch, hq, hkv, s = 1, 4, 4, 2000
+    cm = compile_mask(masks.document([300, 1400, 300], causal=True), s, s, device="cpu", block_m=128, block_n=128)
+    mask_map = mask_broadcast(cm, batch, hq, hkv)
+    q_bytes = 2 * s * 128 * 2 * 64  # one head per chunk
+    plain = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes).long()
+    work = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, hoist=6).long()
+    counts = (cm.bwd_offsets[1:] - cm.bwd_offsets[:-1]).view(-1, cm.num_kv_blocks)[0]
+    weight = counts[work % cm.num_kv_blocks]
+    sixth = weight.sort(descending=True).values[5]
+    first = int((weight > sixth).sum())
+    assert 0 < first < 6 and (weight[:first] > sixth).all()
+    assert torch.equal(work[first:], plain[~torch.isin(plain, work[:first])])

@@ -160,3 +160,34 @@ def test_q_buffer_rule_follows_the_walk_length(monkeypatch):
     assert configs.hopper_forward_q_buffers(64, cm) == 1
     monkeypatch.setattr(configs, "HOPPER_QBUF2_MAX_WALK", int(walk) + 1)
     assert configs.hopper_forward_q_buffers(64, cm) == 2
+
+
+def test_heaviest_first_hoists_the_longest_items():
+    """`hoist`: the items heavier than the hoist-th heaviest go first of all, heaviest first; the
+    rest keep the chunked order (scheduler.py takes items in list order as programs free up)."""
+    weight = torch.tensor([5, 1, 9, 3, 7, 2, 8, 4])
+    chunk = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    plain = forward_hopper.heaviest_first(weight, chunk, 9).long()
+    assert plain.tolist() == [2, 0, 3, 1, 6, 4, 7, 5]
+    # the third heaviest weighs 7: 9 and 8 move ahead of both chunks
+    assert forward_hopper.heaviest_first(weight, chunk, 9, hoist=3).tolist() == [2, 6, 0, 3, 1, 4, 7, 5]
+    # ties at the hoist-th weight stay in their chunks; hoisting all items changes nothing
+    tied = torch.tensor([4, 4, 4, 4])
+    assert forward_hopper.heaviest_first(tied, torch.tensor([0, 0, 1, 1]), 4, hoist=2).tolist() == [0, 1, 2, 3]
+    assert torch.equal(forward_hopper.heaviest_first(weight, chunk, 9, hoist=8).long(), plain)
+
+
+def test_work_list_hoist_puts_the_heaviest_documents_first():
+    s = 3000
+    cm = compile_mask(masks.document([200, 2500, 300], causal=True), s, s, device="cpu", block_m=128, block_n=128)
+    mask_map = mask_broadcast(cm, 2, 1, 1)
+    work = forward_hopper.work_list(cm, 2, 1, 1, mask_map, forward_hopper.L2_SHARE_BYTES, "chunked", hoist=5).long()
+    plain = forward_hopper.work_list(cm, 2, 1, 1, mask_map, forward_hopper.L2_SHARE_BYTES, "chunked").long()
+    assert torch.equal(work.sort().values, torch.arange(2 * cm.num_q_blocks))
+    tiles = _counts(cm)[0, work % cm.num_q_blocks]
+    fifth = tiles.sort(descending=True).values[4]
+    first = int((tiles > fifth).sum())
+    assert 0 < first < 5
+    assert (tiles[:first] > fifth).all() and (tiles[:first - 1] >= tiles[1:first]).all()
+    rest = plain[~torch.isin(plain, work[:first])]
+    assert torch.equal(work[first:], rest), "the others keep the chunked order"

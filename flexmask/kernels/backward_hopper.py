@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import configs
+from . import configs, scheduler
 from .forward_hopper import (
     _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_words, _tma_view, heaviest_first, shared_layout,
 )
@@ -68,11 +68,10 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _item(WORK, w, NKB, HKV):
-    """Work item w: (batch, kv head, kv-block)."""
-    item = gl.load(WORK + w)
-    bhk = item // NKB
-    return bhk // HKV, bhk % HKV, item % NKB
+def _decode_item(entry, NKB, HKV):
+    """A work-list entry bhk * NKB + n as (batch, kv head, kv-block)."""
+    bhk = entry // NKB
+    return bhk // HKV, bhk % HKV, entry % NKB
 
 
 @gluon.jit
@@ -87,16 +86,6 @@ def _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB, MASK_B_STRIDE, MASK_H_DI
 
 
 @gluon.jit
-def _item_ahead(WORK, BWD_OFFSETS, BWD_NUM_FULL, w, n_items, NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
-    """Item w (clamped to the last one) and the walk of its first query head, loaded one item
-    ahead so that their latency hides behind the current walk."""
-    b, hk, n = _item(WORK, gl.minimum(w, n_items - 1), NKB, HKV)
-    row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, hk * GROUP, n, NKB,
-                                        MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
-    return b, hk, n, row, t_lo, t_mid, t_hi
-
-
-@gluon.jit
 def _step_start(BWD_BLOCKS, t_lo, i, n_steps):
     """First query row of step i of a walk (0 past the walk's end, where the loop has no step)."""
     return gl.load(BWD_BLOCKS + t_lo + i // 2, mask=i < n_steps, other=0) * (2 * Q_STEP) + (i % 2) * Q_STEP
@@ -105,17 +94,24 @@ def _step_start(BWD_BLOCKS, t_lo, i, n_steps):
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
-    WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+    WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     STAGES: gl.constexpr,
 ):
-    """One warp: per work item, K and V once, then Q and dO step by step in walk order."""
-    kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free = bars
+    """One warp: claims work items (scheduler.py) and hands them to the consumers; per item, K
+    and V once, then Q and dO step by step in walk order."""
+    kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     step = 0
     item_count = 0
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, hk, n = _item(WORK, w, NKB, HKV)
+    w = scheduler.claim(COUNTER)
+    while w < n_items:
+        w_next = scheduler.claim(COUNTER)  # one ahead: its latency hides behind this item's loads
+        entry = gl.load(WORK + w)
+        b, hk, n = _decode_item(entry, NKB, HKV)
+        _, t_lo0, t_mid0, t_hi0 = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, hk * GROUP, n, NKB,
+                                             MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+        scheduler.publish(item_slots, item_ready, item_empty, item_count, entry, t_lo0, t_mid0, t_hi0)
         x_kv = b * KV_X_B + hk * KV_X_H
         c_kv = hk * KV_C_H
         first_step = step
@@ -140,6 +136,9 @@ def _producer(
         if step == first_step:  # an item with no tiles: its dK/dV are zeros, K/V still handed over
             _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv)
         item_count += 1
+        w = w_next
+    scheduler.publish(item_slots, item_ready, item_empty, item_count, -1, 0, 0, 0)  # the list is done
+    scheduler.finish(COUNTER)
 
 
 @gluon.jit
@@ -160,7 +159,7 @@ def _consumer(
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass)."""
-    kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free = bars
+    kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
     # dQ = dS K is [Q_STEP, HEAD_DIM]: at head dim 128 each warpgroup takes 64 of its columns every
@@ -183,21 +182,19 @@ def _consumer(
 
     step = 0
     item_count = 0
-    # every load an item's first step depends on (work list -> walk -> q-block -> statistics)
-    # is issued one item or one step ahead, so that no step waits on a chain of them
-    ahead = _item_ahead(WORK, BWD_OFFSETS, BWD_NUM_FULL, gl.program_id(0), n_items, NKB, HKV, GROUP,
-                        MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, hk, n, row0, t_lo0, t_mid0, t_hi0 = ahead
-        ahead = _item_ahead(WORK, BWD_OFFSETS, BWD_NUM_FULL, w + gl.num_programs(0), n_items, NKB, HKV, GROUP,
-                            MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+    # the producer loaded the item and its first head's walk (work list -> offsets) ahead, and
+    # each step's q-block is loaded one step ahead, so that no step waits on a chain of loads
+    entry, t_lo0, t_mid0, t_hi0 = scheduler.receive(item_slots, item_ready, item_empty, 0, num_warps)
+    while entry >= 0:
+        b, hk, n = _decode_item(entry, NKB, HKV)
         dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         mbarrier.wait(kv_ready, item_count & 1)
         for g in range(GROUP):
             h = hk * GROUP + g
             if g == 0:
-                row, t_lo, t_mid, t_hi = row0, t_lo0, t_mid0, t_hi0
+                row = b * MASK_B_STRIDE + (h // MASK_H_DIV) * MASK_H_STRIDE
+                t_lo, t_mid, t_hi = t_lo0, t_mid0, t_hi0
             else:
                 row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
                                                     MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
@@ -284,13 +281,14 @@ def _consumer(
         p_dv = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + rows64 * stride_dvn + gl.expand_dims(od, 0)
         gl.store(p_dk, (dk * sm_scale).to(dtype), mask=keep)
         gl.store(p_dv, dv.to(dtype), mask=keep)
+        entry, t_lo0, t_mid0, t_hi0 = scheduler.receive(item_slots, item_ready, item_empty, item_count, num_warps)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _backward_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, STATS, DK, DV,
-    INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+    INTV, WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
@@ -321,8 +319,9 @@ def _backward_hopper_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
+    item_slots, item_ready, item_empty = scheduler.allocate_ring()
     fence_async_shared()
-    bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free)
+    bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty)
 
     gl.warp_specialize([
         (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
@@ -336,7 +335,7 @@ def _backward_hopper_kernel(
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      HEAD_DIM, STAGES, WITH_DQ)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
-                     WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+                     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                      STAGES)),
@@ -350,12 +349,12 @@ L2_SHARE_BYTES = 24 << 20  # Q/dO bytes that the programs running at one time sh
 
 
 def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, int, int],
-                       q_bytes: int, order: str | None = None) -> torch.Tensor:
+                       q_bytes: int, order: str | None = None, hoist: int = 0) -> torch.Tensor:
     """(batch x kv head, kv-block) items packed as bhk * NKB + n, heaviest first (tiles summed
     over the GQA group) within chunks of kv heads whose groups' Q and dO (`q_bytes` per query
     head) fit in L2_SHARE_BYTES; `order` (default configs.HOPPER_BACKWARD_ORDER): "heaviest" by
-    tile count, or "bucketed" by power-of-two bucket of it, index order inside a bucket. Cached
-    per tile table."""
+    tile count, or "bucketed" by power-of-two bucket of it, index order inside a bucket.
+    `hoist`: see forward_hopper.heaviest_first. Cached per tile table."""
     order = configs.HOPPER_BACKWARD_ORDER if order is None else order
     if order not in ("heaviest", "bucketed"):
         raise ValueError(f"order must be 'heaviest' or 'bucketed', got {order!r}")
@@ -365,7 +364,7 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
             del _WORK_CACHE[key]
         entry = _WORK_CACHE[id(cm.bwd_offsets)] = (weakref.ref(cm.bwd_offsets), {})
     per_table = entry[1]
-    key = (batch, q_heads, kv_heads, mask_map, q_bytes, order)
+    key = (batch, q_heads, kv_heads, mask_map, q_bytes, order, hoist)
     if key not in per_table:
         nkb = cm.num_kv_blocks
         group = q_heads // kv_heads
@@ -379,7 +378,7 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
         max_weight = cm.num_q_blocks * group  # a kv-block meets <= NQB q-blocks per head
         if order == "bucketed":  # frexp's exponent: 0 for no tile, k + 1 for [2**k, 2**(k+1))
             per_item, max_weight = torch.frexp(per_item.double()).exponent.long(), 64
-        per_table[key] = heaviest_first(per_item, chunk, max_weight)
+        per_table[key] = heaviest_first(per_item, chunk, max_weight, hoist)
     return per_table[key]
 
 
@@ -426,16 +425,17 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     k_desc, (kxb, kxh, kch) = _descriptor(k, KV_ROWS)
     v_desc, _ = _descriptor(v, KV_ROWS)
     q_bytes = 2 * sq * d * q.element_size()  # one query head's Q and dO
-    work = backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes)
+    programs = _num_sms(q.device.index or 0)
+    work = backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, hoist=programs)
     n_items = work.numel()
-    grid = (min(n_items, _num_sms(q.device.index or 0)),)
+    grid = (min(n_items, programs),)
     mb, mdiv, mh = mask_map
     with_dq = dq_acc is not None
     if not with_dq:  # the kernel still takes a descriptor: one over a single box, never used
         dq_acc = torch.empty(1, Q_ROWS, 32, dtype=torch.float32, device=q.device)
     _backward_hopper_kernel[grid](
         q_desc, k_desc, v_desc, do_desc, _dq_descriptor(dq_acc), stats, dk, dv,
-        cm.kernel_intervals, work, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
+        cm.kernel_intervals, work, scheduler.counters(q.device), cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, cm.num_kv_blocks, hq, hkv, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import configs
+from . import configs, scheduler
 
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the one-warp TMA producer
@@ -51,22 +51,18 @@ def _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg):
 @gluon.jit
 def _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
     """Work item w of the heaviest-first list: (batch, query head, q-block, table segment)."""
-    item = gl.load(WORK + w)
+    return _decode_item(gl.load(WORK + w), NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+
+
+@gluon.jit
+def _decode_item(item, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
+    """A work-list entry bh * NQB + m as (batch, query head, q-block, table segment)."""
     bh = item // NQB
     m = item % NQB
     b = bh // HQ
     h = bh % HQ
     row = b * MASK_B_STRIDE + (h // MASK_H_DIV) * MASK_H_STRIDE
     return b, h, m, row * NQB + m
-
-
-@gluon.jit
-def _item_ahead(WORK, FWD_OFFSETS, FWD_NUM_FULL, w, n_items, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
-    """_work_item and _walk_bounds of item w (clamped to the last item, so that a consumer can
-    load the item after its current one while it walks, whether or not there is one)."""
-    b, h, m, seg = _work_item(WORK, gl.minimum(w, n_items - 1), NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
-    t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
-    return b, h, m, seg, t_lo, t_mid, t_hi
 
 
 @gluon.jit
@@ -81,19 +77,24 @@ def _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i):
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-    WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
 ):
-    """One warp: TMA loads of each work item's Q block, then of its K and V tiles in walk order.
-    With Q_BUFS = 2 the next item's Q goes into the other buffer while this item's walk ends."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    """One warp: claims work items (scheduler.py) and hands them to the consumers, then TMA loads
+    of each item's Q block and of its K and V tiles in walk order. With Q_BUFS = 2 the next
+    item's Q goes into the other buffer while this item's walk ends."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty = bars
     kv_count = 0
     item_count = 0
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m, seg = _work_item(WORK, w, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+    w = scheduler.claim(COUNTER)
+    while w < n_items:
+        w_next = scheduler.claim(COUNTER)  # one ahead: its latency hides behind this item's loads
+        entry = gl.load(WORK + w)
+        b, h, m, seg = _decode_item(entry, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
         t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
+        scheduler.publish(item_slots, item_ready, item_empty, item_count, entry, t_lo, t_mid, t_hi)
         hk = h // GROUP
         q_slot = (item_count % Q_BUFS) * 2
         q_phase = (item_count // Q_BUFS) & 1
@@ -116,6 +117,9 @@ def _producer(
             tma.async_copy_global_to_shared(v_desc, [x_kv, n * BLOCK_N, c_kv], v_ready.index(s), v_bufs.index(s))
             kv_count += 1
         item_count += 1
+        w = w_next
+    scheduler.publish(item_slots, item_ready, item_empty, item_count, -1, 0, 0, 0)  # the list is done
+    scheduler.finish(COUNTER)
 
 
 @gluon.jit
@@ -205,7 +209,7 @@ def _consumer(
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     The two warpgroups share the K/V stages (released when both have read them) but never
     wait for each other, so one's softmax runs while the other's matrix products do."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = BLOCK_M // 2
     num_warps: gl.constexpr = 4
@@ -220,14 +224,10 @@ def _consumer(
     HALF: gl.constexpr = ROWS // 2
     kv_count = 0
     item_count = 0
-    # the next item's coordinates and walk bounds load while this one walks: at an item's start
-    # the chain work list -> offsets -> kv-block -> intervals would otherwise wait on each load
-    ahead = _item_ahead(WORK, FWD_OFFSETS, FWD_NUM_FULL, gl.program_id(0), n_items,
-                        NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, m, seg, t_lo, t_mid, t_hi = ahead
-        ahead = _item_ahead(WORK, FWD_OFFSETS, FWD_NUM_FULL, w + gl.num_programs(0), n_items,
-                            NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+    # the producer loaded the item and its walk bounds (work list -> offsets) ahead of the walk
+    entry, t_lo, t_mid, t_hi = scheduler.receive(item_slots, item_ready, item_empty, 0, num_warps)
+    while entry >= 0:
+        b, h, m, seg = _decode_item(entry, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
         row = seg // NQB
         row0 = m * BLOCK_M + WG * ROWS
         o_m = row0 + gl.arange(0, ROWS, layout=row_layout)
@@ -298,12 +298,13 @@ def _consumer(
         empty_r = l_i == 0.0
         lse = gl.where(empty_r, float("-inf"), (m_i + gl.log2(gl.where(empty_r, 1.0, l_i))) * 0.6931471805599453)
         gl.store(LSE + (b * HQ + h).to(gl.int64) * Sq + o_m, lse, mask=o_m < Sq)
+        entry, t_lo, t_mid, t_hi = scheduler.receive(item_slots, item_ready, item_empty, item_count, num_warps)
 
 
 @gluon.jit
 def _forward_hopper_kernel(
     q_desc, k_desc, v_desc, O, LSE,
-    INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    INTV, WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     stride_ob, stride_oh, stride_om,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
@@ -329,8 +330,9 @@ def _forward_hopper_kernel(
         mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
+    item_slots, item_ready, item_empty = scheduler.allocate_ring()
     fence_async_shared()
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty)
 
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_bufs, v_bufs, bars,
@@ -344,7 +346,7 @@ def _forward_hopper_kernel(
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-                     WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                      BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
@@ -408,21 +410,21 @@ L2_SHARE_BYTES = 24 << 20  # K/V bytes that the programs running at one time sho
 
 
 def work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, int, int], kv_bytes: int,
-              order: str = "chunked") -> torch.Tensor:
+              order: str = "chunked", hoist: int = 0) -> torch.Tensor:
     """(batch x head, q-block) items packed as bh * NQB + m, in the order the persistent
     programs take them (program p: items p, p + P, p + 2P, ...).
 
     "count": heaviest first over all heads. "chunked" (default): heads cut into chunks whose K/V
     fit in L2_SHARE_BYTES, heaviest first inside each chunk: the ~one item per SM that run at
     one time then read the K/V of one or a few heads, which stay in L2, instead of every
-    head's (measured: forward_hopper_log.md). Cached per tile table."""
+    head's (measured: forward_hopper_log.md). `hoist`: see heaviest_first. Cached per tile table."""
     entry = _WORK_CACHE.get(id(cm.fwd_offsets))
     if entry is None or entry[0]() is not cm.fwd_offsets:
         for key in [k for k, (ref, _) in _WORK_CACHE.items() if ref() is None]:
             del _WORK_CACHE[key]
         entry = _WORK_CACHE[id(cm.fwd_offsets)] = (weakref.ref(cm.fwd_offsets), {})
     per_table = entry[1]
-    key = (batch, q_heads, kv_heads, mask_map, kv_bytes, order)
+    key = (batch, q_heads, kv_heads, mask_map, kv_bytes, order, hoist)
     if key not in per_table:
         nqb = cm.num_q_blocks
         mb, mdiv, mh = mask_map
@@ -435,7 +437,7 @@ def work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, 
             group = q_heads // kv_heads
             kv_index = (bh // q_heads) * kv_heads + (bh % q_heads) // group  # (b, kv head) of each bh
             chunk = (kv_index // kv_per_chunk).repeat_interleave(nqb)
-            per_table[key] = heaviest_first(per_item, chunk, cm.num_kv_blocks)
+            per_table[key] = heaviest_first(per_item, chunk, cm.num_kv_blocks, hoist)
         elif order == "count":
             per_table[key] = torch.argsort(per_item, descending=True, stable=True).to(torch.int32)
         else:
@@ -443,10 +445,17 @@ def work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, 
     return per_table[key]
 
 
-def heaviest_first(weight: torch.Tensor, chunk: torch.Tensor, max_weight: int) -> torch.Tensor:
+def heaviest_first(weight: torch.Tensor, chunk: torch.Tensor, max_weight: int, hoist: int = 0) -> torch.Tensor:
     """Item indices (int32) ordered by chunk, then heaviest first inside a chunk (ties keep
-    index order); `max_weight` bounds every weight."""
-    return torch.argsort(chunk * (max_weight + 1) - weight, stable=True).to(torch.int32)
+    index order); `max_weight` bounds every weight. With `hoist` > 0 the items heavier than the
+    hoist-th heaviest come first of all, heaviest first: programs that take items as they free
+    up (scheduler.py) then never start the list's longest items last (a document of many
+    kv-blocks in the last chunk kept its program busy 10% past the others)."""
+    key = chunk * (max_weight + 1) - weight
+    if 0 < hoist < weight.numel():
+        kth = torch.topk(weight, hoist).values[-1]  # stays on the device: no sync
+        key = torch.where(weight > kth, -weight - (max_weight + 1), key)
+    return torch.argsort(key, stable=True).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -482,13 +491,14 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     k_desc, (kxb, kxh, kch) = _descriptor(k, HOPPER_BLOCK)
     v_desc, _ = _descriptor(v, HOPPER_BLOCK)
     kv_bytes = 2 * sk * d * k.element_size()  # one kv head's K and V
-    work = work_list(cm, batch, hq, hkv, mask_map, kv_bytes, order)
+    programs = _num_sms(q.device.index or 0)
+    work = work_list(cm, batch, hq, hkv, mask_map, kv_bytes, order, hoist=programs)
     n_items = work.numel()
-    grid = (min(n_items, _num_sms(q.device.index or 0)),)
+    grid = (min(n_items, programs),)
     mb, mdiv, mh = mask_map
     _forward_hopper_kernel[grid](
         q_desc, k_desc, v_desc, o, lse,
-        cm.kernel_intervals, work, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
+        cm.kernel_intervals, work, scheduler.counters(q.device), cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
         o.stride(0), o.stride(1), o.stride(2),
         sq, sk, cm.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
