@@ -3,7 +3,9 @@ are host-bound). Times, on the host only (no synchronisation inside the loop), a
 `flexmask.attention` decode call and the layers under it, for Sq = 1, Hq = 32, Hkv = 8,
 D = 128, bf16, a full kv_cache mask, and the GPU time of the same call for comparison.
 
-    PYTHONPATH=$PWD python3 -m benchmarks.decode_host_probe [--batch 1] [--kv-len 8192]
+    PYTHONPATH=$PWD python3 -m benchmarks.decode_host_probe [--batch 1] [--kv-len 8192] [--profile]
+
+--profile adds cProfile's 25 costliest functions (cumulative) over 300 flexmask.attention calls.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--kv-len", type=int, default=8192)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     require_cuda("benchmarks.decode_host_probe", "times decode calls on a GPU")
     import flexmask
@@ -62,6 +65,17 @@ def main(argv=None):
         print(f"  {name:32s} host {_host_us(fn):8.1f} us/call")
     gpu_ms = triton.testing.do_bench(pieces["flexmask.attention"], warmup=25, rep=100)
     print(f"  {'flexmask.attention (do_bench)':32s} {gpu_ms * 1e3:8.1f} us/call")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        call = pieces["flexmask.attention"]
+        torch.cuda.synchronize()
+        with cProfile.Profile() as prof:
+            for _ in range(300):
+                call()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
 
 
 if __name__ == "__main__":
