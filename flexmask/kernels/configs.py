@@ -316,6 +316,8 @@ DECODE_MAX_ROWS = 64  # rows (query heads x query rows) per program: the fp32 ac
 # shares for DECODE_PROGRAMS_PER_SM programs per SM. Measured on an H200 (benchmarks/results/
 # tune_decode.csv, Hq=32 Hkv=8 D=128 bf16): B=1 Sk=128K 3858 GB/s at 2 per SM (33 splits),
 # 3277 at 1, 3508 at 4; B=32 Sk=32K 4589 GB/s at 1 split, 4109 at 2; B=8 within 4% at 3-9 splits.
+# In CUDA-graph replays (benchmarks.decode_splits, decode_splits.csv) 2 per SM is still the best
+# at B=1 from 32K to 128K; 1 per SM is 4% better at B=8 Sk=32K.
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_TILES_PER_SPLIT = 2  # a share shorter than this pays its fixed cost (Q load, epilogue) for little
 CPU_DECODE_PROGRAMS = 8  # the interpreter: a few shares, so the merge is exercised
