@@ -737,3 +737,31 @@ def test_classify_kernel_compiles_for_sm90():
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("classify ", "shift_to_cache", "random_eviction "))]
     assert len(lines) == 8, done.stdout
     assert all("0 bytes spill stores" in ln for ln in lines), lines
+
+
+@pytest.mark.parametrize("kind,causal", [("document", True), ("document", False), ("prefix_lm_document", False)],
+                         ids=["causal_document", "document", "prefix_lm_document"])
+def test_document_tile_bound_closed_form_equals_the_hull_count(kind, causal):
+    """The one-row document bound (work over the documents) equals the count over every
+    q-block's hull that sizes the tables otherwise: random splits with empty documents, q_len
+    above, below and equal to kv_len, tiles of 16 to 128 rows and columns, lengths given flat
+    and as one batch row."""
+    from flexmask.masks import tile_bounds
+
+    gen = torch.Generator().manual_seed(7)
+    for case in range(60):
+        kv_len = int(torch.randint(1, 3000, (1,), generator=gen))
+        q_len = [kv_len, int(torch.randint(1, 3000, (1,), generator=gen)), 1][case % 3]
+        block_m, block_n = (16 << int(torch.randint(0, 4, (1,), generator=gen)) for _ in range(2))
+        docs = int(torch.randint(1, 12, (1,), generator=gen))
+        cuts = sorted(torch.randint(0, kv_len + 1, (docs - 1,), generator=gen).tolist())
+        lens = [b - a for a, b in zip([0] + cuts, cuts + [kv_len])]  # zero lengths included
+        prefixes = [n // 2 for n in lens]
+        for seqlens, prefix_lens in ((lens, prefixes), ([lens], [prefixes])):
+            if kind == "document":
+                mask = masks.document(seqlens, causal=causal)
+            else:
+                mask = masks.prefix_lm_document(seqlens, prefix_lens)
+            closed = tile_bounds.visited_tiles_bound(mask, q_len, kv_len, block_m, block_n)
+            by_blocks = tile_bounds._bound(mask, q_len, kv_len, block_m, block_n)
+            assert closed == by_blocks, (q_len, kv_len, block_m, block_n, lens)

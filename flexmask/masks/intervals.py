@@ -24,9 +24,12 @@ def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """Host data (a list, or a CPU tensor) as a tensor on `device`, without waiting for the GPU:
     through pinned memory with a non-blocking copy (a copy from pageable memory would wait for
     the stream). The one place where the device path uploads host values."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values)
-    t = t.to(dtype)
-    if device.type == "cuda" and t.device.type == "cpu":
+    pinned = device.type == "cuda"
+    if not isinstance(values, torch.Tensor):  # straight into (pinned) memory of the dtype: two calls, not four
+        t = torch.tensor(values, dtype=dtype, pin_memory=pinned)
+        return t.to(device, non_blocking=True) if pinned else t.to(device)
+    t = values.to(dtype)
+    if pinned and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 

@@ -34,6 +34,22 @@ class _Blocks:
         top = kv_len - 1  # (np.minimum/np.maximum: np.clip costs several times more on short arrays)
         self.clipped = np.minimum(np.maximum(self.p0, 0), top), np.minimum(np.maximum(self.p1, 0), top)
 
+        self._valid_last_rows = None
+        self._causal_sums: dict = {}
+
+    @property
+    def valid_last_rows(self):
+        """Last-row positions of the q-blocks that attend anything (position >= 0), ascending."""
+        if self._valid_last_rows is None:
+            self._valid_last_rows = self.p1[self.p1 >= 0]
+        return self._valid_last_rows
+
+    def causal_sum(self, block_n: int) -> int:
+        """Sum over the q-blocks that attend anything of (last row's kv-block + 1)."""
+        if block_n not in self._causal_sums:
+            self._causal_sums[block_n] = int((self.valid_last_rows // block_n + 1).sum())
+        return self._causal_sums[block_n]
+
     def everything(self):
         return np.zeros_like(self.p0), np.full_like(self.p1, self.kv_len - 1)
 
@@ -58,6 +74,22 @@ def _document_hull(blocks: _Blocks, seqlens, causal: bool):
         hi = np.maximum(hi, blocks.p1 if causal else ends[last_doc + 1] - 1)
     hi = np.where(blocks.p1 < 0, -1, hi)
     return lo, hi
+
+
+def _one_row_document_count(b: _Blocks, ends: np.ndarray, causal: bool, block_n: int) -> int:
+    """`_count(*_document_hull(b, [row], causal))` for one row of documents (`ends`: 0 then the
+    documents' ends), in numpy work over the documents instead of the q-blocks: a q-block's hull
+    starts at the start of the document holding its first row and, without causality, ends at
+    the end of the one holding its last row, so per document it is enough to know how many
+    q-blocks start (end) in it. Blocks at negative positions attend nothing; their first row
+    clips to 0, whose document starts at 0, and they add nothing."""
+    starting = np.diff(np.searchsorted(b.clipped[0], ends))  # q-blocks whose first row is in each document
+    lo_sum = int(np.dot(starting, ends[:-1] // block_n))
+    if causal:  # a block's hull ends at its own last row
+        return b.causal_sum(block_n) - lo_sum
+    ending = np.diff(np.searchsorted(b.valid_last_rows, ends))  # q-blocks whose last row is in each document
+    hi_sum = int(np.dot(ending, (ends[1:] - 1) // block_n))
+    return hi_sum + len(b.valid_last_rows) - lo_sum
 
 
 def _hull(mask: specs.Mask, b: _Blocks):
@@ -112,6 +144,13 @@ def visited_tiles_bound(mask: specs.Mask | None, q_len: int, kv_len: int, block_
     mask's parameters only. `None` means "unknown mask": every tile."""
     if mask is not None and mask.kind in _SCALAR_KINDS:  # a few ints: remembered per shape
         return _scalar_bound(mask.kind, tuple(sorted(mask.params().items())), q_len, kv_len, block_m, block_n)
+    if mask is not None and mask.kind in ("document", "prefix_lm_document"):  # every compile of a packed batch
+        p = mask.params()
+        if not isinstance(p["seqlens"], torch.Tensor):
+            rows = _doc_bounds(p["seqlens"])
+            if len(rows) == 1:  # (several rows: the union of their hulls, below)
+                causal = mask.kind == "document" and p["causal"]
+                return _one_row_document_count(_blocks(q_len, kv_len, block_m), rows[0], causal, block_n)
     return _bound(mask, q_len, kv_len, block_m, block_n)
 
 
