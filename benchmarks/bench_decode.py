@@ -39,7 +39,7 @@ COLUMNS = ("date", "gpu", "torch", "triton", "command", "provider", "batch", "q_
            "graph_status",
            # eager calls: host overhead included where it exceeds the L2 flush before each call
            "ms", "p20_ms", "p80_ms", "bandwidth_gbps", "pct_of_copy", "vs_flex",
-           "mask_build_ms", "path", "num_splits", "rel_err_vs_flex")
+           "mask_build_ms", "path", "num_splits", "rel_err_vs_flex", "l2_flush")
 PROVIDERS = ("flexmask", "flexmask_fused", "flexmask_qblock", "flex", "sdpa", "copy")
 COPY_BYTES = 4 << 30
 
@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--memory-fraction", type=float, default=0.6,
                    help="skip points whose K/V exceed this fraction of the GPU memory")
     p.add_argument("--time-budget", type=float, default=None, help="seconds; later points are SKIP rows")
+    p.add_argument("--flush", choices=FLUSHES, default="read",
+                   help="how the L2 is emptied before each graph replay (see _flush_l2); recorded in every row")
     p.add_argument("--append", action="store_true")
     p.add_argument("--table", metavar="CSV", help="print the README table of a results CSV and exit")
     p.add_argument("--readme", metavar="README", help="with --table: write it between the decode markers there")
@@ -112,11 +114,26 @@ def _timed(fn):
 
 
 FLUSH_BYTES = 256 << 20  # as triton.testing.do_bench: larger than the L2 cache
+FLUSHES = ("read", "zero")
 
 
-def _graph_timed(fn, reps: int = 100):
+def _flush_l2(flush: torch.Tensor, how: str) -> None:
+    """Evict the L2 cache before a timed replay. "zero" writes the buffer, as
+    triton.testing.do_bench does: the L2 is then full of dirty lines, and the next kernel pays
+    for writing them back (about 50 MB, ~12 us on an H200) before its own reads stream. "read"
+    reads the buffer: the L2 is left holding clean lines, as after the weight reads that precede
+    attention in a decode step."""
+    if how == "zero":
+        flush.zero_()
+    else:
+        flush.view(torch.int32).amax()
+
+
+def _graph_timed(fn, reps: int = 100, flush: str = "read"):
     """(median, p20, p80) ms of one CUDA-graph replay of fn, the L2 cache flushed before each
-    replay (the flush also covers the replay's own launch, so this is device time)."""
+    replay (_flush_l2; the flush also covers the replay's own launch, so this is device time)."""
+    if flush not in FLUSHES:
+        raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -125,10 +142,10 @@ def _graph_timed(fn, reps: int = 100):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    buffer = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for i in range(reps + 10):
-        flush.zero_()
+        _flush_l2(buffer, flush)
         if i < 10:  # warm-up replays
             graph.replay()
             continue
@@ -152,7 +169,7 @@ def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, co
     hq, hkv, d, dtype = args.heads, args.kv_heads, args.head_dim, torch.bfloat16
     kv_bytes = 2 * batch * hkv * sk * d * dtype.itemsize
     base = dict(env, batch=batch, q_len=sq, kv_len=sk, heads=hq, kv_heads=hkv, head_dim=d, dtype="bfloat16",
-                kv_bytes=kv_bytes, copy_gbps=copy_gbps)
+                kv_bytes=kv_bytes, copy_gbps=copy_gbps, l2_flush=args.flush)
     rows = {p: dict(base, provider=p) for p in providers}
     if kv_bytes > args.memory_fraction * torch.cuda.get_device_properties(0).total_memory:
         for row in rows.values():
@@ -204,7 +221,7 @@ def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, co
             row.update(status="ok", ms=ms, p20_ms=p20, p80_ms=p80, bandwidth_gbps=kv_bytes / (ms * 1e-3) / 1e9)
             row["pct_of_copy"] = 100 * row["bandwidth_gbps"] / copy_gbps
             try:
-                ms, p20, p80 = _graph_timed(fn)
+                ms, p20, p80 = _graph_timed(fn, flush=args.flush)
                 row.update(graph_status="ok", graph_ms=ms, graph_p20_ms=p20, graph_p80_ms=p80,
                            graph_bandwidth_gbps=kv_bytes / (ms * 1e-3) / 1e9)
                 row["graph_pct_of_copy"] = 100 * row["graph_bandwidth_gbps"] / copy_gbps
@@ -279,8 +296,10 @@ def table(rows: list[dict]) -> str:
     first = rows[0]
     copy = sorted({f"{float(r['copy_gbps']):.0f}" for r in rows if r.get("copy_gbps")})
     lines.append("")
+    flush = first.get("l2_flush") or "zero"  # CSVs written before the column flushed by zeroing
     lines.append(f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}; copy bandwidth "
-                 f"{', '.join(copy)} GB/s; `{first['command']}`")
+                 f"{', '.join(copy)} GB/s; L2 emptied before each replay by a {flush} of 256 MB; "
+                 f"`{first['command']}`")
     return "\n".join(lines)
 
 

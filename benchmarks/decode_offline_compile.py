@@ -54,7 +54,7 @@ def split_kv(head_dim: int, dtype, block_h: int, block_q: int, block_n: int, mas
     consts = dict(HQ=32, HKV=8, GROUP=4, HEAD_BLOCKS=1, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
                   BLOCK_Q=block_q, BLOCK_N=block_n, MASKED_BLOCK_N=masked_block_n, TILE_M=128, TILE_N=128,
                   PRECISION="ieee" if dtype == torch.float32 else "tf32", EVEN_N=False, DIRECT=direct,
-                  NUM_STAGES=stages, MASKED_STAGES=masked_stages, FUSED=fused,
+                  NUM_STAGES=stages, MASKED_STAGES=masked_stages, USE_TMA=False, FUSED=fused, PDL=False,
                   MERGE_Q=min(block_q, 1 << (sq - 1).bit_length()))
     consts["MERGE_CHUNK"] = configs.decode_merge_chunk(block_h * consts["MERGE_Q"], block_d, warps, splits)
     return compile_offline(decode._split_kv_kernel, args, consts, {"num_warps": warps, "num_stages": stages})
@@ -67,7 +67,7 @@ def merge(head_dim: int, dtype, splits: int):
     args = dict(O_PART=f32, LSE_PART=f32, O=t, LSE=f32, stride_ob=4096, stride_oh=128, stride_om=128, Sq=3,
                 ROWS=1000)
     block_d = max(16, 1 << (head_dim - 1).bit_length())
-    consts = dict(HQ=32, NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=min(64, 1 << (splits - 1).bit_length()))
+    consts = dict(HQ=32, NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=min(64, 1 << (splits - 1).bit_length()), PDL=False)
     return compile_offline(decode._merge_kernel, args, consts, {"num_warps": 4})
 
 

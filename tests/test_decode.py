@@ -10,6 +10,8 @@ run 128K-key caches on the device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -293,6 +295,40 @@ def test_gpu_long_cache(family, sq):
     assert rel_err(out, o64) <= 2 * rel_err(olp, o64), (rel_err(out, o64), rel_err(olp, o64))
     qblock = attention_forward(q, k, v, cm, d ** -0.5)
     assert rel_err(qblock[0], o64) <= 2 * rel_err(olp, o64)
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_merge_in_a_cuda_graph():
+    """The default GPU decode step: the split kernel, then the merge as its programmatic
+    dependent launch (configs.DECODE_PDL). Eager and in a CUDA graph, replayed with fresh queries
+    each time, it equals the plan without PDL bit for bit: the merge never reads a partial before
+    the split kernel has written it."""
+    torch.manual_seed(0)
+    b, hq, hkv, sq, sk, d = 1, 32, 8, 1, 32768, 128
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=BF16)
+    k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=BF16) for _ in range(2))
+    cm = flexmask.compile_mask(masks.kv_cache([sk - 5]), sq, sk, device="cuda")
+    plan = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads)
+    assert plan.num_splits > 1 and plan.merge == "two_launch" and configs.decode_uses_pdl(plan, q.device)
+    no_pdl = dataclasses.replace(plan, pdl=False)
+    expected = attention_decode(q, k, v, cm, d ** -0.5, plan=no_pdl)
+    got = attention_decode(q, k, v, cm, d ** -0.5, plan=plan)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+    static_q = q.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention_decode(static_q, k, v, cm, d ** -0.5, plan=plan)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = attention_decode(static_q, k, v, cm, d ** -0.5, plan=plan)
+    for step in range(5):
+        static_q.copy_(torch.randn_like(q))
+        graph.replay()
+        want_o, want_lse = attention_decode(static_q, k, v, cm, d ** -0.5, plan=no_pdl)
+        assert torch.equal(out, want_o) and torch.equal(lse, want_lse), f"replay {step}"
 
 
 def test_readme_decode_table_is_generated_from_the_csv():

@@ -312,13 +312,19 @@ def backward_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_progr
 DECODE_MAX_Q = 64
 CPU_DECODE_MAX_Q = 4
 DECODE_MAX_ROWS = 64  # rows (query heads x query rows) per program: the fp32 accumulator lives in registers
-# Splits: when B x Hkv x head blocks already fill the SMs, one split (no merge); else enough
-# shares for DECODE_PROGRAMS_PER_SM programs per SM. Measured on an H200 (benchmarks/results/
-# tune_decode.csv, Hq=32 Hkv=8 D=128 bf16): B=1 Sk=128K 3858 GB/s at 2 per SM (33 splits),
-# 3277 at 1, 3508 at 4; B=32 Sk=32K 4589 GB/s at 1 split, 4109 at 2; B=8 within 4% at 3-9 splits.
-# In CUDA-graph replays (benchmarks.decode_splits, decode_splits.csv) 2 per SM is still the best
-# at B=1 from 32K to 128K; 1 per SM is 4% better at B=8 Sk=32K.
+# Splits: when B x Hkv x head blocks already fill the SMs, one split (no merge); else as many
+# shares as fit DECODE_PROGRAMS_PER_SM programs on every SM in one wave (rounded down: a grid a
+# few programs over a wave waits a whole program's time for them). Programs of up to
+# DECODE_NARROW_ROWS rows (decode steps: a GQA group's heads) use 74 KB of shared memory and 168
+# registers a thread (H200, D = 128, bf16), so an SM holds 2-3; wider ones (Sq = 16: 64 rows,
+# 146 KB, 255 registers) one. Measured on an H200 in CUDA-graph replays
+# (benchmarks/results/decode_variants_log.txt, session 7): B=1 Sk=128K 3877 GB/s at 2 per SM
+# (33 splits) against 3417 at 1 (16 splits); B=8 Sk=32K, Sq=1: 4 splits (256 programs) 98% of
+# copy against 92% at 5 (320 programs, over a wave); Sq=16: 2 splits (128 programs) 78% against
+# 66% at 5. Earlier eager sweeps: tune_decode.csv, decode_splits.csv.
 DECODE_PROGRAMS_PER_SM = 2
+DECODE_NARROW_ROWS = 16
+DECODE_WIDE_PROGRAMS_PER_SM = 1
 DECODE_MIN_TILES_PER_SPLIT = 2  # a share shorter than this pays its fixed cost (Q load, epilogue) for little
 CPU_DECODE_PROGRAMS = 8  # the interpreter: a few shares, so the merge is exercised
 
@@ -337,6 +343,8 @@ class DecodePlan:
     num_stages: int
     masked_stages: int
     merge: str = "two_launch"  # how the shares are merged when num_splits > 1: see DECODE_MERGES
+    use_tma: bool = False  # K/V through in-kernel TMA descriptors (head dims of a power of two)
+    pdl: bool = True  # the two-launch merge by programmatic dependent launch where the GPU has it (DECODE_PDL)
 
     def with_splits(self, num_splits: int) -> DecodePlan:
         return dataclasses.replace(self, num_splits=num_splits)
@@ -379,10 +387,11 @@ def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, 
     kv_tiles = -(-sk // tile_n)
     if on_gpu:
         sms = _sm_count(device)
-        target = DECODE_PROGRAMS_PER_SM * sms if programs < sms else programs
+        per_sm = DECODE_PROGRAMS_PER_SM if block_h * block_q <= DECODE_NARROW_ROWS else DECODE_WIDE_PROGRAMS_PER_SM
+        splits = per_sm * sms // programs if programs < sms else 1  # one wave
     else:
-        target = CPU_DECODE_PROGRAMS
-    splits = max(1, min(-(-target // programs), -(-kv_tiles // DECODE_MIN_TILES_PER_SPLIT)))
+        splits = -(-CPU_DECODE_PROGRAMS // programs)
+    splits = max(1, min(splits, -(-kv_tiles // DECODE_MIN_TILES_PER_SPLIT)))
     block_d = _head_block(head_dim)
     merge = decode_merge(device)
     if not on_gpu:
@@ -428,6 +437,19 @@ DECODE_MERGE_CHUNK_REGS = 64
 # Counters for fused merges captured in CUDA graphs: a per-device arena of this many int32s, of
 # which every captured call keeps its own slice (decode.merge_counters)
 DECODE_GRAPH_COUNTERS = 1 << 18
+
+
+# Programmatic dependent launch (Hopper and newer): the two-launch merge is launched with
+# CUDA's programmatic stream serialization, so its programs are placed on the SMs while the
+# split kernel's programs still run (each calls griddepcontrol.launch_dependents as it starts) and
+# wait in griddepcontrol.wait until the split kernel has finished and its partials are visible.
+# What it saves is the merge's launch latency after the split kernel drains. Measured on an H200
+# (decode_variants_log.txt, session 7). The interpreter has no grid dependency control.
+DECODE_PDL = True
+
+
+def decode_uses_pdl(plan: DecodePlan, device: torch.device) -> bool:
+    return plan.pdl and DECODE_PDL and device.type == "cuda" and device_has_tma(device)  # sm_90+, as TMA
 
 
 def decode_merge(device) -> str:

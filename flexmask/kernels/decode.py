@@ -31,12 +31,14 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .intmath import cdiv, next_pow2
 from . import configs
 from .configs import DecodePlan, decode_plan
 from .forward import LOG2E, mask_broadcast, precision_for
-from .masking import column_intervals, load_block, mask_row, masked_elements
+from .masking import block_source, column_intervals, load_block, mask_row, masked_elements
+from .tma import prepare_tma, tma_enabled
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -44,11 +46,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _walk_tiles(
     acc, l_i, m_i, b_q,
-    p_k, p_v, stride_kn, stride_vn,
+    k_src, v_src, stride_kn, stride_vn,
     p_blocks, t_lo, t_hi,
     o_m, p_intv, Sk, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Online softmax over the kv tiles listed at p_blocks[t_lo:t_hi] (scores in log2 units)."""
     o_bn = tl.arange(0, BLOCK_N)
@@ -59,11 +62,11 @@ def _walk_tiles(
             # FULL tiles lie inside [0, Sk): the ragged last column tile is always PARTIAL
             if MASKED:
                 lts, l_width, uts, u_width = column_intervals(p_intv, start_n + o_bn, Sk)  # [BLOCK_N] each
-                b_k = load_block(p_k, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, False, not EVEN_N)  # [BLOCK_N, BLOCK_D]
-                b_v = load_block(p_v, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, False, not EVEN_N)
+                b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
+                b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)
             else:
-                b_k = load_block(p_k, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, False, False)
-                b_v = load_block(p_v, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, False, False)
+                b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
+                b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
             if MASKED:
                 b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
@@ -161,11 +164,13 @@ def _split_kv_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED_BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
-    PRECISION: tl.constexpr, EVEN_N: tl.constexpr, DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr, DIRECT: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
-    FUSED: tl.constexpr, MERGE_Q: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    FUSED: tl.constexpr, MERGE_Q: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid: (split, q sub-block of BLOCK_Q rows, batch x KV head x head block of BLOCK_H heads)
+    if PDL:  # the merge launch may place its programs now; they wait for this grid to finish
+        gdc_launch_dependents()
     pid_s = tl.program_id(0)
     pid_q = tl.program_id(1)
     pid_g = tl.program_id(2)
@@ -205,12 +210,19 @@ def _split_kv_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _walk_tiles(
-        acc, l_i, m_i, b_q, p_k, p_v, stride_kn, stride_vn, FWD_BLOCKS, tl.maximum(c_lo, t_mid), c_hi,
-        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK_N, TILE_N, True, PRECISION, EVEN_N, MASKED_STAGES,
+        acc, l_i, m_i, b_q,
+        block_source(p_k, Sk, stride_kn, HEAD_DIM, MASKED_BLOCK_N, BLOCK_D, USE_TMA),
+        block_source(p_v, Sk, stride_vn, HEAD_DIM, MASKED_BLOCK_N, BLOCK_D, USE_TMA),
+        stride_kn, stride_vn, FWD_BLOCKS, tl.maximum(c_lo, t_mid), c_hi,
+        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK_N, TILE_N, True, PRECISION, USE_TMA, EVEN_N,
+        MASKED_STAGES,
     )
     acc, l_i, m_i = _walk_tiles(
-        acc, l_i, m_i, b_q, p_k, p_v, stride_kn, stride_vn, FWD_BLOCKS, c_lo, tl.minimum(c_hi, t_mid),
-        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, EVEN_N, NUM_STAGES,
+        acc, l_i, m_i, b_q,
+        block_source(p_k, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA),
+        block_source(p_v, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA),
+        stride_kn, stride_vn, FWD_BLOCKS, c_lo, tl.minimum(c_hi, t_mid),
+        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES,
     )
 
     empty = l_i == 0.0
@@ -242,31 +254,38 @@ def _merge_kernel(
     stride_ob, stride_oh, stride_om,
     Sq, ROWS,
     HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per output row: O = sum_s w_s O_s / sum_s w_s with w_s = exp2(lse_s - max)."""
+    """One program per output row: O = sum_s w_s O_s / sum_s w_s with w_s = exp2(lse_s - max).
+    The shares' LSEs and partial outputs are loaded in the same round, BLOCK_S shares at a time
+    (one round up to 64 shares), and summed with a running max: an empty share has LSE -inf,
+    weight 0 and a zero partial. PDL: launched as a programmatic dependent of the split kernel,
+    so wait until its partials are written and visible."""
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0)
     o_s = tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
-    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in tl.static_range(0, NUM_SPLITS, BLOCK_S):
-        s = s0 + o_s
-        m = tl.maximum(m, tl.load(LSE_PART + s.to(tl.int64) * ROWS + r, mask=s < NUM_SPLITS, other=float("-inf")))
-    m_max = tl.max(m, 0)
-    pivot = tl.where(m_max == float("-inf"), 0.0, m_max)  # no split saw a key: weights all 0
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    total = tl.zeros([BLOCK_S], tl.float32)
     for s0 in tl.static_range(0, NUM_SPLITS, BLOCK_S):
         s = s0 + o_s
-        lse2 = tl.load(LSE_PART + s.to(tl.int64) * ROWS + r, mask=s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
-        w = tl.math.exp2(lse2 - pivot)  # exp2(-inf) = 0: empty splits weigh nothing
-        seen = (s < NUM_SPLITS) & (lse2 > float("-inf"))
-        p_o = O_PART + (s.to(tl.int64) * ROWS + r)[:, None] * HEAD_DIM + o_d[None, :]
-        b_o = tl.load(p_o, mask=seen[:, None] & m_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-        acc += tl.sum(b_o * w[:, None], 0)
-        total += w
-    l_sum = tl.sum(total, 0)
+        m_s = s < NUM_SPLITS
+        p_row = s.to(tl.int64) * ROWS + r  # [BLOCK_S]
+        lse2 = tl.load(LSE_PART + p_row, mask=m_s, other=float("-inf"))  # [BLOCK_S]
+        b_o = tl.load(O_PART + p_row[:, None] * HEAD_DIM + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
+                      other=0.0)  # [BLOCK_S, BLOCK_D]
+        m_new = tl.maximum(m_i, tl.max(lse2, 0))
+        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while no share saw a key
+        alpha = tl.math.exp2(m_i - pivot)  # [1]
+        w = tl.math.exp2(lse2 - pivot)  # [BLOCK_S]; exp2(-inf) = 0: empty shares weigh nothing
+        l_i = l_i * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(b_o * w[:, None], 0)
+        m_i = m_new
+    l_sum = tl.sum(l_i, 0)
+    pivot = tl.sum(tl.where(m_i == float("-inf"), 0.0, m_i), 0)
     empty = l_sum == 0.0
     out = acc / tl.where(empty, 1.0, l_sum)
     lse = tl.where(empty, float("-inf"), (pivot + tl.math.log2(tl.where(empty, 1.0, l_sum))) * LN2)
@@ -357,6 +376,10 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         o_part = torch.empty(plan.num_splits, rows, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(plan.num_splits, rows, dtype=torch.float32, device=q.device)
     merge_q = min(plan.block_q, next_pow2(sq))  # rows a partial can hold, per head
+    pdl = not fused and not direct and configs.decode_uses_pdl(plan, q.device)
+    tma = plan.use_tma and block_d == d and tma_enabled(True, k, v)
+    if tma:
+        prepare_tma(q.device)
     semaphores = merge_counters(q.device, grid[1] * grid[2]) if fused else lse  # one per row group
     _split_kv_kernel[grid](
         q, k, v, o, lse, o_part, lse_part, semaphores,
@@ -372,9 +395,9 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=plan.block_h, BLOCK_Q=plan.block_q,
         BLOCK_N=min(plan.block_n, cm.block_n), MASKED_BLOCK_N=min(plan.masked_block_n, cm.block_n),
         TILE_M=cm.block_m, TILE_N=cm.block_n,
-        PRECISION=precision_for(q.dtype), EVEN_N=sk % cm.block_n == 0, DIRECT=direct,
+        PRECISION=precision_for(q.dtype), USE_TMA=tma, EVEN_N=sk % cm.block_n == 0, DIRECT=direct,
         NUM_STAGES=plan.num_stages, MASKED_STAGES=plan.masked_stages,
-        FUSED=fused, MERGE_Q=merge_q,
+        FUSED=fused, MERGE_Q=merge_q, PDL=pdl,
         MERGE_CHUNK=configs.decode_merge_chunk(plan.block_h * merge_q, block_d, plan.num_warps, plan.num_splits),
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
@@ -384,8 +407,8 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
             o.stride(0), o.stride(1), o.stride(2),
             sq, rows,
             HQ=hq, NUM_SPLITS=plan.num_splits, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=min(64, next_pow2(plan.num_splits)),
-            num_warps=4 if block_d >= 128 else 2,
+            BLOCK_S=min(64, next_pow2(plan.num_splits)), PDL=pdl,
+            num_warps=4 if block_d >= 128 else 2, launch_pdl=pdl,
         )
     return o, lse
 

@@ -1,0 +1,181 @@
+"""Launch variants of the split-KV decode kernel, timed in CUDA-graph replays (L2 flushed before
+each): K/V through TMA descriptors or pointers, kv columns per step, pipeline stages, warps,
+programs per SM, the merge ("two_launch", "fused", or "none": the split kernel alone, to see
+what the merge costs). Hq = 32, Hkv = 8, D = 128, bf16, a full kv_cache mask. One line per
+(point, variant); writes decode_variants.csv (GPU, versions, command in every row).
+
+    PYTHONPATH=$PWD python3 -m benchmarks.decode_variants --out benchmarks/results \\
+        --points 1:1:32768 --variants base tma=1,st=4 merge=none
+
+A point is sq:batch:kv_len; a variant is comma-separated key=value pairs over tma, bn (block_n
+and masked_block_n), st (both stage counts), mbn/mst (masked steps only), w (warps), per_sm,
+splits, pdl (0/1), merge; "base" is the plan
+flexmask.attention makes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import sys
+
+import torch
+import triton
+
+from .bench_decode import _graph_timed, copy_bandwidth_gbps
+from .cuda_guard import require_cuda
+from .report import write_rows
+
+KEYS = {"pdl", "tma", "bn", "st", "mbn", "mst", "w", "per_sm", "splits", "merge"}
+
+
+def parse_variant(text: str) -> dict:
+    if text in ("base", "copy"):
+        return {}
+    out = {}
+    for pair in text.split(","):
+        key, _, value = pair.partition("=")
+        if key not in KEYS:
+            raise ValueError(f"variant key must be one of {sorted(KEYS)}, got {key!r} in {text!r}")
+        out[key] = value if key == "merge" else int(value)
+    return out
+
+
+def plan_for(variant: dict, b, hq, hkv, sq, sk, d, q, cm, configs):
+    original = configs.DECODE_PROGRAMS_PER_SM
+    try:
+        if "per_sm" in variant:
+            configs.DECODE_PROGRAMS_PER_SM = variant["per_sm"]
+        plan = configs.decode_plan(b, hq, hkv, sq, sk, d, q.dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
+                                   force=True)
+    finally:
+        configs.DECODE_PROGRAMS_PER_SM = original
+    changes = {}
+    if "pdl" in variant:
+        changes["pdl"] = bool(variant["pdl"])
+    if "tma" in variant:
+        changes["use_tma"] = bool(variant["tma"])
+    if "bn" in variant:
+        changes.update(block_n=variant["bn"], masked_block_n=variant["bn"])
+    if "st" in variant:
+        changes.update(num_stages=variant["st"], masked_stages=variant["st"])
+    if "mbn" in variant:
+        changes["masked_block_n"] = variant["mbn"]
+    if "mst" in variant:
+        changes["masked_stages"] = variant["mst"]
+    if "splits" in variant:
+        changes["num_splits"] = variant["splits"]
+    if "w" in variant:
+        changes["num_warps"] = variant["w"]
+    if variant.get("merge") in ("two_launch", "fused"):
+        changes["merge"] = variant["merge"]
+    return dataclasses.replace(plan, **changes)
+
+
+class _Recorder:
+    """Wraps decode._split_kv_kernel to keep the compiled kernel of the last launch (its shared
+    memory and registers say how many programs an SM holds)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.compiled = kernel, None
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.compiled = launch(*args, **kwargs)
+            return self.compiled
+        return run
+
+
+def programs_per_sm(compiled, num_warps: int) -> int:
+    props = torch.cuda.get_device_properties(0)
+    smem = compiled.metadata.shared
+    by_smem = (props.shared_memory_per_multiprocessor // smem) if smem else 32
+    by_regs = 65536 // max(1, compiled.n_regs * 32 * num_warps)
+    return min(by_smem, by_regs, 64 // num_warps)
+
+
+class _NoMerge:
+    """Stands in for decode._merge_kernel: the launch is skipped (timing the split kernel alone)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="decode_variants")
+    ap.add_argument("--points", nargs="+", default=["1:1:8192", "1:1:32768", "1:1:131072", "1:8:32768", "16:8:32768"])
+    ap.add_argument("--variants", nargs="+", default=["base"])
+    ap.add_argument("--flush", nargs="+", default=["read"], choices=["read", "zero"],
+                    help="how the L2 is emptied before each replay (bench_decode._flush_l2)")
+    args = ap.parse_args(argv)
+    require_cuda("benchmarks.decode_variants", "times decode steps on a GPU")
+    import flexmask
+    from flexmask import masks
+    from flexmask.kernels import configs, decode
+
+    stamp = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                 command="python -m benchmarks.decode_variants " + " ".join(sys.argv[1:] if argv is None else argv),
+                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    copy_gbps = copy_bandwidth_gbps()
+    hq, hkv, d = 32, 8, 128
+    rows = []
+    merge_kernel, split_kernel = decode._merge_kernel, decode._split_kv_kernel
+    for point in args.points:
+        sq, b, sk = (int(x) for x in point.split(":"))
+        q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        cm = flexmask.compile_mask(masks.kv_cache(torch.full((b,), sk, device="cuda", dtype=torch.int32)), sq, sk,
+                                   device="cuda")
+        kv_bytes = 2 * k.numel() * k.element_size()
+        reference = None
+        for text, flush in [(t, f) for t in args.variants for f in args.flush]:
+            variant = parse_variant(text)
+            plan = plan_for(variant, b, hq, hkv, sq, sk, d, q, cm, configs)
+            recorder = decode._split_kv_kernel = _Recorder(split_kernel)
+            fn = lambda: decode.attention_decode(q, k, v, cm, d ** -0.5, plan=plan)[0]  # noqa: E731
+            if text == "copy":  # a device copy of half the K/V bytes: as many bytes moved as the step reads
+                src = torch.empty(kv_bytes // 2, dtype=torch.uint8, device="cuda")
+                dst = torch.empty_like(src)
+                fn = lambda: dst.copy_(src)  # noqa: E731
+                variant = {"merge": "none"}  # nothing to compare
+            try:
+                if variant.get("merge") == "none":
+                    decode._merge_kernel = _NoMerge()
+                    err = float("nan")
+                else:
+                    out = fn().float()
+                    reference = out if reference is None else reference
+                    err = (out - reference).abs().max().item()
+                ms = _graph_timed(fn, flush=flush)[0]
+                status = "ok"
+            except Exception as exc:  # a variant that does not compile (shared memory) is reported
+                ms, err, status = float("nan"), float("nan"), f"{type(exc).__name__}: {str(exc)[:80]}"
+            finally:
+                decode._merge_kernel = merge_kernel
+                decode._split_kv_kernel = split_kernel
+            smem = regs = resident = None
+            if recorder.compiled is not None:
+                smem, regs = recorder.compiled.metadata.shared, recorder.compiled.n_regs
+                resident = programs_per_sm(recorder.compiled, plan.num_warps)
+            programs = plan.num_splits * -(-sq // plan.block_q) * b * hkv * -(-(hq // hkv) // plan.block_h)
+            gbps = kv_bytes / (ms * 1e-3) / 1e9
+            rows.append(dict(q_len=sq, batch=b, kv_len=sk, variant=text, flush=flush, plan=str(plan), status=status,
+                             graph_ms=round(ms, 5), gbps=round(gbps, 1), pct_of_copy=round(100 * gbps / copy_gbps, 1),
+                             max_diff_vs_first=err, shared_bytes=smem, registers=regs, programs=programs,
+                             programs_per_sm=resident, **stamp))
+            print(f"Sq={sq:2d} B={b} Sk={sk:7d} {text:32s} {flush} splits={plan.num_splits:3d} {ms * 1e3:8.1f} us "
+                  f"{gbps:6.0f} GB/s ({100 * gbps / copy_gbps:3.0f}% of copy) diff {err:.2e} {status} "
+                  f"smem {smem} regs {regs} programs {programs} per SM {resident}", flush=True)
+        del q, k, v, cm
+        torch.cuda.empty_cache()
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s")
+    print(f"wrote {write_rows(args.out, args.name + '.csv', rows)}")
+
+
+if __name__ == "__main__":
+    main()
