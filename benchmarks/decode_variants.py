@@ -11,11 +11,17 @@ A point is sq:batch:kv_len; a variant is comma-separated key=value pairs over tm
 and masked_block_n), st (both stage counts), mbn/mst (masked steps only), w (warps), per_sm,
 splits, pdl (0/1), merge; "base" is the plan
 flexmask.attention makes.
+
+    python -m benchmarks.decode_variants --table benchmarks/results/decode_variants.csv [--readme README.md]
+
+prints (or writes between the README's decode-variants markers) where a step's time goes: the
+default plan, the split kernel alone, and a copy of as many bytes, per point.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import datetime
 import sys
@@ -104,6 +110,68 @@ class _NoMerge:
         return lambda *args, **kwargs: None
 
 
+def table(rows: list[dict], flush: str = "read") -> str:
+    """Markdown, one line per point: microseconds of a CUDA-graph replay of the default plan, of
+    its split kernel alone (variant "merge=none"), with the PDL merge and with TMA K/V loads, and
+    of a copy of as many bytes ("copy"), with the share of the copy bandwidth each reaches. A row
+    is placed by the plan it ran (its `plan` column), so CSVs written under an earlier default
+    read right."""
+    from flexmask.kernels.configs import DecodePlan
+
+    defaults = DecodePlan(1, 1, 1, 1, 1, 1, 1, 1)
+
+    def column(r):
+        if r["variant"] == "copy":
+            return "copy of the bytes"
+        if r["variant"] == "merge=none":
+            return "split kernel alone"
+        pdl, tma = "pdl=True" in r["plan"], "use_tma=True" in r["plan"]
+        if tma != defaults.use_tma:
+            return "TMA K/V" if pdl == defaults.pdl else None
+        if r["variant"] in ("base", "pdl=0", "pdl=1", "tma=0", "tma=1"):
+            return "step (default plan)" if pdl == defaults.pdl else "PDL merge"
+        return None
+
+    order = ["step (default plan)", "split kernel alone", "PDL merge", "TMA K/V", "copy of the bytes"]
+    by = {}
+    for r in rows:
+        if r.get("flush", "zero") == flush and r["status"] == "ok" and column(r):
+            by[(int(r["q_len"]), int(r["batch"]), int(r["kv_len"]), column(r))] = r
+    present = [c for c in order if any(k[3] == c for k in by)]
+    points = list(dict.fromkeys(k[:3] for k in by))
+    lines = ["| Sq | B | Sk | " + " | ".join(f"{c} us (% copy)" for c in present) + " |",
+             "|---|---|---|" + "---|" * len(present)]
+    for sq, b, sk in points:
+        cells = []
+        for c in present:
+            r = by.get((sq, b, sk, c))
+            cells.append(f"{float(r['graph_ms']) * 1e3:.1f} ({float(r['pct_of_copy']):.0f}%)" if r else "-")
+        lines.append(f"| {sq} | {b} | {sk // 1024}K | " + " | ".join(cells) + " |")
+    first = next(iter(by.values()))
+    lines += ["", f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}; L2 emptied by a {flush} "
+                  f"before each replay; `{first['command']}`"]
+    return "\n".join(lines)
+
+
+README_START, README_END = "<!-- decode-variants:start -->", "<!-- decode-variants:end -->"
+
+
+def _table_main(args) -> None:
+    with open(args.table) as f:
+        text = table(list(csv.DictReader(f)))
+    if not args.readme:
+        print(text)
+        return
+    with open(args.readme) as f:
+        readme = f.read()
+    if README_START not in readme or README_END not in readme:
+        raise SystemExit(f"{args.readme} has no {README_START} ... {README_END} block")
+    head, rest = readme.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    with open(args.readme, "w") as f:
+        f.write(f"{head}{README_START}\n{text}\n{README_END}{tail}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -112,7 +180,11 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", nargs="+", default=["base"])
     ap.add_argument("--flush", nargs="+", default=["read"], choices=["read", "zero"],
                     help="how the L2 is emptied before each replay (bench_decode._flush_l2)")
+    ap.add_argument("--table", metavar="CSV", help="print the README table of a results CSV and exit")
+    ap.add_argument("--readme", metavar="README", help="with --table: write it between the decode-variants markers")
     args = ap.parse_args(argv)
+    if args.table:
+        return _table_main(args)
     require_cuda("benchmarks.decode_variants", "times decode steps on a GPU")
     import flexmask
     from flexmask import masks

@@ -299,8 +299,8 @@ def test_gpu_long_cache(family, sq):
 
 @pytest.mark.gpu
 def test_gpu_pdl_merge_in_a_cuda_graph():
-    """The default GPU decode step: the split kernel, then the merge as its programmatic
-    dependent launch (configs.DECODE_PDL). Eager and in a CUDA graph, replayed with fresh queries
+    """The split kernel, then the merge as its programmatic dependent launch (the `pdl` option of
+    a DecodePlan, configs.DECODE_OPTIONS). Eager and in a CUDA graph, replayed with fresh queries
     each time, it equals the plan without PDL bit for bit: the merge never reads a partial before
     the split kernel has written it."""
     torch.manual_seed(0)
@@ -308,9 +308,10 @@ def test_gpu_pdl_merge_in_a_cuda_graph():
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=BF16)
     k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=BF16) for _ in range(2))
     cm = flexmask.compile_mask(masks.kv_cache([sk - 5]), sq, sk, device="cuda")
-    plan = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads)
+    no_pdl = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads)
+    plan = dataclasses.replace(no_pdl, pdl=True)
     assert plan.num_splits > 1 and plan.merge == "two_launch" and configs.decode_uses_pdl(plan, q.device)
-    no_pdl = dataclasses.replace(plan, pdl=False)
+    assert not configs.decode_uses_pdl(no_pdl, q.device)
     expected = attention_decode(q, k, v, cm, d ** -0.5, plan=no_pdl)
     got = attention_decode(q, k, v, cm, d ** -0.5, plan=plan)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
@@ -331,6 +332,32 @@ def test_gpu_pdl_merge_in_a_cuda_graph():
         assert torch.equal(out, want_o) and torch.equal(lse, want_lse), f"replay {step}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq", [1, 16])
+@pytest.mark.parametrize("family", ["kv_cache", "kv_cache_window"])
+def test_gpu_tma_plan(family, sq):
+    """The `use_tma` option of a DecodePlan (K/V through in-kernel TMA descriptors, off by
+    default: configs.DECODE_OPTIONS): ragged caches whose lengths are not tile multiples, so the
+    last tile reads past the cache (TMA gives zeros there), against float64 and the pointer plan."""
+    torch.manual_seed(1)
+    b, hq, hkv, sk, d = 2, 32, 8, 20000, 128
+    lengths = torch.tensor([sk, 12345], device="cuda")
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=BF16)
+    k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=BF16) for _ in range(2))
+    mask = masks.kv_cache(lengths)
+    if family == "kv_cache_window":
+        mask = mask & masks.sliding_window(3000)
+    cm = flexmask.compile_mask(mask, sq, sk, device="cuda")
+    plan = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads)
+    tma = dataclasses.replace(plan, use_tma=True)
+    out, lse = attention_decode(q, k, v, cm, d ** -0.5, plan=tma)
+    check_against_reference(out, lse, q, k, v, mask)
+    (o64, _), (olp, _) = references(q, k, v, mask)
+    assert rel_err(out, o64) <= 2 * rel_err(olp, o64), (rel_err(out, o64), rel_err(olp, o64))
+    ptr_out, ptr_lse = attention_decode(q, k, v, cm, d ** -0.5, plan=plan)
+    assert rel_err(out, ptr_out.float()) < 1e-2 and torch.equal(torch.isinf(lse), torch.isinf(ptr_lse))
+
+
 def test_readme_decode_table_is_generated_from_the_csv():
     """The README's decoding table is `bench_decode --table` of the committed CSV, verbatim."""
     import os
@@ -343,3 +370,19 @@ def test_readme_decode_table_is_generated_from_the_csv():
     block = readme.split(bench_decode.README_START, 1)[1].split(bench_decode.README_END, 1)[0]
     rows = bench_decode.read_csv(os.path.join(root, "benchmarks", "results", "decode.csv"))
     assert block.strip() == bench_decode.table(rows).strip()
+
+
+def test_readme_decode_variants_table_is_generated_from_the_csv():
+    """The README's split of a decode step is `decode_variants --table` of the committed CSV."""
+    import csv
+    import os
+
+    from benchmarks import decode_variants
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    block = readme.split(decode_variants.README_START, 1)[1].split(decode_variants.README_END, 1)[0]
+    with open(os.path.join(root, "benchmarks", "results", "decode_variants.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert block.strip() == decode_variants.table(rows).strip()

@@ -315,13 +315,13 @@ DECODE_MAX_ROWS = 64  # rows (query heads x query rows) per program: the fp32 ac
 # Splits: when B x Hkv x head blocks already fill the SMs, one split (no merge); else as many
 # shares as fit DECODE_PROGRAMS_PER_SM programs on every SM in one wave (rounded down: a grid a
 # few programs over a wave waits a whole program's time for them). Programs of up to
-# DECODE_NARROW_ROWS rows (decode steps: a GQA group's heads) use 74 KB of shared memory and 168
-# registers a thread (H200, D = 128, bf16), so an SM holds 2-3; wider ones (Sq = 16: 64 rows,
-# 146 KB, 255 registers) one. Measured on an H200 in CUDA-graph replays
-# (benchmarks/results/decode_variants_log.txt, session 7): B=1 Sk=128K 3877 GB/s at 2 per SM
-# (33 splits) against 3417 at 1 (16 splits); B=8 Sk=32K, Sq=1: 4 splits (256 programs) 98% of
-# copy against 92% at 5 (320 programs, over a wave); Sq=16: 2 splits (128 programs) 78% against
-# 66% at 5. Earlier eager sweeps: tune_decode.csv, decode_splits.csv.
+# DECODE_NARROW_ROWS rows (decode steps: a GQA group's heads) use 72 KB of shared memory and 168
+# registers a thread (H200, D = 128, bf16), so an SM holds 3; wider ones (Sq = 16: 64 rows,
+# 146 KB, 255 registers) one. Measured on an H200 in CUDA-graph replays, L2 emptied by a read
+# (benchmarks/results/decode_variants_log.txt, session 8): B=1 Sk=32K 33 splits (264 programs)
+# 42.8 us, 73% of copy; B=8 Sk=32K 4 splits (256 programs) 100%; Sq=16 B=8 Sk=32K 2 splits (128
+# programs) 80%. Earlier sweeps (eager; graph with the L2 emptied by a write): tune_decode.csv,
+# decode_splits.csv.
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_NARROW_ROWS = 16
 DECODE_WIDE_PROGRAMS_PER_SM = 1
@@ -343,8 +343,8 @@ class DecodePlan:
     num_stages: int
     masked_stages: int
     merge: str = "two_launch"  # how the shares are merged when num_splits > 1: see DECODE_MERGES
-    use_tma: bool = False  # K/V through in-kernel TMA descriptors (head dims of a power of two)
-    pdl: bool = True  # the two-launch merge by programmatic dependent launch where the GPU has it (DECODE_PDL)
+    use_tma: bool = False  # K/V through in-kernel TMA descriptors (head dims of a power of two): see DECODE_OPTIONS
+    pdl: bool = False  # the two-launch merge as a programmatic dependent launch: see DECODE_OPTIONS
 
     def with_splits(self, num_splits: int) -> DecodePlan:
         return dataclasses.replace(self, num_splits=num_splits)
@@ -439,17 +439,20 @@ DECODE_MERGE_CHUNK_REGS = 64
 DECODE_GRAPH_COUNTERS = 1 << 18
 
 
-# Programmatic dependent launch (Hopper and newer): the two-launch merge is launched with
-# CUDA's programmatic stream serialization, so its programs are placed on the SMs while the
-# split kernel's programs still run (each calls griddepcontrol.launch_dependents as it starts) and
-# wait in griddepcontrol.wait until the split kernel has finished and its partials are visible.
-# What it saves is the merge's launch latency after the split kernel drains. Measured on an H200
-# (decode_variants_log.txt, session 7). The interpreter has no grid dependency control.
-DECODE_PDL = True
+# DECODE_OPTIONS: two launch options of the split-KV plan, both off by default because neither
+# measured faster (H200, CUDA-graph replays, benchmarks/results/decode_variants_log.txt, session 8):
+#   pdl      the two-launch merge as a programmatic dependent launch (Hopper and newer): the split
+#            kernel's programs call griddepcontrol.launch_dependents as they start, so the merge's
+#            programs are placed while they run and wait in griddepcontrol.wait until the split
+#            grid has finished and its partials are visible. Within 1% of the plain launch at
+#            every point (B=1 Sk=8K 20.4 against 20.2 us, 32K 42.8 against 43.5 us): in a graph
+#            the merge's launch is not what it costs (the split kernel alone: 17.6 and 40.4 us).
+#   use_tma  K/V through in-kernel TMA descriptors: 1-3% slower at Sq = 1, 2% faster at Sq = 16.
+# Both stay tested on the GPU (tests/test_decode.py) so that a later GPU can take them.
 
 
 def decode_uses_pdl(plan: DecodePlan, device: torch.device) -> bool:
-    return plan.pdl and DECODE_PDL and device.type == "cuda" and device_has_tma(device)  # sm_90+, as TMA
+    return plan.pdl and device.type == "cuda" and device_has_tma(device)  # sm_90+, as TMA
 
 
 def decode_merge(device) -> str:
