@@ -320,8 +320,12 @@ DECODE_MAX_ROWS = 64  # rows (query heads x query rows) per program: the fp32 ac
 # 146 KB, 255 registers) one. Measured on an H200 in CUDA-graph replays, L2 emptied by a read
 # (benchmarks/results/decode_variants_log.txt, session 8): B=1 Sk=32K 33 splits (264 programs)
 # 42.8 us, 73% of copy; B=8 Sk=32K 4 splits (256 programs) 100%; Sq=16 B=8 Sk=32K 2 splits (128
-# programs) 80%. Earlier sweeps (eager; graph with the L2 emptied by a write): tune_decode.csv,
-# decode_splits.csv.
+# programs) 80%. Every other knob measured at the points that miss issue 14's targets (B=1 8K
+# and 32K, B=8 8K; decode_knobs_log.txt, `bash benchmarks/gpu_jobs/decode_knobs.sh`) is level or
+# slower: 3 stages (141 KB: one program an SM) 20-40% slower, 64 columns a step with 3-4 stages
+# 30-40% slower, 8 or 2 warps and 1 or 3 programs per SM level to 15% slower, 16 or 48 splits at
+# B=1 level to 15% slower. Earlier sweeps (eager; graph with the L2 emptied by a write):
+# tune_decode.csv, decode_splits.csv.
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_NARROW_ROWS = 16
 DECODE_WIDE_PROGRAMS_PER_SM = 1
