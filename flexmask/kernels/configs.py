@@ -16,7 +16,13 @@ import triton
 
 from .tma import device_has_tma
 
-# tile of the mask tables (rows x columns)
+# tile of the mask tables (rows x columns). On a GPU 128 x 128 at every density, sparse masks
+# included: a smaller tile visits less of a narrow band (a 1%-dense sliding window at 32K: 1.36x the
+# unmasked pairs at 64 x 64 against 1.94x at 128 x 128) but takes the portable kernels, and those
+# ran 1.3-4x slower than the Hopper kernels at 128 x 128 at every density measured, 1% to 10%, fwd
+# and fwd+bwd (H200, D = 128; benchmarks/results/tile_size_sweep.csv, `python -m
+# benchmarks.tile_size_sweep`). So the compiler never picks a smaller tile by itself; block_m /
+# block_n of compile_mask still take one.
 GPU_TILE = (128, 128)
 CPU_TILE = (64, 64)  # the interpreter pays per tile; smaller tiles keep CPU tests quick
 
