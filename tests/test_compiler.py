@@ -765,3 +765,151 @@ def test_document_tile_bound_closed_form_equals_the_hull_count(kind, causal):
             closed = tile_bounds.visited_tiles_bound(mask, q_len, kv_len, block_m, block_n)
             by_blocks = tile_bounds._bound(mask, q_len, kv_len, block_m, block_n)
             assert closed == by_blocks, (q_len, kv_len, block_m, block_n, lens)
+
+
+# --- host cost of a GPU compile: launches, and compositions built by the classify kernel ----------
+
+# compositions of two built-in families that the classify kernel composes itself (`device_pair`)
+PAIRED = ["causal&sliding_window", "document&sliding_window", "tensor_document&sliding_window",
+          "causal&global_sliding_window", "document|sliding_window", "kv_cache&document_per_batch",
+          "kv_cache_tensor&sliding_window"]
+
+
+class CountedLaunches:
+    """Wraps a Triton kernel (`kernel[grid](...)`) and counts its launches."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(self.kernel.__name__)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def count_launches(monkeypatch) -> list:
+    from flexmask.kernels import compile_kernels as ck
+
+    launches = []
+    for name in ("_classify_kernel", "_emit_kernel", "_compose_kernel", "_family_kernel", "_shift_kernel",
+                 "_document_bounds_kernel"):
+        monkeypatch.setattr(ck, name, CountedLaunches(getattr(ck, name), launches))
+    return launches
+
+
+@pytest.mark.parametrize("name", PAIRED)
+def test_two_family_compositions_compile_in_two_launches(name, monkeypatch):
+    """`a & b` / `a | b` of two built-in families (one kv_cache operand allowed) is composed by
+    the classify kernel itself: two launches in all, as for one family, and the torch path's
+    tables (test_kernel_compiler_compositions checks them on more shapes)."""
+    from flexmask.masks import device_intervals
+
+    sq, sk = 97, 97
+    mask = DEVICE_COMPOSITIONS[name](sq, sk)
+    assert device_intervals.device_pair(mask, sq, sk, torch.device("cpu")) is not None
+    launches = count_launches(monkeypatch)
+    got = compile_spec(mask, sq, sk, torch.device("cpu"), 32, 32, on_device=True)
+    documents_on_device = name.startswith("tensor_document")
+    assert launches == (["_document_bounds_kernel"] if documents_on_device else []) + ["_classify_kernel",
+                                                                                       "_emit_kernel"]
+    assert_same_tables(compile_spec(mask, sq, sk, torch.device("cpu"), 32, 32, on_device=False), got)
+
+
+def test_nested_compositions_keep_the_composition_launches(monkeypatch):
+    """A composition that is not two families (nested, or a family next to masks given as
+    tensors) is built by the composition kernels first, then loaded by the classify kernel."""
+    from flexmask.masks import device_intervals
+
+    mask = (masks.causal() & masks.sliding_window(20)) | masks.prefix_lm(9)
+    assert device_intervals.device_pair(mask, 97, 97, torch.device("cpu")) is None
+    launches = count_launches(monkeypatch)
+    got = compile_spec(mask, 97, 97, torch.device("cpu"), 32, 32, on_device=True)
+    assert launches[-2:] == ["_classify_kernel", "_emit_kernel"] and "_compose_kernel" in launches
+    assert_same_tables(compile_spec(mask, 97, 97, torch.device("cpu"), 32, 32, on_device=False), got)
+
+
+def test_bench_compositions_are_paired():
+    """The compositions timed by benchmarks.bench_compile take the paired path (built at 8K)."""
+    from benchmarks.bench_compile import _extra_cases
+    from flexmask.masks import device_intervals
+
+    s = 8192
+    for case in _extra_cases(s, "cpu"):
+        if "&" in case.family or "|" in case.family:
+            assert device_intervals.device_pair(case.make(), s, s, torch.device("cpu")) is not None, case.family
+
+
+@pytest.mark.parametrize("rows, docs", [(1, 1), (1, 5), (3, 7), (2, 1500)])
+def test_document_bounds_kernel_matches_the_torch_ops(rows, docs):
+    """Document lengths on the device become bounds in one launch (`compile_kernels.document_bounds`):
+    the torch ops' values bit for bit, for int64 and int32 lengths, 1-D and 2-D, a strided row,
+    zero and negative lengths (read as 0), more documents than one block."""
+    from flexmask.kernels.compile_kernels import document_bounds
+    from flexmask.masks.device_intervals import _document_bounds
+
+    gen = torch.Generator().manual_seed(rows * 1000 + docs)
+    lengths = torch.randint(-3, 40, (rows, docs), generator=gen)
+    lengths[torch.rand(rows, docs, generator=gen) < 0.3] = 0
+    want = _document_bounds(lengths.clamp(min=0))
+    for t in (lengths, lengths.to(torch.int32), torch.cat([lengths, lengths], 1)[:, :docs]):
+        assert torch.equal(document_bounds(t), want)
+    if rows == 1:
+        assert torch.equal(document_bounds(lengths[0]), want)
+
+
+def test_compile_kernel_variants_compile_for_sm90():
+    """The classify kernel as launched (its fused scan, composed pairs, the kv_cache shift of
+    either operand), the emit kernel and the document-bounds kernel go through Triton and ptxas
+    for sm_90 with no spills (benchmarks.compile_variants_offline, in a process without
+    TRITON_INTERPRET)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from benchmarks.compile_variants_offline import variants
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "benchmarks.compile_variants_offline"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [ln for ln in done.stdout.splitlines() if ": shared=" in ln]
+    assert len(lines) == len(variants()), done.stdout
+    assert all("0 bytes spill stores" in ln for ln in lines), lines
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", [1000, 8192 + 77])
+def test_gpu_paired_compositions_match_cpu(s):
+    """Compositions composed by the classify kernel, on the GPU: the CPU torch path's tables bit
+    for bit (documents and kv_cache lengths also as device tensors)."""
+    for name in PAIRED:
+        for sq in (s, s // 3):
+            mask = DEVICE_COMPOSITIONS[name](sq, s)
+            cpu = compile_spec(mask, sq, s, torch.device("cpu"), 64, 64, on_device=False)
+            gpu = flexmask.compile_mask(mask, sq, s, device="cuda", block_m=64, block_n=64)
+            assert_same_tables(cpu, type(cpu)(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                                 for k, v in vars(gpu).items()}))
+
+
+@pytest.mark.gpu
+def test_gpu_fused_scan_is_repeatable():
+    """The scan runs in whichever classify program finishes last (an atomic ticket): 300
+    back-to-back compiles of a 32K document mask with 4 rows (1024 classify programs) give the
+    same tables every time, equal to the CPU's."""
+    s = 32768
+    mask = masks.document([[s // 4] * 4, [s // 2] * 2, [s], [1000, s - 1000]], causal=True)
+    cpu = compile_spec(mask, s, s, torch.device("cpu"), 128, 128, on_device=False)
+    first = flexmask.compile_mask(mask, s, s, device="cuda", block_m=128, block_n=128)
+    assert_same_tables(cpu, type(cpu)(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                         for k, v in vars(first).items()}))
+    runs = [flexmask.compile_mask(mask, s, s, device="cuda", block_m=128, block_n=128) for _ in range(300)]
+    for cm in runs:
+        for name in TABLES:
+            assert torch.equal(getattr(first, name), getattr(cm, name)), name
+        t = first.tiles_listed()
+        for name in LISTS:
+            assert torch.equal(getattr(first, name)[:t], getattr(cm, name)[:t]), name

@@ -1,5 +1,5 @@
 """Triton kernels of the mask compiler (DESIGN.md 3.1): column intervals -> tile tables on the
-device, in three launches and with no host sync.
+device, in two launches and with no host sync.
 
 1. `_classify_kernel`, one program per (kv-block, mask row): gets its columns' intervals
    (loaded, or computed from a built-in family's parameters and written out), writes them in
@@ -13,9 +13,13 @@ device, in three launches and with no host sync.
    that fall in the chunk, then prefix sums, give how many columns cover / touch each q-block,
    so a chunk costs O(TILE_N + CHUNK_M) whatever the intervals; a chunk where no range bound
    falls (most chunks of a long sequence) keeps the class before it and skips the histograms.
-2. `_scan_kernel`, two programs: prefix sums of the per-kv-block counts (backward offsets)
-   and of the per-q-block difference arrays (forward counts, then offsets).
-3. `_emit_kernel`: programs per kv-block write the backward lists, programs per chunk of
+   The last classify program to finish (an atomic ticket) then runs `_scan_tables`: prefix
+   sums of the per-kv-block counts (backward offsets) and of the per-q-block difference arrays
+   (forward counts, then offsets). A launch of its own would cost more host time than the scan
+   costs the GPU.
+   The classify kernel also builds `a & b` / `a | b` of two built-in families in the same pass
+   (`_operand` twice, then `_compose`), with the kv_cache shift of the other operand.
+2. `_emit_kernel`: programs per kv-block write the backward lists, programs per chunk of
    q-blocks the forward lists, each from the grid with in-chunk prefix sums, so the order is
    fixed: FULL tiles first, each list by increasing block index (the torch path's order).
 
@@ -24,6 +28,8 @@ count (`offsets[-1]`) are never written nor read.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -42,7 +48,7 @@ _QK_SPARSE, _KV_CACHE = tl.constexpr(QK_SPARSE), tl.constexpr(KV_CACHE)
 
 CHUNK_M = 128  # q-blocks per step of the per-kv-block programs (a multiple of 4 and of FWD_M)
 FWD_M, FWD_N = 32, 64  # q-blocks per forward-list program, kv-blocks per step
-SCAN_BLOCK = 1024
+SCAN_BLOCK = tl.constexpr(1024)  # entries per step of the scan
 
 
 @triton.jit
@@ -181,12 +187,40 @@ def _events(lo_a, lo_b, hi_a, hi_b, c0, CHUNK: tl.constexpr):
             - tl.histogram(ends, CHUNK, mask=(ends >= 0) & (ends < CHUNK)))
 
 
+@triton.jit
+def _operand(o_j, row, cache_row, DOCS, PREFIXES, LENGTHS, Sq, Sk, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS,
+             FAMILY: tl.constexpr, SHIFTED: tl.constexpr):
+    """Canonical (int64) intervals of columns o_j of a built-in family (its data at `row`). SHIFTED:
+    next to a kv_cache mask, built for Sq + Sk virtual rows, then moved to batch row cache_row's
+    cache (minus LENGTHS[cache_row]) and clamped, as `family_intervals` + `shift_to_cache` do."""
+    if SHIFTED:
+        sq_v = Sq.to(tl.int64) + Sk
+        a0, a1, b0, b1 = _family_intervals(o_j, row, DOCS, PREFIXES, sq_v, -Sq.to(tl.int64), P0, P1, P2, DOC_STRIDE,
+                                           DOC_ITERS, FAMILY)
+        lts, lte, uts, ute = _canonical(a0, a1, b0, b1, sq_v)
+        shift = tl.load(LENGTHS + cache_row).to(tl.int64)
+        return _canonical(lts - shift, lte - shift, uts - shift, ute - shift, Sq)
+    else:
+        a0, a1, b0, b1 = _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS,
+                                           FAMILY)
+        return _canonical(a0, a1, b0, b1, Sq)
+
+
 @triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "NKB", "G_ROW", "offset", "P0", "P1", "P2", "DOC_STRIDE",
-                               "DOC_ITERS", "RAGGED_N"])
+                               "DOC_ITERS", "RAGGED_N", "B_P0", "B_P1", "B_P2", "B_DOC_STRIDE", "B_DOC_ITERS"])
 def _classify_kernel(
     IV, PLANAR, GRID, COUNTS, DIFFS, DOCS, PREFIXES,
     Sq, Sk, NQB, NKB, G_ROW, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS, RAGGED_N,
     FAMILY: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, CHUNK: tl.constexpr,
+    # the tables' offsets and FULL counts (`build_tables_device`'s meta layout), written by the
+    # last program to finish; None: classify only
+    META=None,
+    # `a & b` (AND) or `a | b` of two built-in families: a is FAMILY, b is B_FAMILY (None: no b);
+    # *_BCAST: the operand has one row for every row of the result; SHIFT 1 (2): a (b) is moved
+    # to each batch row's cache by the lengths of the other operand, a kv_cache mask
+    B_DOCS=None, B_PREFIXES=None, B_P0=0, B_P1=0, B_P2=0, B_DOC_STRIDE=2, B_DOC_ITERS=0,
+    B_FAMILY: tl.constexpr = None, AND: tl.constexpr = True, A_BCAST: tl.constexpr = False,
+    B_BCAST: tl.constexpr = False, SHIFT: tl.constexpr = 0,
 ):
     n = tl.program_id(0)
     row = tl.program_id(1)
@@ -200,9 +234,20 @@ def _classify_kernel(
         uts = tl.load(p_iv + 2, mask=m_j, other=0)
         ute = tl.load(p_iv + 3, mask=m_j, other=0)
     else:
-        a0, a1, b0, b1 = _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS,
-                                           FAMILY)
-        lts, lte, uts, ute = _canonical(a0, a1, b0, b1, Sq)
+        if A_BCAST:
+            row_a = row * 0
+        else:
+            row_a = row
+        lts, lte, uts, ute = _operand(o_j, row_a, row, DOCS, PREFIXES, B_DOCS, Sq, Sk, offset, P0, P1, P2, DOC_STRIDE,
+                                      DOC_ITERS, FAMILY, SHIFT == 1)
+        if B_FAMILY is not None:
+            if B_BCAST:
+                row_b = row * 0
+            else:
+                row_b = row
+            b_ls, b_le, b_us, b_ue = _operand(o_j, row_b, row, B_DOCS, B_PREFIXES, DOCS, Sq, Sk, offset, B_P0, B_P1,
+                                              B_P2, B_DOC_STRIDE, B_DOC_ITERS, B_FAMILY, SHIFT == 2)
+            lts, lte, uts, ute, _ = _compose(lts, lte, uts, ute, b_ls, b_le, b_us, b_ue, Sq, AND)
         lts, lte, uts, ute = lts.to(tl.int32), lte.to(tl.int32), uts.to(tl.int32), ute.to(tl.int32)
         tl.store(p_iv + 0, lts, mask=m_j)
         tl.store(p_iv + 1, lte, mask=m_j)
@@ -278,47 +323,71 @@ def _classify_kernel(
     seg = row * NKB + n
     tl.store(COUNTS + seg, n_full)
     tl.store(COUNTS + n_rows * NKB + seg, n_partial)
+    if META is not None:
+        # The last program to finish scans (a ticket, as CUTLASS's semaphores: every thread's
+        # writes above, a CTA barrier, then one release/acquire atomic at GPU scope).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(COUNTS + 2 * n_rows * NKB, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if ticket == n_rows * NKB - 1:
+            _scan_tables(COUNTS, DIFFS, META, n_rows, NQB, NKB, RAGGED_N, SCAN_BLOCK)
 
 
-@triton.jit(do_not_specialize=["n_rows", "NQB", "NKB", "RAGGED_N"])
-def _scan_kernel(COUNTS, DIFFS, BWD_OFFSETS, BWD_NUM_FULL, FWD_OFFSETS, FWD_NUM_FULL,
-                 n_rows, NQB, NKB, RAGGED_N, BLOCK: tl.constexpr):
+@triton.jit
+def _scan_tables(COUNTS, DIFFS, META, n_rows, NQB, NKB, RAGGED_N, BLOCK: tl.constexpr):
+    """Offsets and FULL counts of both views from the classify counts, into META: forward
+    offsets [n_rows * NQB + 1], forward FULL counts [n_rows * NQB], backward offsets
+    [n_rows * NKB + 1], backward FULL counts [n_rows * NKB]."""
+    fwd_num_full = META + n_rows * NQB + 1
+    bwd_offsets = fwd_num_full + n_rows * NQB
+    _scan_backward(COUNTS, bwd_offsets, bwd_offsets + n_rows * NKB + 1, n_rows, NKB, RAGGED_N, BLOCK)
+    _scan_forward(DIFFS, META, fwd_num_full, n_rows, NQB, BLOCK)
+
+
+@triton.jit
+def _scan_backward(COUNTS, BWD_OFFSETS, BWD_NUM_FULL, n_rows, NKB, RAGGED_N, BLOCK: tl.constexpr):
+    """Backward view: one segment per (mask row, kv-block). Loads bypass L1 (.cg): other
+    programs wrote COUNTS."""
     o = tl.arange(0, BLOCK)
-    if tl.program_id(0) == 0:  # backward view: one segment per (mask row, kv-block)
-        total = n_rows * NKB
-        carry = 0
-        for s0 in range(0, total, BLOCK):
-            idx = s0 + o
-            m_idx = idx < total
-            n_full = tl.load(COUNTS + idx, mask=m_idx, other=0)
-            count = n_full + tl.load(COUNTS + total + idx, mask=m_idx, other=0)
-            incl = carry + tl.cumsum(count, 0)
-            tl.store(BWD_OFFSETS + idx, incl - count, mask=m_idx)
-            tl.store(BWD_NUM_FULL + idx, tl.where(idx % NKB == RAGGED_N, 0, n_full), mask=m_idx)
-            carry += tl.sum(count, 0)
-        tl.store(BWD_OFFSETS + total, carry)
-    else:  # forward view: counts per q-block from the difference arrays, then their offsets
-        padded = n_rows * (NQB + 1)
-        visit = 0
-        full = 0
-        carry = 0
-        for s0 in range(0, padded, BLOCK):
-            idx = s0 + o
-            m_idx = idx < padded
-            d_visit = tl.load(DIFFS + idx, mask=m_idx, other=0)
-            d_full = tl.load(DIFFS + padded + idx, mask=m_idx, other=0)
-            count = visit + tl.cumsum(d_visit, 0)  # zero on each row's pad entry
-            n_full = full + tl.cumsum(d_full, 0)
-            incl = carry + tl.cumsum(count, 0)
-            m = idx % (NQB + 1)
-            out = (idx // (NQB + 1)) * NQB + m
-            keep = m_idx & (m < NQB)
-            tl.store(FWD_OFFSETS + out, incl - count, mask=keep)
-            tl.store(FWD_NUM_FULL + out, n_full, mask=keep)
-            visit += tl.sum(d_visit, 0)
-            full += tl.sum(d_full, 0)
-            carry += tl.sum(tl.where(m_idx, count, 0), 0)
-        tl.store(FWD_OFFSETS + n_rows * NQB, carry)
+    total = n_rows * NKB
+    carry = 0
+    for s0 in range(0, total, BLOCK):
+        idx = s0 + o
+        m_idx = idx < total
+        n_full = tl.load(COUNTS + idx, mask=m_idx, other=0, cache_modifier=".cg")
+        count = n_full + tl.load(COUNTS + total + idx, mask=m_idx, other=0, cache_modifier=".cg")
+        incl = carry + tl.cumsum(count, 0)
+        tl.store(BWD_OFFSETS + idx, incl - count, mask=m_idx)
+        tl.store(BWD_NUM_FULL + idx, tl.where(idx % NKB == RAGGED_N, 0, n_full), mask=m_idx)
+        carry += tl.sum(count, 0)
+    tl.store(BWD_OFFSETS + total, carry)
+
+
+@triton.jit
+def _scan_forward(DIFFS, FWD_OFFSETS, FWD_NUM_FULL, n_rows, NQB, BLOCK: tl.constexpr):
+    """Forward view: counts per q-block from the difference arrays, then their offsets."""
+    o = tl.arange(0, BLOCK)
+    padded = n_rows * (NQB + 1)
+    visit = 0
+    full = 0
+    carry = 0
+    for s0 in range(0, padded, BLOCK):
+        idx = s0 + o
+        m_idx = idx < padded
+        d_visit = tl.load(DIFFS + idx, mask=m_idx, other=0, cache_modifier=".cg")
+        d_full = tl.load(DIFFS + padded + idx, mask=m_idx, other=0, cache_modifier=".cg")
+        count = visit + tl.cumsum(d_visit, 0)  # zero on each row's pad entry
+        n_full = full + tl.cumsum(d_full, 0)
+        incl = carry + tl.cumsum(count, 0)
+        m = idx % (NQB + 1)
+        out = (idx // (NQB + 1)) * NQB + m
+        keep = m_idx & (m < NQB)
+        tl.store(FWD_OFFSETS + out, incl - count, mask=keep)
+        tl.store(FWD_NUM_FULL + out, n_full, mask=keep)
+        visit += tl.sum(d_visit, 0)
+        full += tl.sum(d_full, 0)
+        carry += tl.sum(tl.where(m_idx, count, 0), 0)
+    tl.store(FWD_OFFSETS + n_rows * NQB, carry)
 
 
 @triton.jit
@@ -401,16 +470,58 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class Pair(NamedTuple):
+    """`a & b` or `a | b` of two built-in families, built by the classify kernel itself: the second
+    operand's (code, p0, p1, p2, docs, prefixes), whether each operand has one row for every row
+    of the result, and the kv_cache shift (0: none; 1: a moves to each batch row's cache by b's
+    lengths, b being the kv_cache mask; 2: the reverse)."""
+
+    b: tuple
+    is_and: bool
+    broadcast_a: bool
+    broadcast_b: bool
+    shift: int
+
+
+_ALIGN = 64  # int32 elements: each table starts 256-byte aligned, as an allocation of its own would
+
+
+def _carve(buffer: torch.Tensor, sizes: list) -> list:
+    """1-D views of `buffer` of the given sizes, one after the other; a size given as a tuple of
+    sizes makes views packed back to back (no alignment inside the group). One split call."""
+    parts, flat, offset = [], [], 0
+    for size in sizes:
+        group = size if isinstance(size, tuple) else (size,)
+        pad = -offset % _ALIGN
+        if pad:
+            parts.append(pad)
+        parts.extend(group)
+        flat.extend(range(len(parts) - len(group), len(parts)))
+        offset += pad + sum(group)
+    parts.append(buffer.numel() - offset)
+    views = buffer.split(parts)
+    return [views[i] for i in flat]
+
+
+def _carved_size(sizes: list) -> int:
+    offset = 0
+    for size in sizes:
+        offset += -offset % _ALIGN + sum(size if isinstance(size, tuple) else (size,))
+    return offset
+
+
 def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, rows: int, capacity: int | None,
                         intervals: torch.Tensor | None = None, family: tuple | None = None,
-                        shape: tuple | None = None, device=None) -> dict:
-    """The tables of a CompiledMask, in three launches and no host sync.
+                        shape: tuple | None = None, device=None, pair: Pair | None = None) -> dict:
+    """The tables of a CompiledMask, in two launches and no host sync.
 
     Either `intervals` (canonical int32 [Bm, Hm, kv_len, 4], contiguous) or `family` =
     (code, p0, p1, p2, docs, prefixes) with `shape` (Bm, Hm) and `device`: the classify kernel then
-    computes the canonical intervals itself. `capacity` (>= the tiles visited, known on the
-    host) sizes fwd_blocks, bwd_blocks and bwd_exact; None counts the tiles first, at the
-    price of one host sync."""
+    computes the canonical intervals itself (with `pair`: those of `family <op> pair.b`).
+    `capacity` (>= the tiles visited, known on the host) sizes fwd_blocks, bwd_blocks and
+    bwd_exact; None counts the tiles first, at the price of one host sync. The tables are views of
+    one allocation, the transient grid and counts of another (host time: each allocation costs
+    about as much on the host as the GPU spends on the small tables)."""
     if intervals is not None:
         device = intervals.device
         shape = tuple(intervals.shape[:2])
@@ -423,35 +534,48 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     ragged_n = nkb - 1 if kv_len % block_n else -1
 
     i32 = dict(dtype=torch.int32, device=device)
+    n_diffs, n_counts = 2 * rows * (nqb + 1), 2 * rows * nkb + 1  # + the classify programs' ticket
+    transient = [(n_diffs, n_counts), rows * nkb * g_row // 4]
+    diffs, counts, grid = _carve(torch.zeros(_carved_size(transient), **i32), transient)
+    grid = grid.view(torch.uint8)  # 2-bit classes [rows * nkb, g_row]
+    meta = (rows * nqb + 1, rows * nqb, rows * nkb + 1, rows * nkb)  # the layout _scan_tables writes
+    n_intervals = 0 if intervals is not None else shape[0] * shape[1] * kv_len * 4
+    lists = [] if capacity is None else [max(1, capacity)] * 2 + [_cdiv(max(1, capacity), 4)]
+    tables = [n_intervals, rows * 4 * kv_len, meta, *lists]
+    views = _carve(torch.empty(_carved_size(tables), **i32), tables)
     if intervals is None:
-        intervals = torch.empty(*shape, kv_len, 4, **i32)
-    planar = torch.empty(rows, 4, kv_len, **i32)
-    grid = torch.empty(rows * nkb, g_row, dtype=torch.uint8, device=device)
-    work = torch.zeros(2 * rows * (nqb + 1) + 2 * rows * nkb, **i32)  # difference arrays, counts
-    diffs, counts = work[: 2 * rows * (nqb + 1)], work[2 * rows * (nqb + 1):]
-    meta = torch.empty(2 * rows * (nqb + nkb) + 2, **i32)
-    fwd_offsets, rest = meta[: rows * nqb + 1], meta[rows * nqb + 1:]
-    fwd_num_full, rest = rest[: rows * nqb], rest[rows * nqb:]
-    bwd_offsets, bwd_num_full = rest[: rows * nkb + 1], rest[rows * nkb + 1:]
+        intervals = views[0].view(*shape, kv_len, 4)
+    planar = views[1].view(rows, 4, kv_len)
+    fwd_offsets, fwd_num_full, bwd_offsets, bwd_num_full = views[2:6]
 
-    if docs is None:
-        docs, doc_stride, doc_iters = planar, 2, 0  # an unused pointer
-    else:
-        doc_stride = docs.shape[1]  # 0, the documents' ends (padded), one extra value
-        doc_iters = max(1, (doc_stride - 2).bit_length())
+    def doc_args(docs, prefixes):  # pointers (unused ones: any tensor), row stride, binary-search steps
+        if docs is None:
+            return planar, planar, 2, 0
+        stride = docs.shape[1]  # 0, the documents' ends (padded), one extra value
+        return docs, planar if prefixes is None else prefixes, stride, max(1, (stride - 2).bit_length())
+
+    docs, prefixes, doc_stride, doc_iters = doc_args(docs, prefixes)
+    extra = {}
+    if pair is not None:
+        b_code, b_p0, b_p1, b_p2, b_docs, b_prefixes = pair.b
+        b_docs, b_prefixes, b_stride, b_iters = doc_args(b_docs, b_prefixes)
+        extra = dict(B_DOCS=b_docs, B_PREFIXES=b_prefixes, B_P0=b_p0, B_P1=b_p1, B_P2=b_p2, B_DOC_STRIDE=b_stride,
+                     B_DOC_ITERS=b_iters, B_FAMILY=b_code, AND=pair.is_and, A_BCAST=pair.broadcast_a,
+                     B_BCAST=pair.broadcast_b, SHIFT=pair.shift)
     _classify_kernel[(nkb, rows)](
-        intervals, planar, grid, counts, diffs, docs, planar if prefixes is None else prefixes,
+        intervals, planar, grid, counts, diffs, docs, prefixes,
         q_len, kv_len, nqb, nkb, g_row, kv_len - q_len, p0, p1, p2, doc_stride, doc_iters, ragged_n,
-        FAMILY=code, TILE_M=block_m, TILE_N=block_n, CHUNK=CHUNK_M, num_warps=4,
+        FAMILY=code, TILE_M=block_m, TILE_N=block_n, CHUNK=CHUNK_M, META=views[2], **extra, num_warps=4,
     )
-    _scan_kernel[(2,)](counts, diffs, bwd_offsets, bwd_num_full, fwd_offsets, fwd_num_full,
-                       rows, nqb, nkb, ragged_n, BLOCK=SCAN_BLOCK, num_warps=4)
     if capacity is None:  # no bound given: count first (one host sync)
-        capacity = int(bwd_offsets[-1])
-    capacity = max(1, capacity)  # never hand a kernel a zero-size buffer
-    blocks = torch.empty(2 * capacity, **i32)
-    fwd_blocks, bwd_blocks = blocks[:capacity], blocks[capacity:]
-    bwd_exact = torch.empty(capacity, dtype=torch.int8, device=device)
+        capacity = max(1, int(bwd_offsets[-1]))
+        blocks = torch.empty(2 * capacity, **i32)
+        fwd_blocks, bwd_blocks = blocks[:capacity], blocks[capacity:]
+        bwd_exact = torch.empty(capacity, dtype=torch.int8, device=device)
+    else:
+        capacity = max(1, capacity)  # never hand a kernel a zero-size buffer
+        fwd_blocks, bwd_blocks = views[6:8]
+        bwd_exact = views[8].view(torch.int8)[:capacity]
     nqc = _cdiv(nqb, FWD_M)
     _emit_kernel[(rows * nkb + rows * nqc,)](
         grid, bwd_offsets, bwd_num_full, bwd_blocks, bwd_exact, fwd_offsets, fwd_num_full, fwd_blocks,
@@ -514,6 +638,25 @@ def _union_runs(s0, e0, s1, e1, s2, e2, s3, e3, Sq):
     return lo_s, lo_e, hi_s, hi_e, n
 
 
+@triton.jit
+def _compose(a_ls, a_le, a_us, a_ue, b_ls, b_le, b_us, b_ue, Sq, AND: tl.constexpr):
+    """Canonical a & b (AND) or a | b of two canonical columns, and how many runs the result
+    needed (more than 2: it does not fit the canonical form)."""
+    if AND:  # attend where both attend: masked where either masks
+        lo_s, lo_e, hi_s, hi_e, n = _union_runs(a_us, a_ue, a_ls, a_le, b_us, b_ue, b_ls, b_le, Sq)
+    else:  # attend where either attends: masked where both mask (pairwise intersections)
+        lo_s, lo_e, hi_s, hi_e, n = _union_runs(
+            tl.maximum(a_us, b_us), tl.minimum(a_ue, b_ue), tl.maximum(a_us, b_ls), tl.minimum(a_ue, b_le),
+            tl.maximum(a_ls, b_us), tl.minimum(a_le, b_ue), tl.maximum(a_ls, b_ls), tl.minimum(a_le, b_le), Sq)
+    has_hi = n >= 2
+    has_lo = n >= 1
+    lts = tl.where(has_hi, hi_s, tl.where(has_lo, lo_s, 0))
+    lte = tl.where(has_hi, hi_e, tl.where(has_lo, lo_e, 0))
+    uts = tl.where(has_hi, lo_s, 0)
+    ute = tl.where(has_hi, lo_e, 0)
+    return lts, lte, uts, ute, n
+
+
 @triton.jit(do_not_specialize=["Sq", "Sk", "HEADS"])
 def _compose_kernel(A, B, OUT, MAX_RUNS, a_sb, a_sh, b_sb, b_sh, Sq, Sk, HEADS,
                     AND: tl.constexpr, BLOCK: tl.constexpr):
@@ -531,18 +674,7 @@ def _compose_kernel(A, B, OUT, MAX_RUNS, a_sb, a_sh, b_sb, b_sh, Sq, Sk, HEADS,
     a_us, a_ue = tl.load(p_a + 2, mask=ok, other=0), tl.load(p_a + 3, mask=ok, other=0)
     b_ls, b_le = tl.load(p_b, mask=ok, other=0), tl.load(p_b + 1, mask=ok, other=0)
     b_us, b_ue = tl.load(p_b + 2, mask=ok, other=0), tl.load(p_b + 3, mask=ok, other=0)
-    if AND:  # attend where both attend: masked where either masks
-        lo_s, lo_e, hi_s, hi_e, n = _union_runs(a_us, a_ue, a_ls, a_le, b_us, b_ue, b_ls, b_le, Sq)
-    else:  # attend where either attends: masked where both mask (pairwise intersections)
-        lo_s, lo_e, hi_s, hi_e, n = _union_runs(
-            tl.maximum(a_us, b_us), tl.minimum(a_ue, b_ue), tl.maximum(a_us, b_ls), tl.minimum(a_ue, b_le),
-            tl.maximum(a_ls, b_us), tl.minimum(a_le, b_ue), tl.maximum(a_ls, b_ls), tl.minimum(a_le, b_le), Sq)
-    has_hi = n >= 2
-    has_lo = n >= 1
-    lts = tl.where(has_hi, hi_s, tl.where(has_lo, lo_s, 0))
-    lte = tl.where(has_hi, hi_e, tl.where(has_lo, lo_e, 0))
-    uts = tl.where(has_hi, lo_s, 0)
-    ute = tl.where(has_hi, lo_e, 0)
+    lts, lte, uts, ute, n = _compose(a_ls, a_le, a_us, a_ue, b_ls, b_le, b_us, b_ue, Sq, AND)
     p_o = OUT + bh.to(tl.int64) * Sk * 4 + o_j * 4
     tl.store(p_o, lts, mask=ok)
     tl.store(p_o + 1, lte, mask=ok)
@@ -649,4 +781,39 @@ def shift_to_cache(virtual: torch.Tensor, lengths: torch.Tensor, q_len: int) -> 
         _shift_kernel[(cdiv(kv_len, COMPOSE_BLOCK), batch * heads)](
             virtual, lengths, out, v_sb, v_sh, q_len, kv_len, heads, BLOCK=COMPOSE_BLOCK, num_warps=4,
         )
+    return out
+
+
+@triton.jit(do_not_specialize=["n_docs", "stride_row"])
+def _document_bounds_kernel(LENGTHS, BOUNDS, n_docs, stride_row, BLOCK: tl.constexpr):
+    """One program per row: BOUNDS[row] (int32 [n_docs + 2]) = 0, the documents' ends, then the
+    start of the last non-empty document, from LENGTHS[row] (negative lengths read as 0), in
+    int64 and then cast (masks.device_intervals._document_bounds, bit for bit)."""
+    row = tl.program_id(0)
+    p_len = LENGTHS + row.to(tl.int64) * stride_row
+    p_out = BOUNDS + row.to(tl.int64) * (n_docs + 2)
+    end = tl.zeros([], tl.int64)
+    last_start = tl.zeros([], tl.int64)
+    for d0 in range(0, n_docs, BLOCK):
+        o_d = d0 + tl.arange(0, BLOCK)  # [BLOCK] documents
+        m_d = o_d < n_docs
+        length = tl.maximum(tl.load(p_len + o_d, mask=m_d, other=0).to(tl.int64), 0)
+        ends = end + tl.cumsum(length, 0)
+        tl.store(p_out + 1 + o_d, ends.to(tl.int32), mask=m_d)
+        last_start = tl.maximum(last_start, tl.max(tl.where(length > 0, ends - length, 0), 0))
+        end += tl.sum(length, 0)
+    tl.store(p_out, 0)
+    tl.store(p_out + n_docs + 1, last_start.to(tl.int32))
+
+
+def document_bounds(lengths: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, docs + 2] document bounds (0, the ends, the last non-empty document's start) of
+    integer lengths [docs] or [rows, docs] on the device, in one launch (the torch ops take nine)."""
+    lengths = lengths.reshape(1, -1) if lengths.dim() == 1 else lengths
+    if lengths.shape[1] and lengths.stride(1) != 1:
+        lengths = lengths.contiguous()
+    rows, n_docs = lengths.shape
+    out = torch.empty(rows, n_docs + 2, dtype=torch.int32, device=lengths.device)
+    if rows:
+        _document_bounds_kernel[(rows,)](lengths, out, n_docs, lengths.stride(0), BLOCK=COMPOSE_BLOCK, num_warps=4)
     return out

@@ -23,7 +23,7 @@ it is FULL: the partial path also bounds-checks columns. `CompiledMask.tile_clas
 the exact classification.
 
 Two implementations build the same tables. On the CPU the torch ops below (exact sizes). On a
-GPU the Triton kernels of `kernels/compile_kernels.py` (three launches, no host sync; transient
+GPU the Triton kernels of `kernels/compile_kernels.py` (two launches, no host sync; transient
 memory: a 2-bit tile grid, Sq*Sk/65536 bytes with 128 x 128 tiles, plus O(q-blocks + kv-blocks)),
 with the lists sized by a bound that the host knows from the mask's parameters
 (`tile_bounds.py`): they hold `len(fwd_blocks) >= offsets[-1]` entries, of which the first
@@ -206,7 +206,11 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
     if not (device.type == "cuda" if on_device is None else on_device):
         return build_tables(build_intervals(mask, q_len, kv_len, device), q_len, kv_len, block_m, block_n,
                             source=mask, on_device=False)
-    family = device_intervals.device_family(mask, q_len, kv_len, device)
+    family, pair = device_intervals.device_family(mask, q_len, kv_len, device), None
+    if family is None and mask.kind in ("and", "or"):  # `a & b` of two families: composed by the kernel too
+        composed = device_intervals.device_pair(mask, q_len, kv_len, device)
+        if composed is not None:
+            family, pair = (composed[0], composed[2]), composed[1]
     intervals = None if family is not None else build_intervals(mask, q_len, kv_len, device,
                                                                 on_device=True).contiguous()
     shape = family[1] if family is not None else tuple(intervals.shape[:2])
@@ -224,7 +228,7 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
     if per_row == n_qb * n_kb and mask.kind != "full" and capacity * _LIST_BYTES_PER_TILE > MAX_UNCOUNTED_LIST_BYTES:
         capacity = None
     tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, capacity, intervals=intervals,
-                                 family=None if family is None else family[0], shape=shape, device=device)
+                                 family=None if family is None else family[0], shape=shape, device=device, pair=pair)
     visited = int(tables["bwd_offsets"][-1]) if capacity is None else capacity
     return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n, num_tiles_visited=visited,
                         source=mask, **tables)

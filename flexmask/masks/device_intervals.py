@@ -13,7 +13,7 @@ import itertools
 import torch
 
 from ..kernels import compile_kernels as ck
-from . import intervals, specs
+from . import intervals, run_bounds, specs
 
 
 def _document_bounds(lengths: torch.Tensor) -> torch.Tensor:
@@ -39,8 +39,11 @@ def _host_document_bounds(rows: list[list[int]]) -> list[list[int]]:
 
 def _bounds(name: str, lengths, g) -> torch.Tensor:
     """int32 [rows, docs + 2] document bounds (see `_document_bounds`) of checked lengths: from
-    the host and uploaded once for host data, by device ops for lengths that live on the device."""
+    the host and uploaded once for host data, for lengths that live on the compile's device by one
+    launch of `compile_kernels.document_bounds` (integer lengths) or device ops."""
     if intervals.is_device_lengths(lengths, g):
+        if lengths.dtype in (torch.int32, torch.int64) and lengths.dim() in (1, 2):  # ("cuda" vs "cuda:0": .to)
+            return ck.document_bounds(lengths.to(g.device))
         return _document_bounds(intervals.doc_lengths(name, lengths, g))
     return intervals.to_device(_host_document_bounds(intervals.host_doc_rows(name, lengths, g)), g.device, torch.int32)
 
@@ -94,16 +97,43 @@ def device_family(mask: specs.Mask, q_len: int, kv_len: int, device: torch.devic
             prefixes = intervals.doc_lengths("prefix_lens", prefix_lens, g, check_sum=False)
             rows = min(lengths.shape[0], prefixes.shape[0])  # paired row by row, as the torch builder does
             bounds, prefixes = _document_bounds(lengths[:rows]), prefixes[:rows].to(torch.int32).contiguous()
-        else:  # host data: bounds and prefixes computed here, one upload each
+        else:  # host data: bounds and prefixes computed here, uploaded together in one copy
             length_rows = intervals.host_doc_rows("seqlens", seqlens, g)
             prefix_rows = intervals.host_doc_rows("prefix_lens", prefix_lens, g, check_sum=False)
             rows = min(len(length_rows), len(prefix_rows))
             host_bounds = _host_document_bounds(length_rows[:rows])
-            width = len(host_bounds[0]) - 2  # the kernel reads prefixes with the bounds' row stride
-            bounds = intervals.to_device(host_bounds, device, torch.int32)
-            prefixes = intervals.to_device([(list(r) + [0] * width)[:width] for r in prefix_rows[:rows]], device,
-                                           torch.int32)
+            width = len(host_bounds[0]) - 2  # the kernel reads prefixes [rows, width]: the bounds' stride - 2
+            flat = [v for r in host_bounds for v in r] + [v for r in prefix_rows[:rows] for v in (list(r) + [0] * width)[:width]]
+            both = intervals.to_device(flat, device, torch.int32)
+            bounds, prefixes = both[: rows * (width + 2)].view(rows, width + 2), both[rows * (width + 2):]
         return (ck.PREFIX_LM_DOCUMENT, 0, 0, 0, bounds, prefixes), (rows, 1)
     bounds = _bounds("seqlens", p["seqlens"], g)
     code = ck.DOCUMENT if kind == "document" else ck.CAUSAL_BLOCKWISE
     return (code, int(p.get("causal", True)), 0, 0, bounds, None), (bounds.shape[0], 1)
+
+
+def device_pair(mask: specs.Mask, q_len: int, kv_len: int, device: torch.device):
+    """(operand a's family, `compile_kernels.Pair`, (rows, 1)) when `mask` is `a & b` or `a | b` of
+    two built-in families that the classify kernel composes in its own pass (one kv_cache operand
+    allowed: the other one then moves to each batch row's cache), or None: nested compositions,
+    a result that may need more than two intervals per column (`run_bounds`), operands whose rows
+    do not broadcast; `intervals._combined` builds those (and raises where it must)."""
+    if mask.kind not in ("and", "or") or run_bounds.max_runs(mask) > 2:
+        return None
+    a, b = mask.a, mask.b
+    if a.kind not in _FAMILIES or b.kind not in _FAMILIES or (a.kind == b.kind == "kv_cache"):
+        return None
+    shift = 1 if b.kind == "kv_cache" else 2 if a.kind == "kv_cache" else 0
+    virtual = q_len + kv_len  # next to a kv_cache mask the other operand is built for these rows
+    operands = [(a, virtual if shift == 1 else q_len), (b, virtual if shift == 2 else q_len)]
+    order = (1, 0) if shift == 1 else (0, 1)  # a kv_cache operand first: its lengths are checked first
+    families = {i: device_family(operands[i][0], operands[i][1], kv_len, device) for i in order}
+    fa, fb = families[0], families[1]
+    if fa is None or fb is None:
+        return None
+    rows_a, rows_b = fa[1][0], fb[1][0]
+    rows = max(rows_a, rows_b)
+    cache_rows = rows_b if shift == 1 else rows_a if shift == 2 else rows
+    if rows_a not in (1, rows) or rows_b not in (1, rows) or rows != cache_rows:
+        return None
+    return fa[0], ck.Pair(fb[0], mask.op == "and", rows_a < rows, rows_b < rows, shift), (rows, 1)
