@@ -9,7 +9,7 @@ what the merge costs). Hq = 32, Hkv = 8, D = 128, bf16, a full kv_cache mask. On
 
 A point is sq:batch:kv_len; a variant is comma-separated key=value pairs over tma, bn (block_n
 and masked_block_n), st (both stage counts), mbn/mst (masked steps only), w (warps), per_sm,
-splits, pdl (0/1), merge; "base" is the plan
+splits, pdl (0/1), merge, hop (1: the Hopper kernel's plan, decode_hopper.py; 0: the Triton kernel's); "base" is the plan
 flexmask.attention makes.
 
     python -m benchmarks.decode_variants --table benchmarks/results/decode_variants.csv [--readme README.md]
@@ -33,7 +33,7 @@ from .bench_decode import _graph_timed, copy_bandwidth_gbps
 from .cuda_guard import require_cuda
 from .report import write_rows
 
-KEYS = {"pdl", "tma", "bn", "st", "mbn", "mst", "w", "per_sm", "splits", "merge"}
+KEYS = {"pdl", "tma", "bn", "st", "mbn", "mst", "w", "per_sm", "splits", "merge", "hop"}
 
 
 def parse_variant(text: str) -> dict:
@@ -53,8 +53,9 @@ def plan_for(variant: dict, b, hq, hkv, sq, sk, d, q, cm, configs):
     try:
         if "per_sm" in variant:
             configs.DECODE_PROGRAMS_PER_SM = variant["per_sm"]
+        kernel = None if "hop" not in variant else ("hopper" if variant["hop"] else "triton")
         plan = configs.decode_plan(b, hq, hkv, sq, sk, d, q.dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
-                                   force=True)
+                                   force=True, kernel=kernel)
     finally:
         configs.DECODE_PROGRAMS_PER_SM = original
     changes = {}

@@ -252,13 +252,34 @@ def test_decode_plan_splits_on_a_gpu(monkeypatch):
     monkeypatch.setitem(configs._SM_COUNTS, 0, 132)
 
     def plan(b, sq, sk=131072):
-        return configs.decode_plan(b, 32, 8, sq, sk, 128, BF16, "cuda:0", configs.GPU_TILE, 1)
+        return configs.decode_plan(b, 32, 8, sq, sk, 128, BF16, "cuda:0", configs.GPU_TILE, 1, kernel="triton")
 
     assert plan(32, 1).num_splits == 1  # 256 programs >= 132 SMs
     one = plan(1, 1)  # 8 programs
     assert one.block_h == 4 and 8 * one.num_splits >= configs.DECODE_PROGRAMS_PER_SM * 132
     assert plan(1, 1, sk=1024).num_splits == 4  # at least DECODE_MIN_TILES_PER_SPLIT tiles a share
     assert plan(8, 16).block_q == 16 and plan(8, configs.DECODE_MAX_Q + 1) is None
+
+
+def test_decode_plan_picks_the_hopper_kernel_where_measured(monkeypatch):
+    """configs.DECODE_HOPPER's rule (no GPU needed: SM count and capability are given): on sm_90
+    at D = 128 the Hopper kernel for wide programs (Sq = 16: 64 rows) and for few narrow ones
+    (B x Hkv <= DECODE_HOPPER_MAX_NARROW_PROGRAMS), its shares sized for one program an SM; the
+    Triton kernel for many narrow programs, at D = 64 (not measured), for fp32 and off sm_90."""
+    monkeypatch.setitem(configs._SM_COUNTS, 0, 132)
+    monkeypatch.setitem(configs._CAPABILITIES, 0, (9, 0))
+
+    def plan(b, sq, d=128, dtype=BF16, mask_heads=1):
+        return configs.decode_plan(b, 32, 8, sq, 131072, d, dtype, "cuda:0", configs.GPU_TILE, mask_heads)
+
+    wide, few = plan(8, 16), plan(1, 1)
+    assert wide.kernel == "hopper" and wide.num_splits == 132 // 64
+    assert few.kernel == "hopper" and few.num_splits == 132 // 8 and few.num_stages == configs.DECODE_HOPPER_STAGES[128]
+    assert plan(8, 1).kernel == "triton"  # 64 narrow programs
+    assert plan(1, 1, d=64).kernel == "triton" and plan(1, 1, dtype=FP32).kernel == "triton"
+    assert plan(1, 1, mask_heads=32).kernel == "triton"  # one mask row per query head: heads apart
+    monkeypatch.setitem(configs._CAPABILITIES, 0, (10, 0))
+    assert plan(1, 1).kernel == "triton"
 
 
 # --- GPU ------------------------------------------------------------------------------------
@@ -308,7 +329,8 @@ def test_gpu_pdl_merge_in_a_cuda_graph():
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=BF16)
     k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=BF16) for _ in range(2))
     cm = flexmask.compile_mask(masks.kv_cache([sk - 5]), sq, sk, device="cuda")
-    no_pdl = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads)
+    no_pdl = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads,
+                                 kernel="triton")  # PDL and TMA are options of the Triton kernel
     plan = dataclasses.replace(no_pdl, pdl=True)
     assert plan.num_splits > 1 and plan.merge == "two_launch" and configs.decode_uses_pdl(plan, q.device)
     assert not configs.decode_uses_pdl(no_pdl, q.device)
@@ -348,7 +370,8 @@ def test_gpu_tma_plan(family, sq):
     if family == "kv_cache_window":
         mask = mask & masks.sliding_window(3000)
     cm = flexmask.compile_mask(mask, sq, sk, device="cuda")
-    plan = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads)
+    plan = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads,
+                               kernel="triton")
     tma = dataclasses.replace(plan, use_tma=True)
     out, lse = attention_decode(q, k, v, cm, d ** -0.5, plan=tma)
     check_against_reference(out, lse, q, k, v, mask)
@@ -356,6 +379,96 @@ def test_gpu_tma_plan(family, sq):
     assert rel_err(out, o64) <= 2 * rel_err(olp, o64), (rel_err(out, o64), rel_err(olp, o64))
     ptr_out, ptr_lse = attention_decode(q, k, v, cm, d ** -0.5, plan=plan)
     assert rel_err(out, ptr_out.float()) < 1e-2 and torch.equal(torch.isinf(lse), torch.isinf(ptr_lse))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "mixed"])
+@pytest.mark.parametrize("splits", [1, 5])
+@pytest.mark.parametrize("sq,d,dtype", [(1, 128, BF16), (4, 64, FP16), (16, 128, BF16)], ids=["Sq1-D128-bf16", "Sq4-D64-fp16", "Sq16-D128-bf16"])
+@pytest.mark.parametrize("family", ["kv_cache", "kv_cache_window", "kv_cache_document"])
+def test_gpu_hopper_decode(family, sq, d, dtype, splits, layout):
+    """decode_hopper.py (the plan's kernel="hopper") against float64 and the Triton split kernel:
+    ragged caches (a length of 0, lengths that are not tile multiples), one share (the kernel
+    writes the result) and several (partials merged), K/V as (B, H, S, D), as (B, S, H, D) views,
+    and one of each ("mixed": K and V in different memory orders, so each has its own TMA
+    coordinates)."""
+    from flexmask.kernels import decode_hopper
+
+    torch.manual_seed(2)
+    b, hq, hkv, sk = 3, 8, 2, 3000
+    lengths = torch.tensor([sk, 1777, 0], device="cuda")
+
+    def cache():
+        if layout == "bhsd" or (layout == "mixed" and cache.first):
+            cache.first = False
+            return torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+        return torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype).transpose(1, 2)
+    cache.first = True
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
+    k, v = cache(), cache()
+    mask = masks.kv_cache(lengths)
+    if family == "kv_cache_window":
+        mask = mask & masks.sliding_window(700)
+    elif family == "kv_cache_document":
+        mask = mask & masks.document([1000, 1100, sk - 2100])
+    cm = flexmask.compile_mask(mask, sq, sk, device="cuda")
+    plan = configs.decode_plan(b, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
+                               force=True, kernel="hopper")
+    assert plan.kernel == "hopper" and decode_hopper.supports(q, k, v, cm, plan.block_h, plan.block_q)
+    out, lse = attention_decode(q, k, v, cm, d ** -0.5, plan=plan.with_splits(splits))
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    check_against_reference(out, lse, q, k, v, mask)
+    (o64, _), (olp, _) = references(q, k, v, mask)
+    assert rel_err(out, o64) <= 2 * rel_err(olp, o64) + 1e-6, (rel_err(out, o64), rel_err(olp, o64))
+    triton_plan = configs.decode_plan(b, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
+                                      force=True, kernel="triton")
+    t_out, t_lse = attention_decode(q, k, v, cm, d ** -0.5, plan=triton_plan.with_splits(splits))
+    assert torch.equal(torch.isinf(lse), torch.isinf(t_lse))
+    assert torch.equal(out[2], torch.zeros_like(out[2])), "a cache of length 0 attends nothing: output 0"
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_decode_long_cache_in_a_cuda_graph():
+    """The Hopper decode plan at 128K keys (GQA 32/8, D = 128, bf16, 16 shares), eager and in a
+    CUDA graph replayed with fresh queries: the graph equals the eager call bit for bit, and the
+    eager call is within the accuracy rule."""
+    torch.manual_seed(3)
+    b, hq, hkv, sq, sk, d = 1, 32, 8, 1, 131072, 128
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=BF16)
+    k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=BF16) for _ in range(2))
+    mask = masks.kv_cache([sk - 3])
+    cm = flexmask.compile_mask(mask, sq, sk, device="cuda")
+    plan = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads,
+                               force=True, kernel="hopper")
+    assert plan.kernel == "hopper" and plan.num_splits > 1
+    out, lse = attention_decode(q, k, v, cm, d ** -0.5, plan=plan)
+    (o64, _), (olp, _) = references(q, k, v, mask)
+    assert rel_err(out, o64) <= 2 * rel_err(olp, o64), (rel_err(out, o64), rel_err(olp, o64))
+    static_q = q.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention_decode(static_q, k, v, cm, d ** -0.5, plan=plan)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = attention_decode(static_q, k, v, cm, d ** -0.5, plan=plan)
+    for step in range(3):
+        static_q.copy_(torch.randn_like(q))
+        graph.replay()
+        want_o, want_lse = attention_decode(static_q, k, v, cm, d ** -0.5, plan=plan)
+        assert torch.equal(g_out, want_o) and torch.equal(g_lse, want_lse), f"replay {step}"
+
+
+def test_hopper_decode_plan_only_where_it_runs():
+    """The CPU (the interpreter cannot run Gluon) never gets the Hopper decode plan, even when
+    asked; an unknown kernel name is a ValueError that names it."""
+    plan = configs.decode_plan(1, 32, 8, 1, 4096, 128, BF16, torch.device("cpu"), (64, 64), 1, force=True,
+                               kernel="hopper")
+    assert plan.kernel == "triton"
+    with pytest.raises(ValueError, match="kernel must be"):
+        configs.decode_plan(1, 32, 8, 1, 4096, 128, BF16, torch.device("cpu"), (64, 64), 1, force=True,
+                            kernel="gluon")
 
 
 def test_readme_decode_table_is_generated_from_the_csv():

@@ -59,6 +59,30 @@ def test_shapes_layouts_dtypes(b, hq, hkv, sq, sk, d, dtype, layout, family):
     _run(family, b, hq, hkv, sq, sk, d, dtype, layout, seed=sq)
 
 
+def test_k_and_v_in_different_memory_orders():
+    """Regression: with K as (B, H, S, D) and V as a (B, S, H, D) view, the Hopper forward used
+    K's TMA coordinates for V's tiles and read other heads' rows. Such inputs now take the
+    portable kernel (forward_hopper.supports); flexmask.attention matches the reference."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    import flexmask
+    from flexmask.kernels import forward_hopper
+
+    torch.manual_seed(5)
+    b, hq, hkv, s, d = 2, 4, 2, 600, 128
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    mask = make_mask("causal", s, s)
+    cm = compile_mask(mask, s, s, device="cuda")
+    assert not forward_hopper.supports(q, k, v, cm)
+    assert forward_hopper.supports(q, k, v.contiguous(), cm)
+    out, lse = flexmask.attention(q, k, v, mask=cm, return_lse=True)
+    (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask)
+    assert_close_to_reference(out, ref_o, low_o, default_floor(torch.bfloat16), "out")
+    assert_close_to_reference(lse, ref_lse, low_lse, default_floor(torch.bfloat16), "lse")
+
+
 def test_portable_elsewhere():
     """fp32, other head dims and non-default tiles keep the portable kernel."""
     if not _hopper():

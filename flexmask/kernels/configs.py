@@ -355,6 +355,7 @@ class DecodePlan:
     merge: str = "two_launch"  # how the shares are merged when num_splits > 1: see DECODE_MERGES
     use_tma: bool = False  # K/V through in-kernel TMA descriptors (head dims of a power of two): see DECODE_OPTIONS
     pdl: bool = False  # the two-launch merge as a programmatic dependent launch: see DECODE_OPTIONS
+    kernel: str = "triton"  # "triton" (decode.py) or "hopper" (decode_hopper.py; num_stages is its K/V ring): DECODE_HOPPER
 
     def with_splits(self, num_splits: int) -> DecodePlan:
         return dataclasses.replace(self, num_splits=num_splits)
@@ -377,10 +378,48 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# The Hopper decode kernel (decode_hopper.py: a TMA producer warp feeding a ring of
+# DECODE_HOPPER_STAGES K/V tiles, one wgmma consumer warpgroup) runs one program an SM (128 KB of
+# shared memory for 2 stages at D = 128), so its shares are sized for one program per SM in one
+# wave. It takes fp16/bf16 at head dim 64 or 128 with the mask's 128-column tiles when a GQA
+# group's heads share the mask row and the group's heads x query rows fit in 64 rows;
+# decode.attention_decode runs the Triton kernel instead when K/V are views the copy engine
+# cannot read. Measured on an H200 against the Triton kernel (D = 128, bf16, Hq 32 / Hkv 8,
+# CUDA-graph replays; benchmarks/results/decode_hopper_log.txt, `bash benchmarks/gpu_jobs/decode_hopper.sh`):
+#   Sq = 16 (64 rows a program), B = 8: 17-20% faster (8K, 32K keys);
+#   Sq = 1, B = 1: 7-11% faster at 8K and 32K, level at 128K;
+#   Sq = 1, B = 8 and 32: level to 2% slower.
+# 2 stages beat 3 at every point. So by default it runs at D = 128 (DECODE_HOPPER_HEAD_DIMS; D = 64
+# is tested but not measured) for wide programs (rows > DECODE_NARROW_ROWS) and for narrow ones
+# when B x Hkv x head blocks <= DECODE_HOPPER_MAX_NARROW_PROGRAMS.
+DECODE_HOPPER = True
+DECODE_HOPPER_HEAD_DIMS = (128,)
+DECODE_HOPPER_MAX_NARROW_PROGRAMS = 16
+DECODE_HOPPER_STAGES = {128: 2, 64: 4}
+
+
+_CAPABILITIES: dict = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
+
+
+def decode_hopper_fits(sq: int, head_dim: int, dtype: torch.dtype, device: torch.device, tile_n: int,
+                       block_h: int, block_q: int, group: int) -> bool:
+    return (device.type == "cuda" and _capability(device)[0] == 9 and gluon_hopper_available()
+            and dtype in (torch.float16, torch.bfloat16) and head_dim in DECODE_HOPPER_STAGES and tile_n == 128
+            and block_h == group and sq <= block_q and block_h * block_q <= 64)
+
+
 def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, dtype: torch.dtype, device,
-                tile: tuple[int, int], mask_heads: int, force: bool = False) -> DecodePlan | None:
+                tile: tuple[int, int], mask_heads: int, force: bool = False, kernel: str | None = None) -> DecodePlan | None:
     """The split-KV plan for these shapes, or None when the q-block grid should run instead (see
-    the comment above). `force=True` always returns a plan (tests, benchmarks)."""
+    the comment above). `force=True` always returns a plan (tests, benchmarks); `kernel` ("triton"
+    or "hopper") overrides DECODE_HOPPER's choice where the Hopper kernel fits."""
     device = torch.device(device)
     tile_m, tile_n = tile
     on_gpu = device.type == "cuda"
@@ -404,6 +443,18 @@ def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, 
     splits = max(1, min(splits, -(-kv_tiles // DECODE_MIN_TILES_PER_SPLIT)))
     block_d = _head_block(head_dim)
     merge = decode_merge(device)
+    if kernel not in (None, "triton", "hopper"):
+        raise ValueError(f"kernel must be 'triton' or 'hopper', got {kernel!r}")
+    if kernel is None:
+        narrow = block_h * block_q <= DECODE_NARROW_ROWS
+        use_hopper = (DECODE_HOPPER and head_dim in DECODE_HOPPER_HEAD_DIMS
+                      and (not narrow or programs <= DECODE_HOPPER_MAX_NARROW_PROGRAMS))
+    else:
+        use_hopper = kernel == "hopper"
+    if use_hopper and on_gpu and decode_hopper_fits(sq, head_dim, dtype, device, tile_n, block_h, block_q, group):
+        splits = max(1, min(sms // programs if programs < sms else 1, -(-kv_tiles // DECODE_MIN_TILES_PER_SPLIT)))
+        stages = DECODE_HOPPER_STAGES[head_dim]
+        return DecodePlan(block_h, block_q, splits, tile_n, tile_n, 4, stages, stages, "two_launch", kernel="hopper")
     if not on_gpu:
         return DecodePlan(block_h, block_q, splits, min(64, tile_n), min(32, tile_n), 4, 1, 1, merge)
     if dtype == torch.float32 or block_d > 128:

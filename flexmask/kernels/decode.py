@@ -25,6 +25,7 @@ takes the q-block path (forward.py + backward.py) whenever gradients are needed.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -375,6 +376,19 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
     else:
         o_part = torch.empty(plan.num_splits, rows, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(plan.num_splits, rows, dtype=torch.float32, device=q.device)
+    if plan.kernel == "hopper":
+        from . import decode_hopper  # Gluon: imported only where a plan asks for it
+
+        if fused:
+            raise ValueError("the Hopper decode kernel merges in a second launch: plan.merge must be 'two_launch'")
+        if decode_hopper.supports(q, k, v, cm, plan.block_h, plan.block_q):
+            decode_hopper.attention_decode_hopper(q, k, v, cm, scale, (mb, mdiv, mh), plan.num_splits, plan.block_q,
+                                                  plan.num_stages, o, lse, o_part, lse_part)
+            if not direct:
+                _merge(o_part, lse_part, o, lse, sq, rows, hq, d, block_d, plan.num_splits, False)
+            return o, lse
+        # K/V views the copy engine cannot read: the Triton kernel, with the Hopper plan's shares
+        plan = dataclasses.replace(plan, kernel="triton", num_stages=2, masked_stages=2, masked_block_n=64)
     merge_q = min(plan.block_q, next_pow2(sq))  # rows a partial can hold, per head
     pdl = not fused and not direct and configs.decode_uses_pdl(plan, q.device)
     tma = plan.use_tma and block_d == d and tma_enabled(True, k, v)
@@ -402,15 +416,20 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if not direct and not fused:
-        _merge_kernel[(rows,)](
-            o_part, lse_part, o, lse,
-            o.stride(0), o.stride(1), o.stride(2),
-            sq, rows,
-            HQ=hq, NUM_SPLITS=plan.num_splits, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=min(64, next_pow2(plan.num_splits)), PDL=pdl,
-            num_warps=4 if block_d >= 128 else 2, launch_pdl=pdl,
-        )
+        _merge(o_part, lse_part, o, lse, sq, rows, hq, d, block_d, plan.num_splits, pdl)
     return o, lse
+
+
+def _merge(o_part, lse_part, o, lse, sq: int, rows: int, hq: int, d: int, block_d: int, num_splits: int, pdl: bool):
+    """The two-launch merge: one program per output row combines the shares' partials."""
+    _merge_kernel[(rows,)](
+        o_part, lse_part, o, lse,
+        o.stride(0), o.stride(1), o.stride(2),
+        sq, rows,
+        HQ=hq, NUM_SPLITS=num_splits, HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_S=min(64, next_pow2(num_splits)), PDL=pdl,
+        num_warps=4 if block_d >= 128 else 2, launch_pdl=pdl,
+    )
 
 
 def _mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n, q_len, kv_len):

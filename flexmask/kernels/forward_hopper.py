@@ -467,11 +467,15 @@ HOPPER_BLOCK = 128
 
 
 def supports(q, k, v, cm) -> bool:
-    """Whether the Hopper kernel takes these inputs (configs.forward_path decides the rest)."""
+    """Whether the Hopper kernel takes these inputs (configs.forward_path decides the rest): q, k
+    and v in layouts the copy engine reads, k and v in the same one (the producer addresses V's
+    tiles with K's coordinates)."""
     d = q.shape[-1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and d in (64, 128)
-            and cm.block_m == HOPPER_BLOCK and cm.block_n == HOPPER_BLOCK
-            and all(_tma_view(t) is not None for t in (q, k, v)))
+    if not (q.dtype in (torch.float16, torch.bfloat16) and d in (64, 128)
+            and cm.block_m == HOPPER_BLOCK and cm.block_n == HOPPER_BLOCK):
+        return False
+    q_view, k_view, v_view = _tma_view(q), _tma_view(k), _tma_view(v)
+    return q_view is not None and k_view is not None and v_view is not None and k_view[2] == v_view[2]
 
 
 def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2,

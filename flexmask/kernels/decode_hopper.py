@@ -1,0 +1,275 @@
+"""Hopper (sm_90) split-KV decode in Gluon: the same shares of the same tile lists as
+decode.py's split kernel, with the K/V stream fed by the copy engine.
+
+Why a second decode kernel: measured with ncu at batch 1 (benchmarks/results/decode_ncu_*.txt)
+the Triton split kernel keeps too few bytes in flight. Its pipeliner holds one K/V tile per
+program in shared memory, registers and shared memory allow 3 programs an SM, and the warps
+spend most of their time waiting on global loads: 74% of the DRAM peak at 32K keys, 46% at 8K.
+Here
+- one program per (split, batch x KV head) holds every query head of the GQA group (rows =
+  group heads x query rows, padded to one warpgroup's 64 wgmma rows; K/V read once per group);
+- a one-warp producer walks the program's share of the row's tile list (PARTIAL entries, then
+  FULL ones) and issues TMA loads of K and V into a ring of STAGES shared-memory stages, so
+  STAGES - 1 tiles are in flight while the consumer works on one;
+- one consumer warpgroup computes S = Q K^T and O += P V on the tensor cores (wgmma), masks
+  PARTIAL tiles from the column intervals, and writes the share's partial (O, LSE) for
+  decode._merge_kernel, or the result itself when there is one share.
+Gluon kernels do not run under the CPU interpreter: configs.decode_plan picks this kernel only on
+sm_90 (plan.kernel == "hopper"), and the GPU tests compare it with the Triton kernel and float64.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from .forward_hopper import _descriptor, _tma_view, shared_layout
+
+ROWS = gl.constexpr(64)  # one warpgroup's wgmma rows: the GQA group's heads x the query rows, padded
+TILE = 128  # kv columns per step: the mask's tile (cm.block_n)
+PRODUCER_REGS = gl.constexpr(24)
+FINITE_FLOOR = gl.constexpr(-1.0e30)  # the running maximum starts here: exp2(-inf - max) is 0, never NaN
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _share(FWD_OFFSETS, FWD_NUM_FULL, seg, pid_s, num_splits):
+    """Split pid_s's share of the row's tile list [t_lo, t_hi) (FULL entries [t_lo, t_mid), then
+    PARTIAL ones), cut as decode._split_kv_kernel cuts it: (first FULL entry, first PARTIAL
+    entry, number of PARTIAL entries, number of FULL entries)."""
+    t_lo = gl.load(FWD_OFFSETS + seg)
+    t_mid = t_lo + gl.load(FWD_NUM_FULL + seg)
+    t_hi = gl.load(FWD_OFFSETS + seg + 1)
+    share = (t_hi - t_lo + num_splits - 1) // num_splits
+    c_lo = t_lo + pid_s * share
+    c_hi = gl.minimum(c_lo + share, t_hi)
+    p_lo = gl.maximum(c_lo, t_mid)
+    n_partial = gl.maximum(c_hi - p_lo, 0)
+    n_full = gl.maximum(gl.minimum(c_hi, t_mid) - c_lo, 0)
+    return c_lo, p_lo, n_partial, n_full
+
+
+@gluon.jit
+def _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i):
+    """The kv-block of step i (PARTIAL entries first) and whether it is PARTIAL."""
+    is_partial = i < n_partial
+    t = gl.where(is_partial, p_lo + i, c_lo + i - n_partial)
+    return gl.load(FWD_BLOCKS + t), is_partial
+
+
+@gluon.jit
+def _program_row(HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
+    """(batch, KV head, mask row, table segment) of this program: every head of the group
+    shares the mask row (configs.decode_plan only picks this kernel then), and every query
+    row lies in q-block 0 (Sq <= ROWS < the tile's 128 rows)."""
+    pid_g = gl.program_id(1)
+    b = pid_g // HKV
+    kvh = pid_g % HKV
+    row = b * MASK_B_STRIDE + ((kvh * GROUP) // MASK_H_DIV) * MASK_H_STRIDE
+    return b, kvh, row, row * NQB
+
+
+@gluon.jit
+def _producer(
+    k_desc, v_desc, k_bufs, v_bufs, bars,
+    FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+    HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):
+    """One warp: TMA loads of the share's K and V tiles, in walk order, into the stage ring."""
+    k_ready, k_empty, v_ready, v_empty = bars
+    b, kvh, row, seg = _program_row(HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+    c_lo, p_lo, n_partial, n_full = _share(FWD_OFFSETS, FWD_NUM_FULL, seg, gl.program_id(0), gl.num_programs(0))
+    for i in range(n_partial + n_full):
+        n, is_partial = _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i)
+        s = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(k_empty.index(s), phase ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b * K_X_B + kvh * K_X_H, n * BLOCK_N, kvh * K_C_H],
+                                        k_ready.index(s), k_bufs.index(s))
+        mbarrier.wait(v_empty.index(s), phase ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b * V_X_B + kvh * V_X_H, n * BLOCK_N, kvh * V_C_H],
+                                        v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _masked(s, INTV, row, n, Sk, o_m, is_partial, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """-inf where (query row o_m, column) of kv-block n is masked or past Sk (a PARTIAL tile)."""
+    o_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
+    in_k = o_n < Sk
+    p_intv = INTV + row.to(gl.int64) * 4 * Sk + o_n
+    lts = gl.load(p_intv, mask=in_k, other=0)
+    lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)  # past Sk: every row masked
+    uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
+    ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
+    rows = gl.expand_dims(o_m, 1)
+    # start <= row < end  <=>  (row - start) <u (end - start)
+    lower = (rows - gl.expand_dims(lts, 0)).to(gl.uint32, bitcast=True) < gl.expand_dims((lte - lts).to(gl.uint32, bitcast=True), 0)
+    upper = (rows - gl.expand_dims(uts, 0)).to(gl.uint32, bitcast=True) < gl.expand_dims((ute - uts).to(gl.uint32, bitcast=True), 0)
+    return gl.where(lower | upper, float("-inf"), s)
+
+
+@gluon.jit
+def _consumer(
+    q_smem, k_bufs, v_bufs, bars,
+    Q, O, LSE, O_PART, LSE_PART, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+    stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
+    Sq, Sk, ROWS_TOTAL, NQB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+    BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    DIRECT: gl.constexpr,
+):
+    """One warpgroup: the share's online softmax over its tiles, then the partial (or final) output."""
+    k_ready, k_empty, v_ready, v_empty = bars
+    dtype: gl.constexpr = k_bufs.dtype
+    # S = Q K^T: [ROWS, BLOCK_N]; O += P V: [ROWS, HEAD_DIM]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    pid_s = gl.program_id(0)
+    b, kvh, row, seg = _program_row(HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+    c_lo, p_lo, n_partial, n_full = _share(FWD_OFFSETS, FWD_NUM_FULL, seg, pid_s, gl.num_programs(0))
+
+    # Q: row r is query head kvh * GROUP + r // BLOCK_Q, query row r % BLOCK_Q; [ROWS, HEAD_DIM]
+    r_ld = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
+    valid_ld = (r_ld // BLOCK_Q < GROUP) & (r_ld % BLOCK_Q < Sq)
+    d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld_layout))
+    p_q = (Q + b.to(gl.int64) * stride_qb
+           + gl.expand_dims((kvh * GROUP + r_ld // BLOCK_Q).to(gl.int64) * stride_qh + (r_ld % BLOCK_Q).to(gl.int64) * stride_qm, 1)
+           + gl.expand_dims(d_ld, 0))
+    q_smem.store(gl.load(p_q, mask=gl.expand_dims(valid_ld, 1), other=0.0))
+    fence_async_shared()  # the tensor cores read what the threads stored
+
+    o_m = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout)) % BLOCK_Q  # query row of each row
+    m_i = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    for i in range(n_partial + n_full):
+        n, is_partial = _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i)
+        s_idx = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(k_ready.index(s_idx), phase)
+        k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+        s = warpgroup_mma(q_smem, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(s_idx), count=1)
+        if is_partial:
+            s = _masked(s, INTV, row, n, Sk, o_m, is_partial, BLOCK_N, s_layout)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        mbarrier.wait(v_ready.index(s_idx), phase)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_operand), v_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(s_idx), count=1)
+        m_i = m_new
+
+    # the share's output: O = acc / l (0 where the share saw no key), LSE in log2 units
+    empty = l_i == 0.0
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
+    r_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    valid_o = (r_o // BLOCK_Q < GROUP) & (r_o % BLOCK_Q < Sq)
+    d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    valid_s = (r_s // BLOCK_Q < GROUP) & (r_s % BLOCK_Q < Sq)
+    out_row_s = (b * HQ + kvh * GROUP + r_s // BLOCK_Q).to(gl.int64) * Sq + r_s % BLOCK_Q  # row of (B, Hq, Sq)
+    if DIRECT:
+        p_o = (O + b.to(gl.int64) * stride_ob
+               + gl.expand_dims((kvh * GROUP + r_o // BLOCK_Q).to(gl.int64) * stride_oh + (r_o % BLOCK_Q).to(gl.int64) * stride_om, 1)
+               + gl.expand_dims(d_o, 0))
+        gl.store(p_o, out.to(dtype), mask=gl.expand_dims(valid_o, 1))
+        gl.store(LSE + out_row_s, lse2 * LN2, mask=valid_s)
+    else:
+        out_row_o = (b * HQ + kvh * GROUP + r_o // BLOCK_Q).to(gl.int64) * Sq + r_o % BLOCK_Q
+        p_part = pid_s.to(gl.int64) * ROWS_TOTAL + out_row_o  # row of (split, B, Hq, Sq)
+        gl.store(O_PART + gl.expand_dims(p_part * HEAD_DIM, 1) + gl.expand_dims(d_o, 0), out,
+                 mask=gl.expand_dims(valid_o, 1))
+        gl.store(LSE_PART + pid_s.to(gl.int64) * ROWS_TOTAL + out_row_s, lse2, mask=valid_s)
+
+
+@gluon.jit
+def _decode_hopper_kernel(
+    k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+    stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
+    Sq, Sk, ROWS_TOTAL, NQB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
+    qk_scale,
+    BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    DIRECT: gl.constexpr, Q_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+):
+    # grid: (split, batch x KV head)
+    dtype: gl.constexpr = k_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [ROWS, HEAD_DIM], Q_LAYOUT)  # the group's rows: [ROWS, HEAD_DIM]
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # [STAGES, 1, BLOCK_N, HEAD_DIM]
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
+    fence_async_shared()
+    bars = (k_ready, k_empty, v_ready, v_empty)
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_bufs, v_bufs, bars,
+                     Q, O, LSE, O_PART, LSE_PART, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+                     stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
+                     Sq, Sk, ROWS_TOTAL, NQB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                     BLOCK_Q, BLOCK_N, HEAD_DIM, STAGES, DIRECT)),
+        (_producer, (k_desc, v_desc, k_bufs, v_bufs, bars,
+                     FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+                     HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
+                     BLOCK_N, STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
+# --- host side -----------------------------------------------------------------------------
+
+def supports(q, k, v, cm, block_h: int, block_q: int) -> bool:
+    """Whether this kernel takes the inputs with that plan's row packing: fp16/bf16, head dim 64
+    or 128, the mask's 128-column tiles, every head of the GQA group and every query row in one
+    warpgroup's 64 rows, and K/V the copy engine can read."""
+    batch, hq, sq, d = q.shape
+    group = hq // k.shape[1]
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and d in (64, 128) and cm.block_n == TILE and block_h == group and sq <= block_q
+            and block_h * block_q <= ROWS.value and _tma_view(k) is not None and _tma_view(v) is not None)
+
+
+def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], num_splits: int,
+                            block_q: int, stages: int, o, lse, o_part, lse_part) -> None:
+    """Launch the kernel: writes o and lse (one split) or the shares' partials (o_part, lse_part:
+    [num_splits, B x Hq x Sq, D] and [num_splits, B x Hq x Sq], LSE in log2 units) that
+    decode._merge_kernel combines. Call only when `supports` says yes."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    k_desc, (kxb, kxh, kch) = _descriptor(k, TILE)
+    v_desc, (vxb, vxh, vch) = _descriptor(v, TILE)
+    mb, mdiv, mh = mask_map
+    _decode_hopper_kernel[(num_splits, batch * hkv)](
+        k_desc, v_desc, q, o, lse, o_part, lse_part,
+        cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
+        q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        sq, sk, batch * hq * sq, cm.num_q_blocks, hq, hkv, hq // hkv, mb, mdiv, mh,
+        kxb, kxh, kch, vxb, vxh, vch,
+        scale * 1.4426950408889634,
+        BLOCK_Q=block_q, BLOCK_N=TILE, HEAD_DIM=d, STAGES=stages, DIRECT=num_splits == 1,
+        Q_LAYOUT=shared_layout((ROWS.value, d), q.dtype), num_warps=4,
+    )
