@@ -402,6 +402,10 @@ _CAPABILITIES: dict = {}
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device, (0, 0) where CUDA is not available (plans made for a
+    GPU on a machine without one: tests)."""
+    if not torch.cuda.is_available():
+        return _CAPABILITIES.get(device.index or 0, (0, 0))
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABILITIES:
         _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
@@ -451,7 +455,8 @@ def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, 
                       and (not narrow or programs <= DECODE_HOPPER_MAX_NARROW_PROGRAMS))
     else:
         use_hopper = kernel == "hopper"
-    if use_hopper and on_gpu and decode_hopper_fits(sq, head_dim, dtype, device, tile_n, block_h, block_q, group):
+    if (use_hopper and on_gpu and merge == "two_launch"  # the Hopper kernel's partials go to the two-launch merge
+            and decode_hopper_fits(sq, head_dim, dtype, device, tile_n, block_h, block_q, group)):
         splits = max(1, min(sms // programs if programs < sms else 1, -(-kv_tiles // DECODE_MIN_TILES_PER_SPLIT)))
         stages = DECODE_HOPPER_STAGES[head_dim]
         return DecodePlan(block_h, block_q, splits, tile_n, tile_n, 4, stages, stages, "two_launch", kernel="hopper")

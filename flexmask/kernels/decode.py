@@ -348,9 +348,9 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
     mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
-    if plan is None:
+    if plan is None:  # a fused merge is the Triton kernel's (the Hopper kernel merges in a second launch)
         plan = decode_plan(batch, hq, hkv, sq, sk, d, q.dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
-                           force=True)
+                           force=True, kernel="triton" if merge == "fused" else None)
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
