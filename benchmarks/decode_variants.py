@@ -12,10 +12,11 @@ and masked_block_n), st (both stage counts), mbn/mst (masked steps only), w (war
 splits, pdl (0/1), merge, hop (1: the Hopper kernel's plan, decode_hopper.py; 0: the Triton kernel's); "base" is the plan
 flexmask.attention makes.
 
-    python -m benchmarks.decode_variants --table benchmarks/results/decode_variants.csv [--readme README.md]
+    python -m benchmarks.decode_variants --table benchmarks/results/decode_hopper.csv [--readme README.md]
 
 prints (or writes between the README's decode-variants markers) where a step's time goes: the
-default plan, the split kernel alone, and a copy of as many bytes, per point.
+Triton and the Hopper kernel's plans, each with and without the merge, and a copy of as many
+bytes, per point.
 """
 
 from __future__ import annotations
@@ -112,28 +113,33 @@ class _NoMerge:
 
 
 def table(rows: list[dict], flush: str = "read") -> str:
-    """Markdown, one line per point: microseconds of a CUDA-graph replay of the default plan, of
-    its split kernel alone (variant "merge=none"), with the PDL merge and with TMA K/V loads, and
-    of a copy of as many bytes ("copy"), with the share of the copy bandwidth each reaches. A row
-    is placed by the plan it ran (its `plan` column), so CSVs written under an earlier default
-    read right."""
-    from flexmask.kernels.configs import DecodePlan
+    """Markdown, one line per point: microseconds of a CUDA-graph replay of a decode step with the
+    Triton split kernel's plan and with the Hopper kernel's plan (decode_hopper.py, its default
+    stage count), each also without the merge (variant "merge=none": the split kernel alone),
+    and of a copy of as many bytes ("copy"), with the share of the copy bandwidth each reaches.
+    A row is placed by the plan it ran (its `plan` column); variants that change other launch
+    options (PDL, TMA, stages, splits) are left out."""
+    import re
+
+    from flexmask.kernels.configs import DECODE_HOPPER_STAGES, DecodePlan
 
     defaults = DecodePlan(1, 1, 1, 1, 1, 1, 1, 1)
 
     def column(r):
         if r["variant"] == "copy":
             return "copy of the bytes"
-        if r["variant"] == "merge=none":
-            return "split kernel alone"
-        pdl, tma = "pdl=True" in r["plan"], "use_tma=True" in r["plan"]
-        if tma != defaults.use_tma:
-            return "TMA K/V" if pdl == defaults.pdl else None
-        if r["variant"] in ("base", "pdl=0", "pdl=1", "tma=0", "tma=1"):
-            return "step (default plan)" if pdl == defaults.pdl else "PDL merge"
+        plan = r["plan"]
+        if "pdl=True" in plan or "use_tma=True" in plan or ("splits" in r["variant"]) or "per_sm" in r["variant"]:
+            return None
+        alone = " alone" if r["variant"].endswith("merge=none") else ""
+        if "kernel='hopper'" in plan:
+            stages = int(re.search(r"num_stages=(\d+)", plan).group(1))
+            return f"Hopper kernel{alone}" if stages == DECODE_HOPPER_STAGES.get(int(r.get("head_dim", 128)), stages) else None
+        if r["variant"] in ("base", "pdl=0", "merge=none", "tma=0", "hop=0", "hop=0,merge=none"):
+            return f"Triton kernel{alone}" if defaults.pdl is False else None
         return None
 
-    order = ["step (default plan)", "split kernel alone", "PDL merge", "TMA K/V", "copy of the bytes"]
+    order = ["Triton kernel", "Triton kernel alone", "Hopper kernel", "Hopper kernel alone", "copy of the bytes"]
     by = {}
     for r in rows:
         if r.get("flush", "zero") == flush and r["status"] == "ok" and column(r):

@@ -496,6 +496,6 @@ def test_readme_decode_variants_table_is_generated_from_the_csv():
     with open(os.path.join(root, "README.md")) as f:
         readme = f.read()
     block = readme.split(decode_variants.README_START, 1)[1].split(decode_variants.README_END, 1)[0]
-    with open(os.path.join(root, "benchmarks", "results", "decode_variants.csv")) as f:
+    with open(os.path.join(root, "benchmarks", "results", "decode_hopper.csv")) as f:
         rows = list(csv.DictReader(f))
     assert block.strip() == decode_variants.table(rows).strip()
