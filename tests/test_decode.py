@@ -50,6 +50,26 @@ def check_against_reference(out, lse, q, k, v, mask):
     assert_close_to_reference(lse, l64, llp.float(), default_floor(FP32), "lse")
 
 
+def assert_graph_replays_equal(q, k, v, cm, plan, want_plan, steps: int):
+    """Capture attention_decode(plan) in a CUDA graph (warmed up on a side stream), then replay it
+    `steps` times with fresh queries: each replay equals an eager call with `want_plan` bit for bit."""
+    scale = q.shape[-1] ** -0.5
+    static_q = q.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention_decode(static_q, k, v, cm, scale, plan=plan)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = attention_decode(static_q, k, v, cm, scale, plan=plan)
+    for step in range(steps):
+        static_q.copy_(torch.randn_like(q))
+        graph.replay()
+        want_o, want_lse = attention_decode(static_q, k, v, cm, scale, plan=want_plan)
+        assert torch.equal(out, want_o) and torch.equal(lse, want_lse), f"replay {step}"
+
+
 # --- the mask --------------------------------------------------------------------------
 
 
@@ -338,20 +358,7 @@ def test_gpu_pdl_merge_in_a_cuda_graph():
     got = attention_decode(q, k, v, cm, d ** -0.5, plan=plan)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
-    static_q = q.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        attention_decode(static_q, k, v, cm, d ** -0.5, plan=plan)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = attention_decode(static_q, k, v, cm, d ** -0.5, plan=plan)
-    for step in range(5):
-        static_q.copy_(torch.randn_like(q))
-        graph.replay()
-        want_o, want_lse = attention_decode(static_q, k, v, cm, d ** -0.5, plan=no_pdl)
-        assert torch.equal(out, want_o) and torch.equal(lse, want_lse), f"replay {step}"
+    assert_graph_replays_equal(q, k, v, cm, plan, no_pdl, steps=5)
 
 
 @pytest.mark.gpu
@@ -444,20 +451,7 @@ def test_gpu_hopper_decode_long_cache_in_a_cuda_graph():
     out, lse = attention_decode(q, k, v, cm, d ** -0.5, plan=plan)
     (o64, _), (olp, _) = references(q, k, v, mask)
     assert rel_err(out, o64) <= 2 * rel_err(olp, o64), (rel_err(out, o64), rel_err(olp, o64))
-    static_q = q.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        attention_decode(static_q, k, v, cm, d ** -0.5, plan=plan)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = attention_decode(static_q, k, v, cm, d ** -0.5, plan=plan)
-    for step in range(3):
-        static_q.copy_(torch.randn_like(q))
-        graph.replay()
-        want_o, want_lse = attention_decode(static_q, k, v, cm, d ** -0.5, plan=plan)
-        assert torch.equal(g_out, want_o) and torch.equal(g_lse, want_lse), f"replay {step}"
+    assert_graph_replays_equal(q, k, v, cm, plan, plan, steps=3)
 
 
 def test_hopper_decode_plan_only_where_it_runs():
