@@ -71,21 +71,23 @@ def merge(head_dim: int, dtype, splits: int):
     return compile_offline(decode._merge_kernel, args, consts, {"num_warps": 4})
 
 
-def hopper(head_dim: int, dtype, block_q: int, stages: int, direct: bool):
+def hopper(head_dim: int, dtype, block_q: int, stages: int, direct: bool, fused: bool = False, sq: int = 1,
+           splits: int = 16, block_n: int = 128):
     """decode_hopper's kernel as attention_decode_hopper launches it (GQA 32/8, 128-key tiles)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels import decode_hopper as dh
 
     k = torch.empty(2, 8, 1024, head_dim, dtype=dtype)
-    kd, _ = dh._descriptor(k, dh.TILE)
+    kd, _ = dh._descriptor(k, block_n)
     t, f32, i32 = torch.empty(8, dtype=dtype), torch.empty(8), torch.empty(8, dtype=torch.int32)
-    args = dict(k_desc=kd, v_desc=kd, Q=t, O=t, LSE=f32, O_PART=f32, LSE_PART=f32, INTV=i32, FWD_OFFSETS=i32,
+    args = dict(k_desc=kd, v_desc=kd, Q=t, O=t, LSE=f32, O_PART=f32, LSE_PART=f32, SEMAPHORES=i32, INTV=i32, FWD_OFFSETS=i32,
                 FWD_NUM_FULL=i32, FWD_BLOCKS=i32, stride_qb=4096, stride_qh=128, stride_qm=128, stride_ob=4096,
                 stride_oh=128, stride_om=128, Sq=3, Sk=1000, ROWS_TOTAL=1000, NQB=7, HQ=32, HKV=8, GROUP=4,
                 MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0, K_X_B=8, K_X_H=1, K_C_H=0, V_X_B=8, V_X_H=1,
                 V_C_H=0, qk_scale=0.5)
-    consts = dict(BLOCK_Q=block_q, BLOCK_N=dh.TILE, HEAD_DIM=head_dim, STAGES=stages, DIRECT=direct,
-                  Q_LAYOUT=dh.shared_layout((dh.ROWS.value, head_dim), dtype), num_warps=4)
+    merge_rows, merge_chunk, merge_layout = dh.merge_shape(4 * sq, head_dim, splits)
+    consts = dict(BLOCK_Q=block_q, BLOCK_N=block_n, TILE_N=dh.TILE, HEAD_DIM=head_dim, STAGES=stages, DIRECT=direct, FUSED=fused,
+                  MERGE_ROWS=merge_rows, MERGE_CHUNK=merge_chunk, MERGE_LAYOUT=merge_layout, Q_LAYOUT=dh.shared_layout((dh.ROWS.value, head_dim), dtype), num_warps=4)
     src = GluonASTSource(fn=dh._decode_hopper_kernel,
                          signature={n: ("constexpr" if n in consts else mangle_type(args[n]))
                                     for n in dh._decode_hopper_kernel.arg_names if n in args or n in consts},
@@ -130,6 +132,10 @@ if __name__ == "__main__":
         ("hopper D=128 bf16 Sq=1 GQA4 3 stages", lambda: hopper(128, bf16, 1, 3, False)),
         ("hopper D=128 bf16 Sq=16 GQA4 2 stages direct", lambda: hopper(128, bf16, 16, 2, True)),
         ("hopper D=64 fp16 Sq=4 GQA4 4 stages", lambda: hopper(64, torch.float16, 4, 4, False)),
+        ("fused hopper D=128 bf16 Sq=1 GQA4 2 stages 16 splits", lambda: hopper(128, bf16, 1, 2, False, True, 1, 16)),
+        ("fused hopper D=128 bf16 Sq=16 GQA4 2 stages 2 splits", lambda: hopper(128, bf16, 16, 2, False, True, 16, 2)),
+        ("fused hopper D=128 bf16 Sq=1 GQA4 64-key steps 4 stages", lambda: hopper(128, bf16, 1, 4, False, True, 1, 16, 64)),
+        ("fused hopper D=64 fp16 Sq=4 GQA4 4 stages 33 splits", lambda: hopper(64, torch.float16, 4, 4, False, True, 4, 33)),
         ("merge D=128 64 splits", lambda: merge(128, bf16, 64)),
         ("merge D=128 130 splits", lambda: merge(128, bf16, 130)),
     ]

@@ -10,7 +10,8 @@ what the merge costs). Hq = 32, Hkv = 8, D = 128, bf16, a full kv_cache mask. On
 A point is sq:batch:kv_len; a variant is comma-separated key=value pairs over tma, bn (block_n
 and masked_block_n), st (both stage counts), mbn/mst (masked steps only), w (warps), per_sm,
 splits, pdl (0/1), merge, hop (1: the Hopper kernel's plan, decode_hopper.py; 0: the Triton kernel's); "base" is the plan
-flexmask.attention makes.
+flexmask.attention makes, "copy" a copy of as many bytes, "launch" a replay of one kernel on 4
+bytes (what any step pays before its work).
 
     python -m benchmarks.decode_variants --table benchmarks/results/decode_hopper.csv [--readme README.md]
 
@@ -38,7 +39,7 @@ KEYS = {"pdl", "tma", "bn", "st", "mbn", "mst", "w", "per_sm", "splits", "merge"
 
 
 def parse_variant(text: str) -> dict:
-    if text in ("base", "copy"):
+    if text in ("base", "copy", "launch"):
         return {}
     out = {}
     for pair in text.split(","):
@@ -78,6 +79,8 @@ def plan_for(variant: dict, b, hq, hkv, sq, sk, d, q, cm, configs):
         changes["num_warps"] = variant["w"]
     if variant.get("merge") in ("two_launch", "fused"):
         changes["merge"] = variant["merge"]
+    if variant.get("merge") == "none":  # the partials only: the two-launch plan, its merge launch skipped
+        changes["merge"] = "two_launch"
     return dataclasses.replace(plan, **changes)
 
 
@@ -114,45 +117,54 @@ class _NoMerge:
 
 def table(rows: list[dict], flush: str = "read") -> str:
     """Markdown, one line per point: microseconds of a CUDA-graph replay of a decode step with the
-    Triton split kernel's plan and with the Hopper kernel's plan (decode_hopper.py, its default
-    stage count), each also without the merge (variant "merge=none": the split kernel alone),
-    and of a copy of as many bytes ("copy"), with the share of the copy bandwidth each reaches.
-    A row is placed by the plan it ran (its `plan` column); variants that change other launch
-    options (PDL, TMA, stages, splits) are left out."""
+    Triton split kernel's plan (two launches) and with the Hopper kernel's (decode_hopper.py, its
+    default steps and stages) with each merge, each kernel also alone (variant "merge=none": the
+    split kernel without its merge launch), a copy of as many bytes ("copy") and a replay of one
+    kernel on 4 bytes ("launch"), with the share of the copy bandwidth each reaches. A row is
+    placed by the plan it ran (its `plan` column); variants that change other launch options
+    (PDL, TMA, stages, steps, splits) are left out."""
     import re
 
-    from flexmask.kernels.configs import DECODE_HOPPER_STAGES, DecodePlan
-
-    defaults = DecodePlan(1, 1, 1, 1, 1, 1, 1, 1)
+    from flexmask.kernels.configs import DECODE_HOPPER_BLOCK_N, DECODE_HOPPER_STAGES
 
     def column(r):
-        if r["variant"] == "copy":
-            return "copy of the bytes"
-        plan = r["plan"]
-        if "pdl=True" in plan or "use_tma=True" in plan or ("splits" in r["variant"]) or "per_sm" in r["variant"]:
+        if r["variant"] in ("copy", "launch"):
+            return {"copy": "copy of the bytes", "launch": "launch of one kernel"}[r["variant"]]
+        plan, variant = r["plan"], r["variant"]
+        if "pdl=True" in plan or "use_tma=True" in plan or any(k in variant for k in ("splits", "per_sm", "st=", "bn=")):
             return None
-        alone = " alone" if r["variant"].endswith("merge=none") else ""
+        alone = variant.endswith("merge=none")
         if "kernel='hopper'" in plan:
             stages = int(re.search(r"num_stages=(\d+)", plan).group(1))
-            return f"Hopper kernel{alone}" if stages == DECODE_HOPPER_STAGES.get(int(r.get("head_dim", 128)), stages) else None
-        if r["variant"] in ("base", "pdl=0", "merge=none", "tma=0", "hop=0", "hop=0,merge=none"):
-            return f"Triton kernel{alone}" if defaults.pdl is False else None
+            step = int(re.search(r"block_n=(\d+)", plan).group(1))
+            if stages != DECODE_HOPPER_STAGES.get(int(r.get("head_dim", 128)), stages) or step != DECODE_HOPPER_BLOCK_N:
+                return None
+            if alone:
+                return "Hopper kernel alone"
+            return "Hopper kernel, fused merge" if "merge='fused'" in plan else "Hopper kernel, two launches"
+        if "merge='two_launch'" in plan:
+            return "Triton kernel alone" if alone else "Triton kernel"
         return None
 
-    order = ["Triton kernel", "Triton kernel alone", "Hopper kernel", "Hopper kernel alone", "copy of the bytes"]
+    order = ["Triton kernel", "Triton kernel alone", "Hopper kernel, two launches", "Hopper kernel, fused merge",
+             "Hopper kernel alone", "copy of the bytes", "launch of one kernel"]
     by = {}
     for r in rows:
         if r.get("flush", "zero") == flush and r["status"] == "ok" and column(r):
             by[(int(r["q_len"]), int(r["batch"]), int(r["kv_len"]), column(r))] = r
     present = [c for c in order if any(k[3] == c for k in by)]
     points = list(dict.fromkeys(k[:3] for k in by))
-    lines = ["| Sq | B | Sk | " + " | ".join(f"{c} us (% copy)" for c in present) + " |",
+    floor = "launch of one kernel"  # no bytes: its share of the copy bandwidth means nothing
+    lines = ["| Sq | B | Sk | " + " | ".join(f"{c} us" + ("" if c == floor else " (% copy)") for c in present) + " |",
              "|---|---|---|" + "---|" * len(present)]
     for sq, b, sk in points:
         cells = []
         for c in present:
             r = by.get((sq, b, sk, c))
-            cells.append(f"{float(r['graph_ms']) * 1e3:.1f} ({float(r['pct_of_copy']):.0f}%)" if r else "-")
+            if r is None:
+                cells.append("-")
+            else:
+                cells.append(f"{float(r['graph_ms']) * 1e3:.1f}" + ("" if c == floor else f" ({float(r['pct_of_copy']):.0f}%)"))
         lines.append(f"| {sq} | {b} | {sk // 1024}K | " + " | ".join(cells) + " |")
     first = next(iter(by.values()))
     lines += ["", f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}; L2 emptied by a {flush} "
@@ -222,6 +234,10 @@ def main(argv=None) -> None:
                 dst = torch.empty_like(src)
                 fn = lambda: dst.copy_(src)  # noqa: E731
                 variant = {"merge": "none"}  # nothing to compare
+            if text == "launch":  # one kernel on 4 bytes: what a replay costs with (almost) no work
+                tiny = torch.zeros(1, device="cuda")
+                fn = lambda: tiny.add_(1.0)  # noqa: E731
+                variant = {"merge": "none"}
             try:
                 if variant.get("merge") == "none":
                     decode._merge_kernel = _NoMerge()

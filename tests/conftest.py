@@ -303,3 +303,15 @@ def dense_from_intervals(iv: torch.Tensor, q_len: int) -> torch.Tensor:
     iv = iv.long().cpu()
     lts, lte, uts, ute = (iv[..., i].unsqueeze(2) for i in range(4))
     return ~(((rows >= lts) & (rows < lte)) | ((rows >= uts) & (rows < ute)))
+
+
+def assert_merges_agree(fused, two_launch, dtype):
+    """The two merges add the same fp32 partials in another order: outputs within one rounding
+    of the output dtype (relative to max(1, |o|)), LSEs within fp32 rounding, -inf at the same
+    places."""
+    (of, lf), (ot, lt) = fused, two_launch
+    finite = torch.isfinite(lt)
+    assert torch.equal(torch.isfinite(lf), finite) and torch.equal(lf[~finite], lt[~finite])
+    assert (lf[finite] - lt[finite]).abs().max().item() <= 1e-5 * max(1.0, lt[finite].abs().max().item())
+    scale = max(1.0, ot.float().abs().max().item())
+    assert (of.float() - ot.float()).abs().max().item() <= torch.finfo(dtype).eps * scale

@@ -17,12 +17,12 @@ import torch
 
 import flexmask
 from flexmask import masks
-from flexmask.kernels import configs
+from flexmask.kernels import configs, decode
 from flexmask.kernels.decode import attention_decode
 from flexmask.kernels.forward import attention_forward
 
-from conftest import (FAMILIES, assert_close_to_reference, case_id, default_floor, make_mask, make_qkv, references,
-                      rel_err)
+from conftest import (FAMILIES, assert_close_to_reference, assert_merges_agree, case_id, default_floor, make_mask,
+                      make_qkv, references, rel_err)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -295,7 +295,8 @@ def test_decode_plan_picks_the_hopper_kernel_where_measured(monkeypatch):
     wide, few = plan(8, 16), plan(1, 1)
     assert wide.kernel == "hopper" and wide.num_splits == 132 // 64
     assert few.kernel == "hopper" and few.num_splits == 132 // 8 and few.num_stages == configs.DECODE_HOPPER_STAGES[128]
-    assert plan(8, 1).kernel == "triton"  # 64 narrow programs
+    assert few.block_n == configs.DECODE_HOPPER_BLOCK_N and few.merge == configs.DECODE_HOPPER_MERGE == "fused"
+    assert plan(8, 1).kernel == "hopper" and plan(32, 1).kernel == "triton"  # 64 and 256 narrow programs
     assert plan(1, 1, d=64).kernel == "triton" and plan(1, 1, dtype=FP32).kernel == "triton"
     assert plan(1, 1, mask_heads=32).kernel == "triton"  # one mask row per query head: heads apart
     monkeypatch.setitem(configs._CAPABILITIES, 0, (10, 0))
@@ -390,15 +391,19 @@ def test_gpu_tma_plan(family, sq):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["bhsd", "bshd", "mixed"])
-@pytest.mark.parametrize("splits", [1, 5])
+@pytest.mark.parametrize("splits,merge,block_n", [(1, "two_launch", 128), (5, "two_launch", 64), (5, "fused", 128),
+                                                  (40, "fused", 64)],
+                         ids=["direct-bn128", "5-two_launch-bn64", "5-fused-bn128", "40-fused-bn64"])
 @pytest.mark.parametrize("sq,d,dtype", [(1, 128, BF16), (4, 64, FP16), (16, 128, BF16)], ids=["Sq1-D128-bf16", "Sq4-D64-fp16", "Sq16-D128-bf16"])
 @pytest.mark.parametrize("family", ["kv_cache", "kv_cache_window", "kv_cache_document"])
-def test_gpu_hopper_decode(family, sq, d, dtype, splits, layout):
+def test_gpu_hopper_decode(family, sq, d, dtype, splits, merge, block_n, layout):
     """decode_hopper.py (the plan's kernel="hopper") against float64 and the Triton split kernel:
     ragged caches (a length of 0, lengths that are not tile multiples), one share (the kernel
-    writes the result) and several (partials merged), K/V as (B, H, S, D), as (B, S, H, D) views,
-    and one of each ("mixed": K and V in different memory orders, so each has its own TMA
-    coordinates)."""
+    writes the result) and several, merged by a second launch or by the last program of each
+    row group ("fused"; 40 shares of 24 tiles: shares without a tile, and at Sq = 16 one share a
+    round of the merge), tiles read whole or in two 64-key steps (block_n), K/V as (B, H, S, D),
+    as (B, S, H, D) views, and one of each ("mixed": K and V in different memory orders, so each
+    has its own TMA coordinates)."""
     from flexmask.kernels import decode_hopper
 
     torch.manual_seed(2)
@@ -422,9 +427,14 @@ def test_gpu_hopper_decode(family, sq, d, dtype, splits, layout):
     plan = configs.decode_plan(b, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
                                force=True, kernel="hopper")
     assert plan.kernel == "hopper" and decode_hopper.supports(q, k, v, cm, plan.block_h, plan.block_q)
-    out, lse = attention_decode(q, k, v, cm, d ** -0.5, plan=plan.with_splits(splits))
+    plan = dataclasses.replace(plan, block_n=block_n, masked_block_n=block_n)
+    out, lse = attention_decode(q, k, v, cm, d ** -0.5, plan=plan.with_splits(splits).with_merge(merge))
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     check_against_reference(out, lse, q, k, v, mask)
+    if merge == "fused":
+        two_launch = attention_decode(q, k, v, cm, d ** -0.5, plan=plan.with_splits(splits).with_merge("two_launch"))
+        assert_merges_agree((out, lse), two_launch, dtype)
+        assert all(int(buf.abs().sum()) == 0 for buf in decode._COUNTERS.values()), "a counter left above 0"
     (o64, _), (olp, _) = references(q, k, v, mask)
     assert rel_err(out, o64) <= 2 * rel_err(olp, o64) + 1e-6, (rel_err(out, o64), rel_err(olp, o64))
     triton_plan = configs.decode_plan(b, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
@@ -438,7 +448,7 @@ def test_gpu_hopper_decode(family, sq, d, dtype, splits, layout):
 def test_gpu_hopper_decode_long_cache_in_a_cuda_graph():
     """The Hopper decode plan at 128K keys (GQA 32/8, D = 128, bf16, 16 shares), eager and in a
     CUDA graph replayed with fresh queries: the graph equals the eager call bit for bit, and the
-    eager call is within the accuracy rule."""
+    eager call is within the accuracy rule; the same with the other merge, which agrees with it."""
     torch.manual_seed(3)
     b, hq, hkv, sq, sk, d = 1, 32, 8, 1, 131072, 128
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=BF16)
@@ -452,6 +462,9 @@ def test_gpu_hopper_decode_long_cache_in_a_cuda_graph():
     (o64, _), (olp, _) = references(q, k, v, mask)
     assert rel_err(out, o64) <= 2 * rel_err(olp, o64), (rel_err(out, o64), rel_err(olp, o64))
     assert_graph_replays_equal(q, k, v, cm, plan, plan, steps=3)
+    other = plan.with_merge("two_launch" if plan.merge == "fused" else "fused")
+    assert_merges_agree((out, lse), attention_decode(q, k, v, cm, d ** -0.5, plan=other), BF16)
+    assert_graph_replays_equal(q, k, v, cm, other, other, steps=3)
 
 
 def test_hopper_decode_plan_only_where_it_runs():

@@ -384,17 +384,34 @@ def _pow2_at_least(n: int) -> int:
 # wave. It takes fp16/bf16 at head dim 64 or 128 with the mask's 128-column tiles when a GQA
 # group's heads share the mask row and the group's heads x query rows fit in 64 rows;
 # decode.attention_decode runs the Triton kernel instead when K/V are views the copy engine
-# cannot read. Measured on an H200 against the Triton kernel (D = 128, bf16, Hq 32 / Hkv 8,
-# CUDA-graph replays; benchmarks/results/decode_hopper_log.txt, `bash benchmarks/gpu_jobs/decode_hopper.sh`):
-#   Sq = 16 (64 rows a program), B = 8: 17-20% faster (8K, 32K keys);
-#   Sq = 1, B = 1: 7-11% faster at 8K and 32K, level at 128K;
-#   Sq = 1, B = 8 and 32: level to 2% slower.
-# 2 stages beat 3 at every point. So by default it runs at D = 128 (DECODE_HOPPER_HEAD_DIMS; D = 64
-# is tested but not measured) for wide programs (rows > DECODE_NARROW_ROWS) and for narrow ones
-# when B x Hkv x head blocks <= DECODE_HOPPER_MAX_NARROW_PROGRAMS.
+# cannot read. Measured on an H200 against the Triton kernel's plan (D = 128, bf16, Hq 32 / Hkv 8,
+# CUDA-graph replays; benchmarks/results/decode_hopper_log.txt, session 9, with the fused merge and
+# 64-key steps below; `bash benchmarks/gpu_jobs/decode_session9.sh`):
+#   Sq = 16 (64 rows a program), B = 8: 8K 74.1 against 90.9 us, 32K 251.8 against 315.2 us;
+#   Sq = 1, B = 1: 8K 16.6 against 19.7 us, 32K 39.4 against 43.7 us, 128K 128.2 against 131.5 us;
+#   Sq = 1, B = 8 (64 programs): 8K 68.8 against 71.5 us, 32K 248.1 against 248.8 us;
+#   Sq = 1, B = 32 (256 programs, one share each): 952.0 against 950.4 us.
+# (Session 8, with two-launch merges and whole-tile steps, B = 8 had been level to 2% slower.) So
+# by default it runs at D = 128 (DECODE_HOPPER_HEAD_DIMS; D = 64 is tested but not measured) for
+# wide programs (rows > DECODE_NARROW_ROWS) and for narrow ones when B x Hkv x head blocks <=
+# DECODE_HOPPER_MAX_NARROW_PROGRAMS.
+# Its shares are merged by DECODE_HOPPER_MERGE: "fused" (the last program of a row group merges,
+# decode_hopper._merge_group) measured level with or faster than its two launches at every point
+# of benchmarks/results/decode_session9_log.txt (H200; B=1: 8K 16.9 against 17.5 us, 32K 39.6
+# against 40.4 us; Sq=16 B=8 32K 255.2 against 254.4 us), where the Triton kernel's own fused
+# merge is slower than its two launches (DECODE_FUSED_MERGE_ON_GPU, below).
+# Each 128-key tile is read in DECODE_HOPPER_BLOCK_N-key steps: 64-key steps with 2 stages beat
+# 128-key steps with 2 or 3 stages and 64-key steps with 3, 4 or 6 at every point measured
+# (decode_session9_steps_log.txt, decode_session9_steps2_log.txt; fused merge, B=1: 8K 16.5-16.7
+# against 17.0 us, 32K 39.3-39.5 against 40.3 us; Sq=16 B=8 8K 73.9-74.2 against 78.0 us). The
+# consumer of 128-key steps spills registers, that of 64-key steps does not
+# (benchmarks.decode_offline_compile); why more stages (more bytes in flight) are slower was not
+# profiled.
 DECODE_HOPPER = True
+DECODE_HOPPER_MERGE = "fused"
+DECODE_HOPPER_BLOCK_N = 64
 DECODE_HOPPER_HEAD_DIMS = (128,)
-DECODE_HOPPER_MAX_NARROW_PROGRAMS = 16
+DECODE_HOPPER_MAX_NARROW_PROGRAMS = 64
 DECODE_HOPPER_STAGES = {128: 2, 64: 4}
 
 
@@ -455,11 +472,11 @@ def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, 
                       and (not narrow or programs <= DECODE_HOPPER_MAX_NARROW_PROGRAMS))
     else:
         use_hopper = kernel == "hopper"
-    if (use_hopper and on_gpu and merge == "two_launch"  # the Hopper kernel's partials go to the two-launch merge
-            and decode_hopper_fits(sq, head_dim, dtype, device, tile_n, block_h, block_q, group)):
+    if use_hopper and on_gpu and decode_hopper_fits(sq, head_dim, dtype, device, tile_n, block_h, block_q, group):
         splits = max(1, min(sms // programs if programs < sms else 1, -(-kv_tiles // DECODE_MIN_TILES_PER_SPLIT)))
         stages = DECODE_HOPPER_STAGES[head_dim]
-        return DecodePlan(block_h, block_q, splits, tile_n, tile_n, 4, stages, stages, "two_launch", kernel="hopper")
+        step = DECODE_HOPPER_BLOCK_N
+        return DecodePlan(block_h, block_q, splits, step, step, 4, stages, stages, DECODE_HOPPER_MERGE, kernel="hopper")
     if not on_gpu:
         return DecodePlan(block_h, block_q, splits, min(64, tile_n), min(32, tile_n), 4, 1, 1, merge)
     if dtype == torch.float32 or block_d > 128:

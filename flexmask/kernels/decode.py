@@ -15,7 +15,8 @@ whole K/V of its KV head once per query head. Here instead:
   the program of each row group that finishes last (`_merge_last_arrival`: a ticket from an
   int32 counter per row group, see `merge_counters`). A share with no tile has LSE -inf and
   weight 0; a row that attends nothing at all gets output 0 and LSE -inf, never NaN.
-  configs.decode_merge says which merge runs where.
+  configs.decode_merge says which merge runs where (for decode_hopper.py's kernel, which has a
+  fused merge of its own: configs.DECODE_HOPPER_MERGE).
 
 FULL tiles run with no mask arithmetic, PARTIAL tiles are masked from the column intervals,
 exactly as in forward.py, so every mask family keeps its semantics. With one split the
@@ -348,9 +349,9 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
     mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
-    if plan is None:  # a fused merge is the Triton kernel's (the Hopper kernel merges in a second launch)
+    if plan is None:
         plan = decode_plan(batch, hq, hkv, sq, sk, d, q.dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
-                           force=True, kernel="triton" if merge == "fused" else None)
+                           force=True)
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
@@ -379,12 +380,11 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
     if plan.kernel == "hopper":
         from . import decode_hopper  # Gluon: imported only where a plan asks for it
 
-        if fused:
-            raise ValueError("the Hopper decode kernel merges in a second launch: plan.merge must be 'two_launch'")
         if decode_hopper.supports(q, k, v, cm, plan.block_h, plan.block_q):
+            semaphores = merge_counters(q.device, batch * hkv) if fused else None  # one per row group
             decode_hopper.attention_decode_hopper(q, k, v, cm, scale, (mb, mdiv, mh), plan.num_splits, plan.block_q,
-                                                  plan.num_stages, o, lse, o_part, lse_part)
-            if not direct:
+                                                  plan.num_stages, o, lse, o_part, lse_part, semaphores, plan.block_n)
+            if not direct and not fused:
                 _merge(o_part, lse_part, o, lse, sq, rows, hq, d, block_d, plan.num_splits, False)
             return o, lse
         # K/V views the copy engine cannot read: the Triton kernel, with the Hopper plan's shares

@@ -12,8 +12,12 @@ Here
   FULL ones) and issues TMA loads of K and V into a ring of STAGES shared-memory stages, so
   STAGES - 1 tiles are in flight while the consumer works on one;
 - one consumer warpgroup computes S = Q K^T and O += P V on the tensor cores (wgmma), masks
-  PARTIAL tiles from the column intervals, and writes the share's partial (O, LSE) for
-  decode._merge_kernel, or the result itself when there is one share.
+  PARTIAL tiles from the column intervals, and writes the share's partial (O, LSE), or the
+  result itself when there is one share;
+- the partials are merged by decode._merge_kernel ("two_launch") or, "fused", by the program of
+  each row group that draws the last ticket of the group's counter (decode.merge_counters), with
+  decode._merge_last_arrival's memory ordering; a step is then one launch.
+The producer can also cut each 128-key tile into two steps of 64 keys (plan.block_n = 64).
 Gluon kernels do not run under the CPU interpreter: configs.decode_plan picks this kernel only on
 sm_90 (plan.kernel == "hopper"), and the GPU tests compare it with the Triton kernel and float64.
 """
@@ -30,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .forward_hopper import _descriptor, _tma_view, shared_layout
 
 ROWS = gl.constexpr(64)  # one warpgroup's wgmma rows: the GQA group's heads x the query rows, padded
-TILE = 128  # kv columns per step: the mask's tile (cm.block_n)
+TILE = 128  # kv columns of the mask's tile (cm.block_n); a step reads the whole tile or one half of it (BLOCK_N)
 PRODUCER_REGS = gl.constexpr(24)
 FINITE_FLOOR = gl.constexpr(-1.0e30)  # the running maximum starts here: exp2(-inf - max) is 0, never NaN
 LN2 = gl.constexpr(0.6931471805599453)
@@ -79,30 +83,33 @@ def _producer(
     FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
     HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
 ):
-    """One warp: TMA loads of the share's K and V tiles, in walk order, into the stage ring."""
+    """One warp: TMA loads of the share's K and V tiles (TILE_N // BLOCK_N steps of BLOCK_N keys
+    a tile), in walk order, into the stage ring."""
+    SUB: gl.constexpr = TILE_N // BLOCK_N
     k_ready, k_empty, v_ready, v_empty = bars
     b, kvh, row, seg = _program_row(HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
     c_lo, p_lo, n_partial, n_full = _share(FWD_OFFSETS, FWD_NUM_FULL, seg, gl.program_id(0), gl.num_programs(0))
-    for i in range(n_partial + n_full):
-        n, is_partial = _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i)
+    for i in range((n_partial + n_full) * SUB):
+        n, is_partial = _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i // SUB)
+        col = n * TILE_N + (i % SUB) * BLOCK_N
         s = i % STAGES
         phase = (i // STAGES) & 1
         mbarrier.wait(k_empty.index(s), phase ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b * K_X_B + kvh * K_X_H, n * BLOCK_N, kvh * K_C_H],
+        tma.async_copy_global_to_shared(k_desc, [b * K_X_B + kvh * K_X_H, col, kvh * K_C_H],
                                         k_ready.index(s), k_bufs.index(s))
         mbarrier.wait(v_empty.index(s), phase ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b * V_X_B + kvh * V_X_H, n * BLOCK_N, kvh * V_C_H],
+        tma.async_copy_global_to_shared(v_desc, [b * V_X_B + kvh * V_X_H, col, kvh * V_C_H],
                                         v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
-def _masked(s, INTV, row, n, Sk, o_m, is_partial, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """-inf where (query row o_m, column) of kv-block n is masked or past Sk (a PARTIAL tile)."""
-    o_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
+def _masked(s, INTV, row, col, Sk, o_m, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """-inf where (query row o_m, column col + j) of a PARTIAL tile's step is masked or past Sk."""
+    o_n = col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     in_k = o_n < Sk
     p_intv = INTV + row.to(gl.int64) * 4 * Sk + o_n
     lts = gl.load(p_intv, mask=in_k, other=0)
@@ -117,13 +124,68 @@ def _masked(s, INTV, row, n, Sk, o_m, is_partial, BLOCK_N: gl.constexpr, s_layou
 
 
 @gluon.jit
+def _merge_group(
+    O_PART, LSE_PART, O, LSE, b, kvh, num_splits, Sq, ROWS_TOTAL, HQ, GROUP,
+    stride_ob, stride_oh, stride_om,
+    HEAD_DIM: gl.constexpr, MERGE_ROWS: gl.constexpr, MERGE_CHUNK: gl.constexpr, MERGE_LAYOUT: gl.constexpr,
+):
+    """The fused merge, run by the program that drew its row group's last ticket: the group's
+    GROUP x Sq rows (consecutive rows of (B, Hq, Sq)) from the num_splits partials, MERGE_CHUNK
+    shares a round, every load of a round issued before any is used, with the LSE-weighted sum
+    kept online (running max; a finite pivot while no share has seen a key). The loads go
+    through L2 (.cg): the other programs' partials never sit in this SM's L1."""
+    sr_layout: gl.constexpr = gl.SliceLayout(2, MERGE_LAYOUT)  # [MERGE_CHUNK, MERGE_ROWS]
+    rd_layout: gl.constexpr = gl.SliceLayout(0, MERGE_LAYOUT)  # [MERGE_ROWS, HEAD_DIM]
+    n_rows = GROUP * Sq
+    row0 = (b * HQ + kvh * GROUP).to(gl.int64) * Sq  # the group's first row of (B, Hq, Sq)
+    r_sr = gl.arange(0, MERGE_ROWS, layout=gl.SliceLayout(0, sr_layout))
+    c_sr = gl.arange(0, MERGE_CHUNK, layout=gl.SliceLayout(1, sr_layout))
+    r_3 = gl.expand_dims(gl.expand_dims(gl.arange(0, MERGE_ROWS, layout=gl.SliceLayout(1, rd_layout)), 1), 0)
+    d_3 = gl.expand_dims(gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rd_layout)), 0), 0)
+    c_3 = gl.expand_dims(gl.expand_dims(gl.arange(0, MERGE_CHUNK, layout=gl.SliceLayout(1, sr_layout)), 1), 2)
+    m_i = gl.full([MERGE_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, sr_layout))
+    l_i = gl.zeros([MERGE_ROWS], gl.float32, layout=gl.SliceLayout(0, sr_layout))
+    acc = gl.zeros([MERGE_ROWS, HEAD_DIM], gl.float32, layout=rd_layout)
+    for s0 in range(0, num_splits, MERGE_CHUNK):
+        # [MERGE_CHUNK, MERGE_ROWS]: share s0 + c, row r
+        valid = gl.expand_dims(s0 + c_sr < num_splits, 1) & gl.expand_dims(r_sr < n_rows, 0)
+        p_row = gl.expand_dims((s0 + c_sr).to(gl.int64) * ROWS_TOTAL, 1) + row0 + gl.expand_dims(r_sr, 0)
+        lse = gl.load(LSE_PART + p_row, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        # [MERGE_CHUNK, MERGE_ROWS, HEAD_DIM]; an empty share's partial is 0
+        valid_3 = (s0 + c_3 < num_splits) & (r_3 < n_rows) & (d_3 < HEAD_DIM)
+        p_o = ((s0 + c_3).to(gl.int64) * ROWS_TOTAL + row0 + r_3) * HEAD_DIM + d_3
+        o_part = gl.load(O_PART + p_o, mask=valid_3, other=0.0, cache_modifier=".cg")
+        m_new = gl.maximum(m_i, gl.max(lse, 0))
+        pivot = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - pivot)  # [MERGE_ROWS]
+        w = gl.exp2(lse - gl.expand_dims(pivot, 0))  # [MERGE_CHUNK, MERGE_ROWS]; exp2(-inf) = 0
+        l_i = l_i * alpha + gl.sum(w, 0)
+        alpha_rd = gl.convert_layout(alpha, gl.SliceLayout(1, rd_layout))
+        acc = acc * gl.expand_dims(alpha_rd, 1) + gl.sum(o_part * gl.expand_dims(w, 2), 0)
+        m_i = m_new
+    empty = l_i == 0.0
+    lse_out = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+    gl.store(LSE + row0 + r_sr, lse_out, mask=r_sr < n_rows)
+    l_rd = gl.convert_layout(gl.where(empty, 1.0, l_i), gl.SliceLayout(1, rd_layout))
+    out = acc / gl.expand_dims(l_rd, 1)
+    r_rd = gl.arange(0, MERGE_ROWS, layout=gl.SliceLayout(1, rd_layout))
+    d_rd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rd_layout))
+    h = kvh * GROUP + r_rd // Sq  # [MERGE_ROWS] query head, query row r % Sq
+    p_out = (O + b.to(gl.int64) * stride_ob
+             + gl.expand_dims(h.to(gl.int64) * stride_oh + (r_rd % Sq).to(gl.int64) * stride_om, 1)
+             + gl.expand_dims(d_rd, 0))
+    gl.store(p_out, out.to(O.dtype.element_ty), mask=gl.expand_dims(r_rd < n_rows, 1))
+
+
+@gluon.jit
 def _consumer(
     q_smem, k_bufs, v_bufs, bars,
-    Q, O, LSE, O_PART, LSE_PART, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+    Q, O, LSE, O_PART, LSE_PART, SEMAPHORES, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
     stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
     Sq, Sk, ROWS_TOTAL, NQB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-    BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    DIRECT: gl.constexpr,
+    BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    DIRECT: gl.constexpr, FUSED: gl.constexpr,
+    MERGE_ROWS: gl.constexpr, MERGE_CHUNK: gl.constexpr, MERGE_LAYOUT: gl.constexpr,
 ):
     """One warpgroup: the share's online softmax over its tiles, then the partial (or final) output."""
     k_ready, k_empty, v_ready, v_empty = bars
@@ -152,8 +214,9 @@ def _consumer(
     m_i = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    for i in range(n_partial + n_full):
-        n, is_partial = _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i)
+    SUB: gl.constexpr = TILE_N // BLOCK_N
+    for i in range((n_partial + n_full) * SUB):
+        n, is_partial = _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i // SUB)
         s_idx = i % STAGES
         phase = (i // STAGES) & 1
         mbarrier.wait(k_ready.index(s_idx), phase)
@@ -162,7 +225,7 @@ def _consumer(
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(s_idx), count=1)
         if is_partial:
-            s = _masked(s, INTV, row, n, Sk, o_m, is_partial, BLOCK_N, s_layout)
+            s = _masked(s, INTV, row, n * TILE_N + (i % SUB) * BLOCK_N, Sk, o_m, BLOCK_N, s_layout)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
@@ -198,17 +261,29 @@ def _consumer(
         gl.store(O_PART + gl.expand_dims(p_part * HEAD_DIM, 1) + gl.expand_dims(d_o, 0), out,
                  mask=gl.expand_dims(valid_o, 1))
         gl.store(LSE_PART + pid_s.to(gl.int64) * ROWS_TOTAL + out_row_s, lse2, mask=valid_s)
+        if FUSED:
+            # decode._merge_last_arrival's protocol: the warpgroup's partial stores happen before
+            # the ticket (barrier), the acq_rel ticket publishes them and, in the last program,
+            # makes every other share's partial visible; that program merges and resets the counter
+            gl.thread_barrier()
+            p_sem = SEMAPHORES + gl.program_id(1)
+            ticket = gl.atomic_add(p_sem, 1, sem="acq_rel", scope="gpu")
+            if ticket == gl.num_programs(0) - 1:
+                _merge_group(O_PART, LSE_PART, O, LSE, b, kvh, gl.num_programs(0), Sq, ROWS_TOTAL, HQ, GROUP,
+                             stride_ob, stride_oh, stride_om, HEAD_DIM, MERGE_ROWS, MERGE_CHUNK, MERGE_LAYOUT)
+                gl.store(p_sem, 0)
 
 
 @gluon.jit
 def _decode_hopper_kernel(
-    k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+    k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEMAPHORES, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
     stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
     Sq, Sk, ROWS_TOTAL, NQB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
     qk_scale,
-    BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    DIRECT: gl.constexpr, Q_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    DIRECT: gl.constexpr, FUSED: gl.constexpr, MERGE_ROWS: gl.constexpr, MERGE_CHUNK: gl.constexpr,
+    MERGE_LAYOUT: gl.constexpr, Q_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
 ):
     # grid: (split, batch x KV head)
     dtype: gl.constexpr = k_desc.dtype
@@ -228,15 +303,15 @@ def _decode_hopper_kernel(
     bars = (k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, bars,
-                     Q, O, LSE, O_PART, LSE_PART, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
+                     Q, O, LSE, O_PART, LSE_PART, SEMAPHORES, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
                      stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
                      Sq, Sk, ROWS_TOTAL, NQB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_Q, BLOCK_N, HEAD_DIM, STAGES, DIRECT)),
+                     BLOCK_Q, BLOCK_N, TILE_N, HEAD_DIM, STAGES, DIRECT, FUSED, MERGE_ROWS, MERGE_CHUNK, MERGE_LAYOUT)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, bars,
                      FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
                      HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
-                     BLOCK_N, STAGES)),
+                     BLOCK_N, TILE_N, STAGES)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -253,23 +328,55 @@ def supports(q, k, v, cm, block_h: int, block_q: int) -> bool:
             and block_h * block_q <= ROWS.value and _tma_view(k) is not None and _tma_view(v) is not None)
 
 
+MERGE_REGS = 64  # fp32 partial values a consumer thread holds per round of the fused merge
+
+
+def merge_shape(rows: int, head_dim: int, num_splits: int) -> tuple[int, int, gl.BlockedLayout]:
+    """(MERGE_ROWS, MERGE_CHUNK, layout) of the fused merge for a group of `rows` output rows:
+    the rows padded to a power of two, and as many shares a round as keep MERGE_REGS values a
+    thread (a decode step, 4 rows at D = 128: 16 shares, one round of loads). The layout spreads
+    a [MERGE_CHUNK, MERGE_ROWS, HEAD_DIM] block over the warpgroup, 4 contiguous values a thread
+    along the head dim, warps over rows first and then over shares."""
+    merge_rows = 1 << max(0, rows - 1).bit_length()
+    tpw_d = min(32, head_dim // 4)
+    tpw_r = min(32 // tpw_d, merge_rows)
+    tpw_s = 32 // (tpw_d * tpw_r)
+    warps_r = min(4, max(1, merge_rows // tpw_r))
+    warps_s = 4 // warps_r
+    budget = MERGE_REGS * 128 // (merge_rows * head_dim)
+    chunk = 1 << max(0, budget.bit_length() - 1) if budget >= 1 else 1
+    chunk = max(tpw_s * warps_s, min(chunk, 1 << max(0, num_splits - 1).bit_length()))
+    layout = gl.BlockedLayout([1, 1, 4], [tpw_s, tpw_r, tpw_d], [warps_s, warps_r, 1], [2, 1, 0])
+    return merge_rows, chunk, layout
+
+
 def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], num_splits: int,
-                            block_q: int, stages: int, o, lse, o_part, lse_part) -> None:
-    """Launch the kernel: writes o and lse (one split) or the shares' partials (o_part, lse_part:
-    [num_splits, B x Hq x Sq, D] and [num_splits, B x Hq x Sq], LSE in log2 units) that
-    decode._merge_kernel combines. Call only when `supports` says yes."""
+                            block_q: int, stages: int, o, lse, o_part, lse_part, semaphores=None,
+                            block_n: int = TILE) -> None:
+    """Launch the kernel: writes o and lse (one split, or several with `semaphores`: one int32
+    counter at 0 per batch x KV head, decode.merge_counters, and the fused merge), or else the
+    shares' partials (o_part, lse_part: [num_splits, B x Hq x Sq, D] and [num_splits, B x Hq x Sq],
+    LSE in log2 units) that decode._merge_kernel combines. block_n: keys a step, the tile (128) or
+    half of it. Call only when `supports` says yes."""
+    if block_n not in (TILE, TILE // 2):
+        raise ValueError(f"block_n must be {TILE} or {TILE // 2} for the Hopper decode kernel, got {block_n}")
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    k_desc, (kxb, kxh, kch) = _descriptor(k, TILE)
-    v_desc, (vxb, vxh, vch) = _descriptor(v, TILE)
+    k_desc, (kxb, kxh, kch) = _descriptor(k, block_n)
+    v_desc, (vxb, vxh, vch) = _descriptor(v, block_n)
     mb, mdiv, mh = mask_map
+    direct = num_splits == 1
+    fused = not direct and semaphores is not None
+    # without the fused merge the kernel never reads these: one value, so no new specialisation
+    merge_rows, merge_chunk, merge_layout = merge_shape(hq // hkv * sq if fused else 1, d, num_splits if fused else 1)
     _decode_hopper_kernel[(num_splits, batch * hkv)](
-        k_desc, v_desc, q, o, lse, o_part, lse_part,
+        k_desc, v_desc, q, o, lse, o_part, lse_part, semaphores if fused else lse,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2),
         sq, sk, batch * hq * sq, cm.num_q_blocks, hq, hkv, hq // hkv, mb, mdiv, mh,
         kxb, kxh, kch, vxb, vxh, vch,
         scale * 1.4426950408889634,
-        BLOCK_Q=block_q, BLOCK_N=TILE, HEAD_DIM=d, STAGES=stages, DIRECT=num_splits == 1,
+        BLOCK_Q=block_q, BLOCK_N=block_n, TILE_N=TILE, HEAD_DIM=d, STAGES=stages, DIRECT=direct, FUSED=fused,
+        MERGE_ROWS=merge_rows, MERGE_CHUNK=merge_chunk, MERGE_LAYOUT=merge_layout,
         Q_LAYOUT=shared_layout((ROWS.value, d), q.dtype), num_warps=4,
     )
