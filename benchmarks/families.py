@@ -50,8 +50,8 @@ SWEEP_DENSITIES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
 class Case:
     """One mask of one family at one sequence length.
 
-    `make` builds a fresh `Mask` on every call, so that timing `flexmask.compile_mask` never
-    measures a cache hit."""
+    `make` builds a fresh `Mask` on every call, so that timing `flexmask.compile_mask` of
+    `make()` never measures what a compile keeps on a mask (masks.device_plan)."""
 
     family: str
     params: str  # human-readable parameters, e.g. "left=1024"

@@ -552,10 +552,15 @@ def test_kv_cache_built_in_the_compile_kernel(causal):
             expected = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=False)
             got = compile_spec(mask, sq, sk, torch.device("cpu"), block_m, block_n, on_device=True)
             assert_same_tables(expected, got)
-    too_long = masks.kv_cache(torch.tensor([5, 500]), causal=causal)  # on the device: clamped, no error
-    on_device = compile_spec(too_long, 4, 97, torch.device("cpu"), 32, 32, on_device=True)
-    clamped = compile_spec(masks.kv_cache([5, 97], causal=causal), 4, 97, torch.device("cpu"), 32, 32, on_device=False)
-    assert_same_tables(clamped, on_device)
+    # on the device: clamped by the compile kernel (alone, and where it moves the other operand), no error
+    too_long = masks.kv_cache(torch.tensor([5, 500]), causal=causal)
+    for other in (None, masks.sliding_window(7)):
+        on_device = compile_spec(too_long if other is None else too_long & other, 4, 97, torch.device("cpu"), 32, 32,
+                                 on_device=True)
+        clamped = masks.kv_cache([5, 97], causal=causal)
+        clamped = compile_spec(clamped if other is None else clamped & other, 4, 97, torch.device("cpu"), 32, 32,
+                               on_device=False)
+        assert_same_tables(clamped, on_device)
 
 
 @pytest.mark.parametrize("name", list(DEVICE_COMPOSITIONS))
@@ -776,24 +781,21 @@ PAIRED = ["causal&sliding_window", "document&sliding_window", "tensor_document&s
 
 
 class CountedLaunches:
-    """Wraps a Triton kernel (`kernel[grid](...)`) and counts its launches."""
+    """Wraps a kernel's `launcher.FastLaunch` (`launch(grid, *args)`) and counts its launches."""
 
-    def __init__(self, kernel, launches: list):
-        self.kernel, self.launches = kernel, launches
+    def __init__(self, launch, launches: list):
+        self.launch, self.launches = launch, launches
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(self.kernel.__name__)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
+    def __call__(self, grid, *args, **kwargs):
+        self.launches.append(self.launch.fn.__name__)
+        return self.launch(grid, *args, **kwargs)
 
 
 def count_launches(monkeypatch) -> list:
     from flexmask.kernels import compile_kernels as ck
 
     launches = []
-    for name in ("_classify_kernel", "_emit_kernel", "_compose_kernel", "_family_kernel", "_shift_kernel",
-                 "_document_bounds_kernel"):
+    for name in ("_CLASSIFY", "_EMIT", "_COMPOSE", "_FAMILY", "_SHIFT", "_DOCUMENT_BOUNDS"):
         monkeypatch.setattr(ck, name, CountedLaunches(getattr(ck, name), launches))
     return launches
 
@@ -913,3 +915,54 @@ def test_gpu_fused_scan_is_repeatable():
         t = first.tiles_listed()
         for name in LISTS:
             assert torch.equal(getattr(first, name)[:t], getattr(cm, name)[:t]), name
+
+
+# --- what a device compile keeps on the mask (masks.device_plan) --------------------------------
+
+
+def test_device_plan_is_kept_per_shape(monkeypatch):
+    """A mask of host parameters (lists, ints) is planned once per shape: a second compile of the
+    same shape builds no family parameters again (no upload), and each shape of one mask object
+    gets its own tables (the torch path's), whatever was compiled before it."""
+    from flexmask.masks import device_intervals
+
+    mask = masks.document([40, 57, 100], causal=False) & masks.sliding_window(9, 9)
+    builds = []
+    original = device_intervals.device_family
+    monkeypatch.setattr(device_intervals, "device_family",
+                        lambda m, *a: (m is mask and builds.append(a[:2])) or original(m, *a))
+    cpu = torch.device("cpu")
+    for sq, sk, block_m, block_n in [(197, 197, 64, 64), (63, 197, 32, 64), (197, 197, 32, 32), (197, 197, 64, 64)]:
+        got = compile_spec(mask, sq, sk, cpu, block_m, block_n, on_device=True)
+        assert_same_tables(compile_spec(mask, sq, sk, cpu, block_m, block_n, on_device=False), got)
+    # once per (q_len, kv_len, block sizes): the last shape came back from the plan
+    assert builds == [(197, 197), (63, 197), (197, 197)]
+
+
+def test_device_data_is_read_at_every_compile():
+    """A mask holding a tensor on the device is never planned once for all: its document bounds
+    are rebuilt on the device at every compile, so lengths changed in place (as before a CUDA
+    graph replay) give the new tables."""
+    cpu = torch.device("cpu")
+    lengths = torch.tensor([50, 47, 100])  # on the CPU with on_device=True: device data
+    mask = masks.document(lengths, causal=True)
+    compile_spec(mask, 197, 197, cpu, 32, 32, on_device=True)
+    mask.params()["seqlens"].copy_(torch.tensor([120, 7, 70]))
+    got = compile_spec(mask, 197, 197, cpu, 32, 32, on_device=True)
+    assert_same_tables(compile_spec(masks.document([120, 7, 70]), 197, 197, cpu, 32, 32, on_device=False), got)
+
+
+def test_readme_compile_table_is_generated_from_the_csv():
+    """The README's compile-cost table is `bench_compile --readme` of the committed CSV, verbatim."""
+    import csv
+    import os
+
+    from benchmarks import bench_compile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    block = readme.split(bench_compile.README_START, 1)[1].split(bench_compile.README_END, 1)[0]
+    with open(os.path.join(root, "benchmarks", "results", "compile_cost_cuda.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert block.strip() == bench_compile.readme_block(rows).strip()

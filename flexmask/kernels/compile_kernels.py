@@ -29,12 +29,15 @@ count (`offsets[-1]`) are never written nor read.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from .intmath import cdiv
+from .launcher import FastLaunch
 
 # families whose intervals the classify kernel computes itself (FAMILY constexpr)
 # (the families from DOCUMENT on read document bounds)
@@ -86,7 +89,7 @@ def _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRI
     """Raw (a0, a1, b0, b1) row intervals of columns o_j [TILE_N] for a built-in family, as
     intervals.py's torch builders make them (int64 positions). Document families read
     DOCS[row] = (0, the documents' ends..., padded with Sk, then one extra value); KV_CACHE reads
-    its batch row's cache length, DOCS[row]."""
+    its batch row's cache length, DOCS[row], clamped to [0, Sk] (Sk = Sq + offset)."""
     j = o_j.to(tl.int64)
     zero = tl.zeros_like(j)
     if (FAMILY >= _DOCUMENT) and (FAMILY != _KV_CACHE):
@@ -133,7 +136,8 @@ def _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRI
         a1 = tl.where(inside, _rows(end, offset, Sq), Sq)
         b0, b1 = zero, _rows(j, offset, Sq)
     elif FAMILY == _KV_CACHE:  # P0 = causal; query i of row b sits at position L[b] - Sq + i
-        cache_len = tl.load(DOCS + row).to(tl.int64)
+        # (clamped here: device lengths come as given, a clamp on the host side would be a launch)
+        cache_len = tl.minimum(tl.maximum(tl.load(DOCS + row).to(tl.int64), 0), Sq + offset)
         if P0 != 0:
             a0, a1, b0, b1 = zero, zero, zero, tl.minimum(tl.maximum(j - cache_len + Sq, 0), Sq)
         else:  # keys past the cache masked for every row
@@ -198,7 +202,7 @@ def _operand(o_j, row, cache_row, DOCS, PREFIXES, LENGTHS, Sq, Sk, offset, P0, P
         a0, a1, b0, b1 = _family_intervals(o_j, row, DOCS, PREFIXES, sq_v, -Sq.to(tl.int64), P0, P1, P2, DOC_STRIDE,
                                            DOC_ITERS, FAMILY)
         lts, lte, uts, ute = _canonical(a0, a1, b0, b1, sq_v)
-        shift = tl.load(LENGTHS + cache_row).to(tl.int64)
+        shift = tl.minimum(tl.maximum(tl.load(LENGTHS + cache_row).to(tl.int64), 0), Sk)  # as in KV_CACHE
         return _canonical(lts - shift, lte - shift, uts - shift, ute - shift, Sq)
     else:
         a0, a1, b0, b1 = _family_intervals(o_j, row, DOCS, PREFIXES, Sq, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS,
@@ -470,6 +474,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# launched through `launcher.FastLaunch`: a compile is host-bound, and Triton's own launch path
+# costs more host time than these kernels take on the GPU
+_CLASSIFY, _EMIT = FastLaunch(_classify_kernel), FastLaunch(_emit_kernel)
+
+
 class Pair(NamedTuple):
     """`a & b` or `a | b` of two built-in families, built by the classify kernel itself: the second
     operand's (code, p0, p1, p2, docs, prefixes), whether each operand has one row for every row
@@ -486,9 +495,10 @@ class Pair(NamedTuple):
 _ALIGN = 64  # int32 elements: each table starts 256-byte aligned, as an allocation of its own would
 
 
-def _carve(buffer: torch.Tensor, sizes: list) -> list:
-    """1-D views of `buffer` of the given sizes, one after the other; a size given as a tuple of
-    sizes makes views packed back to back (no alignment inside the group). One split call."""
+@functools.lru_cache(maxsize=256)
+def _carve_plan(sizes: tuple):
+    """(elements in all, the split sizes (alignment pads included), a getter of the views asked
+    for) of `_carve`: the same few layouts come back at every compile of a shape."""
     parts, flat, offset = [], [], 0
     for size in sizes:
         group = size if isinstance(size, tuple) else (size,)
@@ -498,16 +508,15 @@ def _carve(buffer: torch.Tensor, sizes: list) -> list:
         parts.extend(group)
         flat.extend(range(len(parts) - len(group), len(parts)))
         offset += pad + sum(group)
-    parts.append(buffer.numel() - offset)
-    views = buffer.split(parts)
-    return [views[i] for i in flat]
+    return offset, parts, operator.itemgetter(*flat)
 
 
-def _carved_size(sizes: list) -> int:
-    offset = 0
-    for size in sizes:
-        offset += -offset % _ALIGN + sum(size if isinstance(size, tuple) else (size,))
-    return offset
+def _carve(allocate, sizes: tuple, device) -> tuple:
+    """1-D int32 views of one new buffer (`allocate` is torch.empty or torch.zeros) of the given
+    sizes, one after the other, each 256-byte aligned; a size given as a tuple of sizes makes views
+    packed back to back (no alignment inside the group). One allocation, one split call."""
+    total, parts, views = _carve_plan(sizes)
+    return views(allocate(total, dtype=torch.int32, device=device).split_with_sizes(parts))
 
 
 def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, rows: int, capacity: int | None,
@@ -533,16 +542,13 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     g_row = nqb_padded // 4
     ragged_n = nkb - 1 if kv_len % block_n else -1
 
-    i32 = dict(dtype=torch.int32, device=device)
     n_diffs, n_counts = 2 * rows * (nqb + 1), 2 * rows * nkb + 1  # + the classify programs' ticket
-    transient = [(n_diffs, n_counts), rows * nkb * g_row // 4]
-    diffs, counts, grid = _carve(torch.zeros(_carved_size(transient), **i32), transient)
+    diffs, counts, grid = _carve(torch.zeros, ((n_diffs, n_counts), rows * nkb * g_row // 4), device)
     grid = grid.view(torch.uint8)  # 2-bit classes [rows * nkb, g_row]
     meta = (rows * nqb + 1, rows * nqb, rows * nkb + 1, rows * nkb)  # the layout _scan_tables writes
     n_intervals = 0 if intervals is not None else shape[0] * shape[1] * kv_len * 4
-    lists = [] if capacity is None else [max(1, capacity)] * 2 + [_cdiv(max(1, capacity), 4)]
-    tables = [n_intervals, rows * 4 * kv_len, meta, *lists]
-    views = _carve(torch.empty(_carved_size(tables), **i32), tables)
+    lists = () if capacity is None else (max(1, capacity),) * 2 + (_cdiv(max(1, capacity), 4),)
+    views = _carve(torch.empty, (n_intervals, rows * 4 * kv_len, meta, *lists), device)
     if intervals is None:
         intervals = views[0].view(*shape, kv_len, 4)
     planar = views[1].view(rows, 4, kv_len)
@@ -555,21 +561,21 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
         return docs, planar if prefixes is None else prefixes, stride, max(1, (stride - 2).bit_length())
 
     docs, prefixes, doc_stride, doc_iters = doc_args(docs, prefixes)
-    extra = {}
-    if pair is not None:
+    if pair is None:  # the defaults of the b operand's parameters
+        b_args = (None, None, 0, 0, 0, 2, 0, None, True, False, False, 0)
+    else:
         b_code, b_p0, b_p1, b_p2, b_docs, b_prefixes = pair.b
         b_docs, b_prefixes, b_stride, b_iters = doc_args(b_docs, b_prefixes)
-        extra = dict(B_DOCS=b_docs, B_PREFIXES=b_prefixes, B_P0=b_p0, B_P1=b_p1, B_P2=b_p2, B_DOC_STRIDE=b_stride,
-                     B_DOC_ITERS=b_iters, B_FAMILY=b_code, AND=pair.is_and, A_BCAST=pair.broadcast_a,
-                     B_BCAST=pair.broadcast_b, SHIFT=pair.shift)
-    _classify_kernel[(nkb, rows)](
-        intervals, planar, grid, counts, diffs, docs, prefixes,
+        b_args = (b_docs, b_prefixes, b_p0, b_p1, b_p2, b_stride, b_iters, b_code, pair.is_and, pair.broadcast_a,
+                  pair.broadcast_b, pair.shift)
+    _CLASSIFY(  # every parameter, in the kernel's order
+        (nkb, rows), intervals, planar, grid, counts, diffs, docs, prefixes,
         q_len, kv_len, nqb, nkb, g_row, kv_len - q_len, p0, p1, p2, doc_stride, doc_iters, ragged_n,
-        FAMILY=code, TILE_M=block_m, TILE_N=block_n, CHUNK=CHUNK_M, META=views[2], **extra, num_warps=4,
+        code, block_m, block_n, CHUNK_M, views[2], *b_args, num_warps=4,
     )
     if capacity is None:  # no bound given: count first (one host sync)
         capacity = max(1, int(bwd_offsets[-1]))
-        blocks = torch.empty(2 * capacity, **i32)
+        blocks = torch.empty(2 * capacity, dtype=torch.int32, device=device)
         fwd_blocks, bwd_blocks = blocks[:capacity], blocks[capacity:]
         bwd_exact = torch.empty(capacity, dtype=torch.int8, device=device)
     else:
@@ -577,10 +583,9 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
         fwd_blocks, bwd_blocks = views[6:8]
         bwd_exact = views[8].view(torch.int8)[:capacity]
     nqc = _cdiv(nqb, FWD_M)
-    _emit_kernel[(rows * nkb + rows * nqc,)](
-        grid, bwd_offsets, bwd_num_full, bwd_blocks, bwd_exact, fwd_offsets, fwd_num_full, fwd_blocks,
-        capacity, nqb, nkb, g_row, rows * nkb, nqc, ragged_n,
-        CHUNK=CHUNK_M, BLOCK_QM=FWD_M, BLOCK_QN=FWD_N, num_warps=4,
+    _EMIT(
+        (rows * nkb + rows * nqc,), grid, bwd_offsets, bwd_num_full, bwd_blocks, bwd_exact, fwd_offsets, fwd_num_full,
+        fwd_blocks, capacity, nqb, nkb, g_row, rows * nkb, nqc, ragged_n, CHUNK_M, FWD_M, FWD_N, num_warps=4,
     )
     return dict(
         intervals=intervals, kernel_intervals=planar,
@@ -684,6 +689,7 @@ def _compose_kernel(A, B, OUT, MAX_RUNS, a_sb, a_sh, b_sb, b_sh, Sq, Sk, HEADS,
 
 
 COMPOSE_BLOCK = 1024
+_COMPOSE = FastLaunch(_compose_kernel)
 
 
 def compose_intervals(a: torch.Tensor, b: torch.Tensor, is_and: bool, q_len: int):
@@ -701,10 +707,8 @@ def compose_intervals(a: torch.Tensor, b: torch.Tensor, is_and: bool, q_len: int
         return (0 if t.shape[0] == 1 else t.stride(0)), (0 if t.shape[1] == 1 else t.stride(1))
 
     if kv_len and batch * heads:
-        _compose_kernel[(cdiv(kv_len, COMPOSE_BLOCK), batch * heads)](
-            a, b, out, max_runs, *strides(a), *strides(b), q_len, kv_len, heads,
-            AND=is_and, BLOCK=COMPOSE_BLOCK, num_warps=4,
-        )
+        _COMPOSE((cdiv(kv_len, COMPOSE_BLOCK), batch * heads), a, b, out, max_runs, *strides(a), *strides(b), q_len,
+                 kv_len, heads, is_and, COMPOSE_BLOCK, num_warps=4)
     return out, max_runs
 
 
@@ -726,6 +730,9 @@ def _family_kernel(OUT, DOCS, PREFIXES, Sq, Sk, offset, P0, P1, P2, DOC_STRIDE, 
     tl.store(p_o + 3, ute.to(tl.int32), mask=ok)
 
 
+_FAMILY = FastLaunch(_family_kernel)
+
+
 def family_intervals(q_len: int, kv_len: int, family: tuple, shape: tuple, device) -> torch.Tensor:
     """Canonical int32 [Bm, Hm, kv_len, 4] of a built-in family (`device_intervals.device_family`'s
     (code, p0, p1, p2, docs, prefixes) and (Bm, Hm)), in one launch: the operands of a
@@ -738,10 +745,8 @@ def family_intervals(q_len: int, kv_len: int, family: tuple, shape: tuple, devic
         doc_stride = docs.shape[1]
         doc_iters = max(1, (doc_stride - 2).bit_length())
     if kv_len and shape[0] * shape[1]:
-        _family_kernel[(cdiv(kv_len, COMPOSE_BLOCK), shape[0] * shape[1])](
-            out, docs, out if prefixes is None else prefixes, q_len, kv_len, kv_len - q_len, p0, p1, p2,
-            doc_stride, doc_iters, FAMILY=code, BLOCK=COMPOSE_BLOCK, num_warps=4,
-        )
+        _FAMILY((cdiv(kv_len, COMPOSE_BLOCK), shape[0] * shape[1]), out, docs, out if prefixes is None else prefixes,
+                q_len, kv_len, kv_len - q_len, p0, p1, p2, doc_stride, doc_iters, code, COMPOSE_BLOCK, num_warps=4)
     return out
 
 
@@ -768,6 +773,9 @@ def _shift_kernel(VIRTUAL, LENGTHS, OUT, v_sb, v_sh, Sq, Sk, HEADS, BLOCK: tl.co
     tl.store(p_o + 3, ute.to(tl.int32), mask=ok)
 
 
+_SHIFT = FastLaunch(_shift_kernel)
+
+
 def shift_to_cache(virtual: torch.Tensor, lengths: torch.Tensor, q_len: int) -> torch.Tensor:
     """`intervals.canonicalize(virtual - lengths.view(-1, 1, 1, 1), q_len)` in one launch, with no
     int64 copies: virtual int32 [1 or B, H, Sk, 4] canonical rows of Sq + Sk virtual rows,
@@ -778,9 +786,8 @@ def shift_to_cache(virtual: torch.Tensor, lengths: torch.Tensor, q_len: int) -> 
     v_sb = 0 if virtual.shape[0] == 1 else virtual.stride(0)
     v_sh = 0 if heads == 1 else virtual.stride(1)
     if kv_len and batch * heads:
-        _shift_kernel[(cdiv(kv_len, COMPOSE_BLOCK), batch * heads)](
-            virtual, lengths, out, v_sb, v_sh, q_len, kv_len, heads, BLOCK=COMPOSE_BLOCK, num_warps=4,
-        )
+        _SHIFT((cdiv(kv_len, COMPOSE_BLOCK), batch * heads), virtual, lengths, out, v_sb, v_sh, q_len, kv_len, heads,
+               COMPOSE_BLOCK, num_warps=4)
     return out
 
 
@@ -806,6 +813,9 @@ def _document_bounds_kernel(LENGTHS, BOUNDS, n_docs, stride_row, BLOCK: tl.const
     tl.store(p_out + n_docs + 1, last_start.to(tl.int32))
 
 
+_DOCUMENT_BOUNDS = FastLaunch(_document_bounds_kernel)
+
+
 def document_bounds(lengths: torch.Tensor) -> torch.Tensor:
     """int32 [rows, docs + 2] document bounds (0, the ends, the last non-empty document's start) of
     integer lengths [docs] or [rows, docs] on the device, in one launch (the torch ops take nine)."""
@@ -815,5 +825,5 @@ def document_bounds(lengths: torch.Tensor) -> torch.Tensor:
     rows, n_docs = lengths.shape
     out = torch.empty(rows, n_docs + 2, dtype=torch.int32, device=lengths.device)
     if rows:
-        _document_bounds_kernel[(rows,)](lengths, out, n_docs, lengths.stride(0), BLOCK=COMPOSE_BLOCK, num_warps=4)
+        _DOCUMENT_BOUNDS((rows,), lengths, out, n_docs, lengths.stride(0), COMPOSE_BLOCK, num_warps=4)
     return out

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.compile_kernels import build_tables_device
-from . import device_intervals, tile_bounds
+from .device_plan import device_plan
 from .intervals import build_intervals
 
 SKIP, PARTIAL, FULL = 0, 1, 2
@@ -202,21 +202,14 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
     """Compile a Mask for one shape. On a GPU (or with on_device=True: the Triton kernels, also
     under the interpreter) without a host sync: built-in families emit their intervals inside
     the compile kernel, and the lists are sized by `tile_bounds.visited_tiles_bound`."""
-    device = torch.device(device)
+    device = device if isinstance(device, torch.device) else torch.device(device)
     if not (device.type == "cuda" if on_device is None else on_device):
         return build_tables(build_intervals(mask, q_len, kv_len, device), q_len, kv_len, block_m, block_n,
                             source=mask, on_device=False)
-    family, pair = device_intervals.device_family(mask, q_len, kv_len, device), None
-    if family is None and mask.kind in ("and", "or"):  # `a & b` of two families: composed by the kernel too
-        composed = device_intervals.device_pair(mask, q_len, kv_len, device)
-        if composed is not None:
-            family, pair = (composed[0], composed[2]), composed[1]
-    intervals = None if family is not None else build_intervals(mask, q_len, kv_len, device,
-                                                                on_device=True).contiguous()
-    shape = family[1] if family is not None else tuple(intervals.shape[:2])
-    rows = shape[0] * shape[1]
+    plan = device_plan(mask, q_len, kv_len, device, block_m, block_n)  # kept on the mask where it may be
+    rows = plan.shape[0] * plan.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
-    per_row = min(n_qb * n_kb, tile_bounds.visited_tiles_bound(mask, q_len, kv_len, block_m, block_n))
+    per_row = min(n_qb * n_kb, plan.tiles_per_row)
     capacity = rows * per_row
     if capacity >= 2**31:
         raise ValueError(
@@ -227,8 +220,8 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
     # MAX_UNCOUNTED_LIST_BYTES of lists, count the tiles first instead (one host sync)
     if per_row == n_qb * n_kb and mask.kind != "full" and capacity * _LIST_BYTES_PER_TILE > MAX_UNCOUNTED_LIST_BYTES:
         capacity = None
-    tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, capacity, intervals=intervals,
-                                 family=None if family is None else family[0], shape=shape, device=device, pair=pair)
+    tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, capacity, intervals=plan.intervals,
+                                 family=plan.family, shape=plan.shape, device=device, pair=plan.pair)
     visited = int(tables["bwd_offsets"][-1]) if capacity is None else capacity
     return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n, num_tiles_visited=visited,
                         source=mask, **tables)

@@ -82,8 +82,8 @@ def device_family(mask: specs.Mask, q_len: int, kv_len: int, device: torch.devic
         bounds = _host_document_bounds([lengths + [kv_len - pos]])
         return (ck.QK_SPARSE, 0, 0, 0, intervals.to_device(bounds, device, torch.int32), None), one
     g = intervals.geometry(q_len, kv_len, device, on_device=True)
-    if kind == "kv_cache":  # the kernel reads each batch row's length (checked host lists, clamped tensors)
-        lengths = intervals.cache_lengths(mask, g)
+    if kind == "kv_cache":  # the kernel reads each batch row's length (checked host lists; tensors it clamps)
+        lengths = intervals.cache_lengths(mask, g, clamp=False)  # the kernel clamps them
         return (ck.KV_CACHE, int(p["causal"]), 0, 0, lengths.view(-1, 1), None), (lengths.shape[0], 1)
     if kind == "share_question":
         bounds = _host_document_bounds([intervals.share_question_lengths(p, kv_len)])

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..kernels.compile_kernels import _canonical, _rows
 from ..kernels.intmath import cdiv
+from ..kernels.launcher import FastLaunch
 
 BLOCK = 1024
 
@@ -87,6 +88,9 @@ def _eviction_scatter_kernel(KEYS, OUT, Sq, Sk, offset, n, BLOCK: tl.constexpr):
     _store_columns(OUT, h, evicted, step, m_i, Sq, Sk, offset)
 
 
+_KEYS, _SCATTER = FastLaunch(_eviction_keys_kernel), FastLaunch(_eviction_scatter_kernel)  # host-bound: see launcher
+
+
 def eviction_intervals(q_len: int, kv_len: int, slots: int, seed_term: int, heads: int, device) -> torch.Tensor:
     """Canonical int32 [1, heads, kv_len, 4] of random_eviction(slots, seed, heads), where
     seed_term = intervals._mul32(seed & 0xFFFFFFFF, 0x9E3779B9): two launches, one sort, no sync."""
@@ -97,12 +101,9 @@ def eviction_intervals(q_len: int, kv_len: int, slots: int, seed_term: int, head
         return out
     keys = torch.empty(heads, max(n, 1), dtype=torch.int64, device=device)  # never a zero-size buffer
     seed_i32 = seed_term - (1 << 32) if seed_term >= 1 << 31 else seed_term  # one kernel signature
-    _eviction_keys_kernel[(cdiv(kv_len, BLOCK), heads)](
-        out, keys, q_len, kv_len, kv_len - q_len, first, min(slots, kv_len), seed_i32, BLOCK=BLOCK, num_warps=4,
-    )
+    _KEYS((cdiv(kv_len, BLOCK), heads), out, keys, q_len, kv_len, kv_len - q_len, first, min(slots, kv_len), seed_i32,
+          BLOCK, num_warps=4)
     if n:
         keys = torch.sort(keys, dim=-1).values  # the unsorted keys are freed here
-        _eviction_scatter_kernel[(cdiv(n, BLOCK), heads)](
-            keys, out, q_len, kv_len, kv_len - q_len, n, BLOCK=BLOCK, num_warps=4,
-        )
+        _SCATTER((cdiv(n, BLOCK), heads), keys, out, q_len, kv_len, kv_len - q_len, n, BLOCK, num_warps=4)
     return out

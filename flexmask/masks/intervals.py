@@ -415,9 +415,11 @@ def _check_startend_order(idx: torch.Tensor, causal: bool) -> None:
         _check_ordered("startend_row_indices[..., 2] (UTS)", idx[2], idx[3], "startend_row_indices[..., 3] (UTE)")
 
 
-def cache_lengths(m, g) -> torch.Tensor:
+def cache_lengths(m, g, clamp: bool = True) -> torch.Tensor:
     """kv_lengths of a kv_cache mask as int64 [B] on the device. Checked against kv_len when
-    they are on the host; a device tensor is clamped instead (checking it would sync)."""
+    they are on the host; a device tensor is clamped to [0, kv_len] instead (checking it would
+    sync), or with clamp=False returned as it is for a kernel that clamps it itself (the compile
+    kernel: one launch less)."""
     lengths = m.params()["kv_lengths"]
     if isinstance(lengths, list):
         for b, n in enumerate(lengths):
@@ -427,7 +429,7 @@ def cache_lengths(m, g) -> torch.Tensor:
     if not g.is_device_data(lengths) and bool((lengths > g.kv_len).any()):
         b = int((lengths > g.kv_len).nonzero()[0])
         raise ValueError(f"kv_lengths[{b}]={int(lengths[b])} exceeds kv_len={g.kv_len} (the cache holds kv_len keys)")
-    return g.upload(lengths).clamp(0, g.kv_len)
+    return g.upload(lengths).clamp(0, g.kv_len) if clamp else g.upload(lengths)
 
 
 def _kv_cache(m, g):

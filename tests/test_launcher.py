@@ -1,0 +1,81 @@
+"""`kernels.launcher.FastLaunch` (issue 13: a compile is host-bound): the key under which it keeps
+a compiled kernel must tell apart every pair of calls that Triton would specialise differently,
+else a later launch would run a kernel compiled for other arguments. Checked on the CPU on the
+generated key function; the launches themselves run in the GPU tests of the compiler."""
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from flexmask.kernels.launcher import FastLaunch, _key_function
+
+
+def _kernel(X, Y, n, m, flag, BLOCK: tl.constexpr):
+    pass
+
+
+# built as Triton's own JITFunction whatever TRITON_INTERPRET says (only its parameter list is used)
+KERNEL = JITFunction(_kernel, do_not_specialize=["m"])
+KEY = _key_function(KERNEL)
+
+
+def _args(**changes):
+    x = torch.zeros(64, dtype=torch.int32)
+    args = dict(X=x, Y=x, n=32, m=32, flag=None, BLOCK=128)
+    args.update(changes)
+    return tuple(args.values())
+
+
+@pytest.mark.parametrize("change", [
+    dict(X=torch.zeros(64, dtype=torch.int64)),  # dtype
+    dict(X=torch.zeros(64, dtype=torch.int32)[1:]),  # 4 bytes off: not 16-byte aligned
+    dict(n=1),  # a specialised int equal to 1 becomes a constexpr
+    dict(n=33),  # ... not a multiple of 16
+    dict(n=2**31),  # ... a 64-bit int
+    dict(m=2**31),  # a non-specialised int: its width still counts
+    dict(m=2**63),  # unsigned 64-bit
+    dict(flag=True),  # None is a constexpr, a bool an i1
+    dict(BLOCK=64),  # constexpr value
+], ids=["dtype", "misaligned", "int-one", "int-not-16", "int-64", "dns-int-64", "dns-uint-64", "none-bool",
+        "constexpr"])
+def test_key_tells_specialisations_apart(change):
+    assert KEY(_args(**change)) != KEY(_args())
+
+
+def test_key_ignores_what_triton_does_not_specialise():
+    """Other addresses of the same alignment and other values of a non-specialised int reuse the
+    kernel (the point of the cache); so do other multiples of 16 of a specialised int."""
+    other = torch.zeros(128, dtype=torch.int32)
+    assert KEY(_args(X=other, Y=other[16:], m=7, n=48)) == KEY(_args())
+
+
+def test_unkeyed_arguments_take_triton_path():
+    """A float or a numpy scalar is not modelled by the key: the launch goes through Triton."""
+    import numpy as np
+
+    from flexmask.kernels import launcher
+
+    for value in (1.5, np.int64(3)):
+        with pytest.raises(launcher._Unkeyed):
+            KEY(_args(n=value))
+
+
+def test_interpreter_kernels_take_triton_path():
+    """Under the interpreter (the CPU tests) FastLaunch only forwards to `kernel[grid](...)`."""
+    from flexmask.kernels import compile_kernels as ck
+
+    assert isinstance(ck._CLASSIFY, FastLaunch)
+    assert ck._CLASSIFY._fast == isinstance(ck._classify_kernel, JITFunction)
+
+
+def test_launch_hooks_take_triton_path(monkeypatch):
+    """A registered launch hook (a profiler such as proton) must see every launch: FastLaunch then
+    leaves the launch to Triton, whose path calls the hooks."""
+    from triton import knobs
+
+    from flexmask.kernels import launcher
+
+    assert not launcher._hooks_registered()
+    monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+    assert launcher._hooks_registered()
