@@ -133,10 +133,11 @@ def _eviction(kernel: str):
 
     out, keys = torch.empty(16, dtype=torch.int32), torch.empty(16, dtype=torch.int64)
     if kernel == "keys":
-        args = dict(OUT=out, KEYS=keys, Sq=1000, Sk=1000, offset=0, first=500, slots=500, seed_term=-7)
+        args = dict(OUT=out, KEYS=keys, Sq=1000, Sk=1000, offset=0, first=500, slots=500, seed_term=-7, n=500)
         return compile_offline(ek._eviction_keys_kernel, args, dict(BLOCK=ek.BLOCK), dict(num_warps=4))
-    args = dict(KEYS=keys, OUT=out, Sq=1000, Sk=1000, offset=0, n=500)
-    return compile_offline(ek._eviction_scatter_kernel, args, dict(BLOCK=ek.BLOCK), dict(num_warps=4))
+    args = dict(KEYS=keys, src=0, OUT=out, Sq=1000, Sk=1000, offset=0, n=500, run=1024, ways=2)
+    return compile_offline(ek._eviction_merge_kernel, args, dict(STEPS=ek.BLOCK.bit_length(), FINAL=kernel == "final", BLOCK=ek.BLOCK),
+                           dict(num_warps=4))
 
 
 if __name__ == "__main__":
@@ -147,7 +148,7 @@ if __name__ == "__main__":
         for name in ("LOAD", "CAUSAL", "DOCUMENT", "PREFIX_LM_DOCUMENT", "KV_CACHE"):
             print(report(f"classify {name}", _classify(getattr(ck, name))), flush=True)
         print(report("shift_to_cache", _shift()), flush=True)
-        for kernel in ("keys", "scatter"):
+        for kernel in ("keys", "merge", "final"):
             print(report(f"random_eviction {kernel}", _eviction(kernel)), flush=True)
         sys.exit(0)
     if sys.argv[1:] == ["backward"]:

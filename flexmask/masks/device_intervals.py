@@ -31,9 +31,11 @@ def _host_document_bounds(rows: list[list[int]]) -> list[list[int]]:
     width = max(len(r) for r in rows)
     out = []
     for r in rows:
-        ends = list(itertools.accumulate(r)) + [sum(r)] * (width - len(r))
-        last_start = max((e - n for e, n in zip(ends, r) if n > 0), default=0)
-        out.append([0, *ends, last_start])
+        ends = list(itertools.accumulate(r, initial=0))  # 0, then each document's end
+        last = next((d for d in range(len(r) - 1, -1, -1) if r[d] > 0), None)  # the last non-empty document
+        ends += [ends[-1]] * (width - len(r))
+        ends.append(0 if last is None else ends[last])
+        out.append(ends)
     return out
 
 

@@ -13,6 +13,7 @@ Pictures below: rows are queries, columns are keys, ``#`` attends, ``.`` is mask
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -166,6 +167,8 @@ def _check_lengths(name: str, values, minimum: int = 0) -> list:
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) == 0:
         raise TypeError(f"{name} must be a non-empty list of ints (or one list per batch row), got {values!r}")
+    if all(v.__class__ is int for v in values) and min(values) >= minimum:  # the common case, checked in C
+        return list(values)  # (bool's class is not int: bools take the loop below and its error)
     if all(isinstance(v, Sequence) and not isinstance(v, str) for v in values):
         return [_check_lengths(f"{name}[{b}]", row, minimum) for b, row in enumerate(values)]
     out = []
@@ -316,6 +319,8 @@ def prefix_lm_document(seqlens, prefix_lens) -> Mask:
             f"prefix_lens must have one entry per document of seqlens, got seqlens={seqlens} and prefix_lens={prefix_lens}"
         )
     for s_row, p_row in zip(rows_s, rows_p):
+        if all(map(operator.le, p_row, s_row)):  # (the common case, in C)
+            continue
         for d, (s, p) in enumerate(zip(s_row, p_row)):
             if p > s:
                 raise ValueError(f"prefix_lens[{d}]={p} is longer than its document seqlens[{d}]={s}")

@@ -7,11 +7,15 @@ mask's parameters alone. It is exact when the columns attended by a block of row
 contiguous range (full, causal, sliding window, documents, prefix-LM), and an upper bound
 otherwise (families that attend a subset of causal take the causal hull; masks given as
 tensors take every tile, documents given as a tensor of lengths the causal hull or every tile).
+A composition holding documents given as lists is bounded by its operands' bounds instead (the
+smaller for `&`, the sum for `|`, where that is below every tile): looser than its hull, but no
+numpy pass over the q-blocks at every compile of new documents.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import torch
@@ -59,7 +63,7 @@ class _Blocks:
 
 def _doc_bounds(seqlens):
     rows = seqlens if isinstance(seqlens[0], list) else [seqlens]
-    return [np.concatenate([[0], np.cumsum(np.asarray(r, dtype=np.int64))]) for r in rows]
+    return [np.fromiter(itertools.accumulate(r, initial=0), np.int64, len(r) + 1) for r in rows]  # 0, then the ends
 
 
 def _document_hull(blocks: _Blocks, seqlens, causal: bool):
@@ -144,6 +148,15 @@ def visited_tiles_bound(mask: specs.Mask | None, q_len: int, kv_len: int, block_
     mask's parameters only. `None` means "unknown mask": every tile."""
     if mask is not None and mask.kind in _SCALAR_KINDS:  # a few ints: remembered per shape
         return _scalar_bound(mask.kind, tuple(sorted(mask.params().items())), q_len, kv_len, block_m, block_n)
+    if mask is not None and mask.kind in ("and", "or") and not _contains_kind(mask, "kv_cache"):
+        key = _scalar_tree(mask)
+        if key is not None:  # operands of a few ints each: remembered per shape
+            return _remembered(_TREE_BOUNDS, (key, q_len, kv_len, block_m, block_n),
+                               lambda: _bound(mask, q_len, kv_len, block_m, block_n))
+        if _has_host_documents(mask):  # new documents at every compile: no hull over the q-blocks, see below
+            bound = _operand_bound(mask, q_len, kv_len, block_m, block_n)
+            if bound < -(-q_len // block_m) * -(-kv_len // block_n):
+                return bound
     if mask is not None and mask.kind in ("document", "prefix_lm_document"):  # every compile of a packed batch
         p = mask.params()
         if not isinstance(p["seqlens"], torch.Tensor):
@@ -152,6 +165,44 @@ def visited_tiles_bound(mask: specs.Mask | None, q_len: int, kv_len: int, block_
                 causal = mask.kind == "document" and p["causal"]
                 return _one_row_document_count(_blocks(q_len, kv_len, block_m), rows[0], causal, block_n)
     return _bound(mask, q_len, kv_len, block_m, block_n)
+
+
+def _operand_bound(mask: specs.Mask, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
+    """A bound of `a & b` or `a | b` from its operands' bounds, looser than the hull of the
+    composition but without its numpy work over the q-blocks (host time of every compile of new
+    documents, issue 13): `a & b` visits only tiles that both visit, `a | b` only tiles that one
+    of them visits. (A sum that reaches every tile is not used: the caller takes the hull.)"""
+    a = visited_tiles_bound(mask.a, q_len, kv_len, block_m, block_n)
+    b = visited_tiles_bound(mask.b, q_len, kv_len, block_m, block_n)
+    return min(a, b) if mask.kind == "and" else a + b
+
+
+def _has_host_documents(mask: specs.Mask) -> bool:
+    if mask.kind in ("and", "or"):
+        return _has_host_documents(mask.a) or _has_host_documents(mask.b)
+    return mask.kind in ("document", "prefix_lm_document") and not isinstance(mask.params()["seqlens"], torch.Tensor)
+
+
+def _scalar_tree(mask: specs.Mask):
+    """A hashable description of a composition of families of a few ints, or None."""
+    if mask.kind in ("and", "or"):
+        a, b = _scalar_tree(mask.a), _scalar_tree(mask.b)
+        return None if a is None or b is None else (mask.kind, a, b)
+    if mask.kind in _SCALAR_KINDS:
+        return mask.kind, tuple(sorted(mask.params().items()))
+    return None
+
+
+_TREE_BOUNDS: dict = {}
+
+
+def _remembered(memo: dict, key, compute):
+    value = memo.get(key)
+    if value is None:
+        if len(memo) >= 256:
+            memo.pop(next(iter(memo)))
+        value = memo[key] = compute()
+    return value
 
 
 @functools.lru_cache(maxsize=256)
