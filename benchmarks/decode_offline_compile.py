@@ -2,6 +2,7 @@
 ptxas): compile errors, registers, spills and shared memory before any device time is spent.
 
     python -m benchmarks.decode_offline_compile
+    python -m benchmarks.decode_offline_compile --compile-time   # cold-cache compile time of the Hopper plans
 """
 
 from __future__ import annotations
@@ -106,6 +107,34 @@ def fused_merge_ptx(kernel) -> str:
              (("bar.sync", r"bar\.sync"), ("ld.global.cg", r"ld\.global\.cg"), ("fence", r"fence\."))}
     return f"ticket: {atoms}; " + "; ".join(f"{what} x{n}" for what, n in count.items())
 
+
+HOPPER_CONFIGS = {  # the default Hopper decode plan of session 8, and of session 9
+    "two-launch, 128-key steps": (128, torch.bfloat16, 1, 2, False, False, 1, 16, 128),
+    "fused merge, 64-key steps": (128, torch.bfloat16, 1, 2, False, True, 1, 16, 64),
+}
+
+
+def compile_times() -> None:
+    """First-call (cold cache) sm_90 compile time of the Hopper decode kernel's default plans
+    (D=128 bf16 Sq=1 GQA 4, 2 stages, 16 shares): each in a fresh process with its own empty
+    TRITON_CACHE_DIR, after one warm-up compile of another configuration."""
+    import subprocess
+    import tempfile
+
+    for name in HOPPER_CONFIGS:
+        code = ("import time, torch; from benchmarks.decode_offline_compile import hopper, HOPPER_CONFIGS; "
+                "hopper(64, torch.float16, 4, 4, False); t = time.perf_counter(); "
+                f"hopper(*HOPPER_CONFIGS[{name!r}]); print(f'{{time.perf_counter() - t:.2f}}')")
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TRITON_CACHE_DIR=cache)
+            env.pop("TRITON_INTERPRET", None)
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        print(f"hopper decode, {name}: {out.stdout.strip()} s", flush=True)
+
+
+if __name__ == "__main__" and "--compile-time" in sys.argv:
+    compile_times()
+    sys.exit(0)
 
 if __name__ == "__main__":
     bf16 = torch.bfloat16
