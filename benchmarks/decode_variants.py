@@ -9,7 +9,8 @@ what the merge costs). Hq = 32, Hkv = 8, D = 128, bf16, a full kv_cache mask. On
 
 A point is sq:batch:kv_len; a variant is comma-separated key=value pairs over tma, bn (block_n
 and masked_block_n), st (both stage counts), mbn/mst (masked steps only), w (warps), per_sm,
-splits, pdl (0/1), merge, hop (1: the Hopper kernel's plan, decode_hopper.py; 0: the Triton kernel's); "base" is the plan
+splits, pdl (0/1), merge, hop (1: the Hopper kernel's plan, decode_hopper.py; 0: the Triton kernel's), nreg (the
+Hopper kernel's registers per thread); "base" is the plan
 flexmask.attention makes, "copy" a copy of as many bytes, "launch" a replay of one kernel on 4
 bytes (what any step pays before its work).
 
@@ -35,7 +36,7 @@ from .bench_decode import _graph_timed, copy_bandwidth_gbps
 from .cuda_guard import require_cuda
 from .report import write_rows
 
-KEYS = {"pdl", "tma", "bn", "st", "mbn", "mst", "w", "per_sm", "splits", "merge", "hop"}
+KEYS = {"pdl", "tma", "bn", "st", "mbn", "mst", "w", "per_sm", "splits", "merge", "hop", "nreg"}
 
 
 def parse_variant(text: str) -> dict:
@@ -77,6 +78,8 @@ def plan_for(variant: dict, b, hq, hkv, sq, sk, d, q, cm, configs):
         changes["num_splits"] = variant["splits"]
     if "w" in variant:
         changes["num_warps"] = variant["w"]
+    if "nreg" in variant:
+        changes["max_registers"] = variant["nreg"]
     if variant.get("merge") in ("two_launch", "fused"):
         changes["merge"] = variant["merge"]
     if variant.get("merge") == "none":  # the partials only: the two-launch plan, its merge launch skipped
@@ -131,7 +134,7 @@ def table(rows: list[dict], flush: str = "read") -> str:
         if r["variant"] in ("copy", "launch"):
             return {"copy": "copy of the bytes", "launch": "launch of one kernel"}[r["variant"]]
         plan, variant = r["plan"], r["variant"]
-        if "pdl=True" in plan or "use_tma=True" in plan or any(k in variant for k in ("splits", "per_sm", "st=", "bn=")):
+        if "pdl=True" in plan or "use_tma=True" in plan or any(k in variant for k in ("splits", "per_sm", "st=", "bn=", "nreg")):
             return None
         alone = variant.endswith("merge=none")
         if "kernel='hopper'" in plan:

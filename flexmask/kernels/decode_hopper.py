@@ -352,12 +352,13 @@ def merge_shape(rows: int, head_dim: int, num_splits: int) -> tuple[int, int, gl
 
 def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], num_splits: int,
                             block_q: int, stages: int, o, lse, o_part, lse_part, semaphores=None,
-                            block_n: int = TILE) -> None:
+                            block_n: int = TILE, max_registers: int | None = None) -> None:
     """Launch the kernel: writes o and lse (one split, or several with `semaphores`: one int32
     counter at 0 per batch x KV head, decode.merge_counters, and the fused merge), or else the
     shares' partials (o_part, lse_part: [num_splits, B x Hq x Sq, D] and [num_splits, B x Hq x Sq],
     LSE in log2 units) that decode._merge_kernel combines. block_n: keys a step, the tile (128) or
-    half of it. Call only when `supports` says yes."""
+    half of it. max_registers: registers per thread (None: what ptxas uses, 255, which leaves room
+    for one program an SM; fewer let two share one). Call only when `supports` says yes."""
     if block_n not in (TILE, TILE // 2):
         raise ValueError(f"block_n must be {TILE} or {TILE // 2} for the Hopper decode kernel, got {block_n}")
     batch, hq, sq, d = q.shape
@@ -379,4 +380,5 @@ def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int,
         BLOCK_Q=block_q, BLOCK_N=block_n, TILE_N=TILE, HEAD_DIM=d, STAGES=stages, DIRECT=direct, FUSED=fused,
         MERGE_ROWS=merge_rows, MERGE_CHUNK=merge_chunk, MERGE_LAYOUT=merge_layout,
         Q_LAYOUT=shared_layout((ROWS.value, d), q.dtype), num_warps=4,
+        **({} if max_registers is None else {"maxnreg": max_registers}),
     )
