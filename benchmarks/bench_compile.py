@@ -1,7 +1,7 @@
 """Cost of building the mask tables: `flexmask.compile_mask` against FlexAttention's compiled
 `create_block_mask`, per mask family, from 8K to 1M tokens (Sq = Sk, batch 1, one mask head,
 128 x 128 tiles on both sides). Per case: the warm time (flexmask: per compile of a mask never
-compiled before, best and median of 5 batches, see `_fresh_compiles`; FlexAttention: triton's
+compiled before, best and median of ROUNDS batches, see `FreshCompiles`; FlexAttention: triton's
 do_bench, median), the wall time of back-to-back calls (what the host sees: launch overhead
 included), the peak of GPU
 memory during one call beyond what was allocated before, the part of it that is not the
@@ -121,51 +121,66 @@ EXTRAS = ("causal_document_tensor", "document_tensor", "causal&sliding_window", 
           "causal_document|sliding_window", "kv_cache&sliding_window")
 
 
-def _fresh_compiles(case, s: int, device: str, batches: int = 5):
-    """Milliseconds per `compile_mask` of masks never compiled before: `batches` batches, each of
-    compiles of distinct masks built before its clock starts (so what a compile keeps on a mask,
-    masks.device_plan, never helps, and building the mask object is not timed: `make_ms` times
-    that), timed by CUDA events around the batch (the GPU's view: host time where the host is
-    the bound) and by the host clock with a sync at the end. Returns (best batch, median batch,
-    median host-clock batch, make_ms): issue 13 states its figures as the best of 5, warm."""
-    def compile_one(mask):
-        return flexmask.compile_mask(mask, s, s, device=device, block_m=TILE, block_n=TILE)
+ROUNDS = 5  # batches of new-mask compiles per case, one per round over every case
 
-    compile_one(case.make())  # warm: the kernels' specialisations
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    compile_one(case.make())
-    if device == "cuda":
-        torch.cuda.synchronize()
-    per_batch = max(3, min(50, int(2e-3 / max(time.perf_counter() - t0, 1e-6))))  # ~2 ms a batch
-    event_ms, host_ms, make_ms = [], [], []
-    for _ in range(batches):
-        m0 = time.perf_counter()
-        masks = [case.make() for _ in range(per_batch)]
-        make_ms.append((time.perf_counter() - m0) / per_batch * 1e3)
-        if device == "cuda":
+
+class FreshCompiles:
+    """Milliseconds per `compile_mask` of masks never compiled before, for one case: batches of
+    compiles of distinct masks built before the batch's clock starts (so what a compile keeps on
+    a mask, masks.device_plan, never helps, and building the mask object is not timed: `make_ms`
+    times that), each timed by CUDA events around the batch (the GPU's view: host time where the
+    host is the bound) and by the host clock with a sync at the end. `_run` takes one batch of
+    every case per round, ROUNDS rounds, so that a case's batches are minutes apart: the host
+    of a lent GPU has slow phases longer than a case's own measurement (issue 13 states its
+    figures as the best of 5, warm)."""
+
+    def __init__(self, case, s: int, device: str):
+        self.case, self.s, self.device = case, s, device
+        self.event_ms, self.host_ms, self.make_ms = [], [], []
+        self._compile(case.make())  # warm: the kernels' specialisations
+        self._sync()
+        t0 = time.perf_counter()
+        self._compile(case.make())
+        self._sync()
+        self.per_batch = max(3, min(50, int(2e-3 / max(time.perf_counter() - t0, 1e-6))))  # ~2 ms a batch
+
+    def _compile(self, mask):
+        return flexmask.compile_mask(mask, self.s, self.s, device=self.device, block_m=TILE, block_n=TILE)
+
+    def _sync(self):
+        if self.device == "cuda":
             torch.cuda.synchronize()
+
+    def batch(self) -> None:
+        m0 = time.perf_counter()
+        masks = [self.case.make() for _ in range(self.per_batch)]
+        self.make_ms.append((time.perf_counter() - m0) / self.per_batch * 1e3)
+        self._sync()
+        if self.device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         h0 = time.perf_counter()
         for mask in masks:
-            compile_one(mask)
-        if device == "cuda":
+            self._compile(mask)
+        if self.device == "cuda":
             end.record()
             torch.cuda.synchronize()
-            event_ms.append(start.elapsed_time(end) / per_batch)
-        host_ms.append((time.perf_counter() - h0) / per_batch * 1e3)
-        del masks
-    times = event_ms if device == "cuda" else host_ms
-    return min(times), statistics.median(times), statistics.median(host_ms), statistics.median(make_ms)
+            self.event_ms.append(start.elapsed_time(end) / self.per_batch)
+        self.host_ms.append((time.perf_counter() - h0) / self.per_batch * 1e3)
+
+    def figures(self) -> dict:
+        """compile_ms (the best batch), median_ms, wall_ms (the host clock's median batch), make_ms."""
+        times = self.event_ms if self.device == "cuda" else self.host_ms
+        return dict(compile_ms=min(times), median_ms=statistics.median(times),
+                    wall_ms=statistics.median(self.host_ms), make_ms=statistics.median(self.make_ms))
 
 
 def _flexmask_case(case, s: int, device: str):
-    """compile_ms: the best of 5 batches of compiles of new masks (`_fresh_compiles`; median_ms the
-    median batch, wall_ms the host clock's median batch, make_ms what building one mask object
-    costs the host, outside the timed compiles); reuse_ms: one mask compiled again (do_bench,
-    median), where what the first compile kept on the mask is reused."""
+    """compile_ms: the best of the batches of compiles of new masks (`FreshCompiles`: the first
+    batch here, the others in `_run`'s rounds; median_ms the median batch, wall_ms the host
+    clock's median batch, make_ms what building one mask object costs the host, outside the timed
+    compiles); reuse_ms: one mask compiled again (do_bench, median), where what the first compile
+    kept on the mask is reused."""
     def build():
         return flexmask.compile_mask(case.make(), s, s, device=device, block_m=TILE, block_n=TILE)
 
@@ -177,9 +192,10 @@ def _flexmask_case(case, s: int, device: str):
     cm, peak = _peak(build, device)
     tables = _tensor_bytes(cm)
     rows = cm.batch * cm.heads
-    best, median, wall, make = _fresh_compiles(case, s, device)
+    fresh = FreshCompiles(case, s, device)
+    fresh.batch()
     reuse = _gpu_ms(rebuild, slow=False) if device == "cuda" else _wall_ms(rebuild, device, 3)
-    return dict(compile_ms=best, median_ms=median, make_ms=make, reuse_ms=reuse, wall_ms=wall, peak=peak,
+    return dict(**fresh.figures(), fresh=fresh, reuse_ms=reuse, peak=peak,
                 result=tables, rows=rows, tiles=cm.tiles_listed(), tiles_bound=cm.num_tiles_visited)
 
 
@@ -243,7 +259,8 @@ def _protocol(row: dict) -> str:
         return ("Time: `triton.testing.do_bench`, median, of a new mask built and compiled per call (the "
                 "CSV's `reuse_ms` times one mask compiled again).")
     return ("Time: flexmask, per compile of a mask never compiled before (nothing kept on a mask by "
-            "`masks.device_plan` is reused), the best of 5 batches of such compiles timed by CUDA events "
+            "`masks.device_plan` is reused), the best of 5 batches of such compiles timed by CUDA events, "
+            "one batch of every case per round (a case's batches minutes apart) "
             "(the CSV also has the median batch, `median_ms`; the host-clock time, `wall_ms`; what building "
             "the mask object costs, `make_ms`; one mask compiled again, `reuse_ms`); FlexAttention, "
             "`triton.testing.do_bench`, median, of `create_block_mask` on one mask_mod.")
@@ -334,7 +351,7 @@ def _run(args, device: str, argv) -> None:
         "command": " ".join(["python", "-m", "benchmarks.bench_compile", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    rows = []
+    rows, rounds = [], []  # rounds: (row, FreshCompiles) of each flexmask case
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"compile_cost_{device}.csv")
     for s in sorted(args.lengths):
@@ -359,7 +376,10 @@ def _run(args, device: str, argv) -> None:
                 except Exception as e:  # noqa: BLE001 -- one failed case (e.g. out of memory) must not lose the rest
                     row.update(status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                     torch.cuda.empty_cache() if device == "cuda" else None
-                rows.append({**row, **meta})
+                if row["status"] == "ok" and "fresh" in r:
+                    rounds.append((row, r["fresh"]))
+                row.update(meta)
+                rows.append(row)
                 _write_csv(rows, path)  # row by row: a time limit loses nothing measured
                 print(f"{provider:9} {family:22} S={s:>8}  " + (
                     f"{row['compile_ms']:9.3f} ms (median {row['median_ms'] or float('nan'):7.3f}, make {row['make_ms'] or float('nan'):7.3f}, "
@@ -367,6 +387,15 @@ def _run(args, device: str, argv) -> None:
                     f"wall {row['wall_ms']:8.3f})  peak {row['peak_mb']:9.1f} MB  "
                     f"result {row['result_mb']:8.1f} MB  extra {row['extra_bytes_per_col']:7.1f} B/col"
                     if row["status"] == "ok" else row["status"]), flush=True)
+    for i in range(1, ROUNDS):  # the other batches of every flexmask case, one round at a time
+        for row, fresh in rounds:
+            fresh.batch()
+            row.update({k: round(v, 4) for k, v in fresh.figures().items()})
+        _write_csv(rows, path)
+        print(f"round {i + 1} of {ROUNDS} of new-mask batches done", flush=True)
+    for row, _ in rounds:
+        print(f"flexmask  {row['family']:22} S={row['kv_len']:>8}  {row['compile_ms']:9.3f} ms "
+              f"(median {row['median_ms']:7.3f}, make {row['make_ms']:7.3f}) over {ROUNDS} rounds", flush=True)
     print("wrote", path)
     if any(r["status"] == "ok" for r in rows):
         _plot(rows, os.path.join(args.out, f"compile_cost_{device}.png"))

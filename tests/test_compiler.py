@@ -310,6 +310,69 @@ def test_kernel_compiler_exact(family):
             assert got.num_tiles_visited == expected.num_tiles_visited, (sq, sk, block_m, block_n)
 
 
+def _compiles_one_after_another(device: torch.device, on_device: bool):
+    """Masks of growing, then shrinking shapes compiled back to back (the transients kept per
+    device and stream, `compile_kernels._workspace`, reused and grown): each against the torch
+    path, and the workspace's zero buffer at zero after every compile."""
+    from flexmask.kernels import compile_kernels as ck
+
+    cases = [(masks.causal(), 40, 40, 16), (masks.document([100, 57, 143]), 300, 300, 16),
+             (masks.sliding_window(17, 5), 63, 197, 32), (masks.full(), 1, 1, 16),
+             (make_mask("random_eviction", 250, 250, batch=2, heads=2), 250, 250, 16), (masks.causal(), 40, 40, 16)]
+    for mask, sq, sk, block in cases:
+        got = compile_spec(mask, sq, sk, device, block, block, on_device=on_device)
+        zeros = [z for z, _ in ck._WORKSPACES.values() if z.device.type == device.type]
+        assert len(zeros) == 1 and int(zeros[0].count_nonzero()) == 0, (mask, sq, sk)
+        expected = compile_spec(mask, sq, sk, torch.device("cpu"), block, block, on_device=False)
+        assert_same_tables(expected, type(expected)(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                                       for k, v in vars(got).items()}))
+
+
+def test_compile_workspace_left_at_zero_and_reused(monkeypatch):
+    from flexmask.kernels import compile_kernels as ck
+
+    monkeypatch.setattr(ck, "_WORKSPACES", {})
+    _compiles_one_after_another(torch.device("cpu"), on_device=True)
+    assert len(ck._WORKSPACES) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_compile_workspace_left_at_zero_and_reused(monkeypatch):
+    from flexmask.kernels import compile_kernels as ck
+
+    monkeypatch.setattr(ck, "_WORKSPACES", {})
+    _compiles_one_after_another(torch.device("cuda"), on_device=None)
+    # another stream has a workspace of its own
+    with torch.cuda.stream(torch.cuda.Stream()):
+        flexmask.compile_mask(masks.causal(), 1000, 1000, device="cuda")
+    torch.cuda.synchronize()
+    assert len(ck._WORKSPACES) == 2
+    assert all(int(z.count_nonzero()) == 0 for z, _ in ck._WORKSPACES.values())
+
+
+@pytest.mark.gpu
+def test_gpu_uploads_through_the_pinned_ring():
+    """Host values uploaded through `masks.upload`'s ring arrive intact and with no sync, also
+    when the host runs more than a ring ahead of a busy GPU (slots still being read: pinned
+    allocations instead) and for values larger than a slot."""
+    from flexmask.masks import intervals, upload
+
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.cuda._sleep(20_000_000)  # the copies queue behind it: their slots stay busy
+        outs = [intervals.to_device([[i, i + 1], [i + 2, -i]], dev, torch.int32) for i in range(3 * upload.SLOTS)]
+        big = intervals.to_device(list(range(5000)), dev)  # 40 KB: more than a slot
+        cpu = intervals.to_device(torch.arange(7, dtype=torch.int32)[::2], dev)  # a strided CPU tensor
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert all(o.tolist() == [[i, i + 1], [i + 2, -i]] for i, o in enumerate(outs))
+    assert big.tolist() == list(range(5000)) and big.dtype == torch.int64
+    assert cpu.tolist() == [0, 2, 4, 6]
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sq=st.integers(1, 100),

@@ -213,7 +213,7 @@ def _operand(o_j, row, cache_row, DOCS, PREFIXES, LENGTHS, Sq, Sk, offset, P0, P
 @triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "NKB", "G_ROW", "offset", "P0", "P1", "P2", "DOC_STRIDE",
                                "DOC_ITERS", "RAGGED_N", "B_P0", "B_P1", "B_P2", "B_DOC_STRIDE", "B_DOC_ITERS"])
 def _classify_kernel(
-    IV, PLANAR, GRID, COUNTS, DIFFS, DOCS, PREFIXES,
+    IV, PLANAR, GRID, DIFFS, DOCS, PREFIXES,
     Sq, Sk, NQB, NKB, G_ROW, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS, RAGGED_N,
     FAMILY: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, CHUNK: tl.constexpr,
     # the tables' offsets and FULL counts (`build_tables_device`'s meta layout), written by the
@@ -276,6 +276,9 @@ def _classify_kernel(
     th2 = tl.where(m_j, th2, 0)
 
     ragged = n == RAGGED_N  # the kernels bounds-check this kv-block: never FULL in the lists
+    # DIFFS: the difference arrays [2, n_rows, NQB + 1], the ticket, the counts [2, n_rows * NKB]
+    TICKET = DIFFS + 2 * n_rows * (NQB + 1)
+    COUNTS = TICKET + 1
     p_grid = GRID + (row * NKB + n).to(tl.int64) * G_ROW
     p_dv = DIFFS + row.to(tl.int64) * (NQB + 1)  # visited tiles per q-block: changes along the column
     p_df = p_dv + n_rows * (NQB + 1)  # FULL (for the kernels) tiles per q-block
@@ -331,10 +334,11 @@ def _classify_kernel(
         # The last program to finish scans (a ticket, as CUTLASS's semaphores: every thread's
         # writes above, a CTA barrier, then one release/acquire atomic at GPU scope).
         tl.debug_barrier()
-        ticket = tl.atomic_add(COUNTS + 2 * n_rows * NKB, 1, sem="acq_rel", scope="gpu")
+        ticket = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()
         if ticket == n_rows * NKB - 1:
             _scan_tables(COUNTS, DIFFS, META, n_rows, NQB, NKB, RAGGED_N, SCAN_BLOCK)
+            tl.store(TICKET, 0)  # the whole of DIFFS is zero again: the next compile's start
 
 
 @triton.jit
@@ -351,7 +355,7 @@ def _scan_tables(COUNTS, DIFFS, META, n_rows, NQB, NKB, RAGGED_N, BLOCK: tl.cons
 @triton.jit
 def _scan_backward(COUNTS, BWD_OFFSETS, BWD_NUM_FULL, n_rows, NKB, RAGGED_N, BLOCK: tl.constexpr):
     """Backward view: one segment per (mask row, kv-block). Loads bypass L1 (.cg): other
-    programs wrote COUNTS."""
+    programs wrote COUNTS. Each value is set back to zero once read."""
     o = tl.arange(0, BLOCK)
     total = n_rows * NKB
     carry = 0
@@ -360,6 +364,8 @@ def _scan_backward(COUNTS, BWD_OFFSETS, BWD_NUM_FULL, n_rows, NKB, RAGGED_N, BLO
         m_idx = idx < total
         n_full = tl.load(COUNTS + idx, mask=m_idx, other=0, cache_modifier=".cg")
         count = n_full + tl.load(COUNTS + total + idx, mask=m_idx, other=0, cache_modifier=".cg")
+        tl.store(COUNTS + idx, 0, mask=m_idx)  # read once: left at zero (`_workspace`)
+        tl.store(COUNTS + total + idx, 0, mask=m_idx)
         incl = carry + tl.cumsum(count, 0)
         tl.store(BWD_OFFSETS + idx, incl - count, mask=m_idx)
         tl.store(BWD_NUM_FULL + idx, tl.where(idx % NKB == RAGGED_N, 0, n_full), mask=m_idx)
@@ -369,7 +375,8 @@ def _scan_backward(COUNTS, BWD_OFFSETS, BWD_NUM_FULL, n_rows, NKB, RAGGED_N, BLO
 
 @triton.jit
 def _scan_forward(DIFFS, FWD_OFFSETS, FWD_NUM_FULL, n_rows, NQB, BLOCK: tl.constexpr):
-    """Forward view: counts per q-block from the difference arrays, then their offsets."""
+    """Forward view: counts per q-block from the difference arrays, then their offsets. Each
+    value is set back to zero once read."""
     o = tl.arange(0, BLOCK)
     padded = n_rows * (NQB + 1)
     visit = 0
@@ -380,6 +387,8 @@ def _scan_forward(DIFFS, FWD_OFFSETS, FWD_NUM_FULL, n_rows, NQB, BLOCK: tl.const
         m_idx = idx < padded
         d_visit = tl.load(DIFFS + idx, mask=m_idx, other=0, cache_modifier=".cg")
         d_full = tl.load(DIFFS + padded + idx, mask=m_idx, other=0, cache_modifier=".cg")
+        tl.store(DIFFS + idx, 0, mask=m_idx)  # read once: left at zero (`_workspace`)
+        tl.store(DIFFS + padded + idx, 0, mask=m_idx)
         count = visit + tl.cumsum(d_visit, 0)  # zero on each row's pad entry
         n_full = full + tl.cumsum(d_full, 0)
         incl = carry + tl.cumsum(count, 0)
@@ -519,6 +528,37 @@ def _carve(allocate, sizes: tuple, device) -> tuple:
     return views(allocate(total, dtype=torch.int32, device=device).split_with_sizes(parts))
 
 
+_WORKSPACE_MAX_INTS = 1 << 20  # transients up to 4 MB live in a buffer kept per (device, stream)
+_WORKSPACES: dict = {}
+
+
+def _workspace(n_zero: int, n_scratch: int, device) -> tuple:
+    """(zeros, scratch): int32 buffers of at least n_zero and n_scratch elements for one compile's
+    transients. `zeros` takes the difference arrays, the scan's ticket and the counts, which the
+    classify kernel's atomics need at zero and which its scan sets back to zero as it reads them;
+    `scratch` the grid, written before it is read. Compiles on one stream run one after another,
+    so small ones share a pair kept per (device, stream): no allocation and no memset launch per
+    compile (host time is what bounds a compile, issue 13). Larger transients, and those of a
+    compile captured in a CUDA graph (its replays may run on another stream), are new."""
+    key = None
+    if n_zero + n_scratch <= _WORKSPACE_MAX_INTS:
+        if device.type != "cuda":
+            key = (str(device), None)
+        elif not torch.cuda.is_current_stream_capturing():
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            key = (index, torch._C._cuda_getCurrentRawStream(index))
+    if key is None:
+        return (torch.zeros(n_zero, dtype=torch.int32, device=device),
+                torch.empty(n_scratch, dtype=torch.int32, device=device))
+    zeros, scratch = _WORKSPACES.get(key, (None, None))
+    if zeros is None or zeros.numel() < n_zero:  # grown (the old one is freed in stream order)
+        zeros = torch.zeros(max(n_zero, 4096), dtype=torch.int32, device=device)
+    if scratch is None or scratch.numel() < n_scratch:
+        scratch = torch.empty(max(n_scratch, 4096), dtype=torch.int32, device=device)
+    _WORKSPACES[key] = zeros, scratch
+    return zeros, scratch
+
+
 def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, rows: int, capacity: int | None,
                         intervals: torch.Tensor | None = None, family: tuple | None = None,
                         shape: tuple | None = None, device=None, pair: Pair | None = None) -> dict:
@@ -529,7 +569,7 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     computes the canonical intervals itself (with `pair`: those of `family <op> pair.b`).
     `capacity` (>= the tiles visited, known on the host) sizes fwd_blocks, bwd_blocks and
     bwd_exact; None counts the tiles first, at the price of one host sync. The tables are views of
-    one allocation, the transient grid and counts of another (host time: each allocation costs
+    one allocation; the transients come from `_workspace` (host time: each allocation costs
     about as much on the host as the GPU spends on the small tables)."""
     if intervals is not None:
         device = intervals.device
@@ -542,9 +582,9 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     g_row = nqb_padded // 4
     ragged_n = nkb - 1 if kv_len % block_n else -1
 
-    n_diffs, n_counts = 2 * rows * (nqb + 1), 2 * rows * nkb + 1  # + the classify programs' ticket
-    diffs, counts, grid = _carve(torch.zeros, ((n_diffs, n_counts), rows * nkb * g_row // 4), device)
-    grid = grid.view(torch.uint8)  # 2-bit classes [rows * nkb, g_row]
+    # difference arrays, the classify programs' ticket, counts; the 2-bit classes [rows * nkb, g_row]
+    diffs, grid = _workspace(2 * rows * (nqb + 1) + 1 + 2 * rows * nkb, rows * nkb * g_row // 4, device)
+    grid = grid.view(torch.uint8)
     meta = (rows * nqb + 1, rows * nqb, rows * nkb + 1, rows * nkb)  # the layout _scan_tables writes
     n_intervals = 0 if intervals is not None else shape[0] * shape[1] * kv_len * 4
     lists = () if capacity is None else (max(1, capacity),) * 2 + (_cdiv(max(1, capacity), 4),)
@@ -569,7 +609,7 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
         b_args = (b_docs, b_prefixes, b_p0, b_p1, b_p2, b_stride, b_iters, b_code, pair.is_and, pair.broadcast_a,
                   pair.broadcast_b, pair.shift)
     _CLASSIFY(  # every parameter, in the kernel's order
-        (nkb, rows), intervals, planar, grid, counts, diffs, docs, prefixes,
+        (nkb, rows), intervals, planar, grid, diffs, docs, prefixes,
         q_len, kv_len, nqb, nkb, g_row, kv_len - q_len, p0, p1, p2, doc_stride, doc_iters, ragged_n,
         code, block_m, block_n, CHUNK_M, views[2], *b_args, num_warps=4,
     )

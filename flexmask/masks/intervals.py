@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from . import run_bounds, specs
+from . import run_bounds, specs, upload
 
 _EMPTY = 0
 
@@ -24,18 +24,21 @@ _EMPTY = 0
 def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """Host data (a list, or a CPU tensor) as a tensor on `device`, without waiting for the GPU:
     through pinned memory with a non-blocking copy (a copy from pageable memory would wait for
-    the stream). The one place where the device path uploads host values."""
+    the stream; small values go through `upload`'s ring). The one place where the device path
+    uploads host values."""
     pinned = device.type == "cuda"
     if not isinstance(values, torch.Tensor):
         t = _packed(values, dtype)
         if t is None:  # straight into (pinned) memory of the dtype: two calls, not four
             t = torch.tensor(values, dtype=dtype, pin_memory=pinned)
             return t.to(device, non_blocking=True) if pinned else t.to(device)
-        return t.pin_memory().to(device, non_blocking=True) if pinned else t.to(device)
-    t = values.to(dtype)
-    if pinned and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    else:
+        t = values.to(dtype)
+    if not pinned or t.device.type != "cpu":
+        return t.to(device)
+    t = t.contiguous()
+    out = upload.upload(t, device)  # a slot of a pinned ring: no pinned allocation per call
+    return t.pin_memory().to(device, non_blocking=True) if out is None else out
 
 
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
