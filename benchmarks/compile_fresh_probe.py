@@ -71,29 +71,6 @@ def _steps(family: str, s: int, n: int) -> str:
     return "\n".join(f"  {family:31} S={s:>7} {name:46} {us:7.1f} us" for name, us in parts.items())
 
 
-def _uploads(reps: int = 2000, rounds: int = 5) -> str:
-    """Host microseconds per upload of 66 int32 values: torch's pinned allocator (`pin_memory`,
-    then a non-blocking copy) against `masks.upload`'s ring, alternated `rounds` times."""
-    from flexmask.masks import upload
-
-    dev = torch.device("cuda")
-    t = torch.arange(66, dtype=torch.int32)
-    paths = {"pin_memory + to": lambda: t.pin_memory().to(dev, non_blocking=True),
-             "ring (masks.upload)": lambda: upload.upload(t, dev)}
-    best = {name: float("inf") for name in paths}
-    for _ in range(rounds):
-        for name, fn in paths.items():
-            fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) / reps * 1e6)
-            torch.cuda.synchronize()
-    return "\n".join(f"  upload of 66 int32, {name:22}: {us:6.1f} us (best of {rounds} rounds of {reps})"
-                     for name, us in best.items())
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--families", nargs="+", default=["document", "causal"])
@@ -101,12 +78,8 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--trace", action="store_true", help="also print torch.profiler's table of one batch")
     ap.add_argument("--steps", action="store_true", help="also time each step of a new-mask compile alone")
-    ap.add_argument("--uploads", action="store_true", help="only time the two upload paths")
     args = ap.parse_args(argv)
     require_cuda("benchmarks.compile_fresh_probe", "times GPU compiles")
-    if args.uploads:
-        print(_uploads(), flush=True)
-        return
     for s in args.lengths:
         for family in args.families:
             for _ in range(2):

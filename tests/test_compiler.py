@@ -350,29 +350,6 @@ def test_gpu_compile_workspace_left_at_zero_and_reused(monkeypatch):
     assert all(int(z.count_nonzero()) == 0 for z, _ in ck._WORKSPACES.values())
 
 
-@pytest.mark.gpu
-def test_gpu_uploads_through_the_pinned_ring():
-    """Host values uploaded through `masks.upload`'s ring arrive intact and with no sync, also
-    when the host runs more than a ring ahead of a busy GPU (slots still being read: pinned
-    allocations instead) and for values larger than a slot."""
-    from flexmask.masks import intervals, upload
-
-    dev = torch.device("cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        torch.cuda._sleep(20_000_000)  # the copies queue behind it: their slots stay busy
-        outs = [intervals.to_device([[i, i + 1], [i + 2, -i]], dev, torch.int32) for i in range(3 * upload.SLOTS)]
-        big = intervals.to_device(list(range(5000)), dev)  # 40 KB: more than a slot
-        cpu = intervals.to_device(torch.arange(7, dtype=torch.int32)[::2], dev)  # a strided CPU tensor
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    assert all(o.tolist() == [[i, i + 1], [i + 2, -i]] for i, o in enumerate(outs))
-    assert big.tolist() == list(range(5000)) and big.dtype == torch.int64
-    assert cpu.tolist() == [0, 2, 4, 6]
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sq=st.integers(1, 100),

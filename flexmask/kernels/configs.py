@@ -407,7 +407,11 @@ def _pow2_at_least(n: int) -> int:
 # against 17.0 us, 32K 39.3-39.5 against 40.3 us; Sq=16 B=8 8K 73.9-74.2 against 78.0 us). The
 # consumer of 128-key steps spills registers, that of 64-key steps does not
 # (benchmarks.decode_offline_compile); why more stages (more bytes in flight) are slower was not
-# profiled.
+# profiled. Nor do more programs help: with its registers capped (max_registers 168 or 200: no
+# spills offline) two programs share an SM, and 24 or 32 shares at batch 1 (4 at batch 8)
+# measured slower at every point than one program an SM (decode_session10_splits_log.txt; B=1:
+# 8K 21.2 against the default plan's 16.4 us, 32K 43.5 against 38.7 us), so max_registers stays
+# None (ptxas's 255).
 DECODE_HOPPER = True
 DECODE_HOPPER_MERGE = "fused"
 DECODE_HOPPER_BLOCK_N = 64

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from . import run_bounds, specs, upload
+from . import run_bounds, specs
 
 _EMPTY = 0
 
@@ -24,7 +24,8 @@ _EMPTY = 0
 def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """Host data (a list, or a CPU tensor) as a tensor on `device`, without waiting for the GPU:
     through pinned memory with a non-blocking copy (a copy from pageable memory would wait for
-    the stream; small values go through `upload`'s ring). The one place where the device path
+    the stream; a ring of pinned slots, tried in session 10, measured slower:
+    benchmarks/results/upload_paths_session10_log.txt). The one place where the device path
     uploads host values."""
     pinned = device.type == "cuda"
     if not isinstance(values, torch.Tensor):
@@ -36,9 +37,7 @@ def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
         t = values.to(dtype)
     if not pinned or t.device.type != "cpu":
         return t.to(device)
-    t = t.contiguous()
-    out = upload.upload(t, device)  # a slot of a pinned ring: no pinned allocation per call
-    return t.pin_memory().to(device, non_blocking=True) if out is None else out
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 _ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
