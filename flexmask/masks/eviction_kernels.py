@@ -36,6 +36,10 @@ from ..kernels.launcher import FastLaunch
 
 BLOCK = 1024  # columns per program, and keys per sorted run (a power of two: tl.sort)
 MERGE_WAYS = 8  # runs merged by one pass of _eviction_merge_kernel
+MERGE_BLOCK = 128  # keys per merge program: its searches are latency-bound, so many small programs
+# (H200, S = 128K, 64K evicting keys: 200 us a build with 1024 keys a program and the runs searched one
+# after the other, 76 us with 256 and the searches unrolled, 66 us with 128: eviction_probe_*session11_log.txt
+# under benchmarks/results)
 
 
 @triton.jit
@@ -84,12 +88,14 @@ def _eviction_keys_kernel(OUT, KEYS, Sq, Sk, offset, first, slots, seed_term, n,
         tl.store(KEYS + h.to(tl.int64) * n + o_k, tl.sort(key), mask=m_k)
 
 
-@triton.jit(do_not_specialize=["src", "Sq", "Sk", "offset", "n", "run", "ways"])
-def _eviction_merge_kernel(KEYS, src, OUT, Sq, Sk, offset, n, run, ways, STEPS: tl.constexpr, FINAL: tl.constexpr,
-                           BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["src", "Sq", "Sk", "offset", "n", "run"])
+def _eviction_merge_kernel(KEYS, src, OUT, Sq, Sk, offset, n, run, WAYS: tl.constexpr, STEPS: tl.constexpr,
+                           FINAL: tl.constexpr, BLOCK: tl.constexpr):
     """KEYS int64 [2, H, n], KEYS[src]: sorted runs of `run` keys. Each key's rank in its group of
-    `ways` runs (a branch-free binary search of STEPS = run.bit_length() halvings in each run);
-    not FINAL: KEYS[1 - src] gets the merged groups (runs of run * ways). FINAL (one group holds
+    WAYS runs (a branch-free binary search of STEPS = run.bit_length() halvings in each run;
+    the WAYS searches are unrolled, so their loads are in flight together: a search is a chain
+    of dependent loads, and chaining the runs too made the merge latency-bound);
+    not FINAL: KEYS[1 - src] gets the merged groups (runs of run * WAYS). FINAL (one group holds
     every key): each position rewrites the column of the key it evicts, known from its
     predecessor in the sorted order."""
     h = tl.program_id(1)
@@ -98,10 +104,10 @@ def _eviction_merge_kernel(KEYS, src, OUT, Sq, Sk, offset, n, run, ways, STEPS: 
     per_buffer = tl.num_programs(1).to(tl.int64) * n
     p_src = KEYS + src * per_buffer + h.to(tl.int64) * n
     key = tl.load(p_src + o_i, mask=m_i, other=0)  # [BLOCK]
-    start = (o_i // (run * ways)) * (run * ways)  # [BLOCK] first index of each key's group, then of its r-th run
+    start = (o_i // (run * WAYS)) * (run * WAYS)  # [BLOCK] first index of each key's group, then of its r-th run
     rank = start  # [BLOCK] + the keys of the group below each key: its index in the merged group
     prev = tl.full([BLOCK], -1, tl.int64)  # [BLOCK] the largest of them (-1: none, no slot)
-    for r in range(ways):
+    for r in tl.static_range(WAYS):
         p_run = p_src + start  # [BLOCK]
         below = tl.zeros_like(o_i)  # [BLOCK] keys of the run found below the key so far
         size = tl.minimum(tl.maximum(n - start, 0), run)  # [BLOCK] the run's keys still to search
@@ -140,11 +146,11 @@ def eviction_intervals(q_len: int, kv_len: int, slots: int, seed_term: int, head
     _KEYS((cdiv(kv_len, BLOCK), heads), out, keys, q_len, kv_len, kv_len - q_len, first, min(slots, kv_len),
           seed_i32, n, BLOCK, num_warps=4)
     if n:
-        grid, run, src = (cdiv(n, BLOCK), heads), BLOCK, 0
+        grid, run, src = (cdiv(n, MERGE_BLOCK), heads), BLOCK, 0
         while run * MERGE_WAYS < n:  # merge passes, ping-pong between the two buffers
             _MERGE(grid, keys, src, out, q_len, kv_len, kv_len - q_len, n, run, MERGE_WAYS,
-                   run.bit_length(), False, BLOCK, num_warps=4)
+                   run.bit_length(), False, MERGE_BLOCK, num_warps=4)
             run, src = run * MERGE_WAYS, 1 - src
         _MERGE(grid, keys, src, out, q_len, kv_len, kv_len - q_len, n, run, cdiv(n, run),
-               run.bit_length(), True, BLOCK, num_warps=4)
+               run.bit_length(), True, MERGE_BLOCK, num_warps=4)
     return out
