@@ -357,7 +357,6 @@ class DecodePlan:
     pdl: bool = False  # the two-launch merge as a programmatic dependent launch: see DECODE_OPTIONS
     kernel: str = "triton"  # "triton" (decode.py) or "hopper" (decode_hopper.py; num_stages is its K/V ring): DECODE_HOPPER
     max_registers: int | None = None  # the Hopper kernel's registers per thread (None: ptxas's choice), see DECODE_HOPPER
-    prefetch_steps: int = 0  # the Hopper kernel's steps kept in flight through L2 prefetches (<= stages: none), DECODE_HOPPER
 
     def with_splits(self, num_splits: int) -> DecodePlan:
         return dataclasses.replace(self, num_splits=num_splits)

@@ -35,7 +35,7 @@ from .forward_hopper import _descriptor, _tma_view, shared_layout
 
 ROWS = gl.constexpr(64)  # one warpgroup's wgmma rows: the GQA group's heads x the query rows, padded
 TILE = 128  # kv columns of the mask's tile (cm.block_n); a step reads the whole tile or one half of it (BLOCK_N)
-PRODUCER_REGS = gl.constexpr(48)  # the TMA producer warp (its L2 prefetches hold a step's line addresses)
+PRODUCER_REGS = gl.constexpr(24)
 FINITE_FLOOR = gl.constexpr(-1.0e30)  # the running maximum starts here: exp2(-inf - max) is 0, never NaN
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -78,66 +78,32 @@ def _program_row(HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
 
 
 @gluon.jit
-def _prefetch_step(K, V, FWD_BLOCKS, c_lo, p_lo, n_partial, j, Sk, k_x, k_c, v_x, v_c,
-                   K_XS, K_SS, V_XS, V_SS, BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Ask L2 for the K and V lines of step j (prefetch.global.L2, one warp), so that its TMA load,
-    issued when a ring stage frees up, finds them there: bytes in flight beyond the ring."""
-    SUB: gl.constexpr = TILE_N // BLOCK_N
-    LINE: gl.constexpr = 1024 // K.dtype.element_ty.primitive_bitwidth  # elements of a 128-byte line
-    LINES: gl.constexpr = (HEAD_DIM + LINE - 1) // LINE
-    layout: gl.constexpr = gl.BlockedLayout([1, LINES], [32, 1], [1, 1], [1, 0])
-    n, _ = _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, j // SUB)
-    key = n * TILE_N + (j % SUB) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))  # [BLOCK_N]
-    key = gl.expand_dims(gl.minimum(key, Sk - 1).to(gl.int64), 1)  # past Sk: the last key's lines again
-    line = gl.expand_dims(gl.arange(0, LINES, layout=gl.SliceLayout(0, layout)) * LINE, 0)  # [1, LINES]
-    _prefetch_lines(K + k_x.to(gl.int64) * K_XS + k_c + key * K_SS + line)  # [BLOCK_N, LINES]
-    _prefetch_lines(V + v_x.to(gl.int64) * V_XS + v_c + key * V_SS + line)
-
-
-@gluon.jit
-def _prefetch_lines(ptrs):
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def _producer(
     k_desc, v_desc, k_bufs, v_bufs, bars,
-    K, V, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, Sk,
+    FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
     HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
-    K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H, K_XS, K_SS, V_XS, V_SS,
-    BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    PREFETCH: gl.constexpr,
+    K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
+    BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
 ):
     """One warp: TMA loads of the share's K and V tiles (TILE_N // BLOCK_N steps of BLOCK_N keys
-    a tile), in walk order, into the stage ring; with PREFETCH > STAGES, step i + PREFETCH is
-    also asked of L2 when step i is loaded (PREFETCH steps in flight, not only the ring's)."""
+    a tile), in walk order, into the stage ring."""
     SUB: gl.constexpr = TILE_N // BLOCK_N
     k_ready, k_empty, v_ready, v_empty = bars
     b, kvh, row, seg = _program_row(HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
     c_lo, p_lo, n_partial, n_full = _share(FWD_OFFSETS, FWD_NUM_FULL, seg, gl.program_id(0), gl.num_programs(0))
-    k_x, k_c = b * K_X_B + kvh * K_X_H, kvh * K_C_H
-    v_x, v_c = b * V_X_B + kvh * V_X_H, kvh * V_C_H
-    n_steps = (n_partial + n_full) * SUB
-    if PREFETCH > STAGES:
-        for j in range(STAGES, gl.minimum(PREFETCH, n_steps)):
-            _prefetch_step(K, V, FWD_BLOCKS, c_lo, p_lo, n_partial, j, Sk, k_x, k_c, v_x, v_c,
-                           K_XS, K_SS, V_XS, V_SS, BLOCK_N, TILE_N, HEAD_DIM)
-    for i in range(n_steps):
+    for i in range((n_partial + n_full) * SUB):
         n, is_partial = _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i // SUB)
         col = n * TILE_N + (i % SUB) * BLOCK_N
         s = i % STAGES
         phase = (i // STAGES) & 1
-        if PREFETCH > STAGES:
-            if i + PREFETCH < n_steps:
-                _prefetch_step(K, V, FWD_BLOCKS, c_lo, p_lo, n_partial, i + PREFETCH, Sk, k_x, k_c, v_x, v_c,
-                               K_XS, K_SS, V_XS, V_SS, BLOCK_N, TILE_N, HEAD_DIM)
         mbarrier.wait(k_empty.index(s), phase ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_x, col, k_c], k_ready.index(s), k_bufs.index(s))
+        tma.async_copy_global_to_shared(k_desc, [b * K_X_B + kvh * K_X_H, col, kvh * K_C_H],
+                                        k_ready.index(s), k_bufs.index(s))
         mbarrier.wait(v_empty.index(s), phase ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [v_x, col, v_c], v_ready.index(s), v_bufs.index(s))
+        tma.async_copy_global_to_shared(v_desc, [b * V_X_B + kvh * V_X_H, col, kvh * V_C_H],
+                                        v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
@@ -313,11 +279,11 @@ def _decode_hopper_kernel(
     k_desc, v_desc, Q, O, LSE, O_PART, LSE_PART, SEMAPHORES, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
     stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
     Sq, Sk, ROWS_TOTAL, NQB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
-    K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H, K, V, K_XS, K_SS, V_XS, V_SS,
+    K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
     qk_scale,
     BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     DIRECT: gl.constexpr, FUSED: gl.constexpr, MERGE_ROWS: gl.constexpr, MERGE_CHUNK: gl.constexpr,
-    MERGE_LAYOUT: gl.constexpr, Q_LAYOUT: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr,
+    MERGE_LAYOUT: gl.constexpr, Q_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
 ):
     # grid: (split, batch x KV head)
     dtype: gl.constexpr = k_desc.dtype
@@ -342,10 +308,10 @@ def _decode_hopper_kernel(
                      Sq, Sk, ROWS_TOTAL, NQB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                      BLOCK_Q, BLOCK_N, TILE_N, HEAD_DIM, STAGES, DIRECT, FUSED, MERGE_ROWS, MERGE_CHUNK, MERGE_LAYOUT)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, bars,
-                     K, V, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, Sk,
+                     FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
                      HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
-                     K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H, K_XS, K_SS, V_XS, V_SS,
-                     BLOCK_N, TILE_N, HEAD_DIM, STAGES, PREFETCH)),
+                     K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
+                     BLOCK_N, TILE_N, STAGES)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -386,7 +352,7 @@ def merge_shape(rows: int, head_dim: int, num_splits: int) -> tuple[int, int, gl
 
 def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], num_splits: int,
                             block_q: int, stages: int, o, lse, o_part, lse_part, semaphores=None,
-                            block_n: int = TILE, max_registers: int | None = None, prefetch: int = 0) -> None:
+                            block_n: int = TILE, max_registers: int | None = None) -> None:
     """Launch the kernel: writes o and lse (one split, or several with `semaphores`: one int32
     counter at 0 per batch x KV head, decode.merge_counters, and the fused merge), or else the
     shares' partials (o_part, lse_part: [num_splits, B x Hq x Sq, D] and [num_splits, B x Hq x Sq],
@@ -399,7 +365,6 @@ def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int,
     hkv, sk = k.shape[1], k.shape[2]
     k_desc, (kxb, kxh, kch) = _descriptor(k, block_n)
     v_desc, (vxb, vxh, vch) = _descriptor(v, block_n)
-    (_, (kxs, kss, _)), (_, (vxs, vss, _)) = _tma_view(k)[:2], _tma_view(v)[:2]  # element strides of the views
     mb, mdiv, mh = mask_map
     direct = num_splits == 1
     fused = not direct and semaphores is not None
@@ -410,10 +375,10 @@ def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2),
         sq, sk, batch * hq * sq, cm.num_q_blocks, hq, hkv, hq // hkv, mb, mdiv, mh,
-        kxb, kxh, kch, vxb, vxh, vch, k, v, kxs, kss, vxs, vss,
+        kxb, kxh, kch, vxb, vxh, vch,
         scale * 1.4426950408889634,
         BLOCK_Q=block_q, BLOCK_N=block_n, TILE_N=TILE, HEAD_DIM=d, STAGES=stages, DIRECT=direct, FUSED=fused,
         MERGE_ROWS=merge_rows, MERGE_CHUNK=merge_chunk, MERGE_LAYOUT=merge_layout,
-        Q_LAYOUT=shared_layout((ROWS.value, d), q.dtype), PREFETCH=prefetch if prefetch > stages else 0, num_warps=4,
+        Q_LAYOUT=shared_layout((ROWS.value, d), q.dtype), num_warps=4,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )
