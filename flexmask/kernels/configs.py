@@ -411,7 +411,9 @@ def _pow2_at_least(n: int) -> int:
 # spills offline) two programs share an SM, and 24 or 32 shares at batch 1 (4 at batch 8)
 # measured slower at every point than one program an SM (decode_session10_splits_log.txt; B=1:
 # 8K 21.2 against the default plan's 16.4 us, 32K 43.5 against 38.7 us), so max_registers stays
-# None (ptxas's 255).
+# None (ptxas's 255). Nor do more bytes in flight than the ring's: L2 prefetches of the steps past
+# it (commit bedc823, session 11) were slower at every point, the more steps the slower (B=1: 8K
+# 18.9-19.6 against 16.0 us, 32K 46.7-56.4 against 39.1 us; decode_session11_prefetch_log.txt).
 DECODE_HOPPER = True
 DECODE_HOPPER_MERGE = "fused"
 DECODE_HOPPER_BLOCK_N = 64
