@@ -73,7 +73,7 @@ def merge(head_dim: int, dtype, splits: int):
 
 
 def hopper(head_dim: int, dtype, block_q: int, stages: int, direct: bool, fused: bool = False, sq: int = 1,
-           splits: int = 16, block_n: int = 128, oracle: bool = False):
+           splits: int = 16, block_n: int = 128):
     """decode_hopper's kernel as attention_decode_hopper launches it (GQA 32/8, 128-key tiles)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels import decode_hopper as dh
@@ -88,7 +88,7 @@ def hopper(head_dim: int, dtype, block_q: int, stages: int, direct: bool, fused:
                 V_C_H=0, qk_scale=0.5)
     merge_rows, merge_chunk, merge_layout = dh.merge_shape(4 * sq, head_dim, splits)
     consts = dict(BLOCK_Q=block_q, BLOCK_N=block_n, TILE_N=dh.TILE, HEAD_DIM=head_dim, STAGES=stages, DIRECT=direct, FUSED=fused,
-                  MERGE_ROWS=merge_rows, MERGE_CHUNK=merge_chunk, MERGE_LAYOUT=merge_layout, Q_LAYOUT=dh.shared_layout((dh.ROWS.value, head_dim), dtype), ORACLE=oracle, num_warps=4)
+                  MERGE_ROWS=merge_rows, MERGE_CHUNK=merge_chunk, MERGE_LAYOUT=merge_layout, Q_LAYOUT=dh.shared_layout((dh.ROWS.value, head_dim), dtype), num_warps=4)
     src = GluonASTSource(fn=dh._decode_hopper_kernel,
                          signature={n: ("constexpr" if n in consts else mangle_type(args[n]))
                                     for n in dh._decode_hopper_kernel.arg_names if n in args or n in consts},

@@ -36,7 +36,7 @@ from .bench_decode import _graph_timed, copy_bandwidth_gbps
 from .cuda_guard import require_cuda
 from .report import write_rows
 
-KEYS = {"pdl", "tma", "bn", "st", "mbn", "mst", "w", "per_sm", "splits", "merge", "hop", "nreg", "oracle"}
+KEYS = {"pdl", "tma", "bn", "st", "mbn", "mst", "w", "per_sm", "splits", "merge", "hop", "nreg"}
 
 
 def parse_variant(text: str) -> dict:
@@ -80,8 +80,6 @@ def plan_for(variant: dict, b, hq, hkv, sq, sk, d, q, cm, configs):
         changes["num_warps"] = variant["w"]
     if "nreg" in variant:
         changes["max_registers"] = variant["nreg"]
-    if "oracle" in variant:
-        changes["table_oracle"] = bool(variant["oracle"])
     if variant.get("merge") in ("two_launch", "fused"):
         changes["merge"] = variant["merge"]
     if variant.get("merge") == "none":  # the partials only: the two-launch plan, its merge launch skipped

@@ -357,7 +357,6 @@ class DecodePlan:
     pdl: bool = False  # the two-launch merge as a programmatic dependent launch: see DECODE_OPTIONS
     kernel: str = "triton"  # "triton" (decode.py) or "hopper" (decode_hopper.py; num_stages is its K/V ring): DECODE_HOPPER
     max_registers: int | None = None  # the Hopper kernel's registers per thread (None: ptxas's choice), see DECODE_HOPPER
-    table_oracle: bool = False  # measurement probe: the Hopper kernel's shares computed without the tile table
 
     def with_splits(self, num_splits: int) -> DecodePlan:
         return dataclasses.replace(self, num_splits=num_splits)

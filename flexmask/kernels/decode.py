@@ -384,7 +384,7 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
             semaphores = merge_counters(q.device, batch * hkv) if fused else None  # one per row group
             decode_hopper.attention_decode_hopper(q, k, v, cm, scale, (mb, mdiv, mh), plan.num_splits, plan.block_q,
                                                   plan.num_stages, o, lse, o_part, lse_part, semaphores, plan.block_n,
-                                                  plan.max_registers, plan.table_oracle)
+                                                  plan.max_registers)
             if not direct and not fused:
                 _merge(o_part, lse_part, o, lse, sq, rows, hq, d, block_d, plan.num_splits, False)
             return o, lse

@@ -58,28 +58,6 @@ def _share(FWD_OFFSETS, FWD_NUM_FULL, seg, pid_s, num_splits):
 
 
 @gluon.jit
-def _share_or_oracle(FWD_OFFSETS, FWD_NUM_FULL, seg, pid_s, num_splits, Sk, TILE_N: gl.constexpr, ORACLE: gl.constexpr):
-    """_share, or with ORACLE (a measurement probe, right only for a row whose every tile is FULL
-    and listed in block order) the same share computed without reading the table."""
-    if ORACLE:
-        n_tiles = (Sk + TILE_N - 1) // TILE_N
-        share = (n_tiles + num_splits - 1) // num_splits
-        c_lo = pid_s * share
-        n_full = gl.maximum(gl.minimum(c_lo + share, n_tiles) - c_lo, 0)
-        return c_lo, c_lo, n_full * 0, n_full
-    else:
-        return _share(FWD_OFFSETS, FWD_NUM_FULL, seg, pid_s, num_splits)
-
-
-@gluon.jit
-def _walk_or_oracle(FWD_BLOCKS, c_lo, p_lo, n_partial, i, ORACLE: gl.constexpr):
-    if ORACLE:
-        return c_lo + i, i < 0
-    else:
-        return _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i)
-
-
-@gluon.jit
 def _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i):
     """The kv-block of step i (PARTIAL entries first) and whether it is PARTIAL."""
     is_partial = i < n_partial
@@ -105,17 +83,16 @@ def _producer(
     FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
     HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
-    Sk, BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, ORACLE: gl.constexpr,
+    BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
 ):
     """One warp: TMA loads of the share's K and V tiles (TILE_N // BLOCK_N steps of BLOCK_N keys
     a tile), in walk order, into the stage ring."""
     SUB: gl.constexpr = TILE_N // BLOCK_N
     k_ready, k_empty, v_ready, v_empty = bars
     b, kvh, row, seg = _program_row(HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
-    c_lo, p_lo, n_partial, n_full = _share_or_oracle(FWD_OFFSETS, FWD_NUM_FULL, seg, gl.program_id(0), gl.num_programs(0),
-                                                     Sk, TILE_N, ORACLE)
+    c_lo, p_lo, n_partial, n_full = _share(FWD_OFFSETS, FWD_NUM_FULL, seg, gl.program_id(0), gl.num_programs(0))
     for i in range((n_partial + n_full) * SUB):
-        n, is_partial = _walk_or_oracle(FWD_BLOCKS, c_lo, p_lo, n_partial, i // SUB, ORACLE)
+        n, is_partial = _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i // SUB)
         col = n * TILE_N + (i % SUB) * BLOCK_N
         s = i % STAGES
         phase = (i // STAGES) & 1
@@ -208,7 +185,7 @@ def _consumer(
     Sq, Sk, ROWS_TOTAL, NQB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     DIRECT: gl.constexpr, FUSED: gl.constexpr,
-    MERGE_ROWS: gl.constexpr, MERGE_CHUNK: gl.constexpr, MERGE_LAYOUT: gl.constexpr, ORACLE: gl.constexpr,
+    MERGE_ROWS: gl.constexpr, MERGE_CHUNK: gl.constexpr, MERGE_LAYOUT: gl.constexpr,
 ):
     """One warpgroup: the share's online softmax over its tiles, then the partial (or final) output."""
     k_ready, k_empty, v_ready, v_empty = bars
@@ -221,8 +198,7 @@ def _consumer(
 
     pid_s = gl.program_id(0)
     b, kvh, row, seg = _program_row(HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
-    c_lo, p_lo, n_partial, n_full = _share_or_oracle(FWD_OFFSETS, FWD_NUM_FULL, seg, pid_s, gl.num_programs(0),
-                                                     Sk, TILE_N, ORACLE)
+    c_lo, p_lo, n_partial, n_full = _share(FWD_OFFSETS, FWD_NUM_FULL, seg, pid_s, gl.num_programs(0))
 
     # Q: row r is query head kvh * GROUP + r // BLOCK_Q, query row r % BLOCK_Q; [ROWS, HEAD_DIM]
     r_ld = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
@@ -240,7 +216,7 @@ def _consumer(
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     SUB: gl.constexpr = TILE_N // BLOCK_N
     for i in range((n_partial + n_full) * SUB):
-        n, is_partial = _walk_or_oracle(FWD_BLOCKS, c_lo, p_lo, n_partial, i // SUB, ORACLE)
+        n, is_partial = _walk_tile(FWD_BLOCKS, c_lo, p_lo, n_partial, i // SUB)
         s_idx = i % STAGES
         phase = (i // STAGES) & 1
         mbarrier.wait(k_ready.index(s_idx), phase)
@@ -307,7 +283,7 @@ def _decode_hopper_kernel(
     qk_scale,
     BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     DIRECT: gl.constexpr, FUSED: gl.constexpr, MERGE_ROWS: gl.constexpr, MERGE_CHUNK: gl.constexpr,
-    MERGE_LAYOUT: gl.constexpr, Q_LAYOUT: gl.constexpr, ORACLE: gl.constexpr, num_warps: gl.constexpr,
+    MERGE_LAYOUT: gl.constexpr, Q_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
 ):
     # grid: (split, batch x KV head)
     dtype: gl.constexpr = k_desc.dtype
@@ -330,13 +306,12 @@ def _decode_hopper_kernel(
                      Q, O, LSE, O_PART, LSE_PART, SEMAPHORES, INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
                      stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
                      Sq, Sk, ROWS_TOTAL, NQB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_Q, BLOCK_N, TILE_N, HEAD_DIM, STAGES, DIRECT, FUSED, MERGE_ROWS, MERGE_CHUNK, MERGE_LAYOUT,
-                     ORACLE)),
+                     BLOCK_Q, BLOCK_N, TILE_N, HEAD_DIM, STAGES, DIRECT, FUSED, MERGE_ROWS, MERGE_CHUNK, MERGE_LAYOUT)),
         (_producer, (k_desc, v_desc, k_bufs, v_bufs, bars,
                      FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
                      HKV, GROUP, NQB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      K_X_B, K_X_H, K_C_H, V_X_B, V_X_H, V_C_H,
-                     Sk, BLOCK_N, TILE_N, STAGES, ORACLE)),
+                     BLOCK_N, TILE_N, STAGES)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -377,7 +352,7 @@ def merge_shape(rows: int, head_dim: int, num_splits: int) -> tuple[int, int, gl
 
 def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], num_splits: int,
                             block_q: int, stages: int, o, lse, o_part, lse_part, semaphores=None,
-                            block_n: int = TILE, max_registers: int | None = None, oracle: bool = False) -> None:
+                            block_n: int = TILE, max_registers: int | None = None) -> None:
     """Launch the kernel: writes o and lse (one split, or several with `semaphores`: one int32
     counter at 0 per batch x KV head, decode.merge_counters, and the fused merge), or else the
     shares' partials (o_part, lse_part: [num_splits, B x Hq x Sq, D] and [num_splits, B x Hq x Sq],
@@ -404,6 +379,6 @@ def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int,
         scale * 1.4426950408889634,
         BLOCK_Q=block_q, BLOCK_N=block_n, TILE_N=TILE, HEAD_DIM=d, STAGES=stages, DIRECT=direct, FUSED=fused,
         MERGE_ROWS=merge_rows, MERGE_CHUNK=merge_chunk, MERGE_LAYOUT=merge_layout,
-        Q_LAYOUT=shared_layout((ROWS.value, d), q.dtype), ORACLE=oracle, num_warps=4,
+        Q_LAYOUT=shared_layout((ROWS.value, d), q.dtype), num_warps=4,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )
