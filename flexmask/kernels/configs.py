@@ -414,6 +414,10 @@ def _pow2_at_least(n: int) -> int:
 # None (ptxas's 255). Nor do more bytes in flight than the ring's: L2 prefetches of the steps past
 # it (commit bedc823, session 11) were slower at every point, the more steps the slower (B=1: 8K
 # 18.9-19.6 against 16.0 us, 32K 46.7-56.4 against 39.1 us; decode_session11_prefetch_log.txt).
+# Nor is the tile table the start-up cost: a probe that computes each share without reading it
+# (commit 25898af, full caches only) saved at most about 1 us a step (B=1 8K 16.3 against 16.3-16.6,
+# 32K 38.7-38.8 against 39.2, B=8 8K 68.2-68.4 against 69.2 us; decode_session11_oracle_log.txt),
+# so a speculative first load, which could win only part of that, was not built.
 DECODE_HOPPER = True
 DECODE_HOPPER_MERGE = "fused"
 DECODE_HOPPER_BLOCK_N = 64
