@@ -135,9 +135,10 @@ def _eviction(kernel: str):
     if kernel == "keys":
         args = dict(OUT=out, KEYS=keys, Sq=1000, Sk=1000, offset=0, first=500, slots=500, seed_term=-7, n=500)
         return compile_offline(ek._eviction_keys_kernel, args, dict(BLOCK=ek.BLOCK), dict(num_warps=4))
-    args = dict(KEYS=keys, src=0, OUT=out, Sq=1000, Sk=1000, offset=0, n=500, run=1024, ways=2)
-    return compile_offline(ek._eviction_merge_kernel, args, dict(STEPS=ek.BLOCK.bit_length(), FINAL=kernel == "final", BLOCK=ek.BLOCK),
-                           dict(num_warps=4))
+    args = dict(KEYS=keys, src=0, OUT=out, Sq=1000, Sk=1000, offset=0, n=500, run=1024)
+    consts = dict(WAYS=2 if kernel == "final" else ek.MERGE_WAYS, STEPS=ek.BLOCK.bit_length(), FINAL=kernel == "final",
+                  BLOCK=ek.MERGE_BLOCK)
+    return compile_offline(ek._eviction_merge_kernel, args, consts, dict(num_warps=4))
 
 
 if __name__ == "__main__":
