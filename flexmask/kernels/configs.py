@@ -563,10 +563,3 @@ def decode_merge_chunk(merge_rows: int, block_d: int, num_warps: int, num_splits
     budget = DECODE_MERGE_CHUNK_REGS * 32 * num_warps // (merge_rows * block_d)
     chunk = 1 << max(0, budget.bit_length() - 1) if budget >= 1 else 1
     return max(1, min(chunk, _pow2_at_least(num_splits)))
-
-
-# The Hopper forward masks a PARTIAL tile either by a select per score from per-column row words
-# (forward_hopper._apply_row_words) or, at these head dims, on the tensor cores: S += A E, with E
-# the tile's mask as -2**120 / 0 in bf16 (two instructions a pair to build) and A a 0/1 row
-# permutation (forward_hopper._mask_tile). Measured in session 11: see forward_hopper_log.md.
-HOPPER_FORWARD_MASK_MMA_HEAD_DIMS = (64,)

@@ -185,43 +185,6 @@ def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.co
     return _apply_row_words(s, _row_words(lts, lte, uts, ute, row0, ROWS // 2), ROWS, BLOCK_N)
 
 
-MASK_NEG_BF16 = gl.constexpr(0xFB80)  # bf16 bits of -2**120: far below any score, finite (0 x it is 0)
-
-
-@gluon.jit
-def _mask_tile(lts, lte, uts, ute, row0, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
-    """[BLOCK_N, 64] bf16, column c's 64 rows from row0 in the order `_mask_permutation` undoes
-    (in each half of 32 rows, k = 2i is row i and k = 2i + 1 row i + 16): -2**120 where masked,
-    else 0. Row i and row i + 16 sit at bits j and j + 16 of one word (after a shift by 8 for
-    i >= 8), so one AND with 0x10001 << j and one multiply by 0xFB80 >> j give both bf16 of a
-    pair: two instructions for two elements."""
-    e_layout: gl.constexpr = gl.BlockedLayout([1, 64], [32, 1], [num_warps, 1], [1, 0])
-    col_layout: gl.constexpr = gl.SliceLayout(1, e_layout)
-    w0 = gl.convert_layout(_row_bits(lts, lte, row0) | _row_bits(uts, ute, row0), col_layout)
-    w1 = gl.convert_layout(_row_bits(lts, lte, row0 + 32) | _row_bits(uts, ute, row0 + 32), col_layout)
-    k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, e_layout)), 0)  # [1, 64], constant per register
-    j = ((k % 32) // 2) % 8
-    word = gl.where(k < 32, gl.expand_dims(w0, 1), gl.expand_dims(w1, 1))  # [BLOCK_N, 64]
-    word = gl.where((k % 32) < 16, word, word >> 8)
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 t; and.b32 t, $1, $3; mul.lo.u32 $0, t, $5; }", "=r,r,r,r,r,r,r",
-        [word, (0x10001 << j) + gl.zeros_like(word), (MASK_NEG_BF16 >> j) + gl.zeros_like(word)],
-        dtype=gl.bfloat16, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _mask_permutation(a_smem, num_warps: gl.constexpr):
-    """a_smem [64, 64] bf16 := the 0/1 matrix taking _mask_tile's row order back to rows, so that
-    S += A E (wgmma) adds -2**120 to exactly the masked scores: s - 2**120 rounds to -2**120,
-    s + 0 is s."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    r = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, layout)), 1)
-    k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, layout)), 0)
-    row_of_k = (k // 32) * 32 + (k % 32) // 2 + 16 * (k % 2)
-    a_smem.store(gl.where(r == row_of_k, 1.0, 0.0).to(gl.bfloat16))
-    fence_async_shared()
-
-
 @gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """One tile's online-softmax update in exp2: returns (p, m_i, l_i, alpha), alpha the
@@ -236,12 +199,12 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _consumer(
-    WG: gl.constexpr, q_smem, k_bufs, v_bufs, e_smem, a_smem, bars,
+    WG: gl.constexpr, q_smem, k_bufs, v_bufs, bars,
     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     stride_ob, stride_oh, stride_om,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    Q_BUFS: gl.constexpr, MASK_MMA: gl.constexpr,
+    Q_BUFS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     The two warpgroups share the K/V stages (released when both have read them) but never
@@ -259,8 +222,6 @@ def _consumer(
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     HALF: gl.constexpr = ROWS // 2
-    if MASK_MMA:
-        _mask_permutation(a_smem.index(WG), num_warps)
     kv_count = 0
     item_count = 0
     # the producer loaded the item and its walk bounds (work list -> offsets) ahead of the walk
@@ -285,19 +246,11 @@ def _consumer(
             mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
             k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
             s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-            if MASK_MMA:
-                if is_partial:  # S += A E: the mask added by the tensor cores
-                    e_smem.index(WG).store(_mask_tile(lts, lte, uts, ute, row0, BLOCK_N, num_warps))
-                    fence_async_shared()
-                    s = warpgroup_mma(a_smem.index(WG), e_smem.index(WG).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s,))
-                mbarrier.arrive(k_empty.index(s_idx), count=1)
-            else:
-                words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the product runs
-                s = warpgroup_mma_wait(0, deps=(s,))
-                mbarrier.arrive(k_empty.index(s_idx), count=1)
-                if is_partial:
-                    s = _apply_row_words(s, words, ROWS, BLOCK_N)
+            words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the product runs
+            s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.arrive(k_empty.index(s_idx), count=1)
+            if is_partial:
+                s = _apply_row_words(s, words, ROWS, BLOCK_N)
             p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
             prev_idx = s_idx
@@ -310,23 +263,14 @@ def _consumer(
                 mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
                 k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
                 s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-                if MASK_MMA:
-                    if is_partial:  # S += A E, issued before O += P V so that waiting for S leaves that running
-                        e_smem.index(WG).store(_mask_tile(lts, lte, uts, ute, row0, BLOCK_N, num_warps))
-                        fence_async_shared()
-                        s = warpgroup_mma(a_smem.index(WG), e_smem.index(WG).permute((1, 0)), s, is_async=True)
                 # O += P V of the previous tile runs on the tensor cores during this tile's softmax
                 mbarrier.wait(v_ready.index(prev_idx), prev_phase)
                 acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                if MASK_MMA:
-                    s = warpgroup_mma_wait(1, deps=(s,))
-                    mbarrier.arrive(k_empty.index(s_idx), count=1)
-                else:
-                    words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the products run
-                    s = warpgroup_mma_wait(1, deps=(s,))
-                    mbarrier.arrive(k_empty.index(s_idx), count=1)
-                    if is_partial:
-                        s = _apply_row_words(s, words, ROWS, BLOCK_N)
+                words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the products run
+                s = warpgroup_mma_wait(1, deps=(s,))
+                mbarrier.arrive(k_empty.index(s_idx), count=1)
+                if is_partial:
+                    s = _apply_row_words(s, words, ROWS, BLOCK_N)
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev_idx), count=1)
@@ -366,7 +310,7 @@ def _forward_hopper_kernel(
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    Q_BUFS: gl.constexpr, MASK_MMA: gl.constexpr, num_warps: gl.constexpr,
+    Q_BUFS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)  # [2 * Q_BUFS, 1, BLOCK_M / 2, HEAD_DIM]
@@ -386,28 +330,21 @@ def _forward_hopper_kernel(
         mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
-    if MASK_MMA:  # per consumer warpgroup: a PARTIAL tile's mask [BLOCK_N, 64] and the row permutation [64, 64]
-        mask_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        e_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 64], mask_layout)
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], mask_layout)
-    else:
-        e_smem = q_smem
-        a_smem = q_smem
     item_slots, item_ready, item_empty = scheduler.allocate_ring()
     fence_async_shared()
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty)
 
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_bufs, v_bufs, e_smem, a_smem, bars,
+        (_consumer, (0, q_smem, k_bufs, v_bufs, bars,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, MASK_MMA)),
-        (_consumer, (1, q_smem, k_bufs, v_bufs, e_smem, a_smem, bars,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS)),
+        (_consumer, (1, q_smem, k_bufs, v_bufs, bars,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, MASK_MMA)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                      WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -542,7 +479,7 @@ def supports(q, k, v, cm) -> bool:
 
 
 def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2,
-                             order: str = "chunked", q_buffers: int | None = None, mask_mma: bool | None = None):
+                             order: str = "chunked", q_buffers: int | None = None):
     """Same contract as forward.attention_forward; call only when `supports` says yes.
     `q_buffers=2` double-buffers Q across work items (the next item's Q loads while this one's
     walk ends: pays on short walks); None takes `configs.hopper_forward_q_buffers`."""
@@ -571,7 +508,6 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E,
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
-        MASK_MMA=d in configs.HOPPER_FORWARD_MASK_MMA_HEAD_DIMS if mask_mma is None else mask_mma,
         num_warps=4, maxnreg=168,
     )
     return o, lse
