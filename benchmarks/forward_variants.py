@@ -43,18 +43,26 @@ def _all_full(cm):
 
 
 def _forward(q, k, v, cm, scale, kernel):
-    """kernel: "hopper", "portable", "hopper-<order>" (a work-list order of forward_hopper) or
-    "hopper-qbuf1" / "hopper-qbuf2" (one Q buffer / Q double-buffered across work items; "hopper"
-    takes configs.hopper_forward_q_buffers)."""
+    """kernel: "hopper", "portable" or "hopper-<options>": options joined by "-", each one of
+    "s<N>" (N K/V stages), "pp" / "nopp" (the consumer warpgroups' ping-pong on or off),
+    "qbuf1" / "qbuf2" (one Q buffer / Q double-buffered across work items) or a work-list order
+    of forward_hopper ("count", "chunked"); what is not given takes the configs default."""
     if kernel.startswith("hopper-"):
         from flexmask.kernels import forward_hopper
         from flexmask.kernels.forward import mask_broadcast
 
         mask_map = mask_broadcast(cm, q.shape[0], q.shape[1], k.shape[1])
-        variant = kernel.split("-", 1)[1]
-        if variant in ("qbuf1", "qbuf2"):
-            return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_map, q_buffers=int(variant[-1]))
-        return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_map, order=variant)
+        options = {}
+        for token in kernel.split("-")[1:]:
+            if token.startswith("qbuf"):
+                options["q_buffers"] = int(token[4:])
+            elif token[0] == "s" and token[1:].isdigit():
+                options["stages"] = int(token[1:])
+            elif token in ("pp", "nopp"):
+                options["pingpong"] = token == "pp"
+            else:
+                options["order"] = token
+        return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_map, **options)
     return attention_forward(q, k, v, cm, scale, kernel=kernel)
 
 

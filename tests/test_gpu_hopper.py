@@ -115,3 +115,33 @@ def test_q_double_buffer(family, d):
     floor = default_floor(torch.bfloat16)
     assert_close_to_reference(out, ref_o, low_o, floor, "out")
     assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
+
+
+# (head dim, K/V stages, ping-pong, Q buffers): every schedule forward_variants measures that fits
+# in shared memory (D = 128 with four stages does not)
+SCHEDULES = [(128, 3, False, 1), (128, 2, True, 1), (128, 3, True, 1), (64, 3, False, 1), (64, 4, False, 1),
+             (64, 2, True, 1), (64, 3, True, 1), (64, 4, True, 2)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: "D{}-s{}-{}-qbuf{}".format(s[0], s[1], "pp" if s[2] else "nopp", s[3]))
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_schedules(family, schedule):
+    """attention_forward_hopper with more K/V stages and with the consumer warpgroups' ping-pong
+    (turns taken through shared-memory barriers) against the reference: every family, many
+    short work items (Sq > Sk, GQA) so that the turns cross item boundaries."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels import forward_hopper
+    from flexmask.kernels.forward import mask_broadcast
+
+    d, stages, pingpong, q_buffers = schedule
+    b, hq, hkv, sq, sk = 2, 4, 2, 1500, 700
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=5, layout="bhsd"))
+    mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=5)
+    cm = compile_mask(mask, sq, sk, device="cuda")
+    out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, d ** -0.5, mask_broadcast(cm, b, hq, hkv),
+                                                       stages=stages, pingpong=pingpong, q_buffers=q_buffers)
+    (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask)
+    floor = default_floor(torch.bfloat16)
+    assert_close_to_reference(out, ref_o, low_o, floor, "out")
+    assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")

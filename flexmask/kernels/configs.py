@@ -196,6 +196,16 @@ def forward_path(q: torch.Tensor, cm) -> str:
 HOPPER_FORWARD_IS_DEFAULT = True
 
 
+def hopper_forward_schedule(head_dim: int) -> tuple[int, bool]:
+    """(K/V stages, ping-pong) of the Hopper forward (forward_hopper.py) at this head dim:
+    HOPPER_FORWARD_SCHEDULE, else two stages and no ping-pong."""
+    return HOPPER_FORWARD_SCHEDULE.get(head_dim, (2, False))
+
+
+# to be measured (forward_hopper_log.md, session 12)
+HOPPER_FORWARD_SCHEDULE = {128: (2, False), 64: (2, False)}
+
+
 def hopper_forward_q_buffers(head_dim: int, cm) -> int:
     """Q buffers of the Hopper forward (forward_hopper.py): 2 (the next work item's Q loads while
     this item's walk ends) at the head dims of HOPPER_QBUF2_HEAD_DIMS when a q-block visits at most

@@ -85,7 +85,7 @@ def _producer(
     """One warp: claims work items (scheduler.py) and hands them to the consumers, then TMA loads
     of each item's Q block and of its K and V tiles in walk order. With Q_BUFS = 2 the next
     item's Q goes into the other buffer while this item's walk ends."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, _ = bars
     kv_count = 0
     item_count = 0
     w = scheduler.claim(COUNTER)
@@ -186,6 +186,23 @@ def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.co
 
 
 @gluon.jit
+def _take_turn(turns, WG: gl.constexpr, issued, PINGPONG: gl.constexpr):
+    """With PINGPONG, wait until the other consumer warpgroup has issued its matrix products of
+    the same step (warpgroup 0 goes first): the two then reach the tensor cores alternately, so
+    one's softmax runs while the other's products do, instead of both waiting for the tensor
+    cores and then both computing softmax (FlashAttention-3's ping-pong schedule)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(WG), issued & 1)
+
+
+@gluon.jit
+def _pass_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Hand the turn to the other warpgroup once this one's products are issued (not finished)."""
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - WG), count=1)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """One tile's online-softmax update in exp2: returns (p, m_i, l_i, alpha), alpha the
     factor O must be multiplied by. The running maximum starts at a finite floor, so a row
@@ -204,12 +221,12 @@ def _consumer(
     stride_ob, stride_oh, stride_om,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    Q_BUFS: gl.constexpr,
+    Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     The two warpgroups share the K/V stages (released when both have read them) but never
     wait for each other, so one's softmax runs while the other's matrix products do."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns = bars
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = BLOCK_M // 2
     num_warps: gl.constexpr = 4
@@ -224,6 +241,7 @@ def _consumer(
     HALF: gl.constexpr = ROWS // 2
     kv_count = 0
     item_count = 0
+    issued = 0  # steps whose products this warpgroup has issued (the ping-pong turns it has taken)
     # the producer loaded the item and its walk bounds (work list -> offsets) ahead of the walk
     entry, t_lo, t_mid, t_hi = scheduler.receive(item_slots, item_ready, item_empty, 0, num_warps)
     while entry >= 0:
@@ -245,7 +263,10 @@ def _consumer(
             s_idx = kv_count % STAGES
             mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
             k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+            _take_turn(turns, WG, issued, PINGPONG)
             s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+            _pass_turn(turns, WG, PINGPONG)
+            issued += 1
             words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the product runs
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s_idx), count=1)
@@ -262,10 +283,13 @@ def _consumer(
                 s_idx = kv_count % STAGES
                 mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
                 k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                mbarrier.wait(v_ready.index(prev_idx), prev_phase)
+                _take_turn(turns, WG, issued, PINGPONG)
                 s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
                 # O += P V of the previous tile runs on the tensor cores during this tile's softmax
-                mbarrier.wait(v_ready.index(prev_idx), prev_phase)
                 acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                _pass_turn(turns, WG, PINGPONG)
+                issued += 1
                 words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the products run
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(s_idx), count=1)
@@ -280,7 +304,10 @@ def _consumer(
                 prev_phase = (kv_count // STAGES) & 1
                 kv_count += 1
             mbarrier.wait(v_ready.index(prev_idx), prev_phase)
+            _take_turn(turns, WG, issued, PINGPONG)
             acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            _pass_turn(turns, WG, PINGPONG)
+            issued += 1
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev_idx), count=1)
         mbarrier.arrive(q_empty.index(q_idx), count=1)
@@ -310,7 +337,7 @@ def _forward_hopper_kernel(
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    Q_BUFS: gl.constexpr, num_warps: gl.constexpr,
+    Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)  # [2 * Q_BUFS, 1, BLOCK_M / 2, HEAD_DIM]
@@ -331,20 +358,25 @@ def _forward_hopper_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
     item_slots, item_ready, item_empty = scheduler.allocate_ring()
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose products go next
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
     fence_async_shared()
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty)
+    if PINGPONG:
+        mbarrier.arrive(turns.index(0), count=1)  # warpgroup 0 takes the first turn
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns)
 
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_bufs, v_bufs, bars,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG)),
         (_consumer, (1, q_smem, k_bufs, v_bufs, bars,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                      WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -478,15 +510,22 @@ def supports(q, k, v, cm) -> bool:
     return q_view is not None and k_view is not None and v_view is not None and k_view[2] == v_view[2]
 
 
-def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2,
-                             order: str = "chunked", q_buffers: int | None = None):
+def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int | None = None,
+                             order: str = "chunked", q_buffers: int | None = None, pingpong: bool | None = None):
     """Same contract as forward.attention_forward; call only when `supports` says yes.
-    `q_buffers=2` double-buffers Q across work items (the next item's Q loads while this one's
-    walk ends: pays on short walks); None takes `configs.hopper_forward_q_buffers`."""
+    `stages`: K/V tiles in flight. `q_buffers=2` double-buffers Q across work items (the next
+    item's Q loads while this one's walk ends: pays on short walks). `pingpong`: the two consumer
+    warpgroups take turns at the tensor cores. None takes `configs.hopper_forward_schedule`."""
+    d = q.shape[-1]
+    default_stages, default_pingpong = configs.hopper_forward_schedule(d)
+    stages = default_stages if stages is None else stages
+    pingpong = default_pingpong if pingpong is None else pingpong
     if q_buffers is None:
-        q_buffers = configs.hopper_forward_q_buffers(q.shape[-1], cm)
+        q_buffers = configs.hopper_forward_q_buffers(d, cm)
     if q_buffers not in (1, 2):
         raise ValueError(f"q_buffers must be 1 or 2, got {q_buffers!r}")
+    if stages not in (2, 3, 4):
+        raise ValueError(f"stages must be 2, 3 or 4, got {stages!r}")
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
@@ -508,6 +547,6 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E,
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
-        num_warps=4, maxnreg=168,
+        PINGPONG=bool(pingpong), num_warps=4, maxnreg=168,
     )
     return o, lse
