@@ -46,7 +46,8 @@ def report(name: str, kernel) -> str:
     return f"{name}: shared={kernel.metadata.shared} B; " + " | ".join(lines)
 
 
-def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False):
+def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
+                    column_bias: bool | None = None):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels import forward_hopper as fh
 
@@ -59,8 +60,12 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
                 FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_ob=7, stride_oh=7, stride_om=7,
                 Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5)  # as launched
+    from flexmask.kernels import configs
+
+    if column_bias is None:
+        column_bias = configs.hopper_forward_column_bias(head_dim)
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
-                  num_warps=4)
+                  COLUMN_BIAS=column_bias, num_warps=4)
     return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

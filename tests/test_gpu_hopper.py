@@ -117,30 +117,65 @@ def test_q_double_buffer(family, d):
     assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
 
 
-# (head dim, K/V stages, ping-pong, Q buffers): every schedule forward_variants measures that fits
-# in shared memory (D = 128 with four stages does not)
-SCHEDULES = [(128, 3, False, 1), (128, 2, True, 1), (128, 3, True, 1), (64, 3, False, 1), (64, 4, False, 1),
-             (64, 2, True, 1), (64, 3, True, 1), (64, 4, True, 2)]
+# (head dim, K/V stages, ping-pong, Q buffers, column bias): every schedule forward_variants
+# measures that fits in shared memory (D = 128 with four stages does not)
+SCHEDULES = [(128, 3, False, 1, False), (128, 2, True, 1, False), (128, 3, True, 1, False), (128, 2, False, 1, True),
+             (64, 3, False, 1, True), (64, 4, False, 1, True), (64, 2, True, 1, True), (64, 3, True, 1, True),
+             (64, 4, True, 2, True), (64, 2, False, 1, False)]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: "D{}-s{}-{}-qbuf{}".format(s[0], s[1], "pp" if s[2] else "nopp", s[3]))
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: "D{}-s{}-{}-qbuf{}-{}".format(
+    s[0], s[1], "pp" if s[2] else "nopp", s[3], "cb" if s[4] else "nocb"))
 @pytest.mark.parametrize("family", FAMILIES, ids=str)
 def test_schedules(family, schedule):
-    """attention_forward_hopper with more K/V stages and with the consumer warpgroups' ping-pong
-    (turns taken through shared-memory barriers) against the reference: every family, many
-    short work items (Sq > Sk, GQA) so that the turns cross item boundaries."""
+    """attention_forward_hopper with more K/V stages, with the consumer warpgroups' ping-pong
+    (turns taken through shared-memory barriers) and with or without the column bias on PARTIAL
+    tiles, against the reference: every family, many short work items (Sq > Sk, GQA) so that the
+    turns cross item boundaries."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     from flexmask.kernels import forward_hopper
     from flexmask.kernels.forward import mask_broadcast
 
-    d, stages, pingpong, q_buffers = schedule
+    d, stages, pingpong, q_buffers, column_bias = schedule
     b, hq, hkv, sq, sk = 2, 4, 2, 1500, 700
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=5, layout="bhsd"))
     mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=5)
     cm = compile_mask(mask, sq, sk, device="cuda")
     out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, d ** -0.5, mask_broadcast(cm, b, hq, hkv),
-                                                       stages=stages, pingpong=pingpong, q_buffers=q_buffers)
+                                                       stages=stages, pingpong=pingpong, q_buffers=q_buffers,
+                                                       column_bias=column_bias)
+    (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask)
+    floor = default_floor(torch.bfloat16)
+    assert_close_to_reference(out, ref_o, low_o, floor, "out")
+    assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
+
+
+@pytest.mark.parametrize("d", [128, 64], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("aligned", [True, False], ids=["slab_aligned", "unaligned"])
+def test_column_bias(d, aligned):
+    """PARTIAL tiles masked by the column bias (forward_hopper._column_bias): per-column intervals
+    whose ends fall on 64-row slabs make every PARTIAL tile take the bias; unaligned ends mix
+    bias and row-word tiles in one walk. Odd Sk, rows that attend nothing, GQA."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask import masks
+    from flexmask.kernels import forward_hopper
+    from flexmask.kernels.forward import mask_broadcast
+
+    b, hq, hkv, sq, sk = 1, 4, 2, 1024, 777
+    gen = torch.Generator().manual_seed(7)
+    ends = torch.randint(0, sq // 64 + 1, (2, sk), generator=gen) * 64
+    if not aligned:
+        ends = torch.randint(0, sq + 1, (2, sk), generator=gen)
+    lts, lte = ends.min(0).values, ends.max(0).values
+    lts[:5], lte[:5] = 0, sq  # columns masked on every row
+    uts, ute = torch.full_like(lts, sq - 64), torch.full_like(lte, sq)  # the last 64 rows attend nothing
+    mask = masks.column_intervals(lts.cuda(), lte.cuda(), uts.cuda(), ute.cuda())
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=7, layout="bhsd"))
+    cm = compile_mask(mask, sq, sk, device="cuda")
+    out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, d ** -0.5, mask_broadcast(cm, b, hq, hkv),
+                                                       column_bias=True)
     (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask)
     floor = default_floor(torch.bfloat16)
     assert_close_to_reference(out, ref_o, low_o, floor, "out")

@@ -206,6 +206,16 @@ def hopper_forward_schedule(head_dim: int) -> tuple[int, bool]:
 HOPPER_FORWARD_SCHEDULE = {128: (2, False), 64: (2, False)}
 
 
+def hopper_forward_column_bias(head_dim: int) -> bool:
+    """Whether the Hopper forward masks PARTIAL tiles with a column bias where it can
+    (forward_hopper._column_bias): at the head dims of HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS."""
+    return head_dim in HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS
+
+
+# to be measured (session 12); at D = 128 the bias path spills (44 bytes, offline ptxas)
+HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS = frozenset({64})
+
+
 def hopper_forward_q_buffers(head_dim: int, cm) -> int:
     """Q buffers of the Hopper forward (forward_hopper.py): 2 (the next work item's Q loads while
     this item's walk ends) at the head dims of HOPPER_QBUF2_HEAD_DIMS when a q-block visits at most

@@ -124,12 +124,12 @@ def _producer(
 
 @gluon.jit
 def _row_bits(start, end, base):
-    """Bit r set where row base + r (r < 32) lies in [start, end): one int32 word per column."""
-    lo = gl.minimum(gl.maximum(start - base, 0), 32).to(gl.int64)
-    hi = gl.minimum(gl.maximum(end - base, 0), 32).to(gl.int64)
-    one = gl.full_like(lo, 1)
-    bits = gl.where(hi > lo, (one << hi) - (one << lo), 0)
-    return bits.to(gl.int32)
+    """Bit r set where row base + r (r < 32) lies in [start, end): one int32 word per column,
+    from one BMSK (a mask of `width` bits from bit `lo`, clamped to the word)."""
+    lo = gl.minimum(gl.maximum(start - base, 0), 32)
+    width = gl.maximum(gl.minimum(end - base, 32) - lo, 0)
+    return gl.inline_asm_elementwise("bmsk.clamp.b32 $0, $1, $2;", "=r,r,r", [lo, width], dtype=gl.int32,
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -177,12 +177,72 @@ def _apply_row_words(s, words, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _column_bias(lts, lte, uts, ute, row0, ROWS: gl.constexpr):
+    """Per column of a PARTIAL tile: whether the column is masked on every one of rows
+    [row0, row0 + ROWS) (bias -inf), on none of them (bias 0), or on some only (`mixed`).
+
+    Where no column of a warpgroup's rows is mixed, the mask is the bias row added in the
+    multiply-add that scales the scores anyway: no instruction per element beyond a FULL
+    tile's. Random intervals and evictions cut few columns inside 64 rows; a diagonal or a
+    document boundary cuts them all and takes the row words (`_row_words`)."""
+    row1 = row0 + ROWS
+    lower_all = (lts <= row0) & (lte >= row1)
+    upper_all = (uts <= row0) & (ute >= row1)
+    lower_none = (lte <= row0) | (lts >= row1) | (lte <= lts)
+    upper_none = (ute <= row0) | (uts >= row1) | (ute <= uts)
+    masked = lower_all | upper_all
+    mixed = (~masked) & ~(lower_none & upper_none)
+    return gl.where(masked, float("-inf"), 0.0), mixed.to(gl.int32)
+
+
+@gluon.jit
 def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
                    num_warps: gl.constexpr):
     """-inf where (row, column) of this warpgroup's ROWS x BLOCK_N part of a PARTIAL tile is
     masked or past Sk (the three steps above in one, loads included)."""
     lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, True)
     return _apply_row_words(s, _row_words(lts, lte, uts, ute, row0, ROWS // 2), ROWS, BLOCK_N)
+
+
+@gluon.jit
+def _scaled_softmax_step(t, m_i, l_i):
+    """_softmax_step for scores already scaled (and masked by a -inf bias)."""
+    m_new = gl.maximum(m_i, gl.max(t, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(t - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _any_column(flags, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+    """Whether any of the BLOCK_N per-column flags (one column per thread) is set, known to every
+    thread of the warpgroup: a reduction inside each warp, then one exchange of the warps'
+    results (gl.max over the whole vector reduces twice, with two more barriers)."""
+    per_lane: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
+    per_warp = gl.max(gl.convert_layout(gl.reshape(flags, [num_warps, BLOCK_N // num_warps]), per_lane), 1)
+    everyone: gl.constexpr = gl.BlockedLayout([num_warps], [32], [num_warps], [0])
+    return gl.max(gl.convert_layout(per_warp, everyone), 0)
+
+
+@gluon.jit
+def _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
+                         ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                         COLUMN_BIAS: gl.constexpr):
+    """_softmax_step of any tile: FULL tiles as they are; PARTIAL ones with the row words, or
+    (COLUMN_BIAS) with the column bias where no column of this warpgroup's rows is mixed (one
+    decision for the warpgroup)."""
+    any_mixed = 1
+    if COLUMN_BIAS and is_partial:
+        any_mixed = _any_column(mixed, BLOCK_N, 4)
+    if is_partial & (any_mixed != 0):
+        s = _apply_row_words(s, words, ROWS, BLOCK_N)
+    if is_partial & (any_mixed == 0):
+        bias_cols = gl.convert_layout(bias, gl.SliceLayout(0, s_layout))
+        p, m_new, l_new, alpha = _scaled_softmax_step(s * qk_scale + gl.expand_dims(bias_cols, 0), m_i, l_i)
+    else:
+        p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+    return p, m_new, l_new, alpha
 
 
 @gluon.jit
@@ -221,7 +281,7 @@ def _consumer(
     stride_ob, stride_oh, stride_om,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
+    Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     The two warpgroups share the K/V stages (released when both have read them) but never
@@ -268,11 +328,11 @@ def _consumer(
             _pass_turn(turns, WG, PINGPONG)
             issued += 1
             words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the product runs
+            bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s_idx), count=1)
-            if is_partial:
-                s = _apply_row_words(s, words, ROWS, BLOCK_N)
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+            p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
+                                                      ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
             prev_idx = s_idx
             prev_phase = (kv_count // STAGES) & 1
@@ -291,11 +351,11 @@ def _consumer(
                 _pass_turn(turns, WG, PINGPONG)
                 issued += 1
                 words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the products run
+                bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(s_idx), count=1)
-                if is_partial:
-                    s = _apply_row_words(s, words, ROWS, BLOCK_N)
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+                p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
+                                                          ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev_idx), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -337,7 +397,7 @@ def _forward_hopper_kernel(
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr,
+    Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)  # [2 * Q_BUFS, 1, BLOCK_M / 2, HEAD_DIM]
@@ -371,12 +431,12 @@ def _forward_hopper_kernel(
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS)),
         (_consumer, (1, q_smem, k_bufs, v_bufs, bars,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                      WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -511,15 +571,19 @@ def supports(q, k, v, cm) -> bool:
 
 
 def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int | None = None,
-                             order: str = "chunked", q_buffers: int | None = None, pingpong: bool | None = None):
+                             order: str = "chunked", q_buffers: int | None = None, pingpong: bool | None = None,
+                             column_bias: bool | None = None):
     """Same contract as forward.attention_forward; call only when `supports` says yes.
     `stages`: K/V tiles in flight. `q_buffers=2` double-buffers Q across work items (the next
     item's Q loads while this one's walk ends: pays on short walks). `pingpong`: the two consumer
-    warpgroups take turns at the tensor cores. None takes `configs.hopper_forward_schedule`."""
+    warpgroups take turns at the tensor cores. `column_bias`: PARTIAL tiles whose columns are each
+    masked on all or none of a warpgroup's rows take the mask as a bias row (`_column_bias`).
+    None takes `configs.hopper_forward_schedule` / `configs.hopper_forward_column_bias`."""
     d = q.shape[-1]
     default_stages, default_pingpong = configs.hopper_forward_schedule(d)
     stages = default_stages if stages is None else stages
     pingpong = default_pingpong if pingpong is None else pingpong
+    column_bias = configs.hopper_forward_column_bias(d) if column_bias is None else column_bias
     if q_buffers is None:
         q_buffers = configs.hopper_forward_q_buffers(d, cm)
     if q_buffers not in (1, 2):
@@ -547,6 +611,6 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E,
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
-        PINGPONG=bool(pingpong), num_warps=4, maxnreg=168,
+        PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), num_warps=4, maxnreg=168,
     )
     return o, lse
