@@ -202,18 +202,41 @@ def hopper_forward_schedule(head_dim: int) -> tuple[int, bool]:
     return HOPPER_FORWARD_SCHEDULE.get(head_dim, (2, False))
 
 
-# to be measured (forward_hopper_log.md, session 12)
+# Measured on an H200 at 32K (forward_session12a_d64_log.txt / _d128_log.txt, forward_variants):
+# 3 or 4 stages and the ping-pong (with 2, 3 or 4 stages) were level or slower on every family at
+# D = 64 and 128 (e.g. full D = 128: 601.0 TFLOP/s with 2 stages, 573.5 with 3, 577.7 with the
+# ping-pong; causal D = 128 591.1 against 517.9 with the ping-pong), so both stay off.
 HOPPER_FORWARD_SCHEDULE = {128: (2, False), 64: (2, False)}
 
 
-def hopper_forward_column_bias(head_dim: int) -> bool:
+def hopper_forward_column_bias(head_dim: int, cm=None) -> bool:
     """Whether the Hopper forward masks PARTIAL tiles with a column bias where it can
-    (forward_hopper._column_bias): at the head dims of HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS."""
-    return head_dim in HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS
+    (forward_hopper._column_bias): at the head dims of HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS, for
+    masks built from a kind in COLUMN_CUT_KINDS (alone or in a composition; `cm.source`, a host
+    value). Their PARTIAL tiles are cut by per-column interval ends, so most take the bias; a
+    diagonal or a document boundary cuts every column of its tiles, which then pay the test for
+    nothing (sliding window 1024 at D = 64: 3.6% slower with it). `cm=None` asks about the head
+    dim alone."""
+    if head_dim not in HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS:
+        return False
+    return cm is None or bool(_mask_kinds(getattr(cm, "source", None)) & COLUMN_CUT_KINDS)
 
 
-# to be measured (session 12); at D = 128 the bias path spills (44 bytes, offline ptxas)
+def _mask_kinds(mask) -> set:
+    """The kinds of a mask and of the masks it composes (`a & b`, `a | b`)."""
+    if mask is None:
+        return set()
+    parts = [getattr(mask, "a", None), getattr(mask, "b", None)]
+    return {mask.kind}.union(*(_mask_kinds(m) for m in parts if m is not None))
+
+
+# Measured on an H200 at 32K, D = 64 (forward_session12c_bias_log.txt; a PARTIAL tile's cost
+# against a FULL one, column bias on / off): random intervals x1.36 / x1.39, random eviction
+# x1.25 / x1.30; causal documents 1.402 / 1.415 ms, causal level, sliding window 1024 0.447 /
+# 0.431 ms. At D = 128 the bias path spills (44 bytes, offline ptxas) and PARTIAL tiles already
+# cost 1.06-1.09x, so it stays off there.
 HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS = frozenset({64})
+COLUMN_CUT_KINDS = frozenset({"column_intervals", "random_eviction"})
 
 
 def hopper_forward_q_buffers(head_dim: int, cm) -> int:

@@ -584,7 +584,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     default_stages, default_pingpong = configs.hopper_forward_schedule(d)
     stages = default_stages if stages is None else stages
     pingpong = default_pingpong if pingpong is None else pingpong
-    column_bias = configs.hopper_forward_column_bias(d) if column_bias is None else column_bias
+    column_bias = configs.hopper_forward_column_bias(d, cm) if column_bias is None else column_bias
     if q_buffers is None:
         q_buffers = configs.hopper_forward_q_buffers(d, cm)
     if q_buffers not in (1, 2):
