@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
 
 import flexmask
 
 from .cuda_guard import require_cuda
 from .forward_variants import _all_full, _forward, _random_intervals
+from .profile_backward import call_for_profiler
 from .speed_check import families
 
 
@@ -54,13 +54,8 @@ def main(argv=None):
         def run():
             return _forward(q, k, v, cm, d ** -0.5, args.kernel)
 
-    run()
-    torch.cuda.synchronize()
-    run()
-    torch.cuda.synchronize()
-    if args.time:
-        ms = triton.testing.do_bench(run, warmup=10, rep=50)
-        print(f"{args.kernel} {args.family}{' all-FULL' if args.all_full else ''} D={d} S={s}: {ms:.3f} ms")
+    label = f"{args.kernel} {args.family}{' all-FULL' if args.all_full else ''} D={d} S={s}"
+    call_for_profiler(run, label if args.time else None)
 
 
 if __name__ == "__main__":
