@@ -45,8 +45,7 @@ def _all_full(cm):
 def _forward(q, k, v, cm, scale, kernel):
     """kernel: "hopper", "portable" or "hopper-<options>": options joined by "-", each one of
     "s<N>" (N K/V stages), "pp" / "nopp" (the consumer warpgroups' ping-pong on or off),
-    "cb" / "cbw" / "nocb" (PARTIAL tiles masked by the warpgroup's column bias where they can, by the
-    mask warp's per-warp words, or always by row words),
+    "cb" / "nocb" (PARTIAL tiles masked by a column bias where they can, or always by row words),
     "qbuf1" / "qbuf2" (one Q buffer / Q double-buffered across work items) or a work-list order
     of forward_hopper ("count", "chunked"); what is not given takes the configs default."""
     if kernel.startswith("hopper-"):
@@ -62,8 +61,8 @@ def _forward(q, k, v, cm, scale, kernel):
                 options["stages"] = int(token[1:])
             elif token in ("pp", "nopp"):
                 options["pingpong"] = token == "pp"
-            elif token in ("cb", "cbw", "nocb"):
-                options["column_bias"] = {"cb": True, "cbw": "warp", "nocb": False}[token]
+            elif token in ("cb", "nocb"):
+                options["column_bias"] = token == "cb"
             else:
                 options["order"] = token
         return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_map, **options)

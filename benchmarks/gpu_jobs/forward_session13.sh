@@ -3,6 +3,8 @@
 # (forward_hopper._mask_words; "cbw") against the warpgroup's column bias ("cb") and the row
 # words ("nocb"), at D = 64, on one H100/H200 (~7 minutes):
 #   OUT=/some/dir RUN=a bash benchmarks/gpu_jobs/forward_session13.sh
+# It ran on commit 5a27698 (the "cbw" option; reverted after, forward_hopper_log.md session 13):
+# RUN=a with one mask warp, RUN=b KERNELS="hopper-cb hopper-cbw" with two.
 set -uo pipefail
 . benchmarks/gpu_jobs/setup.sh
 RUN=${RUN:-a}

@@ -36,8 +36,6 @@ from . import configs, scheduler
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the one-warp TMA producer
 CONSUMER_REGS = gl.constexpr(240)  # the second consumer warpgroup (the first gets what is left)
-MASK_REGS = gl.constexpr(56)  # the mask warps (COLUMN_BIAS == 2)
-MASK_WARPS = gl.constexpr(2)
 FINITE_FLOOR = gl.constexpr(-1.0e30)  # the running maximum starts here: exp2(-inf - max) is 0, never NaN
 
 
@@ -249,148 +247,6 @@ def _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
 
 
 @gluon.jit
-def _slab_words(start, end, base, SLAB: gl.constexpr):
-    """Bits of rows [base, base + 2 * SLAB) inside [start, end) (SLAB = 16: two slabs in one
-    int32): one BMSK, its start and width clamped to the word."""
-    lo = gl.minimum(gl.maximum(start - base, 0), 2 * SLAB)
-    hi = gl.minimum(gl.maximum(end - base, lo), 2 * SLAB)
-    return gl.inline_asm_elementwise("bmsk.clamp.b32 $0, $1, $2;", "=r,r,r", [lo, hi - lo], dtype=gl.int32,
-                                     is_pure=True, pack=1)
-
-
-@gluon.jit
-def _encode_slab(bits, FULL: gl.constexpr):
-    """A slab's word as the consumers read it: the -inf bit pattern where every row is masked (it
-    is then the column's bias as it stands), 0 where none is, else the rows' bits (a denormal
-    as a float: adding it changes no score)."""
-    return gl.where(bits == FULL, -8388608, bits)  # -8388608 = 0xFF800000, float -inf
-
-
-@gluon.jit
-def _mask_words(
-    words_smem, flags_smem, words_ready, bars, INTV, FWD_BLOCKS, Sk, NQB,
-    HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-):
-    """One warp that takes the masking of PARTIAL tiles off the consumers' path (COLUMN_BIAS == 2).
-    For every PARTIAL tile of the walk it writes, into the tile's K/V stage, one word per
-    (16-row slab, column): the -inf bit pattern where the slab's 16 rows are all masked, 0 where
-    none is, the masked rows' bits otherwise (`_encode_slab`); and one flag bit per slab that has
-    a column of the third kind. A consumer warp (one slab) then adds its words to the scores as a
-    bias and tests rows only when its flag is set: random intervals leave ~12% of slabs with a
-    cut column, against ~39% of the warpgroups' 64-row halves (forward_hopper_log.md, session 13).
-
-    The words of stage s are rewritten once both warpgroups have released its V tile, which they
-    do after their softmax of the tile has read them; `words_ready` is arrived for every tile,
-    FULL ones too, so that its phase follows the K/V stage count as the consumers' does."""
-    _, _, _, _, _, v_empty, item_slots, item_ready, item_empty, _ = bars
-    SLAB: gl.constexpr = 16
-    FULL: gl.constexpr = (1 << SLAB) - 1
-    WORDS: gl.constexpr = BLOCK_M // (2 * SLAB)  # 32-row words per column
-    # [WORDS, BLOCK_N]: every 32-row word of BLOCK_N / (32 * MASK_WARPS) consecutive columns in each lane
-    w_layout: gl.constexpr = gl.BlockedLayout([WORDS, BLOCK_N // (32 * MASK_WARPS)], [1, 32], [1, MASK_WARPS], [1, 0])
-    c_layout: gl.constexpr = gl.SliceLayout(0, w_layout)
-    kv_count = 0
-    item_count = 0
-    entry, t_lo, t_mid, t_hi = scheduler.receive(item_slots, item_ready, item_empty, 0, MASK_WARPS)
-    while entry >= 0:
-        b, h, m, seg = _decode_item(entry, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
-        row = seg // NQB
-        bases = gl.expand_dims(m * BLOCK_M + 2 * SLAB * gl.arange(0, WORDS, layout=gl.SliceLayout(1, w_layout)), 1)
-        o_n0 = gl.arange(0, BLOCK_N, layout=c_layout)
-        p_row = INTV + row.to(gl.int64) * 4 * Sk
-        n_partial = t_hi - t_mid  # the walk's PARTIAL tiles come first
-        lts, lte, uts, ute = _column_ends(p_row, FWD_BLOCKS, t_mid, o_n0, Sk, BLOCK_N, n_partial > 0)
-        for i in range(n_partial):
-            # the next tile's ends load while this tile's words are built
-            nxt = _column_ends(p_row, FWD_BLOCKS, t_mid + i + 1, o_n0, Sk, BLOCK_N, i + 1 < n_partial)
-            bits = _slab_words(lts, lte, bases, SLAB) | _slab_words(uts, ute, bases, SLAB)  # [WORDS, BLOCK_N]
-            slabs = gl.reshape(gl.permute(gl.join(bits & FULL, (bits >> SLAB) & FULL), [0, 2, 1]), [2 * WORDS, BLOCK_N])
-            cut = gl.max(((slabs != 0) & (slabs != FULL)).to(gl.int32), 1)  # [2 * WORDS]: a slab with a cut column
-            flags = gl.sum(cut << gl.arange(0, 2 * WORDS, layout=cut.type.layout), 0)
-            s = kv_count % STAGES
-            mbarrier.wait(v_empty.index(s), ((kv_count // STAGES) & 1) ^ 1)
-            words_smem.index(s).store(_encode_slab(slabs, FULL))
-            flags_smem.index(s).store(gl.full([1], flags, gl.int32, layout=gl.BlockedLayout([1], [32], [MASK_WARPS], [0])))
-            mbarrier.arrive(words_ready.index(s), count=1)
-            kv_count += 1
-            lts, lte, uts, ute = nxt
-        for i in range(t_mid - t_lo):  # FULL tiles: nothing to write
-            s = kv_count % STAGES
-            mbarrier.wait(v_empty.index(s), ((kv_count // STAGES) & 1) ^ 1)
-            mbarrier.arrive(words_ready.index(s), count=1)
-            kv_count += 1
-        item_count += 1
-        entry, t_lo, t_mid, t_hi = scheduler.receive(item_slots, item_ready, item_empty, item_count, MASK_WARPS)
-
-
-@gluon.jit
-def _column_ends(p_row, FWD_BLOCKS, t, o_n0, Sk, BLOCK_N: gl.constexpr, pred):
-    """The four interval ends of the columns o_n0 of the kv-block at table entry t, as [1, BLOCK_N]
-    rows (loaded only where `pred`; columns past Sk masked on every row)."""
-    n = gl.load(FWD_BLOCKS + t, mask=pred, other=0)
-    o_n = n * BLOCK_N + o_n0
-    in_k = (o_n < Sk) & pred
-    lts = gl.load(p_row + o_n, mask=in_k, other=0)
-    lte = gl.load(p_row + Sk + o_n, mask=in_k, other=2147483647)
-    uts = gl.load(p_row + 2 * Sk + o_n, mask=in_k, other=0)
-    ute = gl.load(p_row + 3 * Sk + o_n, mask=in_k, other=0)
-    return gl.expand_dims(lts, 0), gl.expand_dims(lte, 0), gl.expand_dims(uts, 0), gl.expand_dims(ute, 0)
-
-
-@gluon.jit
-def _warp_id():
-    """This warp's index in its warpgroup (0-3): the wgmma layout gives warp w rows 16w..16w+15."""
-    return gl.inline_asm_elementwise("{ .reg .u32 t; mov.u32 t, %tid.x; bfe.u32 $0, t, 5, 2; }", "=r", [],
-                                     dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _warp_words_softmax_step(s, is_partial, words_smem, flags_smem, words_ready, s_idx, phase, WG: gl.constexpr,
-                             warp, m_i, l_i, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """_softmax_step of any tile with the mask warp's words (COLUMN_BIAS == 2): a PARTIAL tile adds
-    each warp's words as a bias in the multiply-add that scales the scores; only a warp whose slab
-    has a cut column tests its rows' bits (a branch that differs between warps, with no barrier
-    inside)."""
-    if is_partial:
-        mbarrier.wait(words_ready.index(s_idx), phase)
-        s3 = gl.reshape(s, [ROWS // 16, 16, BLOCK_N])
-        s3_layout: gl.constexpr = s3.type.layout
-        words = words_smem.index(s_idx).slice(WG * (ROWS // 16), ROWS // 16).load(gl.SliceLayout(1, s3_layout))
-        flags = gl.max(flags_smem.index(s_idx).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
-        words3 = gl.expand_dims(words, 1)
-        t3 = s3 * qk_scale + words3.to(gl.float32, bitcast=True)
-        if ((flags >> (WG * (ROWS // 16) + warp)) & 1) != 0:
-            r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_layout)))
-            row_bit = gl.expand_dims(gl.expand_dims(1 << r, 0), 2)
-            # not pure, so that LLVM keeps the branch instead of computing both sides and selecting
-            t3 = gl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b32 b; and.b32 b, $1, $2; setp.ne.b32 p, b, 0; selp.f32 $0, 0fFF800000, $3, p; }",
-                "=f,r,r,f", [words3, row_bit, t3], dtype=gl.float32, is_pure=False, pack=1)
-        t = gl.convert_layout(gl.reshape(t3, [ROWS, BLOCK_N]), s.type.layout)
-        p, m_new, l_new, alpha = _scaled_softmax_step(t, m_i, l_i)
-    else:
-        p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-    return p, m_new, l_new, alpha
-
-
-@gluon.jit
-def _tile_softmax_step(s, is_partial, words, bias, mixed, masks, s_idx, phase, WG: gl.constexpr, warp,
-                       m_i, l_i, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                       COLUMN_BIAS: gl.constexpr):
-    """The softmax step of one tile, masked as COLUMN_BIAS says: 0 row words, 1 the warpgroup's
-    column bias (`_masked_softmax_step`), 2 the mask warp's words (`_warp_words_softmax_step`)."""
-    if COLUMN_BIAS == 2:
-        words_smem, flags_smem, words_ready = masks
-        p, m_new, l_new, alpha = _warp_words_softmax_step(s, is_partial, words_smem, flags_smem, words_ready, s_idx,
-                                                          phase, WG, warp, m_i, l_i, qk_scale, ROWS, BLOCK_N)
-    else:
-        p, m_new, l_new, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
-                                                      ROWS, BLOCK_N, s_layout, COLUMN_BIAS != 0)
-    return p, m_new, l_new, alpha
-
-
-@gluon.jit
 def _take_turn(turns, WG: gl.constexpr, issued, PINGPONG: gl.constexpr):
     """With PINGPONG, wait until the other consumer warpgroup has issued its matrix products of
     the same step (warpgroup 0 goes first): the two then reach the tensor cores alternately, so
@@ -421,7 +277,7 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _consumer(
-    WG: gl.constexpr, q_smem, k_bufs, v_bufs, bars, masks,
+    WG: gl.constexpr, q_smem, k_bufs, v_bufs, bars,
     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     stride_ob, stride_oh, stride_om,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
@@ -432,10 +288,8 @@ def _consumer(
     The two warpgroups share the K/V stages (released when both have read them) but never
     wait for each other, so one's softmax runs while the other's matrix products do."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns = bars
-    words_smem, flags_smem, words_ready = masks
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = BLOCK_M // 2
-    warp = _warp_id()
     num_warps: gl.constexpr = 4
     # S = Q K^T: [BLOCK_M, BLOCK_N]; O += P V: [BLOCK_M, HEAD_DIM]; one wgmma row slab per warpgroup
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -466,7 +320,7 @@ def _consumer(
         if n_tiles > 0:
             # tile 0: S = Q K^T, softmax
             n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, 0)
-            lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial & (COLUMN_BIAS != 2))
+            lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial)
             s_idx = kv_count % STAGES
             mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
             k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
@@ -478,15 +332,15 @@ def _consumer(
             bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s_idx), count=1)
-            p, m_i, l_i, alpha = _tile_softmax_step(s, is_partial, words, bias, mixed, masks, s_idx, (kv_count // STAGES) & 1,
-                                                    WG, warp, m_i, l_i, qk_scale, ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
+            p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
+                                                      ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
             p_prev = gl.convert_layout(p.to(dtype), p_layout)
             prev_idx = s_idx
             prev_phase = (kv_count // STAGES) & 1
             kv_count += 1
             for i in range(1, n_tiles):
                 n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
-                lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial & (COLUMN_BIAS != 2))
+                lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial)
                 s_idx = kv_count % STAGES
                 mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
                 k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
@@ -501,9 +355,8 @@ def _consumer(
                 bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
                 s = warpgroup_mma_wait(1, deps=(s,))
                 mbarrier.arrive(k_empty.index(s_idx), count=1)
-                p, m_i, l_i, alpha = _tile_softmax_step(s, is_partial, words, bias, mixed, masks, s_idx,
-                                                        (kv_count // STAGES) & 1, WG, warp, m_i, l_i, qk_scale,
-                                                        ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
+                p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
+                                                          ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(v_empty.index(prev_idx), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -565,16 +418,7 @@ def _forward_hopper_kernel(
         mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
-    item_slots, item_ready, item_empty = scheduler.allocate_ring(3 if COLUMN_BIAS == 2 else 2)
-    # the mask warp's words (COLUMN_BIAS == 2): [STAGES, BLOCK_M / 16 slabs, BLOCK_N] and a flag word per stage
-    WORD_STAGES: gl.constexpr = STAGES if COLUMN_BIAS == 2 else 1
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])  # per stage: [slabs, BLOCK_N]
-    words_smem = gl.allocate_shared_memory(gl.int32, [WORD_STAGES, BLOCK_M // 16, BLOCK_N], plain)
-    flags_smem = gl.allocate_shared_memory(gl.int32, [WORD_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    words_ready = gl.allocate_shared_memory(gl.int64, [WORD_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(WORD_STAGES):
-        mbarrier.init(words_ready.index(i), count=1)
-    masks = (words_smem, flags_smem, words_ready)
+    item_slots, item_ready, item_empty = scheduler.allocate_ring()
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose products go next
     mbarrier.init(turns.index(0), count=1)
     mbarrier.init(turns.index(1), count=1)
@@ -583,44 +427,23 @@ def _forward_hopper_kernel(
         mbarrier.arrive(turns.index(0), count=1)  # warpgroup 0 takes the first turn
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns)
 
-    if COLUMN_BIAS == 2:  # the partitions below, and the mask warp
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, k_bufs, v_bufs, bars, masks,
-                         O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                         stride_ob, stride_oh, stride_om,
-                         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS)),
-            (_consumer, (1, q_smem, k_bufs, v_bufs, bars, masks,
-                         O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                         stride_ob, stride_oh, stride_om,
-                         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                         NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
-                         Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                         BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
-            (_mask_words, (words_smem, flags_smem, words_ready, bars, INTV, FWD_BLOCKS, Sk, NQB,
-                           HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, BLOCK_M, BLOCK_N, STAGES)),
-        ], [4, 1, MASK_WARPS], [CONSUMER_REGS, PRODUCER_REGS, MASK_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, k_bufs, v_bufs, bars, masks,
-                         O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                         stride_ob, stride_oh, stride_om,
-                         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS)),
-            (_consumer, (1, q_smem, k_bufs, v_bufs, bars, masks,
-                         O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                         stride_ob, stride_oh, stride_om,
-                         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                         NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
-                         Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                         BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, k_bufs, v_bufs, bars,
+                     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     stride_ob, stride_oh, stride_om,
+                     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS)),
+        (_consumer, (1, q_smem, k_bufs, v_bufs, bars,
+                     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     stride_ob, stride_oh, stride_om,
+                     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
+                     WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+                     BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --- host side -----------------------------------------------------------------------------
@@ -734,9 +557,6 @@ def _num_sms(device_index: int) -> int:
 
 
 HOPPER_BLOCK = 128
-# column_bias argument -> the kernel's COLUMN_BIAS: row words only; the warpgroup's column bias;
-# the mask warp's per-warp words
-_COLUMN_BIAS_MODES = {False: 0, True: 1, "warpgroup": 1, "warp": 2}
 
 
 def supports(q, k, v, cm) -> bool:
@@ -767,8 +587,6 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     column_bias = configs.hopper_forward_column_bias(d, cm) if column_bias is None else column_bias
     if q_buffers is None:
         q_buffers = configs.hopper_forward_q_buffers(d, cm)
-    if column_bias not in _COLUMN_BIAS_MODES:
-        raise ValueError(f"column_bias must be one of {sorted(map(repr, _COLUMN_BIAS_MODES))}, got {column_bias!r}")
     if q_buffers not in (1, 2):
         raise ValueError(f"q_buffers must be 1 or 2, got {q_buffers!r}")
     if stages not in (2, 3, 4):
@@ -794,6 +612,6 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E,
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
-        PINGPONG=bool(pingpong), COLUMN_BIAS=_COLUMN_BIAS_MODES[column_bias], num_warps=4, maxnreg=168,
+        PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), num_warps=4, maxnreg=168,
     )
     return o, lse

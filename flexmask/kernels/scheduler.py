@@ -71,15 +71,15 @@ def finish(COUNTER):
 
 
 @gluon.jit
-def allocate_ring(readers: gl.constexpr = 2):
-    """The slots and their ready/empty barriers (ready: the producer's arrival; empty: the
-    `readers` partitions' (the consumer warpgroups, and a mask warp where there is one))."""
+def allocate_ring():
+    """The slots and their ready/empty barriers (ready: the producer's arrival; empty: both
+    consumer warpgroups')."""
     slots = gl.allocate_shared_memory(gl.int32, [ITEM_SLOTS, ITEM_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [ITEM_SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [ITEM_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(ITEM_SLOTS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=readers)
+        mbarrier.init(empty.index(i), count=2)
     return slots, ready, empty
 
 
