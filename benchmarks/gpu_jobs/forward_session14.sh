@@ -3,7 +3,7 @@
 # (forward_hopper._slab_bias, column_bias="slab") against the warpgroup's column bias ("cb") at
 # D = 64 (and D = 128), on one H100/H200 (~8 minutes):
 #   OUT=/some/dir RUN=a bash benchmarks/gpu_jobs/forward_session14.sh
-# It ran on main 015c946 with benchmarks/results/forward_session14_slab_bias.patch applied (the
+# It ran on main 015c946 with benchmarks/results/forward_session14_slab_bias.patch (commit 520de35) applied (the
 # "slab" option does not exist on main; forward_hopper_log.md, session 14): RUN=a with the first
 # version of the patch, RUN=b with the one the patch keeps.
 set -uo pipefail
