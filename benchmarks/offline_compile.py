@@ -65,7 +65,7 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
     if column_bias is None:
         column_bias = configs.hopper_forward_column_bias(head_dim)
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
-                  COLUMN_BIAS=column_bias, num_warps=4)
+                  COLUMN_BIAS=column_bias, SPLIT_LOOPS=configs.hopper_forward_split_loops(head_dim), num_warps=4)
     return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

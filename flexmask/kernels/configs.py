@@ -239,6 +239,20 @@ HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS = frozenset({64})
 COLUMN_CUT_KINDS = frozenset({"column_intervals", "random_eviction"})
 
 
+def hopper_forward_split_loops(head_dim: int) -> bool:
+    """Whether the Hopper forward walks a work item's PARTIAL tiles and its FULL tiles in two
+    loops (the FULL loop without any mask work) instead of one loop that tests every tile."""
+    return head_dim in HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS
+
+
+# Measured on an H200 at 32K, D = 64 (forward_session16b_{before,after}{1,2}_log.txt, two loops
+# against one, two runs each): full 9.67 / 9.83 ms against 10.19 / 10.11, causal 4.90 / 4.93
+# against 5.18 / 5.17, causal documents 1.378 / 1.380 against 1.427 / 1.438; random intervals,
+# random evictions and sliding window level. At D = 128 two loops spill (offline ptxas), so one
+# loop stays there.
+HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS = frozenset({64})
+
+
 def hopper_forward_q_buffers(head_dim: int, cm) -> int:
     """Q buffers of the Hopper forward (forward_hopper.py): 2 (the next work item's Q loads while
     this item's walk ends) at the head dims of HOPPER_QBUF2_HEAD_DIMS when a q-block visits at most

@@ -206,6 +206,59 @@ def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.co
 
 
 @gluon.jit
+def _p_carried(p, dtype: gl.constexpr, p_layout: gl.constexpr, AS_F32: gl.constexpr):
+    """P of a tile as carried to the next step, which issues O += P V: the wgmma operand, or
+    (AS_F32) P itself, converted at the issue by _p_operand. With the PARTIAL and FULL loops
+    apart (SPLIT_LOOPS), LLVM carries the operand as single bf16 values and packs them again
+    before each issue (64 PRMT a tile, offline SASS); the float carry does not."""
+    if AS_F32:
+        return p
+    else:
+        return gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def _p_operand(p_prev, dtype: gl.constexpr, p_layout: gl.constexpr, AS_F32: gl.constexpr):
+    if AS_F32:
+        return gl.convert_layout(p_prev.to(dtype), p_layout)
+    else:
+        return p_prev
+
+
+@gluon.jit
+def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued, prev_idx, prev_phase, p_prev,
+                    acc, WG: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_F32: gl.constexpr,
+                    s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """A walk step's matrix products, issued without waiting for them: S = Q K^T of the tile in K/V
+    stage kv_count % STAGES once its K has landed, and O += P V of the previous tile (stage
+    prev_idx), which runs on the tensor cores during this tile's softmax. Returns (S, O, stage)."""
+    ROWS: gl.constexpr = q_view.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    HEAD_DIM: gl.constexpr = k_bufs.shape[3]
+    s_idx = kv_count % STAGES
+    mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
+    k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+    mbarrier.wait(v_ready.index(prev_idx), prev_phase)
+    _take_turn(turns, WG, issued, PINGPONG)
+    s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+    acc = warpgroup_mma(_p_operand(p_prev, q_view.dtype, p_layout, P_F32),
+                        v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    _pass_turn(turns, WG, PINGPONG)
+    return s, acc, s_idx
+
+
+@gluon.jit
+def _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES: gl.constexpr, P_F32: gl.constexpr,
+              dtype: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """After a step's softmax: wait for O += P V of the previous tile, release its V stage,
+    rescale O by alpha and keep this tile's P for the next step. Returns (O, P, stage, phase)."""
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(prev_idx), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return acc, _p_carried(p, dtype, p_layout, P_F32), s_idx, (kv_count // STAGES) & 1
+
+
+@gluon.jit
 def _scaled_softmax_step(t, m_i, l_i):
     """_softmax_step for scores already scaled (and masked by a -inf bias)."""
     m_new = gl.maximum(m_i, gl.max(t, 1))
@@ -282,7 +335,7 @@ def _consumer(
     stride_ob, stride_oh, stride_om,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr,
+    Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     The two warpgroups share the K/V stages (released when both have read them) but never
@@ -300,6 +353,7 @@ def _consumer(
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     HALF: gl.constexpr = ROWS // 2
+    P_F32: gl.constexpr = SPLIT_LOOPS  # how P is carried to the next step (_p_carried)
     kv_count = 0
     item_count = 0
     issued = 0  # steps whose products this warpgroup has issued (the ping-pong turns it has taken)
@@ -334,39 +388,66 @@ def _consumer(
             mbarrier.arrive(k_empty.index(s_idx), count=1)
             p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
                                                       ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
-            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+            p_prev = _p_carried(p, dtype, p_layout, P_F32)
             prev_idx = s_idx
             prev_phase = (kv_count // STAGES) & 1
             kv_count += 1
-            for i in range(1, n_tiles):
-                n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
-                lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial)
-                s_idx = kv_count % STAGES
-                mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
-                k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                mbarrier.wait(v_ready.index(prev_idx), prev_phase)
-                _take_turn(turns, WG, issued, PINGPONG)
-                s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-                # O += P V of the previous tile runs on the tensor cores during this tile's softmax
-                acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                _pass_turn(turns, WG, PINGPONG)
-                issued += 1
-                words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the products run
-                bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                mbarrier.arrive(k_empty.index(s_idx), count=1)
-                p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
-                                                          ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(prev_idx), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-                p_prev = gl.convert_layout(p.to(dtype), p_layout)
-                prev_idx = s_idx
-                prev_phase = (kv_count // STAGES) & 1
-                kv_count += 1
+            if SPLIT_LOOPS:
+                # PARTIAL tiles 1 .. n_partial - 1, then the FULL ones in a loop of their own, which
+                # has no mask work at all (2-5% faster on full, causal and document masks:
+                # forward_hopper_log.md, session 16). The intervals are loaded one tile ahead
+                n_partial = t_hi - t_mid
+                n_next = gl.load(FWD_BLOCKS + t_mid + 1, mask=n_partial > 1, other=0)
+                lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, n_partial > 1)
+                for i in range(1, n_partial):
+                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
+                                                    prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
+                                                    s_layout, p_layout)
+                    issued += 1
+                    # while the products run: this tile's row words, the next one's intervals
+                    words = _row_words(lts, lte, uts, ute, row0, HALF)
+                    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
+                    has_next = i + 1 < n_partial
+                    n_next = gl.load(FWD_BLOCKS + t_mid + i + 1, mask=has_next, other=0)
+                    lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, has_next)
+                    s = warpgroup_mma_wait(1, deps=(s,))
+                    mbarrier.arrive(k_empty.index(s_idx), count=1)
+                    p, m_i, l_i, alpha = _masked_softmax_step(s, True, words, bias, mixed, m_i, l_i, qk_scale,
+                                                              ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
+                    acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
+                                                                  P_F32, dtype, o_layout, p_layout)
+                    kv_count += 1
+                for i in range(gl.maximum(n_partial, 1), n_tiles):
+                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
+                                                    prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
+                                                    s_layout, p_layout)
+                    issued += 1
+                    s = warpgroup_mma_wait(1, deps=(s,))
+                    mbarrier.arrive(k_empty.index(s_idx), count=1)
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+                    acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
+                                                                  P_F32, dtype, o_layout, p_layout)
+                    kv_count += 1
+            else:  # one loop over all tiles, each testing whether it is PARTIAL
+                for i in range(1, n_tiles):
+                    n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
+                    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial)
+                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
+                                                    prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
+                                                    s_layout, p_layout)
+                    issued += 1
+                    words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the products run
+                    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
+                    s = warpgroup_mma_wait(1, deps=(s,))
+                    mbarrier.arrive(k_empty.index(s_idx), count=1)
+                    p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
+                                                              ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
+                    acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
+                                                                  P_F32, dtype, o_layout, p_layout)
+                    kv_count += 1
             mbarrier.wait(v_ready.index(prev_idx), prev_phase)
             _take_turn(turns, WG, issued, PINGPONG)
-            acc = warpgroup_mma(p_prev, v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc = warpgroup_mma(_p_operand(p_prev, dtype, p_layout, P_F32), v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             _pass_turn(turns, WG, PINGPONG)
             issued += 1
             acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -398,7 +479,8 @@ def _forward_hopper_kernel(
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, num_warps: gl.constexpr,
+    Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)  # [2 * Q_BUFS, 1, BLOCK_M / 2, HEAD_DIM]
@@ -432,12 +514,12 @@ def _forward_hopper_kernel(
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS)),
         (_consumer, (1, q_smem, k_bufs, v_bufs, bars,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                      WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -612,6 +694,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E,
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
-        PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), num_warps=4, maxnreg=168,
+        PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=configs.hopper_forward_split_loops(d),
+        num_warps=4, maxnreg=168,
     )
     return o, lse
