@@ -166,14 +166,19 @@ def _apply_row_words(s, words, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
 
     Each warp of the wgmma layout holds rows of one half only, so a thread needs one word per
     column it holds (BLOCK_N / 4 registers) instead of the four interval ends (4x that, which
-    spilled), and each element costs a shift and a test."""
+    spilled), and each element costs a test and a select. They are written in PTX: from
+    gl.where on the test, LLVM packed the tests' i1 results into integers and unpacked them
+    again (~200 more instructions a thread a tile in the offline SASS; forward_hopper_log.md,
+    session 17)."""
     HALF: gl.constexpr = ROWS // 2
     s3 = gl.reshape(s, [2, HALF, BLOCK_N])
     s3_layout: gl.constexpr = s3.type.layout
-    words = gl.convert_layout(words, gl.SliceLayout(1, s3_layout))
+    words = gl.expand_dims(gl.convert_layout(words, gl.SliceLayout(1, s3_layout)), 1)
     r = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_layout)))
-    bits = (gl.expand_dims(words, 1) >> gl.expand_dims(gl.expand_dims(r, 0), 2)) & 1
-    s3 = gl.where(bits != 0, float("-inf"), s3)
+    row_bit = gl.expand_dims(gl.expand_dims(1 << r, 0), 2)
+    s3 = gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 b; and.b32 b, $1, $2; setp.ne.b32 p, b, 0; selp.f32 $0, 0fFF800000, $3, p; }",
+        "=f,r,r,f", [words, row_bit, s3], dtype=gl.float32, is_pure=True, pack=1)
     return gl.convert_layout(gl.reshape(s3, [ROWS, BLOCK_N]), s.type.layout)
 
 
