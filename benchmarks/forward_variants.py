@@ -46,6 +46,7 @@ def _forward(q, k, v, cm, scale, kernel):
     """kernel: "hopper", "portable" or "hopper-<options>": options joined by "-", each one of
     "s<N>" (N K/V stages), "pp" / "nopp" (the consumer warpgroups' ping-pong on or off),
     "cb" / "nocb" (PARTIAL tiles masked by a column bias where they can, or always by row words),
+    "tcb" / "notcb" (the column bias added to S by the tensor cores, or by the softmax),
     "qbuf1" / "qbuf2" (one Q buffer / Q double-buffered across work items) or a work-list order
     of forward_hopper ("count", "chunked"); what is not given takes the configs default."""
     if kernel.startswith("hopper-"):
@@ -63,6 +64,8 @@ def _forward(q, k, v, cm, scale, kernel):
                 options["pingpong"] = token == "pp"
             elif token in ("cb", "nocb"):
                 options["column_bias"] = token == "cb"
+            elif token in ("tcb", "notcb"):
+                options["tc_bias"] = token == "tcb"
             else:
                 options["order"] = token
         return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_map, **options)

@@ -47,7 +47,7 @@ def report(name: str, kernel) -> str:
 
 
 def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
-                    column_bias: bool | None = None):
+                    column_bias: bool | None = None, tc_bias: bool | None = None):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels import forward_hopper as fh
 
@@ -64,8 +64,11 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
     if column_bias is None:
         column_bias = configs.hopper_forward_column_bias(head_dim)
+    if tc_bias is None:
+        tc_bias = configs.hopper_forward_tc_bias(head_dim)
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
-                  COLUMN_BIAS=column_bias, SPLIT_LOOPS=configs.hopper_forward_split_loops(head_dim), num_warps=4)
+                  COLUMN_BIAS=column_bias, SPLIT_LOOPS=configs.hopper_forward_split_loops(head_dim),
+                  TC_BIAS=bool(tc_bias), num_warps=4)
     return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

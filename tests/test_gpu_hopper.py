@@ -180,3 +180,78 @@ def test_column_bias(d, aligned):
     floor = default_floor(torch.bfloat16)
     assert_close_to_reference(out, ref_o, low_o, floor, "out")
     assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
+
+
+TC_BIAS_MODES = [True, False]
+
+
+@pytest.mark.parametrize("tc_bias", TC_BIAS_MODES, ids=str)
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_tc_bias(family, tc_bias):
+    """The column bias added by the tensor cores (forward_hopper._store_bias_row; D = 64, two loops),
+    with the row words on top per warpgroup or per warp, forced on for every family (diagonals and
+    document edges cut every column): against the reference, odd lengths, GQA, Sq != Sk."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels import forward_hopper
+    from flexmask.kernels.forward import mask_broadcast
+
+    b, hq, hkv, sq, sk, d = 1, 4, 2, 701, 1177, 64
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=13, layout="bshd"))
+    mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=13)
+    cm = compile_mask(mask, sq, sk, device="cuda")
+    out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, d ** -0.5, mask_broadcast(cm, b, hq, hkv),
+                                                       column_bias=True, tc_bias=tc_bias)
+    (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask)
+    floor = default_floor(torch.bfloat16)
+    assert_close_to_reference(out, ref_o, low_o, floor, "out")
+    assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tc_bias", TC_BIAS_MODES, ids=str)
+@pytest.mark.parametrize("aligned", [True, False], ids=["slab_aligned", "unaligned"])
+def test_tc_bias_column_intervals(aligned, tc_bias, dtype):
+    """Per-column intervals (most tiles take the bias alone, or with 16-row-aligned ends none is
+    cut), columns masked on every row, the last 64 rows attending nothing, odd Sk: with the bias
+    on the tensor cores, in bf16 and fp16."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask import masks
+    from flexmask.kernels import forward_hopper
+    from flexmask.kernels.forward import mask_broadcast
+
+    b, hq, hkv, sq, sk, d = 1, 4, 2, 1024, 777, 64
+    gen = torch.Generator().manual_seed(17)
+    ends = torch.randint(0, sq // 16 + 1, (2, sk), generator=gen) * 16
+    if not aligned:
+        ends = torch.randint(0, sq + 1, (2, sk), generator=gen)
+    lts, lte = ends.min(0).values, ends.max(0).values
+    lts[:5], lte[:5] = 0, sq  # columns masked on every row
+    uts, ute = torch.full_like(lts, sq - 64), torch.full_like(lte, sq)  # the last 64 rows attend nothing
+    mask = masks.column_intervals(lts.cuda(), lte.cuda(), uts.cuda(), ute.cuda())
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=17, layout="bhsd"))
+    cm = compile_mask(mask, sq, sk, device="cuda")
+    out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, d ** -0.5, mask_broadcast(cm, b, hq, hkv),
+                                                       column_bias=True, tc_bias=tc_bias)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.isneginf(lse[..., sq - 64:]).all() and (out[..., sq - 64:, :] == 0).all()
+    (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask)
+    floor = default_floor(dtype)
+    assert_close_to_reference(out, ref_o, low_o, floor, "out")
+    assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
+
+
+def test_tc_bias_refused_where_it_cannot_run():
+    """tc_bias needs the column bias and the two loops (D = 64): a ValueError that says so."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask import masks
+    from flexmask.kernels import forward_hopper
+    from flexmask.kernels.forward import mask_broadcast
+
+    q, k, v = (t.cuda() for t in make_qkv(1, 2, 2, 256, 256, 128, torch.bfloat16, seed=1))
+    cm = compile_mask(masks.causal(), 256, 256, device="cuda")
+    with pytest.raises(ValueError, match="tc_bias"):
+        forward_hopper.attention_forward_hopper(q, k, v, cm, 128 ** -0.5, mask_broadcast(cm, 1, 2, 2),
+                                                column_bias=True, tc_bias=True)

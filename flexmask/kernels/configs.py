@@ -253,6 +253,19 @@ def hopper_forward_split_loops(head_dim: int) -> bool:
 HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS = frozenset({64})
 
 
+def hopper_forward_tc_bias(head_dim: int) -> bool:
+    """Whether the Hopper forward's column bias (hopper_forward_column_bias) is added to S by the
+    tensor cores, in one more k-step per PARTIAL tile, instead of by the softmax per score."""
+    return head_dim in HOPPER_FORWARD_TC_BIAS_HEAD_DIMS
+
+
+# Measured on an H100 at 32K, D = 64 (forward_session18c_d64_{1,2,3}_log.txt, three interleaved
+# rounds): random intervals 11.849 / 11.852 / 11.842 ms against 12.371 / 12.282 / 12.448 with the
+# bias in the softmax, random evictions 5.597 / 5.650 / 5.783 against 5.934 / 5.935 / 6.218. Not
+# at D = 128: the column bias itself is off there (it spills).
+HOPPER_FORWARD_TC_BIAS_HEAD_DIMS = frozenset({64})
+
+
 def hopper_forward_q_buffers(head_dim: int, cm) -> int:
     """Q buffers of the Hopper forward (forward_hopper.py): 2 (the next work item's Q loads while
     this item's walk ends) at the head dims of HOPPER_QBUF2_HEAD_DIMS when a q-block visits at most

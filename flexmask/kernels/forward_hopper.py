@@ -11,7 +11,10 @@ computes each tile's softmax, and every program waits for its own K/V loads. Her
   tile j asynchronously while the tensor cores still run O += P V of tile j-1 (FlashAttention-3's
   intra-warpgroup overlap).
 PARTIAL tiles are walked first and masked from the column intervals; FULL tiles get no mask
-arithmetic. Rows that attend nothing give O = 0 and LSE = -inf.
+arithmetic. Where a PARTIAL tile's columns are each masked on all or none of a warpgroup's rows,
+the mask is a bias row that the tensor cores add to S in one more k-step (D = 64; at D = 128 the
+softmax adds it); where a column changes inside the rows, a bit test and a select per score.
+Rows that attend nothing give O = 0 and LSE = -inf.
 
 Gluon kernels do not run under the CPU interpreter: `configs.forward_path` sends the
 interpreter, pre-Hopper GPUs, fp32 and other head dims to the portable kernel, and the GPU
@@ -202,6 +205,33 @@ def _column_bias(lts, lte, uts, ute, row0, ROWS: gl.constexpr):
 
 
 @gluon.jit
+def _ones_column(ones_smem, ROWS: gl.constexpr):
+    """A = [ROWS, 16] with ones in column 0 and zeros elsewhere: A B adds row 0 of B to every row
+    of S in one k-step of the tensor cores. Written once per consumer warpgroup."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
+    r = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), 1)
+    c = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, layout)), 0)
+    ones_smem.store(gl.where((c == 0) & (r >= 0), 1.0, 0.0).to(ones_smem.dtype))  # r >= 0: the [ROWS, 16] shape
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _store_bias_row(bias, bias_smem, BLOCK_N: gl.constexpr):
+    """The column bias of a PARTIAL tile (`_column_bias`, one column per thread: -inf or 0) as row 0
+    of the operand B = [16, BLOCK_N] (stored [BLOCK_N, 16], K-major), rows 1-15 zero; visible to
+    the tensor cores once every thread of the warpgroup has passed the barrier. -inf times A's
+    ones is -inf and A's zeros meet only B's zeros, so no 0 x inf arises; the softmax's positive
+    scale keeps it -inf (api.attention refuses a scale <= 0). fp16 holds -inf as bf16 does."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
+    c = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, layout)), 0)
+    b = gl.expand_dims(gl.convert_layout(bias, gl.SliceLayout(1, layout)), 1)
+    bias_smem.store(gl.where(c == 0, b, 0.0).to(bias_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
                    num_warps: gl.constexpr):
     """-inf where (row, column) of this warpgroup's ROWS x BLOCK_N part of a PARTIAL tile is
@@ -233,10 +263,12 @@ def _p_operand(p_prev, dtype: gl.constexpr, p_layout: gl.constexpr, AS_F32: gl.c
 @gluon.jit
 def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued, prev_idx, prev_phase, p_prev,
                     acc, WG: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_F32: gl.constexpr,
-                    s_layout: gl.constexpr, p_layout: gl.constexpr):
+                    s_layout: gl.constexpr, p_layout: gl.constexpr, bias_a=None, bias_b=None,
+                    TC_BIAS: gl.constexpr = False):
     """A walk step's matrix products, issued without waiting for them: S = Q K^T of the tile in K/V
     stage kv_count % STAGES once its K has landed, and O += P V of the previous tile (stage
-    prev_idx), which runs on the tensor cores during this tile's softmax. Returns (S, O, stage)."""
+    prev_idx), which runs on the tensor cores during this tile's softmax. With TC_BIAS, S += A B
+    as well: the tile's column bias (`_store_bias_row`). Returns (S, O, stage)."""
     ROWS: gl.constexpr = q_view.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[2]
     HEAD_DIM: gl.constexpr = k_bufs.shape[3]
@@ -246,6 +278,8 @@ def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, i
     mbarrier.wait(v_ready.index(prev_idx), prev_phase)
     _take_turn(turns, WG, issued, PINGPONG)
     s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+    if TC_BIAS:
+        s = warpgroup_mma(bias_a, bias_b.permute((1, 0)), s, is_async=True)
     acc = warpgroup_mma(_p_operand(p_prev, q_view.dtype, p_layout, P_F32),
                         v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     _pass_turn(turns, WG, PINGPONG)
@@ -305,6 +339,28 @@ def _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
 
 
 @gluon.jit
+def _kept_here(x):
+    """x, through an instruction that LLVM may not move or merge (a non-pure asm)."""
+    return gl.inline_asm_elementwise("mov.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _biased_softmax_step(s, words, mixed, m_i, l_i, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """_softmax_step of a PARTIAL tile whose column bias the tensor cores added to S: the row
+    words on top where a column of this warpgroup's rows is mixed. Two softmax copies, so that
+    the wait for the previous O += P V stays in their merge block, below them, as on the
+    register-bias path (waiting above the mask work made PARTIAL tiles slower there:
+    forward_hopper_log.md, session 18)."""
+    if _any_column(mixed, BLOCK_N, 4) != 0:
+        s = _apply_row_words(s, words, ROWS, BLOCK_N)
+        p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+        l_new = _kept_here(l_new)
+    else:
+        p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
 def _take_turn(turns, WG: gl.constexpr, issued, PINGPONG: gl.constexpr):
     """With PINGPONG, wait until the other consumer warpgroup has issued its matrix products of
     the same step (warpgroup 0 goes first): the two then reach the tensor cores alternately, so
@@ -335,12 +391,13 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _consumer(
-    WG: gl.constexpr, q_smem, k_bufs, v_bufs, bars,
+    WG: gl.constexpr, q_smem, k_bufs, v_bufs, bars, tc_bufs,
     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     stride_ob, stride_oh, stride_om,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
+    TC_BIAS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     The two warpgroups share the K/V stages (released when both have read them) but never
@@ -359,6 +416,9 @@ def _consumer(
 
     HALF: gl.constexpr = ROWS // 2
     P_F32: gl.constexpr = SPLIT_LOOPS  # how P is carried to the next step (_p_carried)
+    ones_smem, bias_bufs = tc_bufs
+    if TC_BIAS:
+        _ones_column(ones_smem.index(WG), ROWS)
     kv_count = 0
     item_count = 0
     issued = 0  # steps whose products this warpgroup has issued (the ping-pong turns it has taken)
@@ -404,10 +464,14 @@ def _consumer(
                 n_partial = t_hi - t_mid
                 n_next = gl.load(FWD_BLOCKS + t_mid + 1, mask=n_partial > 1, other=0)
                 lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, n_partial > 1)
+                if TC_BIAS:  # tile 1's column bias into B (tile parity 1), for its product
+                    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
+                    _store_bias_row(bias, bias_bufs.index(WG * 2 + 1), BLOCK_N)
                 for i in range(1, n_partial):
                     s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
                                                     prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
-                                                    s_layout, p_layout)
+                                                    s_layout, p_layout, ones_smem.index(WG),
+                                                    bias_bufs.index(WG * 2 + i % 2), TC_BIAS)
                     issued += 1
                     # while the products run: this tile's row words, the next one's intervals
                     words = _row_words(lts, lte, uts, ute, row0, HALF)
@@ -417,11 +481,17 @@ def _consumer(
                     lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, has_next)
                     s = warpgroup_mma_wait(1, deps=(s,))
                     mbarrier.arrive(k_empty.index(s_idx), count=1)
-                    p, m_i, l_i, alpha = _masked_softmax_step(s, True, words, bias, mixed, m_i, l_i, qk_scale,
-                                                              ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
+                    if TC_BIAS:
+                        p, m_i, l_i, alpha = _biased_softmax_step(s, words, mixed, m_i, l_i, qk_scale, ROWS, BLOCK_N)
+                    else:
+                        p, m_i, l_i, alpha = _masked_softmax_step(s, True, words, bias, mixed, m_i, l_i, qk_scale,
+                                                                  ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
                     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
                                                                   P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
+                    if TC_BIAS:  # the next tile's column bias, into the other B: this one's product has been waited for
+                        bias, _ = _column_bias(lts, lte, uts, ute, row0, ROWS)
+                        _store_bias_row(bias, bias_bufs.index(WG * 2 + (i + 1) % 2), BLOCK_N)
                 for i in range(gl.maximum(n_partial, 1), n_tiles):
                     s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
                                                     prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
@@ -485,6 +555,7 @@ def _forward_hopper_kernel(
     qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
+    TC_BIAS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
@@ -506,6 +577,12 @@ def _forward_hopper_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
     item_slots, item_ready, item_empty = scheduler.allocate_ring()
+    # the column bias on the tensor cores (TC_BIAS): per consumer warpgroup, A (ones in column 0)
+    # and B ([BLOCK_N, 16], the bias in column 0) by tile parity
+    ab_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    ones_smem = gl.allocate_shared_memory(dtype, [2 if TC_BIAS else 1, BLOCK_M // 2, 16], ab_layout)
+    bias_bufs = gl.allocate_shared_memory(dtype, [4 if TC_BIAS else 1, BLOCK_N, 16], ab_layout)
+    tc_bufs = (ones_smem, bias_bufs)
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose products go next
     mbarrier.init(turns.index(0), count=1)
     mbarrier.init(turns.index(1), count=1)
@@ -515,16 +592,18 @@ def _forward_hopper_kernel(
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns)
 
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_bufs, v_bufs, bars,
+        (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS)),
-        (_consumer, (1, q_smem, k_bufs, v_bufs, bars,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
+                     TC_BIAS)),
+        (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
+                     TC_BIAS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                      WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -660,13 +739,16 @@ def supports(q, k, v, cm) -> bool:
 
 def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int | None = None,
                              order: str = "chunked", q_buffers: int | None = None, pingpong: bool | None = None,
-                             column_bias: bool | None = None):
+                             column_bias: bool | None = None, tc_bias: bool | None = None):
     """Same contract as forward.attention_forward; call only when `supports` says yes.
     `stages`: K/V tiles in flight. `q_buffers=2` double-buffers Q across work items (the next
     item's Q loads while this one's walk ends: pays on short walks). `pingpong`: the two consumer
     warpgroups take turns at the tensor cores. `column_bias`: PARTIAL tiles whose columns are each
     masked on all or none of a warpgroup's rows take the mask as a bias row (`_column_bias`).
-    None takes `configs.hopper_forward_schedule` / `configs.hopper_forward_column_bias`."""
+    `tc_bias`: with the column bias and two loops (D = 64), the tensor cores add it to S in one
+    more k-step (`_store_bias_row`) instead of the softmax adding it per score.
+    None takes `configs.hopper_forward_schedule` / `configs.hopper_forward_column_bias` /
+    `configs.hopper_forward_tc_bias`."""
     d = q.shape[-1]
     default_stages, default_pingpong = configs.hopper_forward_schedule(d)
     stages = default_stages if stages is None else stages
@@ -674,6 +756,14 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     column_bias = configs.hopper_forward_column_bias(d, cm) if column_bias is None else column_bias
     if q_buffers is None:
         q_buffers = configs.hopper_forward_q_buffers(d, cm)
+    if tc_bias not in (None, False, True):
+        raise ValueError(f"tc_bias must be None, False or True, got {tc_bias!r}")
+    split_loops = configs.hopper_forward_split_loops(d)
+    if tc_bias is None:
+        tc_bias = configs.hopper_forward_tc_bias(d) and column_bias
+    if tc_bias and not (column_bias and split_loops):
+        raise ValueError(f"tc_bias needs column_bias and the two loops of head dim 64, got column_bias={column_bias!r}, "
+                         f"head dim {d}")
     if q_buffers not in (1, 2):
         raise ValueError(f"q_buffers must be 1 or 2, got {q_buffers!r}")
     if stages not in (2, 3, 4):
@@ -699,7 +789,8 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E,
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
-        PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=configs.hopper_forward_split_loops(d),
+        PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
+        TC_BIAS=bool(tc_bias),
         num_warps=4, maxnreg=168,
     )
     return o, lse
