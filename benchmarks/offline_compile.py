@@ -65,7 +65,7 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
     if column_bias is None:
         column_bias = configs.hopper_forward_column_bias(head_dim)
     if tc_bias is None:
-        tc_bias = configs.hopper_forward_tc_bias(head_dim)
+        tc_bias = configs.hopper_forward_tc_bias(head_dim, q_buffers) and column_bias
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
                   COLUMN_BIAS=column_bias, SPLIT_LOOPS=configs.hopper_forward_split_loops(head_dim),
                   TC_BIAS=bool(tc_bias), num_warps=4)

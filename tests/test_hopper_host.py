@@ -169,6 +169,22 @@ def test_column_bias_rule(mask, head_dim, want):
     assert configs.hopper_forward_column_bias(head_dim, cm) is want
 
 
+@pytest.mark.parametrize("head_dim, q_buffers, want", [(64, 1, True), (64, 2, False), (128, 1, False)])
+def test_tc_bias_rule(head_dim, q_buffers, want):
+    """The column bias goes on the tensor cores at D = 64 with one Q buffer (with two, ptxas spills
+    in the PARTIAL loop; at D = 128 the column bias itself is off)."""
+    assert configs.hopper_forward_tc_bias(head_dim, q_buffers) is want
+
+
+def test_tc_bias_argument_is_checked():
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    cm = compile_mask(masks.causal(), 128, 128, device="cpu", block_m=128, block_n=128)
+    with pytest.raises(ValueError, match=r"tc_bias must be None, False or True, got 'warp'"):
+        forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), tc_bias="warp")
+    with pytest.raises(ValueError, match=r"tc_bias needs column_bias"):
+        forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), column_bias=False, tc_bias=True)
+
+
 def test_schedule_arguments_are_checked():
     q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
     cm = compile_mask(masks.causal(), 128, 128, device="cpu", block_m=128, block_n=128)

@@ -253,10 +253,12 @@ def hopper_forward_split_loops(head_dim: int) -> bool:
 HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS = frozenset({64})
 
 
-def hopper_forward_tc_bias(head_dim: int) -> bool:
+def hopper_forward_tc_bias(head_dim: int, q_buffers: int = 1) -> bool:
     """Whether the Hopper forward's column bias (hopper_forward_column_bias) is added to S by the
-    tensor cores, in one more k-step per PARTIAL tile, instead of by the softmax per score."""
-    return head_dim in HOPPER_FORWARD_TC_BIAS_HEAD_DIMS
+    tensor cores, in one more k-step per PARTIAL tile, instead of by the softmax per score: at the
+    head dims of HOPPER_FORWARD_TC_BIAS_HEAD_DIMS with one Q buffer (with two, ptxas spills a
+    register in the loop over PARTIAL tiles; offline ptxas, session 18)."""
+    return head_dim in HOPPER_FORWARD_TC_BIAS_HEAD_DIMS and q_buffers == 1
 
 
 # Measured on an H100 at 32K, D = 64 (forward_session18c_d64_{1,2,3}_log.txt, three interleaved

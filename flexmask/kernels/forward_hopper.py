@@ -760,7 +760,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         raise ValueError(f"tc_bias must be None, False or True, got {tc_bias!r}")
     split_loops = configs.hopper_forward_split_loops(d)
     if tc_bias is None:
-        tc_bias = configs.hopper_forward_tc_bias(d) and column_bias
+        tc_bias = configs.hopper_forward_tc_bias(d, q_buffers) and column_bias
     if tc_bias and not (column_bias and split_loops):
         raise ValueError(f"tc_bias needs column_bias and the two loops of head dim 64, got column_bias={column_bias!r}, "
                          f"head dim {d}")
