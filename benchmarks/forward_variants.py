@@ -13,6 +13,7 @@ import argparse
 import csv
 import datetime
 import os
+import statistics
 import sys
 import time
 
@@ -80,6 +81,8 @@ def main(argv=None):
     ap.add_argument("--families", nargs="*", default=None)
     ap.add_argument("--kernels", nargs="*", default=["hopper", "portable"])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--ratio-rounds", type=int, default=3,
+                    help="times each walk and its all-FULL twin are timed, in alternation (medians kept)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks.forward_variants needs a CUDA GPU (the CPU runs `python -m benchmarks.run --quick`)")
@@ -112,15 +115,20 @@ def main(argv=None):
                         err = 0.0
                     else:
                         err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-                    ms = triton.testing.do_bench(lambda: _forward(q, k, v, cm, d ** -0.5, kernel),
-                                                 warmup=25, rep=100)
+                    # the walk and its all-FULL twin timed in alternation, args.ratio_rounds times, medians
+                    # kept: clock drift between two single timings moved the ratio by up to 10%
                     forced = _all_full(cm)
-                    ms_full = triton.testing.do_bench(lambda: _forward(q, k, v, forced, d ** -0.5, kernel),
-                                                      warmup=10, rep=50)
+                    walk, walk_full = [], []
+                    for _ in range(args.ratio_rounds):
+                        walk.append(triton.testing.do_bench(lambda: _forward(q, k, v, cm, d ** -0.5, kernel),
+                                                            warmup=25, rep=100))
+                        walk_full.append(triton.testing.do_bench(lambda: _forward(q, k, v, forced, d ** -0.5, kernel),
+                                                                 warmup=10, rep=50))
+                    ms, ms_full = statistics.median(walk), statistics.median(walk_full)
                     rows.append({**meta, "family": name, "kernel": kernel, "seq": s, "batch": b, "heads": args.heads,
                                  "head_dim": d, "density": pairs / (b * args.heads * s * s), "ms": ms,
                                  "tflops": flops / ms * 1e-9, "ms_all_full": ms_full,
-                                 "partial_cost_ratio": ms / ms_full, "first_call_s": first,
+                                 "partial_cost_ratio": ms / ms_full, "ratio_rounds": args.ratio_rounds, "first_call_s": first,
                                  "rel_diff_vs_first_kernel": err})
                     r = rows[-1]
                     print(f"S={s} D={d} {name:22} {kernel:9} {ms:8.3f} ms {r['tflops']:7.1f} TFLOP/s "
