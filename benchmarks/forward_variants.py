@@ -1,6 +1,7 @@
 """Forward kernels side by side on one GPU: the Hopper kernel (forward_hopper.py), the portable
 kernel (forward.py) and SDPA's cuDNN backend (full and causal only), bf16, 32K tokens per
-batch, every family of `speed_check` plus random per-column intervals (every tile partial).
+batch, every family of `speed_check` plus random per-column intervals (every tile partial), or
+any family of the sweep (benchmarks/families.py) named with --families.
 Also: a PARTIAL tile's cost against a FULL one (the same mask compiled with every visited tile
 forced FULL), first-call compile time, and the error against FlexAttention-free float32 math.
 
@@ -20,6 +21,7 @@ import time
 import torch
 import triton
 
+from benchmarks import families as sweep_families
 from benchmarks.speed_check import families as speed_families
 from flexmask import compile_mask, masks
 from flexmask.kernels.forward import attention_forward
@@ -101,6 +103,8 @@ def main(argv=None):
             gen = torch.Generator(device=dev).manual_seed(d)
             q, k, v = (torch.randn(b, args.heads, s, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3))
             for name in args.families or list(fams):
+                if name not in fams and name in sweep_families.FAMILIES:  # the sweep's own masks
+                    fams[name] = sweep_families.build(name, s, b, args.heads).make()
                 cm = compile_mask(fams[name], s, s, device=dev)
                 pairs = int(unmasked_count(cm.intervals, s).sum()) * b * args.heads // (cm.batch * cm.heads)
                 flops = 4.0 * d * pairs
