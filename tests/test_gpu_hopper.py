@@ -151,6 +151,20 @@ def test_schedules(family, schedule):
     assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
 
 
+def _column_interval_mask(sq, sk, seed, step):
+    """Per-column lower intervals whose ends fall on multiples of `step` rows (1: anywhere), the
+    first five columns masked on every row, and an upper interval that leaves the last 64 rows
+    attending nothing."""
+    from flexmask import masks
+
+    gen = torch.Generator().manual_seed(seed)
+    ends = torch.randint(0, sq // step + 1, (2, sk), generator=gen) * step
+    lts, lte = ends.min(0).values, ends.max(0).values
+    lts[:5], lte[:5] = 0, sq
+    uts, ute = torch.full_like(lts, sq - 64), torch.full_like(lte, sq)
+    return masks.column_intervals(lts.cuda(), lte.cuda(), uts.cuda(), ute.cuda())
+
+
 @pytest.mark.parametrize("d", [128, 64], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("aligned", [True, False], ids=["slab_aligned", "unaligned"])
 def test_column_bias(d, aligned):
@@ -159,19 +173,11 @@ def test_column_bias(d, aligned):
     bias and row-word tiles in one walk. Odd Sk, rows that attend nothing, GQA."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
-    from flexmask import masks
     from flexmask.kernels import forward_hopper
     from flexmask.kernels.forward import mask_broadcast
 
     b, hq, hkv, sq, sk = 1, 4, 2, 1024, 777
-    gen = torch.Generator().manual_seed(7)
-    ends = torch.randint(0, sq // 64 + 1, (2, sk), generator=gen) * 64
-    if not aligned:
-        ends = torch.randint(0, sq + 1, (2, sk), generator=gen)
-    lts, lte = ends.min(0).values, ends.max(0).values
-    lts[:5], lte[:5] = 0, sq  # columns masked on every row
-    uts, ute = torch.full_like(lts, sq - 64), torch.full_like(lte, sq)  # the last 64 rows attend nothing
-    mask = masks.column_intervals(lts.cuda(), lte.cuda(), uts.cuda(), ute.cuda())
+    mask = _column_interval_mask(sq, sk, seed=7, step=64 if aligned else 1)
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=7, layout="bhsd"))
     cm = compile_mask(mask, sq, sk, device="cuda")
     out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, d ** -0.5, mask_broadcast(cm, b, hq, hkv),
@@ -217,19 +223,11 @@ def test_tc_bias_column_intervals(aligned, tc_bias, dtype):
     on the tensor cores, in bf16 and fp16."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
-    from flexmask import masks
     from flexmask.kernels import forward_hopper
     from flexmask.kernels.forward import mask_broadcast
 
     b, hq, hkv, sq, sk, d = 1, 4, 2, 1024, 777, 64
-    gen = torch.Generator().manual_seed(17)
-    ends = torch.randint(0, sq // 16 + 1, (2, sk), generator=gen) * 16
-    if not aligned:
-        ends = torch.randint(0, sq + 1, (2, sk), generator=gen)
-    lts, lte = ends.min(0).values, ends.max(0).values
-    lts[:5], lte[:5] = 0, sq  # columns masked on every row
-    uts, ute = torch.full_like(lts, sq - 64), torch.full_like(lte, sq)  # the last 64 rows attend nothing
-    mask = masks.column_intervals(lts.cuda(), lte.cuda(), uts.cuda(), ute.cuda())
+    mask = _column_interval_mask(sq, sk, seed=17, step=16 if aligned else 1)
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=17, layout="bhsd"))
     cm = compile_mask(mask, sq, sk, device="cuda")
     out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, d ** -0.5, mask_broadcast(cm, b, hq, hkv),
