@@ -18,9 +18,9 @@ import torch
 import triton
 
 import flexmask
-from flexmask.kernels import backward_hopper
-from flexmask.kernels.backward import attention_backward
-from flexmask.kernels.forward import attention_forward
+from flexmask.kernels.backward import hopper as backward_hopper
+from flexmask.kernels.dispatch import attention_backward
+from flexmask.kernels.dispatch import attention_forward
 
 from .cuda_guard import require_cuda
 from .report import write_rows

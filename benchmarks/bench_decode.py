@@ -7,7 +7,7 @@
 
 Per point (batch B, cache length Sk, Sq queries; Hq=32, Hkv=8, D=128, bf16; every cache full,
 so every provider reads all of K/V): flexmask.attention with a precompiled `masks.kv_cache`
-mask (it takes the split-KV path, with the merge configs.decode_merge picks), `flexmask_fused`
+mask (it takes the split-KV path, with the merge decode_configs.decode_merge picks), `flexmask_fused`
 (the same split-KV plan with the fused merge: the last split program of each row group merges,
 no second launch), flexmask's q-block kernel on the same mask (the path a
 decode step took before), FlexAttention (`torch.compile(flex_attention)` with a BlockMask,
@@ -163,9 +163,9 @@ def _graph_timed(fn, reps: int = 100, flush: str = "read"):
 def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, copy_gbps: float) -> list[dict]:
     import flexmask
     from flexmask import masks
-    from flexmask.kernels import configs
-    from flexmask.kernels.decode import attention_decode
-    from flexmask.kernels.forward import attention_forward
+    from flexmask.kernels.decode import configs as decode_configs
+    from flexmask.kernels.decode.split_kv import attention_decode
+    from flexmask.kernels.dispatch import attention_forward
 
     hq, hkv, d, dtype = args.heads, args.kv_heads, args.head_dim, torch.bfloat16
     kv_bytes = 2 * batch * hkv * sk * d * dtype.itemsize
@@ -191,12 +191,12 @@ def run_point(batch: int, sq: int, sk: int, args, providers, flex, env: dict, co
                 row["mask_build_ms"] = (time.perf_counter() - t0) * 1e3
                 if name == "flexmask":
                     fn = lambda: flexmask.attention(q, k, v, cm)  # noqa: E731
-                    plan = configs.decode_plan(batch, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n),
+                    plan = decode_configs.decode_plan(batch, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n),
                                                cm.heads)
                     row["path"] = f"split-kv {plan.merge}" if plan is not None else "q-block"
                     row["num_splits"] = plan.num_splits if plan is not None else None
                 elif name == "flexmask_fused":  # the split-KV plan of this point, merged in the same launch
-                    plan = configs.decode_plan(batch, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n),
+                    plan = decode_configs.decode_plan(batch, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n),
                                                cm.heads, force=True)
                     fn = lambda: attention_decode(q, k, v, cm, d ** -0.5, merge="fused")[0]  # noqa: E731
                     row["path"] = "split-kv fused" if plan.num_splits > 1 else "split-kv direct"

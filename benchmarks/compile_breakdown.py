@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     import triton
 
     import flexmask
-    from flexmask.kernels.compile_kernels import build_tables_device
+    from flexmask.masks.compiler_kernels import build_tables_device
     from flexmask.masks import device_intervals, tile_bounds
 
     from . import families as fam

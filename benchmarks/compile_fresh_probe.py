@@ -39,7 +39,7 @@ def _batch(family: str, s: int, n: int, sync_each: bool = False):
 def _steps(family: str, s: int, n: int) -> str:
     """Host microseconds of each step of a new-mask compile, each timed alone over n new masks
     (the device work queued, never waited for inside the loop)."""
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
     from flexmask.masks import device_intervals, device_plan, intervals, tile_bounds
 
     dev = torch.device("cuda")

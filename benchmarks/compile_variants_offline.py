@@ -15,7 +15,7 @@ from .offline_compile import compile_offline, report
 
 
 def _classify(family: int, pair: dict | None = None):
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     t32, t64 = torch.empty(16, dtype=torch.int32), torch.empty(16, dtype=torch.int64)
     args = dict(IV=t32, PLANAR=t32, GRID=torch.empty(16, dtype=torch.uint8), COUNTS=t32, DIFFS=t32, DOCS=t32,
@@ -32,7 +32,7 @@ def _classify(family: int, pair: dict | None = None):
 
 
 def _emit():
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     t32 = torch.empty(16, dtype=torch.int32)
     args = dict(GRID=torch.empty(16, dtype=torch.uint8), BWD_OFFSETS=t32, BWD_NUM_FULL=t32, BWD_BLOCKS=t32,
@@ -43,7 +43,7 @@ def _emit():
 
 
 def _document_bounds():
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     args = dict(LENGTHS=torch.empty(16, dtype=torch.int64), BOUNDS=torch.empty(16, dtype=torch.int32), n_docs=9,
                 stride_row=9)
@@ -52,7 +52,7 @@ def _document_bounds():
 
 def variants() -> list:
     """(name, kernel factory) of every variant compiled here."""
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     def pair(b, is_and=True, bcast_a=False, bcast_b=False, shift=0):
         return dict(B_FAMILY=b, AND=is_and, A_BCAST=bcast_a, B_BCAST=bcast_b, SHIFT=shift)

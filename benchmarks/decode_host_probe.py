@@ -40,8 +40,8 @@ def main(argv=None):
     require_cuda("benchmarks.decode_host_probe", "times decode calls on a GPU")
     import flexmask
     from flexmask import api, masks
-    from flexmask.kernels import configs
-    from flexmask.kernels.decode import attention_decode
+    from flexmask.kernels.decode import configs as decode_configs
+    from flexmask.kernels.decode.split_kv import attention_decode
 
     b, hq, hkv, sq, sk, d = args.batch, 32, 8, 1, args.kv_len, 128
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
@@ -54,7 +54,7 @@ def main(argv=None):
     pieces = {
         "flexmask.attention": lambda: flexmask.attention(q, k, v, cm),
         "_table_args + _split_kv_plan": lambda: api._split_kv_plan(q, k, v, api._table_args(cm)),
-        "configs.decode_plan": lambda: configs.decode_plan(b, hq, hkv, sq, sk, d, q.dtype, q.device,
+        "decode_configs.decode_plan": lambda: decode_configs.decode_plan(b, hq, hkv, sq, sk, d, q.dtype, q.device,
                                                            (cm.block_m, cm.block_n), cm.heads),
         "attention_decode(plan=)": lambda: attention_decode(q, k, v, cm, d ** -0.5, plan=plan),
         "two torch.empty": lambda: (torch.empty_like(q), torch.empty(b, hq, sq, dtype=torch.float32, device="cuda")),

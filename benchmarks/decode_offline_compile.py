@@ -41,8 +41,9 @@ def split_kv(head_dim: int, dtype, block_h: int, block_q: int, block_n: int, mas
              stages: int, masked_stages: int, warps: int, direct: bool, fused: bool = False, sq: int = 1,
              splits: int = 33):
     """The split kernel as attention_decode launches it; `fused` adds the merge by the last
-    arrival (its chunk from configs.decode_merge_chunk for `sq` query rows and `splits` shares)."""
-    from flexmask.kernels import configs, decode
+    arrival (its chunk from decode_configs.decode_merge_chunk for `sq` query rows and `splits` shares)."""
+    from flexmask.kernels.decode import configs as decode_configs
+    from flexmask.kernels.decode import split_kv as decode
 
     t = torch.empty(8, dtype=dtype)
     f32, i32 = torch.empty(8), torch.empty(8, dtype=torch.int32)
@@ -57,12 +58,12 @@ def split_kv(head_dim: int, dtype, block_h: int, block_q: int, block_n: int, mas
                   PRECISION="ieee" if dtype == torch.float32 else "tf32", EVEN_N=False, DIRECT=direct,
                   NUM_STAGES=stages, MASKED_STAGES=masked_stages, USE_TMA=False, FUSED=fused, PDL=False,
                   MERGE_Q=min(block_q, 1 << (sq - 1).bit_length()))
-    consts["MERGE_CHUNK"] = configs.decode_merge_chunk(block_h * consts["MERGE_Q"], block_d, warps, splits)
+    consts["MERGE_CHUNK"] = decode_configs.decode_merge_chunk(block_h * consts["MERGE_Q"], block_d, warps, splits)
     return compile_offline(decode._split_kv_kernel, args, consts, {"num_warps": warps, "num_stages": stages})
 
 
 def merge(head_dim: int, dtype, splits: int):
-    from flexmask.kernels import decode
+    from flexmask.kernels.decode import split_kv as decode
 
     t, f32 = torch.empty(8, dtype=dtype), torch.empty(8)
     args = dict(O_PART=f32, LSE_PART=f32, O=t, LSE=f32, stride_ob=4096, stride_oh=128, stride_om=128, Sq=3,
@@ -76,7 +77,7 @@ def hopper(head_dim: int, dtype, block_q: int, stages: int, direct: bool, fused:
            splits: int = 16, block_n: int = 128):
     """decode_hopper's kernel as attention_decode_hopper launches it (GQA 32/8, 128-key tiles)."""
     from triton.experimental.gluon._runtime import GluonASTSource
-    from flexmask.kernels import decode_hopper as dh
+    from flexmask.kernels.decode import hopper as dh
 
     k = torch.empty(2, 8, 1024, head_dim, dtype=dtype)
     kd, _ = dh._descriptor(k, block_n)

@@ -1,4 +1,4 @@
-"""Programs per SM of the split-KV decode kernel (configs.DECODE_PROGRAMS_PER_SM), measured in
+"""Programs per SM of the split-KV decode kernel (decode_configs.DECODE_PROGRAMS_PER_SM), measured in
 CUDA-graph replays (the decode setting; an eager step at batch 1 times the host): K/V bandwidth
 per value at Sq = 1, Hq = 32, Hkv = 8, D = 128, bf16, a full kv_cache mask. Prints one line per
 (batch, Sk, programs per SM) and writes decode_splits.csv (GPU, versions, command in every row).
@@ -29,14 +29,14 @@ def main(argv=None) -> None:
     require_cuda("benchmarks.decode_splits", "times decode steps on a GPU")
     import flexmask
     from flexmask import masks
-    from flexmask.kernels import configs
+    from flexmask.kernels.decode import configs as decode_configs
 
     stamp = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                  command="python -m benchmarks.decode_splits " + " ".join(sys.argv[1:] if argv is None else argv),
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     copy_gbps = copy_bandwidth_gbps()
     hq, hkv, d = 32, 8, 128
-    rows, original = [], configs.DECODE_PROGRAMS_PER_SM
+    rows, original = [], decode_configs.DECODE_PROGRAMS_PER_SM
     try:
         for point in args.points:
             b, sk = (int(x) for x in point.split(":"))
@@ -46,8 +46,8 @@ def main(argv=None) -> None:
                                        device="cuda")
             kv_bytes = 2 * k.numel() * k.element_size()
             for per_sm in args.per_sm:
-                configs.DECODE_PROGRAMS_PER_SM = per_sm
-                plan = configs.decode_plan(b, hq, hkv, 1, sk, d, q.dtype, q.device, (cm.block_m, cm.block_n), cm.heads)
+                decode_configs.DECODE_PROGRAMS_PER_SM = per_sm
+                plan = decode_configs.decode_plan(b, hq, hkv, 1, sk, d, q.dtype, q.device, (cm.block_m, cm.block_n), cm.heads)
                 ms = _graph_timed(lambda: flexmask.attention(q, k, v, cm))[0]
                 gbps = kv_bytes / (ms * 1e-3) / 1e9
                 rows.append(dict(batch=b, kv_len=sk, programs_per_sm=per_sm, num_splits=plan.num_splits,
@@ -56,7 +56,7 @@ def main(argv=None) -> None:
                 print(f"B={b} Sk={sk:7d} per_sm={per_sm} splits={plan.num_splits:3d}  {ms * 1e3:8.1f} us  "
                       f"{gbps:7.0f} GB/s ({100 * gbps / copy_gbps:.0f}% of copy)", flush=True)
     finally:
-        configs.DECODE_PROGRAMS_PER_SM = original
+        decode_configs.DECODE_PROGRAMS_PER_SM = original
     print(f"wrote {write_rows(args.out, 'decode_splits.csv', rows)}")
 
 

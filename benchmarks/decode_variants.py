@@ -52,15 +52,15 @@ def parse_variant(text: str) -> dict:
 
 
 def plan_for(variant: dict, b, hq, hkv, sq, sk, d, q, cm, configs):
-    original = configs.DECODE_PROGRAMS_PER_SM
+    original = decode_configs.DECODE_PROGRAMS_PER_SM
     try:
         if "per_sm" in variant:
-            configs.DECODE_PROGRAMS_PER_SM = variant["per_sm"]
+            decode_configs.DECODE_PROGRAMS_PER_SM = variant["per_sm"]
         kernel = None if "hop" not in variant else ("hopper" if variant["hop"] else "triton")
-        plan = configs.decode_plan(b, hq, hkv, sq, sk, d, q.dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
+        plan = decode_configs.decode_plan(b, hq, hkv, sq, sk, d, q.dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
                                    force=True, kernel=kernel)
     finally:
-        configs.DECODE_PROGRAMS_PER_SM = original
+        decode_configs.DECODE_PROGRAMS_PER_SM = original
     changes = {}
     if "pdl" in variant:
         changes["pdl"] = bool(variant["pdl"])
@@ -128,7 +128,7 @@ def table(rows: list[dict], flush: str = "read") -> str:
     (PDL, TMA, stages, steps, splits) are left out."""
     import re
 
-    from flexmask.kernels.configs import DECODE_HOPPER_BLOCK_N, DECODE_HOPPER_STAGES
+    from flexmask.kernels.decode.configs import DECODE_HOPPER_BLOCK_N, DECODE_HOPPER_STAGES
 
     def column(r):
         if r["variant"] in ("copy", "launch"):
@@ -210,7 +210,8 @@ def main(argv=None) -> None:
     require_cuda("benchmarks.decode_variants", "times decode steps on a GPU")
     import flexmask
     from flexmask import masks
-    from flexmask.kernels import configs, decode
+    from flexmask.kernels.decode import configs as decode_configs
+    from flexmask.kernels.decode import split_kv as decode
 
     stamp = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                  command="python -m benchmarks.decode_variants " + " ".join(sys.argv[1:] if argv is None else argv),

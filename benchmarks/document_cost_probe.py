@@ -19,8 +19,8 @@ import triton
 
 import flexmask
 from flexmask import masks
-from flexmask.kernels.backward import attention_backward
-from flexmask.kernels.forward import attention_forward
+from flexmask.kernels.dispatch import attention_backward
+from flexmask.kernels.dispatch import attention_forward
 from flexmask.masks.intervals import build_intervals
 
 from .cuda_guard import require_cuda

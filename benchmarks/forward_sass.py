@@ -44,7 +44,7 @@ def masking_counts(sass: str) -> collections.Counter:
 
 
 def _helper_lines(*names: str) -> set[int]:
-    from flexmask.kernels import forward_hopper
+    from flexmask.kernels.forward import hopper as forward_hopper
 
     lines, path = set(), forward_hopper.__file__
     src = open(path).read().splitlines()

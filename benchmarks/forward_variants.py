@@ -24,7 +24,7 @@ import triton
 from benchmarks import families as sweep_families
 from benchmarks.speed_check import families as speed_families
 from flexmask import compile_mask, masks
-from flexmask.kernels.forward import attention_forward
+from flexmask.kernels.dispatch import attention_forward
 from flexmask.masks.intervals import unmasked_count
 
 
@@ -53,8 +53,8 @@ def _forward(q, k, v, cm, scale, kernel):
     "qbuf1" / "qbuf2" (one Q buffer / Q double-buffered across work items) or a work-list order
     of forward_hopper ("count", "chunked"); what is not given takes the configs default."""
     if kernel.startswith("hopper-"):
-        from flexmask.kernels import forward_hopper
-        from flexmask.kernels.forward import mask_broadcast
+        from flexmask.kernels.forward import hopper as forward_hopper
+        from flexmask.kernels.common.masking import mask_broadcast
 
         mask_map = mask_broadcast(cm, q.shape[0], q.shape[1], k.shape[1])
         options = {}

@@ -71,7 +71,7 @@ def measure(seq: int = 4096, heads: int = 16, head_dim: int = 64) -> list[dict]:
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        from flexmask.kernels import forward_hopper as fh
+        from flexmask.kernels.forward import hopper as fh
     except ImportError:  # a Triton without Gluon: no descriptors to time
         return rows
 

@@ -49,7 +49,7 @@ def report(name: str, kernel) -> str:
 def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
                     column_bias: bool | None = None, tc_bias: bool | None = None):
     from triton.experimental.gluon._runtime import GluonASTSource
-    from flexmask.kernels import forward_hopper as fh
+    from flexmask.kernels.forward import hopper as fh
 
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
@@ -60,14 +60,14 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
                 FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_ob=7, stride_oh=7, stride_om=7,
                 Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5)  # as launched
-    from flexmask.kernels import configs
+    from flexmask.kernels.forward import configs as forward_configs
 
     if column_bias is None:
-        column_bias = configs.hopper_forward_column_bias(head_dim)
+        column_bias = forward_configs.hopper_forward_column_bias(head_dim)
     if tc_bias is None:
-        tc_bias = configs.hopper_forward_tc_bias(head_dim, q_buffers) and column_bias
+        tc_bias = forward_configs.hopper_forward_tc_bias(head_dim, q_buffers) and column_bias
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
-                  COLUMN_BIAS=column_bias, SPLIT_LOOPS=configs.hopper_forward_split_loops(head_dim),
+                  COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim),
                   TC_BIAS=bool(tc_bias), num_warps=4)
     return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
@@ -75,8 +75,8 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True):
     from triton.experimental.gluon._runtime import GluonASTSource
-    from flexmask.kernels import backward_hopper as bh
-    from flexmask.kernels import forward_hopper as fh
+    from flexmask.kernels.backward import hopper as bh
+    from flexmask.kernels.forward import hopper as fh
 
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
@@ -97,8 +97,8 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True):
 def _hopper_dq(stages: int, head_dim: int = 128):
     """The deterministic path's Hopper dQ pass (backward_hopper_dq.py)."""
     from triton.experimental.gluon._runtime import GluonASTSource
-    from flexmask.kernels import backward_hopper_dq as bq
-    from flexmask.kernels import forward_hopper as fh
+    from flexmask.kernels.backward import hopper_dq as bq
+    from flexmask.kernels.forward import hopper as fh
 
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
@@ -117,7 +117,7 @@ def _hopper_dq(stages: int, head_dim: int = 128):
 
 def _classify(family: int):
     """The mask compiler's classify kernel (kernels/compile_kernels.py) for one FAMILY code."""
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     t32 = torch.empty(16, dtype=torch.int32)
     args = dict(IV=t32, PLANAR=t32, GRID=torch.empty(16, dtype=torch.uint8), COUNTS=t32, DIFFS=t32, DOCS=t32,
@@ -129,7 +129,7 @@ def _classify(family: int):
 
 def _shift():
     """The mask compiler's kv_cache shift kernel (kernels/compile_kernels.py)."""
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     args = dict(VIRTUAL=torch.empty(16, dtype=torch.int32), LENGTHS=torch.empty(4, dtype=torch.int64),
                 OUT=torch.empty(16, dtype=torch.int32), v_sb=0, v_sh=4000, Sq=1000, Sk=1000, HEADS=2)
@@ -153,7 +153,7 @@ def _eviction(kernel: str):
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
     if sys.argv[1:] == ["compiler"]:
-        from flexmask.kernels import compile_kernels as ck
+        from flexmask.masks import compiler_kernels as ck
 
         for name in ("LOAD", "CAUSAL", "DOCUMENT", "PREFIX_LM_DOCUMENT", "KV_CACHE"):
             print(report(f"classify {name}", _classify(getattr(ck, name))), flush=True)

@@ -58,20 +58,24 @@ def _capture_launches():
 
 def _cuda_configs(unrolled: bool = False):
     """Make the launchers pick the CUDA configurations for CPU tensors (`unrolled`: the fp32
-    kernels too unroll a tile's steps, as before configs.flat_steps)."""
-    from flexmask.kernels import backward, configs, forward
+    kernels too unroll a tile's steps, as before tiles.flat_steps)."""
+    from flexmask.kernels.backward import two_pass as backward
+    from flexmask.kernels.backward import configs as backward_configs
+    from flexmask.kernels.common import tiles
+    from flexmask.kernels.forward import configs as forward_configs
+    from flexmask.kernels.forward import portable as forward
 
     if unrolled:
         forward.flat_steps = backward.flat_steps = lambda dtype, tiles, steps: False
 
     cuda = "cuda"
-    forward.forward_config = lambda d, dt, tile, dev: configs.forward_config(d, dt, tile, cuda)
-    forward.forward_uses_tma = lambda d, dt, dev: configs.forward_uses_tma(d, dt, cuda)
-    backward.backward_config = lambda d, dt, tile, dev: configs.backward_config(d, dt, tile, cuda)
-    backward.backward_fused_config = lambda d, dt, tile, dev: configs.backward_fused_config(d, dt, tile, cuda)
-    backward.backward_fused_dq_transposed = lambda d, dt, dev: configs.backward_fused_dq_transposed(d, dt, cuda)
+    forward.forward_config = lambda d, dt, tile, dev: forward_configs.forward_config(d, dt, tile, cuda)
+    forward.forward_uses_tma = lambda d, dt, dev: forward_configs.forward_uses_tma(d, dt, cuda)
+    backward.backward_config = lambda d, dt, tile, dev: backward_configs.backward_config(d, dt, tile, cuda)
+    backward.backward_fused_config = lambda d, dt, tile, dev: backward_configs.backward_fused_config(d, dt, tile, cuda)
+    backward.backward_fused_dq_transposed = lambda d, dt, dev: backward_configs.backward_fused_dq_transposed(d, dt, cuda)
     backward.backward_fused_dq_tma = lambda d, dt, dev: True  # an H200 has the copy engine
-    backward.backward_uses_tma = lambda d, dt, dev, walk: configs.backward_uses_tma(d, dt, cuda, walk)
+    backward.backward_uses_tma = lambda d, dt, dev, walk: backward_configs.backward_uses_tma(d, dt, cuda, walk)
 
 
 def capture(dtype: torch.dtype, head_dim: int, sq: int, sk: int, hq: int, hkv: int, mask=None,
@@ -80,8 +84,8 @@ def capture(dtype: torch.dtype, head_dim: int, sq: int, sk: int, hq: int, hkv: i
     launches = _capture_launches()
     _cuda_configs(unrolled)
     from flexmask import masks
-    from flexmask.kernels.backward import attention_backward
-    from flexmask.kernels.forward import attention_forward
+    from flexmask.kernels.dispatch import attention_backward
+    from flexmask.kernels.dispatch import attention_forward
     from flexmask.masks.compiler import compile_spec
 
     if mask is None:
@@ -135,7 +139,7 @@ def main() -> None:
     ap.add_argument("--hq", type=int, default=2)
     ap.add_argument("--hkv", type=int, default=1)
     ap.add_argument("--deterministic", action="store_true", help="the two-pass backward wherever it is optional")
-    ap.add_argument("--unrolled", action="store_true", help="fp32 kernels with unrolled steps (configs.flat_steps off)")
+    ap.add_argument("--unrolled", action="store_true", help="fp32 kernels with unrolled steps (tiles.flat_steps off)")
     ap.add_argument("--only", default="", help="compile only kernels whose name contains this")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per kernel compile")
     ap.add_argument("--index", type=int, default=None, help=argparse.SUPPRESS)

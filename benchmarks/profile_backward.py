@@ -15,8 +15,8 @@ import torch
 import triton
 
 import flexmask
-from flexmask.kernels.backward import attention_backward
-from flexmask.kernels.forward import attention_forward
+from flexmask.kernels.dispatch import attention_backward
+from flexmask.kernels.dispatch import attention_forward
 
 from .cuda_guard import require_cuda
 from .speed_check import families

@@ -4,10 +4,10 @@ beside torch.compile(flex_attention) in the same process, bf16, D=128, 16 heads,
 FlexAttention gets its natural mask_mod for each family (its fastest form), built with
 create_block_mask outside the timed region. TFLOP/s count unmasked elements only (backward =
 2.5x forward, fwd_bwd = 3.5x). flexmask runs twice: `flexmask` with the default backward
-(deterministic=False: the Hopper or the fused kernel, configs.backward_path), `flexmask_det` with
+(deterministic=False: the Hopper or the fused kernel, dispatch.backward_path), `flexmask_det` with
 the two-pass, bitwise reproducible one; with --hopper-backward, `flexmask` is the fused backward
 and `flexmask_hopper_bwd` the Hopper backward (backward_hopper.py) whatever
-configs.HOPPER_BACKWARD_HEAD_DIMS says; with --hopper-dq, `flexmask_det` takes the portable dQ
+dispatch.HOPPER_BACKWARD_HEAD_DIMS says; with --hopper-dq, `flexmask_det` takes the portable dQ
 pass and `flexmask_det_hopper_dq` the Hopper one (backward_hopper_dq.py). Those two new kernels'
 rows carry the relative difference of their gradients to the portable two-pass path's
 (`rel_err_grads_vs_det`). flexmask rows carry their first forward-and-backward time
@@ -31,7 +31,7 @@ import triton
 
 import flexmask
 from flexmask import masks
-from flexmask.kernels import configs
+from flexmask.kernels import dispatch
 from flexmask.masks.intervals import unmasked_count
 
 from .cuda_guard import require_cuda
@@ -122,15 +122,15 @@ def main(argv=None):
             runs.insert(1, ("flexmask_hopper_bwd", run_fm))
         if args.hopper_dq:
             runs.insert(-1, ("flexmask_det_hopper_dq", run_fm_det))
-        dq_default = configs.HOPPER_DQ_IN_TWO_PASS
+        dq_default = dispatch.HOPPER_DQ_IN_TWO_PASS
         for provider, fn in runs:
-            default = configs.HOPPER_BACKWARD_HEAD_DIMS
-            configs.HOPPER_DQ_IN_TWO_PASS = provider == "flexmask_det_hopper_dq" or (
+            default = dispatch.HOPPER_BACKWARD_HEAD_DIMS
+            dispatch.HOPPER_DQ_IN_TWO_PASS = provider == "flexmask_det_hopper_dq" or (
                 dq_default and provider == "flexmask_det" and not args.hopper_dq)
             if provider == "flexmask_hopper_bwd":
-                configs.HOPPER_BACKWARD_HEAD_DIMS = frozenset({args.head_dim})
+                dispatch.HOPPER_BACKWARD_HEAD_DIMS = frozenset({args.head_dim})
             elif args.hopper_backward:  # `flexmask` is then the fused path, to compare against
-                configs.HOPPER_BACKWARD_HEAD_DIMS = frozenset()
+                dispatch.HOPPER_BACKWARD_HEAD_DIMS = frozenset()
             extra = {}
             if provider != "flex_attention":  # (its compiled backward must first run as timed below)
                 # flexmask's first forward and backward, compiles included (what a user waits for
@@ -140,9 +140,9 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 extra["first_call_s"] = time.perf_counter() - t0
             if provider in ("flexmask_hopper_bwd", "flexmask_det_hopper_dq"):
-                configs.HOPPER_DQ_IN_TWO_PASS = False
+                dispatch.HOPPER_DQ_IN_TWO_PASS = False
                 want = grads(run_fm_det)
-                configs.HOPPER_DQ_IN_TWO_PASS = provider == "flexmask_det_hopper_dq"
+                dispatch.HOPPER_DQ_IN_TWO_PASS = provider == "flexmask_det_hopper_dq"
                 extra["rel_err_grads_vs_det"] = max(
                     ((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want))
             out = fn()
@@ -160,8 +160,8 @@ def main(argv=None):
                     "rel_err_grads_vs_det": extra.get("rel_err_grads_vs_det", ""),
                 })
             q.grad = k.grad = v.grad = None
-            configs.HOPPER_BACKWARD_HEAD_DIMS = default
-            configs.HOPPER_DQ_IN_TWO_PASS = dq_default
+            dispatch.HOPPER_BACKWARD_HEAD_DIMS = default
+            dispatch.HOPPER_DQ_IN_TWO_PASS = dq_default
         ref = run_flex().float()
         err = ((run_fm().float() - ref).norm() / ref.norm()).item()
         for r in rows:

@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     require_cuda("benchmarks.tile_size_sweep")
     import flexmask
     from flexmask import masks
-    from flexmask.kernels import configs
+    from flexmask.kernels import dispatch
 
     env = environment("gpu", argv)
     s, h, d, dtype = args.seqlen, args.heads, args.head_dim, torch.bfloat16
@@ -67,8 +67,8 @@ def main(argv=None) -> None:
             classes = cm.tile_classes()
             row = dict(env, family=name, window=w, seqlen=s, heads=h, head_dim=d, density=round(dens, 5),
                        block_m=tile[0], block_n=tile[1],
-                       forward_path=configs.forward_path(q, cm),
-                       backward_path=configs.backward_path(q, cm, False),
+                       forward_path=dispatch.forward_path(q, cm),
+                       backward_path=dispatch.backward_path(q, cm, False),
                        tiles_visited=int((classes != masks.SKIP).sum()),
                        visited_over_unmasked=round(float((classes != masks.SKIP).sum()) * tile[0] * tile[1] / max(1, pairs // h), 3))
             for direction, t in times.items():

@@ -15,9 +15,11 @@ import triton
 
 import flexmask
 from flexmask import masks
-from flexmask.kernels import backward as bwd_mod
-from flexmask.kernels import forward as fwd_mod
-from flexmask.kernels.configs import LaunchConfig
+from flexmask.kernels import dispatch as bwd_mod
+from flexmask.kernels import dispatch
+from flexmask.kernels.forward import portable as fwd_mod
+from flexmask.kernels import dispatch
+from flexmask.kernels.common.tiles import LaunchConfig
 
 from .cuda_guard import require_cuda
 
@@ -45,14 +47,14 @@ def main(argv=None):
         for mname, mask in (("causal", masks.causal()), ("swa1024", masks.sliding_window(1024))):
             q, k, v, do = (torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
             cm = flexmask.compile_mask(mask, s, s, device="cuda")
-            o, lse = fwd_mod.attention_forward(q, k, v, cm, d ** -0.5)
+            o, lse = dispatch.attention_forward(q, k, v, cm, d ** -0.5)
             results = []
             for c in [] if args.skip_forward else FWD:
                 fwd_mod.forward_config = lambda *a, c=c: LaunchConfig(*c)
-                results.append((_time(lambda: fwd_mod.attention_forward(q, k, v, cm, d ** -0.5)), "fwd", c))
+                results.append((_time(lambda: dispatch.attention_forward(q, k, v, cm, d ** -0.5)), "fwd", c))
             for ckv, cq in itertools.product(DKDV, DQ):
                 bwd_mod.backward_config = lambda *a, ckv=ckv, cq=cq: (LaunchConfig(*ckv), LaunchConfig(*cq))
-                fn = lambda: bwd_mod.attention_backward(do, None, q, k, v, o, lse, cm, d ** -0.5)
+                fn = lambda: dispatch.attention_backward(do, None, q, k, v, o, lse, cm, d ** -0.5)
                 results.append((_time(fn), "bwd", (ckv, cq)))
             for kind in ("fwd", "bwd"):
                 ok = sorted((t, c) for t, k_, c in results if k_ == kind and not isinstance(t, str))

@@ -31,9 +31,9 @@ def main(argv=None) -> int:
 
     import flexmask
     from flexmask import masks
-    from flexmask.kernels import configs
-    from flexmask.kernels.decode import attention_decode
-    from flexmask.kernels.forward import attention_forward
+    from flexmask.kernels.decode import configs as decode_configs
+    from flexmask.kernels.decode.split_kv import attention_decode
+    from flexmask.kernels.dispatch import attention_forward
 
     env = environment("gpu", argv)
     env["command"] = "python -m benchmarks.tune_decode " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
         v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
         cm = flexmask.compile_mask(masks.kv_cache(torch.full((b,), sk, device="cuda")), sq, sk, device="cuda")
-        base = configs.decode_plan(b, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n), cm.heads, force=True)
+        base = decode_configs.decode_plan(b, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n), cm.heads, force=True)
         kv_bytes = 2 * b * hkv * sk * d * 2
         want = attention_forward(q, k, v, cm, d ** -0.5)[0].float()
         ms = triton.testing.do_bench(lambda: attention_forward(q, k, v, cm, d ** -0.5), warmup=25, rep=100)

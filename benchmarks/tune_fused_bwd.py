@@ -19,9 +19,11 @@ import torch
 import triton
 
 import flexmask
-from flexmask.kernels import backward as bwd_mod
-from flexmask.kernels import forward as fwd_mod
-from flexmask.kernels.configs import LaunchConfig
+from flexmask.kernels import dispatch as bwd_mod
+from flexmask.kernels import dispatch
+from flexmask.kernels.forward import portable as fwd_mod
+from flexmask.kernels import dispatch
+from flexmask.kernels.common.tiles import LaunchConfig
 
 from .speed_check import families
 
@@ -69,8 +71,8 @@ def main(argv=None):
                 print(f"D={d} {name}: skipped (time budget)", flush=True)
                 continue
             cm = flexmask.compile_mask(fams[name][0], s, s, device=dev)
-            o, lse = fwd_mod.attention_forward(q, k, v, cm, scale)
-            two_pass = lambda: bwd_mod.attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=True)
+            o, lse = dispatch.attention_forward(q, k, v, cm, scale)
+            two_pass = lambda: dispatch.attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=True)
             ref = two_pass()
             base = triton.testing.do_bench(two_pass, warmup=10, rep=args.rep)
             print(f"D={d} {name}: two-pass {base:.3f} ms", flush=True)
@@ -81,7 +83,7 @@ def main(argv=None):
                 label = f"{cfg} dq_t={int(dq_t)} tma={int(tma)} dq_tma={int(dq_tma)}"
 
                 def fused(cfg=cfg, dq_t=dq_t, tma=tma, dq_tma=dq_tma):
-                    return bwd_mod.attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=False,
+                    return dispatch.attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=False,
                                                       fused_config=LaunchConfig(*cfg), use_tma=tma,
                                                       dq_transposed=dq_t, dq_tma=dq_tma)
                 row = {**meta, "head_dim": d, "family": name, "variant": label}

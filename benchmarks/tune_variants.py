@@ -19,9 +19,11 @@ import torch
 import triton
 
 import flexmask
-from flexmask.kernels import backward as bwd_mod
-from flexmask.kernels import forward as fwd_mod
-from flexmask.kernels.configs import LaunchConfig
+from flexmask.kernels import dispatch as bwd_mod
+from flexmask.kernels import dispatch
+from flexmask.kernels.forward import portable as fwd_mod
+from flexmask.kernels import dispatch
+from flexmask.kernels.common.tiles import LaunchConfig
 
 from .cuda_guard import require_cuda
 from .speed_check import families
@@ -70,7 +72,7 @@ def main(argv=None):
         for name in args.families or list(fams):
             mask, mask_mod = fams[name]
             cm = flexmask.compile_mask(mask, s, s, device=dev)
-            o, lse = fwd_mod.attention_forward(q, k, v, cm, scale)
+            o, lse = dispatch.attention_forward(q, k, v, cm, scale)
             block_mask = create_block_mask(mask_mod, None, None, s, s, device=dev, _compile=True)
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             out = flex(qg, kg, vg, block_mask=block_mask)
@@ -79,13 +81,13 @@ def main(argv=None):
             ref = out.detach().float()
             results = []
             for tma, c in itertools.product((False, True), FWD[d]):
-                fn = lambda: fwd_mod.attention_forward(q, k, v, cm, scale, config=LaunchConfig(*c), use_tma=tma)
+                fn = lambda: dispatch.attention_forward(q, k, v, cm, scale, config=LaunchConfig(*c), use_tma=tma)
                 ms = _time(fn, args.rep)
                 err = ((fn()[0].float() - ref).norm() / ref.norm()).item() if not isinstance(ms, str) else float("nan")
                 results.append(("fwd", f"tma={int(tma)} {c}", ms, flex_fwd, err))
             for tma, ckv, cq in itertools.product((False, True), DKDV[d], DQ[d]):
                 cfgs = (LaunchConfig(*ckv), LaunchConfig(*cq))
-                fn = lambda: bwd_mod.attention_backward(do, None, q, k, v, o, lse, cm, scale, configs=cfgs, use_tma=tma)
+                fn = lambda: dispatch.attention_backward(do, None, q, k, v, o, lse, cm, scale, configs=cfgs, use_tma=tma)
                 results.append(("bwd", f"tma={int(tma)} {ckv} {cq}", _time(fn, args.rep), flex_bwd, float("nan")))
             for kind in ("fwd", "bwd"):
                 ok = sorted((r for r in results if r[0] == kind and not isinstance(r[2], str)), key=lambda r: r[2])

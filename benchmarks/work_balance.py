@@ -18,8 +18,8 @@ import torch
 
 import flexmask
 from flexmask import masks
-from flexmask.kernels import backward_hopper
-from flexmask.kernels.forward import mask_broadcast
+from flexmask.kernels.backward import hopper as backward_hopper
+from flexmask.kernels.common.masking import mask_broadcast
 
 from .speed_check import families
 

@@ -7,9 +7,10 @@ import math
 import torch
 
 from .autograd import attention_eager, attention_fwd
-from .kernels import configs
-from .kernels.decode import decode_forward, decode_fwd
-from .kernels.forward import _forward_kernel
+from .kernels.common.tiles import default_tile, is_valid_tile
+from .kernels.decode.split_kv import decode_forward, decode_fwd
+from .kernels.dispatch import split_kv_plan
+from .kernels.forward.portable import _forward_kernel
 from .masks import specs
 from .masks.compiler import CompiledMask, compile_spec
 
@@ -37,11 +38,11 @@ def compile_mask(mask, q_len: int, kv_len: int, *, device=None, block_m: int | N
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    default_m, default_n = configs.default_tile(device)
+    default_m, default_n = default_tile(device)
     block_m = default_m if block_m is None else block_m
     block_n = default_n if block_n is None else block_n
     for name, value in (("block_m", block_m), ("block_n", block_n)):
-        if isinstance(value, bool) or not isinstance(value, int) or not configs.is_valid_tile(value):
+        if isinstance(value, bool) or not isinstance(value, int) or not is_valid_tile(value):
             raise ValueError(f"{name} must be a power of two in [16, 256], got {value!r}")
     return compile_spec(mask, q_len, kv_len, device, block_m, block_n)  # no host sync on a GPU
 
@@ -217,14 +218,12 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
 
 
 def _split_kv_plan(q, k, v, tables):
-    """The split-KV forward's plan (kernels/decode.py), or None for the q-block path. Split-KV
-    serves small Sq when no gradient is needed; the choice by shape is configs.decode_plan's.
-    With gradients the q-block path runs (it saves what the backward needs)."""
+    """The split-KV forward's plan, or None for the q-block path: split-KV serves small Sq when no
+    gradient is needed (kernels/dispatch.split_kv_plan decides by shape); with gradients the
+    q-block path runs (it saves what the backward needs)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    return configs.decode_plan(b, hq, hkv, sq, sk, d, q.dtype, q.device, (tables[9], tables[10]), tables[8])
+    return split_kv_plan(q, k, (tables[9], tables[10]), tables[8])
 
 
 def flashmask_attention(query, key, value, startend_row_indices=None, *, causal: bool = False,

@@ -16,8 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .kernels.backward import attention_backward
-from .kernels.forward import attention_forward
+from .kernels.dispatch import attention_backward, attention_forward
 
 
 def _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,

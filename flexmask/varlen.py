@@ -18,7 +18,7 @@ from collections import OrderedDict
 import torch
 
 from .api import attention
-from .kernels import configs
+from .kernels.common.tiles import default_tile
 from .masks import specs
 from .masks.compiler import CompiledMask, build_tables
 from .masks.intervals import canonicalize
@@ -187,7 +187,7 @@ def varlen_intervals(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total
 def compile_intervals(intervals: torch.Tensor, q_len: int, kv_len: int) -> CompiledMask:
     """Tile tables for canonical intervals already on the device, with the device's default tile
     (no re-validation: the builders here produce canonical intervals by construction)."""
-    block_m, block_n = configs.default_tile(intervals.device)
+    block_m, block_n = default_tile(intervals.device)
     return build_tables(intervals, q_len, kv_len, block_m, block_n, source=specs.column_intervals(intervals))
 
 

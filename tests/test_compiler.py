@@ -314,7 +314,7 @@ def _compiles_one_after_another(device: torch.device, on_device: bool):
     """Masks of growing, then shrinking shapes compiled back to back (the transients kept per
     device and stream, `compile_kernels._workspace`, reused and grown): each against the torch
     path, and the workspace's zero buffer at zero after every compile."""
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     cases = [(masks.causal(), 40, 40, 16), (masks.document([100, 57, 143]), 300, 300, 16),
              (masks.sliding_window(17, 5), 63, 197, 32), (masks.full(), 1, 1, 16),
@@ -329,7 +329,7 @@ def _compiles_one_after_another(device: torch.device, on_device: bool):
 
 
 def test_compile_workspace_left_at_zero_and_reused(monkeypatch):
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     monkeypatch.setattr(ck, "_WORKSPACES", {})
     _compiles_one_after_another(torch.device("cpu"), on_device=True)
@@ -338,7 +338,7 @@ def test_compile_workspace_left_at_zero_and_reused(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_compile_workspace_left_at_zero_and_reused(monkeypatch):
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     monkeypatch.setattr(ck, "_WORKSPACES", {})
     _compiles_one_after_another(torch.device("cuda"), on_device=None)
@@ -391,7 +391,7 @@ def test_kernel_compiler_long_chunks(chunk, monkeypatch):
     (histograms) and chunks where no range bound falls (the class carried over, no histogram),
     a ragged last kv-block, a window ending mid-chunk, documents, random intervals. The chunk is
     made small so that the interpreter walks many of them."""
-    from flexmask.kernels import compile_kernels
+    from flexmask.masks import compiler_kernels as compile_kernels
 
     monkeypatch.setattr(compile_kernels, "CHUNK_M", chunk)
     s, cpu = 1100 if chunk == 32 else 2300, torch.device("cpu")
@@ -579,7 +579,7 @@ def test_kv_cache_built_in_the_compile_kernel(causal):
     """kv_cache alone is a family of the compile kernel (each batch row's length read on the
     device): the torch path's tables bit for bit, with lengths 0 and Sk, as a list or a tensor
     (clamped to [0, Sk] there, never read on the host), and next to another operand."""
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
     from flexmask.masks import device_intervals
 
     for sq, sk, block_m, block_n in KV_CACHE_CASES:
@@ -675,7 +675,7 @@ def test_device_composition_matches_the_torch_path(sq, sk, op, heads, seed):
 def test_family_kernel_matches_the_torch_builders(sq, sk):
     """`compile_kernels.family_intervals` (the device path's composition operands) gives every
     built-in family's canonical intervals as the torch builders do, also for Sq != Sk."""
-    from flexmask.kernels.compile_kernels import family_intervals
+    from flexmask.masks.compiler_kernels import family_intervals
     from flexmask.masks import device_intervals
     from flexmask.masks.intervals import build_intervals
 
@@ -835,7 +835,7 @@ class CountedLaunches:
 
 
 def count_launches(monkeypatch) -> list:
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     launches = []
     for name in ("_CLASSIFY", "_EMIT", "_COMPOSE", "_FAMILY", "_SHIFT", "_DOCUMENT_BOUNDS"):
@@ -890,7 +890,7 @@ def test_document_bounds_kernel_matches_the_torch_ops(rows, docs):
     """Document lengths on the device become bounds in one launch (`compile_kernels.document_bounds`):
     the torch ops' values bit for bit, for int64 and int32 lengths, 1-D and 2-D, a strided row,
     zero and negative lengths (read as 0), more documents than one block."""
-    from flexmask.kernels.compile_kernels import document_bounds
+    from flexmask.masks.compiler_kernels import document_bounds
     from flexmask.masks.device_intervals import _document_bounds
 
     gen = torch.Generator().manual_seed(rows * 1000 + docs)

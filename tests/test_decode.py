@@ -2,7 +2,7 @@
 
 CPU tests run the split-KV kernels under the Triton interpreter, forced through
 `attention_decode(..., num_splits=...)` (1 split: the kernel writes the result itself; more:
-partial results merged by their LSE; under the interpreter configs.decode_merge picks the fused
+partial results merged by their LSE; under the interpreter decode_configs.decode_merge picks the fused
 merge, test_decode_fused.py runs both merges) and through `flexmask.attention`'s own choice; results
 are judged against the float64 reference with the DESIGN.md section 4 rule. GPU-marked tests
 run 128K-key caches on the device.
@@ -17,9 +17,12 @@ import torch
 
 import flexmask
 from flexmask import masks
-from flexmask.kernels import configs, decode
-from flexmask.kernels.decode import attention_decode
-from flexmask.kernels.forward import attention_forward
+from flexmask.kernels.common import device as device_caps
+from flexmask.kernels.common import tiles
+from flexmask.kernels.decode import configs as decode_configs
+from flexmask.kernels.decode import split_kv as decode
+from flexmask.kernels.decode.split_kv import attention_decode
+from flexmask.kernels.dispatch import attention_forward
 
 from conftest import (FAMILIES, assert_close_to_reference, assert_merges_agree, case_id, default_floor, make_mask,
                       make_qkv, references, rel_err)
@@ -218,7 +221,7 @@ def test_dispatch_takes_split_kv_for_a_decode_step():
     mask = masks.kv_cache([197, 50]) & masks.sliding_window(100)
     q, k, v = make_qkv(2, 4, 2, sq, sk, 32, BF16, seed=4)
     cm = flexmask.compile_mask(mask, sq, sk, device="cpu")
-    plan = configs.decode_plan(2, 4, 2, sq, sk, 32, BF16, "cpu", (cm.block_m, cm.block_n), cm.heads)
+    plan = decode_configs.decode_plan(2, 4, 2, sq, sk, 32, BF16, "cpu", (cm.block_m, cm.block_n), cm.heads)
     assert plan is not None and plan.num_splits > 1
     out, lse = flexmask.attention(q, k, v, cm, return_lse=True)
     want = attention_decode(q, k, v, cm, 32 ** -0.5)
@@ -258,48 +261,48 @@ def test_split_kv_under_torch_compile():
 def test_decode_plan_choice():
     """The documented rule: GQA heads share a program unless the mask has one row per query head;
     CPU takes the split path for Sq <= CPU_DECODE_MAX_Q only."""
-    tile = configs.CPU_TILE
-    assert configs.decode_plan(1, 8, 2, configs.CPU_DECODE_MAX_Q + 1, 300, 64, BF16, "cpu", tile, 1) is None
-    plan = configs.decode_plan(1, 8, 2, 1, 300, 64, BF16, "cpu", tile, 1)
+    tile = tiles.CPU_TILE
+    assert decode_configs.decode_plan(1, 8, 2, decode_configs.CPU_DECODE_MAX_Q + 1, 300, 64, BF16, "cpu", tile, 1) is None
+    plan = decode_configs.decode_plan(1, 8, 2, 1, 300, 64, BF16, "cpu", tile, 1)
     assert plan.block_h == 4 and plan.block_h * plan.block_q >= 16
-    assert configs.decode_plan(1, 8, 2, 1, 300, 64, BF16, "cpu", tile, 8).block_h == 1
+    assert decode_configs.decode_plan(1, 8, 2, 1, 300, 64, BF16, "cpu", tile, 8).block_h == 1
 
 
 def test_decode_plan_splits_on_a_gpu(monkeypatch):
     """The GPU rule of configs.py (no GPU needed: the SM count is given): one split once
     B x Hkv programs fill the SMs, else about DECODE_PROGRAMS_PER_SM programs per SM; Sq > 64
     keeps the q-block grid."""
-    monkeypatch.setitem(configs._SM_COUNTS, 0, 132)
+    monkeypatch.setitem(device_caps._SM_COUNTS, 0, 132)
 
     def plan(b, sq, sk=131072):
-        return configs.decode_plan(b, 32, 8, sq, sk, 128, BF16, "cuda:0", configs.GPU_TILE, 1, kernel="triton")
+        return decode_configs.decode_plan(b, 32, 8, sq, sk, 128, BF16, "cuda:0", tiles.GPU_TILE, 1, kernel="triton")
 
     assert plan(32, 1).num_splits == 1  # 256 programs >= 132 SMs
     one = plan(1, 1)  # 8 programs
-    assert one.block_h == 4 and 8 * one.num_splits >= configs.DECODE_PROGRAMS_PER_SM * 132
+    assert one.block_h == 4 and 8 * one.num_splits >= decode_configs.DECODE_PROGRAMS_PER_SM * 132
     assert plan(1, 1, sk=1024).num_splits == 4  # at least DECODE_MIN_TILES_PER_SPLIT tiles a share
-    assert plan(8, 16).block_q == 16 and plan(8, configs.DECODE_MAX_Q + 1) is None
+    assert plan(8, 16).block_q == 16 and plan(8, decode_configs.DECODE_MAX_Q + 1) is None
 
 
 def test_decode_plan_picks_the_hopper_kernel_where_measured(monkeypatch):
-    """configs.DECODE_HOPPER's rule (no GPU needed: SM count and capability are given): on sm_90
+    """decode_configs.DECODE_HOPPER's rule (no GPU needed: SM count and capability are given): on sm_90
     at D = 128 the Hopper kernel for wide programs (Sq = 16: 64 rows) and for few narrow ones
     (B x Hkv <= DECODE_HOPPER_MAX_NARROW_PROGRAMS), its shares sized for one program an SM; the
     Triton kernel for many narrow programs, at D = 64 (not measured), for fp32 and off sm_90."""
-    monkeypatch.setitem(configs._SM_COUNTS, 0, 132)
-    monkeypatch.setitem(configs._CAPABILITIES, 0, (9, 0))
+    monkeypatch.setitem(device_caps._SM_COUNTS, 0, 132)
+    monkeypatch.setitem(device_caps._CAPABILITIES, 0, (9, 0))
 
     def plan(b, sq, d=128, dtype=BF16, mask_heads=1):
-        return configs.decode_plan(b, 32, 8, sq, 131072, d, dtype, "cuda:0", configs.GPU_TILE, mask_heads)
+        return decode_configs.decode_plan(b, 32, 8, sq, 131072, d, dtype, "cuda:0", tiles.GPU_TILE, mask_heads)
 
     wide, few = plan(8, 16), plan(1, 1)
     assert wide.kernel == "hopper" and wide.num_splits == 132 // 64
-    assert few.kernel == "hopper" and few.num_splits == 132 // 8 and few.num_stages == configs.DECODE_HOPPER_STAGES[128]
-    assert few.block_n == configs.DECODE_HOPPER_BLOCK_N and few.merge == configs.DECODE_HOPPER_MERGE == "fused"
+    assert few.kernel == "hopper" and few.num_splits == 132 // 8 and few.num_stages == decode_configs.DECODE_HOPPER_STAGES[128]
+    assert few.block_n == decode_configs.DECODE_HOPPER_BLOCK_N and few.merge == decode_configs.DECODE_HOPPER_MERGE == "fused"
     assert plan(8, 1).kernel == "hopper" and plan(32, 1).kernel == "triton"  # 64 and 256 narrow programs
     assert plan(1, 1, d=64).kernel == "triton" and plan(1, 1, dtype=FP32).kernel == "triton"
     assert plan(1, 1, mask_heads=32).kernel == "triton"  # one mask row per query head: heads apart
-    monkeypatch.setitem(configs._CAPABILITIES, 0, (10, 0))
+    monkeypatch.setitem(device_caps._CAPABILITIES, 0, (10, 0))
     assert plan(1, 1).kernel == "triton"
 
 
@@ -328,7 +331,7 @@ def test_gpu_long_cache(family, sq):
     elif family == "kv_cache_document":
         mask = mask & masks.document([50000, 30000, sk - 80000])
     cm = flexmask.compile_mask(mask, sq, sk, device="cuda")
-    assert configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads) is not None
+    assert decode_configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads) is not None
     out, lse = flexmask.attention(q, k, v, cm, return_lse=True)
     (o64, l64), (olp, llp) = references(q, k, v, mask)
     assert_close_to_reference(out, o64, olp, default_floor(BF16), "out")
@@ -342,7 +345,7 @@ def test_gpu_long_cache(family, sq):
 @pytest.mark.gpu
 def test_gpu_pdl_merge_in_a_cuda_graph():
     """The split kernel, then the merge as its programmatic dependent launch (the `pdl` option of
-    a DecodePlan, configs.DECODE_OPTIONS). Eager and in a CUDA graph, replayed with fresh queries
+    a DecodePlan, decode_configs.DECODE_OPTIONS). Eager and in a CUDA graph, replayed with fresh queries
     each time, it equals the plan without PDL bit for bit: the merge never reads a partial before
     the split kernel has written it."""
     torch.manual_seed(0)
@@ -350,11 +353,11 @@ def test_gpu_pdl_merge_in_a_cuda_graph():
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=BF16)
     k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=BF16) for _ in range(2))
     cm = flexmask.compile_mask(masks.kv_cache([sk - 5]), sq, sk, device="cuda")
-    no_pdl = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads,
+    no_pdl = decode_configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads,
                                  kernel="triton")  # PDL and TMA are options of the Triton kernel
     plan = dataclasses.replace(no_pdl, pdl=True)
-    assert plan.num_splits > 1 and plan.merge == "two_launch" and configs.decode_uses_pdl(plan, q.device)
-    assert not configs.decode_uses_pdl(no_pdl, q.device)
+    assert plan.num_splits > 1 and plan.merge == "two_launch" and decode_configs.decode_uses_pdl(plan, q.device)
+    assert not decode_configs.decode_uses_pdl(no_pdl, q.device)
     expected = attention_decode(q, k, v, cm, d ** -0.5, plan=no_pdl)
     got = attention_decode(q, k, v, cm, d ** -0.5, plan=plan)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
@@ -367,7 +370,7 @@ def test_gpu_pdl_merge_in_a_cuda_graph():
 @pytest.mark.parametrize("family", ["kv_cache", "kv_cache_window"])
 def test_gpu_tma_plan(family, sq):
     """The `use_tma` option of a DecodePlan (K/V through in-kernel TMA descriptors, off by
-    default: configs.DECODE_OPTIONS): ragged caches whose lengths are not tile multiples, so the
+    default: decode_configs.DECODE_OPTIONS): ragged caches whose lengths are not tile multiples, so the
     last tile reads past the cache (TMA gives zeros there), against float64 and the pointer plan."""
     torch.manual_seed(1)
     b, hq, hkv, sk, d = 2, 32, 8, 20000, 128
@@ -378,7 +381,7 @@ def test_gpu_tma_plan(family, sq):
     if family == "kv_cache_window":
         mask = mask & masks.sliding_window(3000)
     cm = flexmask.compile_mask(mask, sq, sk, device="cuda")
-    plan = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads,
+    plan = decode_configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads,
                                kernel="triton")
     tma = dataclasses.replace(plan, use_tma=True)
     out, lse = attention_decode(q, k, v, cm, d ** -0.5, plan=tma)
@@ -404,7 +407,7 @@ def test_gpu_hopper_decode(family, sq, d, dtype, splits, merge, block_n, layout)
     round of the merge), tiles read whole or in two 64-key steps (block_n), K/V as (B, H, S, D),
     as (B, S, H, D) views, and one of each ("mixed": K and V in different memory orders, so each
     has its own TMA coordinates)."""
-    from flexmask.kernels import decode_hopper
+    from flexmask.kernels.decode import hopper as decode_hopper
 
     torch.manual_seed(2)
     b, hq, hkv, sk = 3, 8, 2, 3000
@@ -424,7 +427,7 @@ def test_gpu_hopper_decode(family, sq, d, dtype, splits, merge, block_n, layout)
     elif family == "kv_cache_document":
         mask = mask & masks.document([1000, 1100, sk - 2100])
     cm = flexmask.compile_mask(mask, sq, sk, device="cuda")
-    plan = configs.decode_plan(b, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
+    plan = decode_configs.decode_plan(b, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
                                force=True, kernel="hopper")
     assert plan.kernel == "hopper" and decode_hopper.supports(q, k, v, cm, plan.block_h, plan.block_q)
     plan = dataclasses.replace(plan, block_n=block_n, masked_block_n=block_n)
@@ -437,7 +440,7 @@ def test_gpu_hopper_decode(family, sq, d, dtype, splits, merge, block_n, layout)
         assert all(int(buf.abs().sum()) == 0 for buf in decode._COUNTERS.values()), "a counter left above 0"
     (o64, _), (olp, _) = references(q, k, v, mask)
     assert rel_err(out, o64) <= 2 * rel_err(olp, o64) + 1e-6, (rel_err(out, o64), rel_err(olp, o64))
-    triton_plan = configs.decode_plan(b, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
+    triton_plan = decode_configs.decode_plan(b, hq, hkv, sq, sk, d, dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
                                       force=True, kernel="triton")
     t_out, t_lse = attention_decode(q, k, v, cm, d ** -0.5, plan=triton_plan.with_splits(splits))
     assert torch.equal(torch.isinf(lse), torch.isinf(t_lse))
@@ -455,7 +458,7 @@ def test_gpu_hopper_decode_long_cache_in_a_cuda_graph():
     k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=BF16) for _ in range(2))
     mask = masks.kv_cache([sk - 3])
     cm = flexmask.compile_mask(mask, sq, sk, device="cuda")
-    plan = configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads,
+    plan = decode_configs.decode_plan(b, hq, hkv, sq, sk, d, BF16, q.device, (cm.block_m, cm.block_n), cm.heads,
                                force=True, kernel="hopper")
     assert plan.kernel == "hopper" and plan.num_splits > 1
     out, lse = attention_decode(q, k, v, cm, d ** -0.5, plan=plan)
@@ -470,11 +473,11 @@ def test_gpu_hopper_decode_long_cache_in_a_cuda_graph():
 def test_hopper_decode_plan_only_where_it_runs():
     """The CPU (the interpreter cannot run Gluon) never gets the Hopper decode plan, even when
     asked; an unknown kernel name is a ValueError that names it."""
-    plan = configs.decode_plan(1, 32, 8, 1, 4096, 128, BF16, torch.device("cpu"), (64, 64), 1, force=True,
+    plan = decode_configs.decode_plan(1, 32, 8, 1, 4096, 128, BF16, torch.device("cpu"), (64, 64), 1, force=True,
                                kernel="hopper")
     assert plan.kernel == "triton"
     with pytest.raises(ValueError, match="kernel must be"):
-        configs.decode_plan(1, 32, 8, 1, 4096, 128, BF16, torch.device("cpu"), (64, 64), 1, force=True,
+        decode_configs.decode_plan(1, 32, 8, 1, 4096, 128, BF16, torch.device("cpu"), (64, 64), 1, force=True,
                             kernel="gluon")
 
 

@@ -1,4 +1,4 @@
-"""Decoding: the fused merge of the split-KV path (kernels/decode.py, configs.decode_merge "fused").
+"""Decoding: the fused merge of the split-KV path (kernels/decode.py, decode_configs.decode_merge "fused").
 
 Each split program writes its partial (O, LSE), takes a ticket from its row group's int32
 counter, and the program drawing the last ticket merges the group and puts the counter back to
@@ -17,9 +17,12 @@ import torch
 
 import flexmask
 from flexmask import masks
-from flexmask.kernels import configs, decode
-from flexmask.kernels.decode import attention_decode
-from flexmask.kernels.forward import attention_forward
+from flexmask.kernels.common import device as device_caps
+from flexmask.kernels.common import tiles
+from flexmask.kernels.decode import configs as decode_configs
+from flexmask.kernels.decode import split_kv as decode
+from flexmask.kernels.decode.split_kv import attention_decode
+from flexmask.kernels.dispatch import attention_forward
 
 from conftest import (assert_close_to_reference, assert_merges_agree, case_id, default_floor, make_mask, make_qkv,
                       references, rel_err)
@@ -95,8 +98,8 @@ def test_fused_and_two_launch_agree(b, hq, hkv, sq, sk, d, dtype, lengths, split
     """The fused merge and the two-launch merge: both within the rule of the float64 reference,
     and within one output rounding of each other."""
     if chunk_regs is not None:
-        monkeypatch.setattr(configs, "DECODE_MERGE_CHUNK_REGS", chunk_regs)
-        assert configs.decode_merge_chunk(4 * 16, 64, 4, splits) == 1
+        monkeypatch.setattr(decode_configs, "DECODE_MERGE_CHUNK_REGS", chunk_regs)
+        assert decode_configs.decode_merge_chunk(4 * 16, 64, 4, splits) == 1
     mask = masks.kv_cache(lengths) & masks.sliding_window(sk // 2)
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=sk + splits)
     cm = flexmask.compile_mask(mask, sq, sk, device="cpu")
@@ -138,17 +141,17 @@ def test_fused_rows_that_attend_nothing():
 
 
 def test_decode_merge_choice(monkeypatch):
-    """configs.decode_merge: the interpreter runs the fused merge, a GPU the two-launch one until
+    """decode_configs.decode_merge: the interpreter runs the fused merge, a GPU the two-launch one until
     DECODE_FUSED_MERGE_ON_GPU is set; decode_plan carries the choice."""
-    assert configs.decode_merge("cpu") == "fused"
-    assert configs.decode_merge("cuda:0") == "two_launch"
-    assert configs.decode_plan(1, 8, 2, 1, 300, 64, BF16, "cpu", configs.CPU_TILE, 1).merge == "fused"
-    monkeypatch.setitem(configs._SM_COUNTS, 0, 132)
-    assert configs.decode_plan(1, 32, 8, 1, 131072, 128, BF16, "cuda:0", configs.GPU_TILE, 1).merge == "two_launch"
-    monkeypatch.setattr(configs, "DECODE_FUSED_MERGE_ON_GPU", True)
-    assert configs.decode_merge("cuda:0") == "fused"
-    assert configs.decode_merge_chunk(4, 128, 4, 33) == 16  # a decode step: 4 rows, 16 shares a step
-    assert configs.decode_merge_chunk(64, 128, 4, 5) == 1
+    assert decode_configs.decode_merge("cpu") == "fused"
+    assert decode_configs.decode_merge("cuda:0") == "two_launch"
+    assert decode_configs.decode_plan(1, 8, 2, 1, 300, 64, BF16, "cpu", tiles.CPU_TILE, 1).merge == "fused"
+    monkeypatch.setitem(device_caps._SM_COUNTS, 0, 132)
+    assert decode_configs.decode_plan(1, 32, 8, 1, 131072, 128, BF16, "cuda:0", tiles.GPU_TILE, 1).merge == "two_launch"
+    monkeypatch.setattr(decode_configs, "DECODE_FUSED_MERGE_ON_GPU", True)
+    assert decode_configs.decode_merge("cuda:0") == "fused"
+    assert decode_configs.decode_merge_chunk(4, 128, 4, 33) == 16  # a decode step: 4 rows, 16 shares a step
+    assert decode_configs.decode_merge_chunk(64, 128, 4, 5) == 1
 
 
 def test_fused_merge_bad_input():
@@ -186,7 +189,7 @@ def test_gpu_fused_long_cache(family, sq):
     q, k, v, mask = _long_cache(sq, family)
     b, hq, _, d = q.shape
     cm = flexmask.compile_mask(mask, sq, k.shape[2], device="cuda")
-    plan = configs.decode_plan(b, hq, k.shape[1], sq, k.shape[2], d, BF16, q.device, (cm.block_m, cm.block_n),
+    plan = decode_configs.decode_plan(b, hq, k.shape[1], sq, k.shape[2], d, BF16, q.device, (cm.block_m, cm.block_n),
                                cm.heads)
     assert plan is not None and plan.num_splits > 1
     fused = attention_decode(q, k, v, cm, d ** -0.5, merge="fused")

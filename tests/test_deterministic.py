@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flexmask
-import flexmask.kernels.backward as backward_mod
+import flexmask.kernels.dispatch as backward_mod
 from flexmask import masks
 
 from conftest import FAMILIES, assert_close_to_reference, case_id, default_floor, make_mask, make_qkv, reference_grads

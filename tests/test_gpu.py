@@ -141,8 +141,8 @@ def test_load_paths(family, head_dim, use_tma):
     (the defaults pick one per head dim), with ragged lengths."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from flexmask.kernels.backward import attention_backward
-    from flexmask.kernels.forward import attention_forward
+    from flexmask.kernels.dispatch import attention_backward
+    from flexmask.kernels.dispatch import attention_forward
 
     torch.manual_seed(head_dim + use_tma)
     dev, sq, sk = "cuda", 8192 - 77, 8192 - 77

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexmask import compile_mask
-from flexmask.kernels import configs
+from flexmask.kernels import dispatch
 from tests.conftest import FAMILIES, assert_close_to_reference, default_floor, make_mask, make_qkv, references
 
 pytestmark = pytest.mark.gpu
@@ -20,13 +20,13 @@ def _hopper() -> bool:
 
 
 def _run(family, b, hq, hkv, sq, sk, d, dtype, layout, seed=0):
-    from flexmask.kernels import forward_hopper
-    from flexmask.kernels.forward import attention_forward
+    from flexmask.kernels.forward import hopper as forward_hopper
+    from flexmask.kernels.dispatch import attention_forward
 
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=seed, layout=layout))
     mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=seed)
     cm = compile_mask(mask, sq, sk, device="cuda")
-    assert configs.forward_path(q, cm) == ("hopper" if configs.HOPPER_FORWARD_IS_DEFAULT else "portable")
+    assert dispatch.forward_path(q, cm) == ("hopper" if dispatch.HOPPER_FORWARD_IS_DEFAULT else "portable")
     assert forward_hopper.supports(q, k, v, cm), "the Hopper kernel declined these inputs"
     out, lse = attention_forward(q, k, v, cm, d ** -0.5, kernel="hopper")
     (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask)
@@ -66,7 +66,7 @@ def test_k_and_v_in_different_memory_orders():
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     import flexmask
-    from flexmask.kernels import forward_hopper
+    from flexmask.kernels.forward import hopper as forward_hopper
 
     torch.manual_seed(5)
     b, hq, hkv, s, d = 2, 4, 2, 600, 128
@@ -89,10 +89,10 @@ def test_portable_elsewhere():
         pytest.skip("needs a Hopper GPU")
     cm = compile_mask(make_mask("causal", 256, 256), 256, 256, device="cuda")
     q = torch.randn(1, 2, 256, 128, device="cuda")
-    assert configs.forward_path(q, cm) == "portable"
-    assert configs.forward_path(q[..., :96].contiguous().half(), cm) == "portable"
+    assert dispatch.forward_path(q, cm) == "portable"
+    assert dispatch.forward_path(q[..., :96].contiguous().half(), cm) == "portable"
     small = compile_mask(make_mask("causal", 256, 256), 256, 256, device="cuda", block_m=64, block_n=64)
-    assert configs.forward_path(q.half(), small) == "portable"
+    assert dispatch.forward_path(q.half(), small) == "portable"
 
 
 @pytest.mark.parametrize("d", [128, 64], ids=lambda d: f"D{d}")
@@ -102,8 +102,8 @@ def test_q_double_buffer(family, d):
     walk) against the reference: every family, with many short items (Sq > Sk, GQA)."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels import forward_hopper
-    from flexmask.kernels.forward import mask_broadcast
+    from flexmask.kernels.forward import hopper as forward_hopper
+    from flexmask.kernels.common.masking import mask_broadcast
 
     b, hq, hkv, sq, sk = 2, 4, 2, 1500, 700
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=4, layout="bhsd"))
@@ -134,8 +134,8 @@ def test_schedules(family, schedule):
     turns cross item boundaries."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels import forward_hopper
-    from flexmask.kernels.forward import mask_broadcast
+    from flexmask.kernels.forward import hopper as forward_hopper
+    from flexmask.kernels.common.masking import mask_broadcast
 
     d, stages, pingpong, q_buffers, column_bias = schedule
     b, hq, hkv, sq, sk = 2, 4, 2, 1500, 700
@@ -173,8 +173,8 @@ def test_column_bias(d, aligned):
     bias and row-word tiles in one walk. Odd Sk, rows that attend nothing, GQA."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels import forward_hopper
-    from flexmask.kernels.forward import mask_broadcast
+    from flexmask.kernels.forward import hopper as forward_hopper
+    from flexmask.kernels.common.masking import mask_broadcast
 
     b, hq, hkv, sq, sk = 1, 4, 2, 1024, 777
     mask = _column_interval_mask(sq, sk, seed=7, step=64 if aligned else 1)
@@ -199,8 +199,8 @@ def test_tc_bias(family, tc_bias):
     document edges cut every column): against the reference, odd lengths, GQA, Sq != Sk."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels import forward_hopper
-    from flexmask.kernels.forward import mask_broadcast
+    from flexmask.kernels.forward import hopper as forward_hopper
+    from flexmask.kernels.common.masking import mask_broadcast
 
     b, hq, hkv, sq, sk, d = 1, 4, 2, 701, 1177, 64
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=13, layout="bshd"))
@@ -223,8 +223,8 @@ def test_tc_bias_column_intervals(aligned, tc_bias, dtype):
     on the tensor cores, in bf16 and fp16."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels import forward_hopper
-    from flexmask.kernels.forward import mask_broadcast
+    from flexmask.kernels.forward import hopper as forward_hopper
+    from flexmask.kernels.common.masking import mask_broadcast
 
     b, hq, hkv, sq, sk, d = 1, 4, 2, 1024, 777, 64
     mask = _column_interval_mask(sq, sk, seed=17, step=16 if aligned else 1)
@@ -245,8 +245,8 @@ def test_tc_bias_refused_where_it_cannot_run():
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     from flexmask import masks
-    from flexmask.kernels import forward_hopper
-    from flexmask.kernels.forward import mask_broadcast
+    from flexmask.kernels.forward import hopper as forward_hopper
+    from flexmask.kernels.common.masking import mask_broadcast
 
     q, k, v = (t.cuda() for t in make_qkv(1, 2, 2, 256, 256, 128, torch.bfloat16, seed=1))
     cm = compile_mask(masks.causal(), 256, 256, device="cuda")

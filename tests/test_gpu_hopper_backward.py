@@ -1,5 +1,5 @@
 """GPU tests of the Hopper backward (backward_hopper.py, Gluon; marked `gpu`, skipped without a
-Hopper GPU), run through `attention_backward(kernel="hopper")` whatever configs.backward_path
+Hopper GPU), run through `attention_backward(kernel="hopper")` whatever dispatch.backward_path
 picks by default: every mask family of the CPU suite, GQA, Sq != Sk, odd lengths, both memory
 orders, head dims 64 and 128, fp16 and bf16, a gradient of the LSE, rows that attend nothing, against the float64
 reference with the DESIGN.md section 4 rule; and a 32K causal case against the two-pass path."""
@@ -20,8 +20,8 @@ def _hopper() -> bool:
 
 
 def _grads(q, k, v, do, cm, scale, kernel, dlse=None):
-    from flexmask.kernels.backward import attention_backward
-    from flexmask.kernels.forward import attention_forward
+    from flexmask.kernels.dispatch import attention_backward
+    from flexmask.kernels.dispatch import attention_forward
 
     out, lse = attention_forward(q, k, v, cm, scale)
     return attention_backward(do, dlse, q, k, v, out, lse, cm, scale, deterministic=kernel == "two-pass",
@@ -67,13 +67,13 @@ def test_deterministic_path_with_hopper_dkdv(family, head_dim, dq_pass, monkeypa
     portable pass or from backward_hopper_dq.py; close to the reference and bitwise reproducible."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels import configs
+    from flexmask.kernels import dispatch
 
-    monkeypatch.setattr(configs, "HOPPER_DQ_IN_TWO_PASS", dq_pass == "hopper")
+    monkeypatch.setattr(dispatch, "HOPPER_DQ_IN_TWO_PASS", dq_pass == "hopper")
     q = torch.empty(1, 4, 700, head_dim, device="cuda", dtype=torch.bfloat16)
     cm = compile_mask(masks.causal(), 700, 700, device="cuda")
-    assert configs.two_pass_dkdv_path(q, cm) == "hopper"
-    assert configs.two_pass_dq_path(q, cm) == dq_pass
+    assert dispatch.two_pass_dkdv_path(q, cm) == "hopper"
+    assert dispatch.two_pass_dq_path(q, cm) == dq_pass
     _check(family, 2, 4, 2, 700, 651, torch.bfloat16, "bhsd", seed=2, d=head_dim, kernel="two-pass")
 
 
@@ -83,9 +83,9 @@ def test_hopper_dq_pass_odd_shapes(d, monkeypatch):
     gradient of the LSE and rows that attend nothing."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels import configs
+    from flexmask.kernels import dispatch
 
-    monkeypatch.setattr(configs, "HOPPER_DQ_IN_TWO_PASS", True)
+    monkeypatch.setattr(dispatch, "HOPPER_DQ_IN_TWO_PASS", True)
     _check("causal", 1, 8, 2, 197, 1500, torch.bfloat16, "bshd", d=d, kernel="two-pass")
     _check("document", 2, 4, 4, 1500, 777, torch.float16, "bhsd", d=d, kernel="two-pass")
     s = 300
@@ -156,7 +156,7 @@ def test_matches_two_pass_at_32k(d):
 def test_declines_unsupported_inputs():
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels.backward import attention_backward
+    from flexmask.kernels.dispatch import attention_backward
 
     q = torch.randn(1, 2, 256, 96, device="cuda", dtype=torch.bfloat16)
     cm = compile_mask(masks.causal(), 256, 256, device="cuda")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from flexmask import compile_mask, masks
-from flexmask.kernels import scheduler
-from flexmask.kernels.backward import attention_backward
-from flexmask.kernels.forward import attention_forward
+from flexmask.kernels.common import scheduler
+from flexmask.kernels.dispatch import attention_backward
+from flexmask.kernels.dispatch import attention_forward
 
 pytestmark = pytest.mark.gpu
 

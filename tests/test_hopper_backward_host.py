@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from flexmask import compile_mask, masks
-from flexmask.kernels import backward_hopper, configs
-from flexmask.kernels.backward import attention_backward
-from flexmask.kernels.forward import attention_forward, mask_broadcast
+from flexmask.kernels.backward import hopper as backward_hopper
+from flexmask.kernels.backward import configs as backward_configs
+from flexmask.kernels import dispatch
+from flexmask.kernels.dispatch import attention_backward
+from flexmask.kernels.dispatch import attention_forward
+from flexmask.kernels.common.masking import mask_broadcast
 
 HOPPER_SHARED_BYTES = 227 * 1024
 
@@ -52,7 +55,7 @@ def test_work_list_sums_the_group_heaviest_first(mask_heads, sq):
 def test_bucketed_work_list_keeps_neighbours_together(mask_heads):
     """The "bucketed" order: a permutation, chunks in order, the power-of-two bucket of the tile
     count non-increasing inside a chunk and index order inside a bucket; the default order
-    follows configs.HOPPER_BACKWARD_ORDER; an unknown order is a ValueError."""
+    follows backward_configs.HOPPER_BACKWARD_ORDER; an unknown order is a ValueError."""
     batch, hq, hkv, s = 2, 4, 2, 2000
     mask = masks.document([300, 700, 1000]) if mask_heads == 1 else masks.random_eviction(s // 2, seed=3,
                                                                                           num_heads=mask_heads)
@@ -79,12 +82,12 @@ def test_bucketed_work_list_keeps_neighbours_together(mask_heads):
     assert (bucket[:-1][same_chunk] >= bucket[1:][same_chunk]).all(), "buckets not heaviest first"
     same_bucket = same_chunk & (bucket[:-1] == bucket[1:])
     assert (work[:-1][same_bucket] < work[1:][same_bucket]).all(), "not index order inside a bucket"
-    original = configs.HOPPER_BACKWARD_ORDER
+    original = backward_configs.HOPPER_BACKWARD_ORDER
     try:
-        configs.HOPPER_BACKWARD_ORDER = "bucketed"
+        backward_configs.HOPPER_BACKWARD_ORDER = "bucketed"
         assert torch.equal(backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes).long(), work)
     finally:
-        configs.HOPPER_BACKWARD_ORDER = original
+        backward_configs.HOPPER_BACKWARD_ORDER = original
     with pytest.raises(ValueError, match="order must be 'heaviest' or 'bucketed', got 'random'"):
         backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order="random")
 
@@ -92,10 +95,10 @@ def test_bucketed_work_list_keeps_neighbours_together(mask_heads):
 def test_backward_path_rule():
     cm = compile_mask(masks.causal(), 256, 256, device="cpu")
     q = torch.randn(1, 2, 256, 128, dtype=torch.bfloat16)
-    assert configs.backward_path(q, cm, deterministic=True) == "two-pass"
-    assert configs.backward_path(q, cm, deterministic=False) == "fused"  # the interpreter: no Gluon
-    assert configs.two_pass_dkdv_path(q, cm) == "portable"
-    assert configs.two_pass_dq_path(q, cm) == "portable"
+    assert dispatch.backward_path(q, cm, deterministic=True) == "two-pass"
+    assert dispatch.backward_path(q, cm, deterministic=False) == "fused"  # the interpreter: no Gluon
+    assert dispatch.two_pass_dkdv_path(q, cm) == "portable"
+    assert dispatch.two_pass_dq_path(q, cm) == "portable"
 
 
 def test_kernel_argument_errors():

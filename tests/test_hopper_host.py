@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from flexmask import compile_mask, masks
-from flexmask.kernels import configs, forward_hopper
-from flexmask.kernels.forward import mask_broadcast
+from flexmask.kernels.common import device as device_caps
+from flexmask.kernels import dispatch
+from flexmask.kernels.forward import configs as forward_configs
+from flexmask.kernels.forward import hopper as forward_hopper
+from flexmask.kernels.common.masking import mask_broadcast
 
 
 def _counts(cm):
@@ -104,7 +107,7 @@ def test_matrix_view_declines_other_orders():
 def test_forward_path_on_cpu_is_portable():
     cm = compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
     q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
-    assert configs.forward_path(q, cm) == "portable"
+    assert dispatch.forward_path(q, cm) == "portable"
 
 
 def test_readme_forward_table_is_generated_from_the_csv():
@@ -122,9 +125,9 @@ def test_readme_forward_table_is_generated_from_the_csv():
 def test_older_triton_takes_the_portable_forward(monkeypatch):
     import triton
 
-    assert configs.gluon_hopper_available()  # the pinned Triton 3.6
+    assert device_caps.gluon_hopper_available()  # the pinned Triton 3.6
     monkeypatch.setattr(triton, "__version__", "3.5.1")
-    assert not configs.gluon_hopper_available()
+    assert not device_caps.gluon_hopper_available()
 
 
 def test_q_buffers_argument_is_checked():
@@ -132,7 +135,7 @@ def test_q_buffers_argument_is_checked():
     device work)."""
     pytest.importorskip("triton.experimental.gluon")
     from flexmask import compile_mask, masks
-    from flexmask.kernels import forward_hopper
+    from flexmask.kernels.forward import hopper as forward_hopper
 
     q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
     cm = compile_mask(masks.causal(), 128, 128, device="cpu", block_m=128, block_n=128)
@@ -147,10 +150,10 @@ def test_q_buffers_argument_is_checked():
     (masks.sliding_window(1024), 128, 1),  # never gained at D = 128
 ])
 def test_q_buffer_rule(mask, head_dim, want):
-    """Two Q buffers only where configs.hopper_forward_q_buffers measured a gain: short walks
+    """Two Q buffers only where forward_configs.hopper_forward_q_buffers measured a gain: short walks
     at D = 64, decided from host values (no read of the GPU tables)."""
     cm = compile_mask(mask, 8192, 8192, device="cpu", block_m=128, block_n=128)
-    assert configs.hopper_forward_q_buffers(head_dim, cm) == want
+    assert forward_configs.hopper_forward_q_buffers(head_dim, cm) == want
 
 
 @pytest.mark.parametrize("mask, head_dim, want", [
@@ -164,16 +167,16 @@ def test_q_buffer_rule(mask, head_dim, want):
 ])
 def test_column_bias_rule(mask, head_dim, want):
     """The column bias only for masks whose PARTIAL tiles are cut by per-column interval ends
-    (configs.hopper_forward_column_bias), decided from the mask the tables came from."""
+    (forward_configs.hopper_forward_column_bias), decided from the mask the tables came from."""
     cm = compile_mask(mask, 256, 256, device="cpu", block_m=128, block_n=128)
-    assert configs.hopper_forward_column_bias(head_dim, cm) is want
+    assert forward_configs.hopper_forward_column_bias(head_dim, cm) is want
 
 
 @pytest.mark.parametrize("head_dim, q_buffers, want", [(64, 1, True), (64, 2, False), (128, 1, False)])
 def test_tc_bias_rule(head_dim, q_buffers, want):
     """The column bias goes on the tensor cores at D = 64 with one Q buffer (with two, ptxas spills
     in the PARTIAL loop; at D = 128 the column bias itself is off)."""
-    assert configs.hopper_forward_tc_bias(head_dim, q_buffers) is want
+    assert forward_configs.hopper_forward_tc_bias(head_dim, q_buffers) is want
 
 
 def test_tc_bias_argument_is_checked():
@@ -195,10 +198,10 @@ def test_schedule_arguments_are_checked():
 def test_q_buffer_rule_follows_the_walk_length(monkeypatch):
     cm = compile_mask(masks.sliding_window(1024), 8192, 8192, device="cpu", block_m=128, block_n=128)
     walk = cm.num_tiles_visited / (cm.batch * cm.heads * cm.num_q_blocks)
-    monkeypatch.setattr(configs, "HOPPER_QBUF2_MAX_WALK", int(walk) - 1)
-    assert configs.hopper_forward_q_buffers(64, cm) == 1
-    monkeypatch.setattr(configs, "HOPPER_QBUF2_MAX_WALK", int(walk) + 1)
-    assert configs.hopper_forward_q_buffers(64, cm) == 2
+    monkeypatch.setattr(forward_configs, "HOPPER_QBUF2_MAX_WALK", int(walk) - 1)
+    assert forward_configs.hopper_forward_q_buffers(64, cm) == 1
+    monkeypatch.setattr(forward_configs, "HOPPER_QBUF2_MAX_WALK", int(walk) + 1)
+    assert forward_configs.hopper_forward_q_buffers(64, cm) == 2
 
 
 def test_heaviest_first_hoists_the_longest_items():

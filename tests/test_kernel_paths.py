@@ -11,11 +11,11 @@ import triton
 import triton.language as tl
 
 import flexmask
-from flexmask.kernels.backward import attention_backward
-from flexmask.kernels.configs import LaunchConfig
-from flexmask.kernels.forward import attention_forward
-from flexmask.kernels.masking import column_intervals, masked_elements, row_stats
-from flexmask.kernels.tma import tma_aligned, tma_enabled
+from flexmask.kernels.dispatch import attention_backward
+from flexmask.kernels.common.tiles import LaunchConfig
+from flexmask.kernels.dispatch import attention_forward
+from flexmask.kernels.common.masking import column_intervals, masked_elements, row_stats
+from flexmask.kernels.common.tma import tma_aligned, tma_enabled
 
 from conftest import assert_close_to_reference, default_floor, make_mask, make_qkv, reference_grads
 
@@ -106,7 +106,7 @@ def test_tma_alignment_rule(shape, strides, ok):
 
 def test_backward_tma_follows_the_walk_length():
     """TMA descriptors cost a fixed amount per program: only long walks take them."""
-    from flexmask.kernels.configs import TMA_MIN_TILES_PER_PROGRAM, backward_uses_tma
+    from flexmask.kernels.backward.configs import TMA_MIN_TILES_PER_PROGRAM, backward_uses_tma
 
     long_walk, short_walk = TMA_MIN_TILES_PER_PROGRAM + 1, TMA_MIN_TILES_PER_PROGRAM - 1
     assert backward_uses_tma(128, torch.bfloat16, "cuda", long_walk)

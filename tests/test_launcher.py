@@ -8,7 +8,7 @@ import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from flexmask.kernels.launcher import FastLaunch, _key_function
+from flexmask.kernels.common.launcher import FastLaunch, _key_function
 
 
 def _kernel(X, Y, n, m, flag, BLOCK: tl.constexpr):
@@ -54,7 +54,7 @@ def test_unkeyed_arguments_take_triton_path():
     """A float or a numpy scalar is not modelled by the key: the launch goes through Triton."""
     import numpy as np
 
-    from flexmask.kernels import launcher
+    from flexmask.kernels.common import launcher
 
     for value in (1.5, np.int64(3)):
         with pytest.raises(launcher._Unkeyed):
@@ -63,7 +63,7 @@ def test_unkeyed_arguments_take_triton_path():
 
 def test_interpreter_kernels_take_triton_path():
     """Under the interpreter (the CPU tests) FastLaunch only forwards to `kernel[grid](...)`."""
-    from flexmask.kernels import compile_kernels as ck
+    from flexmask.masks import compiler_kernels as ck
 
     assert isinstance(ck._CLASSIFY, FastLaunch)
     assert ck._CLASSIFY._fast == isinstance(ck._classify_kernel, JITFunction)
@@ -74,7 +74,7 @@ def test_launch_hooks_take_triton_path(monkeypatch):
     leaves the launch to Triton, whose path calls the hooks."""
     from triton import knobs
 
-    from flexmask.kernels import launcher
+    from flexmask.kernels.common import launcher
 
     assert not launcher._hooks_registered()
     monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])

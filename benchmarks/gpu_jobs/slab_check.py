@@ -4,8 +4,8 @@
 import copy, os, sys
 import torch
 from flexmask import compile_mask, masks
-from flexmask.kernels import forward_hopper
-from flexmask.kernels.forward import mask_broadcast
+from flexmask.kernels.forward import hopper as forward_hopper
+from flexmask.kernels.common.masking import mask_broadcast
 
 
 def rand_intervals(s):

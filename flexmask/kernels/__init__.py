@@ -1,5 +1,5 @@
 """Triton kernels (forward, backward) and their launch configurations."""
 
-from . import interpreter_fix
+from .common import interpreter_fix
 
 interpreter_fix.apply()

@@ -23,7 +23,7 @@ it is FULL: the partial path also bounds-checks columns. `CompiledMask.tile_clas
 the exact classification.
 
 Two implementations build the same tables. On the CPU the torch ops below (exact sizes). On a
-GPU the Triton kernels of `kernels/compile_kernels.py` (two launches, no host sync; transient
+GPU the Triton kernels of `masks/compiler_kernels.py` (two launches, no host sync; transient
 memory: a 2-bit tile grid, Sq*Sk/65536 bytes with 128 x 128 tiles, plus O(q-blocks + kv-blocks)),
 with the lists sized by a bound that the host knows from the mask's parameters
 (`tile_bounds.py`): they hold `len(fwd_blocks) >= offsets[-1]` entries, of which the first
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.compile_kernels import build_tables_device
+from .compiler_kernels import build_tables_device
 from .device_plan import device_plan
 from .intervals import build_intervals
 

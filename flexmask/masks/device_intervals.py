@@ -12,8 +12,8 @@ import itertools
 
 import torch
 
-from ..kernels import compile_kernels as ck
-from . import intervals, run_bounds, specs
+from . import compiler_kernels as ck
+from . import geometry, run_bounds
 
 
 def _document_bounds(lengths: torch.Tensor) -> torch.Tensor:
@@ -22,7 +22,7 @@ def _document_bounds(lengths: torch.Tensor) -> torch.Tensor:
     document (causal_blockwise reads it). Device ops only: no sync, whoever gave the lengths."""
     ends = torch.cumsum(lengths, -1)
     zero = torch.zeros_like(ends[:, :1])
-    return torch.cat([zero, ends, intervals.last_doc_start(lengths)[:, None]], -1).to(torch.int32)
+    return torch.cat([zero, ends, geometry.last_doc_start(lengths)[:, None]], -1).to(torch.int32)
 
 
 def _host_document_bounds(rows: list[list[int]]) -> list[list[int]]:
@@ -42,20 +42,20 @@ def _host_document_bounds(rows: list[list[int]]) -> list[list[int]]:
 def _bounds(name: str, lengths, g) -> torch.Tensor:
     """int32 [rows, docs + 2] document bounds (see `_document_bounds`) of checked lengths: from
     the host and uploaded once for host data, for lengths that live on the compile's device by one
-    launch of `compile_kernels.document_bounds` (integer lengths) or device ops."""
-    if intervals.is_device_lengths(lengths, g):
+    launch of `compiler_kernels.document_bounds` (integer lengths) or device ops."""
+    if geometry.is_device_lengths(lengths, g):
         if lengths.dtype in (torch.int32, torch.int64) and lengths.dim() in (1, 2):  # ("cuda" vs "cuda:0": .to)
             return ck.document_bounds(lengths.to(g.device))
-        return _document_bounds(intervals.doc_lengths(name, lengths, g))
-    return intervals.to_device(_host_document_bounds(intervals.host_doc_rows(name, lengths, g)), g.device, torch.int32)
+        return _document_bounds(geometry.doc_lengths(name, lengths, g))
+    return geometry.to_device(_host_document_bounds(geometry.host_doc_rows(name, lengths, g)), g.device, torch.int32)
 
 
 _FAMILIES = ("full", "causal", "sliding_window", "document", "prefix_lm", "share_question", "global_sliding_window",
              "causal_blockwise", "prefix_lm_document", "qk_sparse", "kv_cache")
 
 
-def device_family(mask: specs.Mask, q_len: int, kv_len: int, device: torch.device):
-    """((code, p0, p1, p2, docs, prefixes), (Bm, Hm)) for `compile_kernels.build_tables_device`,
+def device_family(mask, q_len: int, kv_len: int, device: torch.device):
+    """((code, p0, p1, p2, docs, prefixes), (Bm, Hm)) for `compiler_kernels.build_tables_device`,
     or None when the mask's intervals come from the torch builders."""
     kind = mask.kind
     if kind not in _FAMILIES:
@@ -82,31 +82,31 @@ def device_family(mask: specs.Mask, q_len: int, kv_len: int, device: torch.devic
             lengths += [off - pos, n]
             pos = off + n
         bounds = _host_document_bounds([lengths + [kv_len - pos]])
-        return (ck.QK_SPARSE, 0, 0, 0, intervals.to_device(bounds, device, torch.int32), None), one
-    g = intervals.geometry(q_len, kv_len, device, on_device=True)
+        return (ck.QK_SPARSE, 0, 0, 0, geometry.to_device(bounds, device, torch.int32), None), one
+    g = geometry.geometry(q_len, kv_len, device, on_device=True)
     if kind == "kv_cache":  # the kernel reads each batch row's length (checked host lists; tensors it clamps)
-        lengths = intervals.cache_lengths(mask, g, clamp=False)  # the kernel clamps them
+        lengths = geometry.cache_lengths(mask, g, clamp=False)  # the kernel clamps them
         return (ck.KV_CACHE, int(p["causal"]), 0, 0, lengths.view(-1, 1), None), (lengths.shape[0], 1)
     if kind == "share_question":
-        bounds = _host_document_bounds([intervals.share_question_lengths(p, kv_len)])
-        return (ck.SHARE_QUESTION, p["question_len"], 0, 0, intervals.to_device(bounds, device, torch.int32),
+        bounds = _host_document_bounds([geometry.share_question_lengths(p, kv_len)])
+        return (ck.SHARE_QUESTION, p["question_len"], 0, 0, geometry.to_device(bounds, device, torch.int32),
                 None), one
     # lists are checked and uploaded without a sync; lengths already on the device stay there
     if kind == "prefix_lm_document":
         seqlens, prefix_lens = p["seqlens"], p["prefix_lens"]
-        if intervals.is_device_lengths(seqlens, g) or intervals.is_device_lengths(prefix_lens, g):
-            lengths = intervals.doc_lengths("seqlens", seqlens, g)
-            prefixes = intervals.doc_lengths("prefix_lens", prefix_lens, g, check_sum=False)
+        if geometry.is_device_lengths(seqlens, g) or geometry.is_device_lengths(prefix_lens, g):
+            lengths = geometry.doc_lengths("seqlens", seqlens, g)
+            prefixes = geometry.doc_lengths("prefix_lens", prefix_lens, g, check_sum=False)
             rows = min(lengths.shape[0], prefixes.shape[0])  # paired row by row, as the torch builder does
             bounds, prefixes = _document_bounds(lengths[:rows]), prefixes[:rows].to(torch.int32).contiguous()
         else:  # host data: bounds and prefixes computed here, uploaded together in one copy
-            length_rows = intervals.host_doc_rows("seqlens", seqlens, g)
-            prefix_rows = intervals.host_doc_rows("prefix_lens", prefix_lens, g, check_sum=False)
+            length_rows = geometry.host_doc_rows("seqlens", seqlens, g)
+            prefix_rows = geometry.host_doc_rows("prefix_lens", prefix_lens, g, check_sum=False)
             rows = min(len(length_rows), len(prefix_rows))
             host_bounds = _host_document_bounds(length_rows[:rows])
             width = len(host_bounds[0]) - 2  # the kernel reads prefixes [rows, width]: the bounds' stride - 2
             flat = [v for r in host_bounds for v in r] + [v for r in prefix_rows[:rows] for v in (list(r) + [0] * width)[:width]]
-            both = intervals.to_device(flat, device, torch.int32)
+            both = geometry.to_device(flat, device, torch.int32)
             bounds, prefixes = both[: rows * (width + 2)].view(rows, width + 2), both[rows * (width + 2):]
         return (ck.PREFIX_LM_DOCUMENT, 0, 0, 0, bounds, prefixes), (rows, 1)
     bounds = _bounds("seqlens", p["seqlens"], g)
@@ -114,8 +114,8 @@ def device_family(mask: specs.Mask, q_len: int, kv_len: int, device: torch.devic
     return (code, int(p.get("causal", True)), 0, 0, bounds, None), (bounds.shape[0], 1)
 
 
-def device_pair(mask: specs.Mask, q_len: int, kv_len: int, device: torch.device):
-    """(operand a's family, `compile_kernels.Pair`, (rows, 1)) when `mask` is `a & b` or `a | b` of
+def device_pair(mask, q_len: int, kv_len: int, device: torch.device):
+    """(operand a's family, `compiler_kernels.Pair`, (rows, 1)) when `mask` is `a & b` or `a | b` of
     two built-in families that the classify kernel composes in its own pass (one kv_cache operand
     allowed: the other one then moves to each batch row's cache), or None: nested compositions,
     a result that may need more than two intervals per column (`run_bounds`), operands whose rows

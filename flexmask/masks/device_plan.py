@@ -33,7 +33,7 @@ _MAX_PLANS = 8  # shapes kept per mask (first in, first out)
 
 class DevicePlan(NamedTuple):
     family: tuple | None  # (code, p0, p1, p2, docs, prefixes) the classify kernel builds; None: load `intervals`
-    pair: object  # compile_kernels.Pair: the second operand of `a & b` / `a | b`, or None
+    pair: object  # compiler_kernels.Pair: the second operand of `a & b` / `a | b`, or None
     intervals: torch.Tensor | None  # canonical int32 [Bm, Hm, kv_len, 4] (contiguous) when family is None
     shape: tuple  # (Bm, Hm)
     tiles_per_row: int  # tile_bounds.visited_tiles_bound (not capped at every tile)

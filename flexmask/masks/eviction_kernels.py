@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.compile_kernels import _canonical, _rows
-from ..kernels.intmath import cdiv
-from ..kernels.launcher import FastLaunch
+from .compiler_kernels import _canonical, _rows
+from ..kernels.common.intmath import cdiv
+from ..kernels.common.launcher import FastLaunch
 
 BLOCK = 1024  # columns per program, and keys per sorted run (a power of two: tl.sort)
 MERGE_WAYS = 8  # runs merged by one pass of _eviction_merge_kernel

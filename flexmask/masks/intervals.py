@@ -11,94 +11,13 @@ non-empty they are disjoint, do not touch, and the lower-row one sits in the (UT
 
 from __future__ import annotations
 
-import array
-import functools
-
 import torch
 
-from . import run_bounds, specs
+from . import run_bounds
+from .geometry import (_Geometry, cache_lengths, doc_lengths, geometry, host_doc_rows, is_device_lengths,
+                       last_doc_start, share_question_lengths, to_device)
 
 _EMPTY = 0
-
-
-def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    """Host data (a list, or a CPU tensor) as a tensor on `device`, without waiting for the GPU:
-    through pinned memory with a non-blocking copy (a copy from pageable memory would wait for
-    the stream; a ring of pinned slots, tried in session 10, measured slower:
-    benchmarks/results/upload_paths_session10_log.txt). The one place where the device path
-    uploads host values."""
-    pinned = device.type == "cuda"
-    if not isinstance(values, torch.Tensor):
-        t = _packed(values, dtype)
-        if t is None:  # straight into (pinned) memory of the dtype: two calls, not four
-            t = torch.tensor(values, dtype=dtype, pin_memory=pinned)
-            return t.to(device, non_blocking=True) if pinned else t.to(device)
-    else:
-        t = values.to(dtype)
-    if not pinned or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
-
-
-def _packed(values, dtype) -> torch.Tensor | None:
-    """A list of ints (or of equal-length rows of ints) as a CPU tensor through `array.array`:
-    a third of the host time of `torch.tensor` on a list (issue 13: every compile of new
-    documents uploads their bounds). None where that does not apply (torch.tensor then decides)."""
-    code = _ARRAY_CODES.get(dtype)
-    if code is None or not isinstance(values, list) or not values:
-        return None
-    rows = values if isinstance(values[0], list) else None
-    if rows is not None and any(len(r) != len(rows[0]) for r in rows):
-        return None
-    try:
-        buffer = array.array(code, [v for r in rows for v in r] if rows is not None else values)
-    except (TypeError, OverflowError):
-        return None
-    if not buffer or buffer.itemsize != torch.empty((), dtype=dtype).element_size():
-        return None
-    t = torch.frombuffer(buffer, dtype=dtype)
-    return t.view(len(rows), -1) if rows is not None else t
-
-
-class _Geometry:
-    """Maps absolute positions to query rows for one (q_len, kv_len): row = pos - offset.
-
-    `on_device`: the compile runs the device path (a GPU, or the same logic forced on the CPU):
-    tensors on `device` are then device data, never read on the host (no value checks, no
-    sync); host data (lists, CPU tensors of a GPU compile) is checked and uploaded by `to_device`."""
-
-    def __init__(self, q_len: int, kv_len: int, device: torch.device, on_device: bool = False) -> None:
-        self.q_len, self.kv_len, self.device = q_len, kv_len, device
-        self.on_device = on_device
-        self.offset = kv_len - q_len
-        # kv_lengths of the kv_cache mask in a composition: the other operands' positions follow it
-        self.cache_lengths: torch.Tensor | None = None
-
-    @functools.cached_property
-    def cols(self) -> torch.Tensor:
-        return torch.arange(self.kv_len, device=self.device, dtype=torch.int64)
-
-    def is_device_data(self, t: torch.Tensor) -> bool:
-        """True when reading t's values on the host would sync (or, forced on the CPU, would on a GPU)."""
-        return t.device.type != "cpu" or (self.on_device and t.device == self.device)
-
-    def upload(self, t: torch.Tensor, dtype=torch.int64) -> torch.Tensor:
-        return t.to(dtype) if t.device == self.device else to_device(t, self.device, dtype)
-
-    def rows(self, pos: torch.Tensor | int) -> torch.Tensor | int:
-        if not isinstance(pos, torch.Tensor):  # a host int stays one (no tensor, no upload)
-            return min(max(pos - self.offset, 0), self.q_len)
-        return (pos - self.offset).clamp(0, self.q_len)
-
-    def full_like_cols(self, value: int) -> torch.Tensor:
-        return torch.full((self.kv_len,), value, device=self.device, dtype=torch.int64)
-
-
-def geometry(q_len: int, kv_len: int, device: torch.device, on_device: bool = False) -> _Geometry:
-    return _Geometry(q_len, kv_len, device, on_device)
 
 
 def _pack(lts, lte, uts, ute) -> torch.Tensor:
@@ -158,49 +77,6 @@ def _sliding_window(m, g):
     return _pack(lts, g.full_like_cols(g.q_len), _no_interval(g), ute)
 
 
-def _rows_per_batch(name: str, lengths: list, g: _Geometry) -> list[list[int]]:
-    rows = lengths if isinstance(lengths[0], list) else [lengths]
-    for b, row in enumerate(rows):
-        if sum(row) != g.kv_len:
-            where = f"{name}[{b}]" if len(rows) > 1 else name
-            raise ValueError(f"{where} must sum to kv_len={g.kv_len}, got {sum(row)}")
-    return rows
-
-
-def doc_lengths(name: str, lengths, g: _Geometry, check_sum: bool = True) -> torch.Tensor:
-    """Document lengths as int64 [rows, docs] on the device, shorter rows padded with zero-length
-    documents. Host data (lists, a CPU tensor of a GPU compile) is checked (each row sums to
-    kv_len) and uploaded without a sync; a tensor already on the device is used as it is, never
-    read on the host: negative lengths read as 0, and its sums are not checked."""
-    if is_device_lengths(lengths, g):
-        return g.upload(lengths.reshape(1, -1) if lengths.dim() == 1 else lengths).clamp(min=0)
-    if isinstance(lengths, torch.Tensor):
-        t = lengths.reshape(1, -1) if lengths.dim() == 1 else lengths
-        host_doc_rows(name, lengths, g, check_sum)
-        return g.upload(t)
-    rows = host_doc_rows(name, lengths, g, check_sum)
-    width = max(len(r) for r in rows)
-    return to_device([list(r) + [0] * (width - len(r)) for r in rows], g.device)
-
-
-def is_device_lengths(lengths, g: _Geometry) -> bool:
-    """Whether document lengths are device data (never read on the host) rather than host data."""
-    return isinstance(lengths, torch.Tensor) and g.is_device_data(lengths)
-
-
-def host_doc_rows(name: str, lengths, g: _Geometry, check_sum: bool = True) -> list[list[int]]:
-    """Host document lengths (a list, a list of lists or a CPU tensor) as rows of ints, each row
-    checked to sum to kv_len when check_sum (a tensor's values also to be >= 0)."""
-    if isinstance(lengths, torch.Tensor):
-        t = lengths.reshape(1, -1) if lengths.dim() == 1 else lengths
-        if check_sum and bool((t < 0).any()):
-            raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
-        lengths = t.tolist() if t.shape[0] > 1 else t[0].tolist()
-    if check_sum:
-        return _rows_per_batch(name, lengths, g)
-    return lengths if isinstance(lengths[0], list) else [lengths]
-
-
 def _doc_columns(lengths: torch.Tensor, g: _Geometry):
     """Per batch row and key column, [rows, 1, Sk] each: the start and end (absolute) of the
     column's document and its index, by a binary search of the document ends (no host sync,
@@ -210,12 +86,6 @@ def _doc_columns(lengths: torch.Tensor, g: _Geometry):
     cols = g.cols.expand(lengths.shape[0], g.kv_len).contiguous()
     doc = torch.searchsorted(ends, cols, right=True).clamp(max=lengths.shape[-1] - 1)
     return starts.gather(-1, doc).unsqueeze(1), ends.gather(-1, doc).unsqueeze(1), doc.unsqueeze(1)
-
-
-def last_doc_start(lengths: torch.Tensor) -> torch.Tensor:
-    """[rows]: where each row's last non-empty document starts (causal_blockwise's last block)."""
-    starts = torch.cumsum(lengths, -1) - lengths
-    return torch.where(lengths > 0, starts, 0).amax(-1)
 
 
 def _document(m, g):
@@ -240,13 +110,6 @@ def _prefix_lm_document(m, g):
     prefix = prefixes.unsqueeze(1).gather(-1, doc)
     upper = torch.where(g.cols < start + prefix, start, g.cols)
     return _pack(g.rows(end), g.full_like_cols(g.q_len), _no_interval(g), g.rows(upper))
-
-
-def share_question_lengths(p: dict, kv_len: int) -> list[int]:
-    seqlens = [p["question_len"], *p["answer_lens"]] if p["question_len"] > 0 else list(p["answer_lens"])
-    if sum(seqlens) != kv_len:
-        raise ValueError(f"question_len + sum(answer_lens) must equal kv_len={kv_len}, got {sum(seqlens)}")
-    return seqlens
 
 
 def _share_question(m, g):
@@ -444,23 +307,6 @@ def _check_startend_order(idx: torch.Tensor, causal: bool) -> None:
         _check_ordered("startend_row_indices[..., 2] (UTS)", idx[2], idx[3], "startend_row_indices[..., 3] (UTE)")
 
 
-def cache_lengths(m, g, clamp: bool = True) -> torch.Tensor:
-    """kv_lengths of a kv_cache mask as int64 [B] on the device. Checked against kv_len when
-    they are on the host; a device tensor is clamped to [0, kv_len] instead (checking it would
-    sync), or with clamp=False returned as it is for a kernel that clamps it itself (the compile
-    kernel: one launch less)."""
-    lengths = m.params()["kv_lengths"]
-    if isinstance(lengths, list):
-        for b, n in enumerate(lengths):
-            if n > g.kv_len:
-                raise ValueError(f"kv_lengths[{b}]={n} exceeds kv_len={g.kv_len} (the cache holds kv_len keys)")
-        return to_device(lengths, g.device)
-    if not g.is_device_data(lengths) and bool((lengths > g.kv_len).any()):
-        b = int((lengths > g.kv_len).nonzero()[0])
-        raise ValueError(f"kv_lengths[{b}]={int(lengths[b])} exceeds kv_len={g.kv_len} (the cache holds kv_len keys)")
-    return g.upload(lengths).clamp(0, g.kv_len) if clamp else g.upload(lengths)
-
-
 def _kv_cache(m, g):
     """[B, 1, Sk, 4]: query i of row b sits at position L[b] - q_len + i; keys j >= L[b] are
     masked for every row, and with causal the rows before position j as well."""
@@ -488,7 +334,7 @@ def _leaf_intervals(m, q_len: int, g: _Geometry) -> torch.Tensor:
     """Canonical intervals of a leaf for q_len rows: on the device path one launch of the compile
     kernels' family builder where the family has one, else the torch builders."""
     if g.on_device:
-        from ..kernels.compile_kernels import family_intervals
+        from .compiler_kernels import family_intervals
         from .device_intervals import device_family
 
         family = device_family(m, q_len, g.kv_len, g.device)
@@ -512,7 +358,7 @@ def _operand_intervals(m, g) -> torch.Tensor:
             f"{lengths.shape[0]} (kv_lengths)"
         )
     if g.on_device:  # one launch, int32 throughout
-        from ..kernels.compile_kernels import shift_to_cache
+        from .compiler_kernels import shift_to_cache
 
         return shift_to_cache(virtual, lengths, g.q_len)
     return canonicalize(virtual.long() - lengths.view(-1, 1, 1, 1), g.q_len)
@@ -587,11 +433,11 @@ def _format_runs(runs: torch.Tensor) -> str:
 
 def _composed_on_device(m, g: _Geometry, root: bool = False):
     """Canonical intervals of composition m by the compile kernels' one-launch composition
-    (`compile_kernels.compose_intervals`), or None where it does not apply: an operand that is
+    (`compiler_kernels.compose_intervals`), or None where it does not apply: an operand that is
     itself a composition which may need more than two runs, operands whose batch rows or heads
     do not broadcast, or (at the root) a result that needs more than two runs (the torch path
     then names the column). Reads the device only where the kinds leave the count open."""
-    from ..kernels.compile_kernels import compose_intervals
+    from .compiler_kernels import compose_intervals
 
     if m.kind not in ("and", "or"):
         return _operand_intervals(m, g)
@@ -667,11 +513,11 @@ _BUILDERS = {
 }
 
 
-def build_intervals(mask: specs.Mask, q_len: int, kv_len: int, device=None, on_device: bool = False) -> torch.Tensor:
+def build_intervals(mask, q_len: int, kv_len: int, device=None, on_device: bool = False) -> torch.Tensor:
     """Canonical int32 [B|1, H|1, kv_len, 4] column intervals of `mask` on `device`. With
     `on_device` (the compiler's device path) tensors on `device` are never read on the host
     (see `_Geometry`); the ops are the same."""
-    if not isinstance(mask, specs.Mask):
+    if getattr(mask, "kind", None) not in _BUILDERS:
         raise TypeError(f"mask must be a flexmask.masks.Mask, got {type(mask).__name__}")
     for name, value in (("q_len", q_len), ("kv_len", kv_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import specs
 
 T, B, M = "T", "B", "M"
 L, U, X = "L", "U", "X"
@@ -50,7 +49,7 @@ def _leaf(*classes) -> _Runs:
     return _Runs(tuple(classes), len(classes))
 
 
-def _leaf_runs(mask: specs.Mask) -> _Runs:
+def _leaf_runs(mask) -> _Runs:
     kind, p = mask.kind, mask.params()
     if kind == "full":
         return _leaf()
@@ -115,13 +114,13 @@ def _intersect(a, b):
 _EXPLICIT_ROWS = ("column_intervals", "from_startend_row_indices")
 
 
-def _has_cache(mask: specs.Mask) -> bool:
+def _has_cache(mask) -> bool:
     if mask.kind in ("and", "or"):
         return _has_cache(mask.a) or _has_cache(mask.b)
     return mask.kind == "kv_cache"
 
 
-def _runs(mask: specs.Mask, cache: bool) -> _Runs:
+def _runs(mask, cache: bool) -> _Runs:
     if mask.kind not in ("and", "or"):
         runs = _leaf_runs(mask)
         if cache and mask.kind in _EXPLICIT_ROWS:  # rows not moved with the cache: no side
@@ -136,6 +135,6 @@ def _runs(mask: specs.Mask, cache: bool) -> _Runs:
     return _Runs(_merge([c for c in pairs if c is not None]), a.bound + b.bound - 1)
 
 
-def max_runs(mask: specs.Mask) -> int:
+def max_runs(mask) -> int:
     """An upper bound on the masked row intervals of any column of `mask`, for any lengths."""
     return _runs(mask, _has_cache(mask)).bound

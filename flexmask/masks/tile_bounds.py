@@ -20,7 +20,6 @@ import itertools
 import numpy as np
 import torch
 
-from . import specs
 
 _CAUSAL_SUBSETS = ("share_question", "causal_blockwise", "qk_sparse", "random_eviction")
 
@@ -96,7 +95,7 @@ def _one_row_document_count(b: _Blocks, ends: np.ndarray, causal: bool, block_n:
     return hi_sum + len(b.valid_last_rows) - lo_sum
 
 
-def _hull(mask: specs.Mask, b: _Blocks):
+def _hull(mask, b: _Blocks):
     """(lo, hi) int64 [num_q_blocks]: the key columns attended by each q-block lie in [lo, hi]."""
     if mask.kind not in ("and", "or"):
         return _leaf_hull(mask.kind, mask.params(), b)
@@ -134,7 +133,7 @@ def _leaf_hull(kind: str, p: dict, b: _Blocks):
     return b.everything()  # given as tensors (or unknown): every tile
 
 
-def _contains_kind(mask: specs.Mask, *kinds: str) -> bool:
+def _contains_kind(mask, *kinds: str) -> bool:
     if mask.kind in kinds:
         return True
     return mask.kind in ("and", "or") and (_contains_kind(mask.a, *kinds) or _contains_kind(mask.b, *kinds))
@@ -143,7 +142,7 @@ def _contains_kind(mask: specs.Mask, *kinds: str) -> bool:
 _SCALAR_KINDS = ("full", "causal", "sliding_window", "prefix_lm", "global_sliding_window")
 
 
-def visited_tiles_bound(mask: specs.Mask | None, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
+def visited_tiles_bound(mask, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
     """Upper bound on the non-skipped tiles of one mask row (batch x head entry), from the
     mask's parameters only. `None` means "unknown mask": every tile."""
     if mask is not None and mask.kind in _SCALAR_KINDS:  # a few ints: remembered per shape
@@ -167,7 +166,7 @@ def visited_tiles_bound(mask: specs.Mask | None, q_len: int, kv_len: int, block_
     return _bound(mask, q_len, kv_len, block_m, block_n)
 
 
-def _operand_bound(mask: specs.Mask, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
+def _operand_bound(mask, q_len: int, kv_len: int, block_m: int, block_n: int) -> int:
     """A bound of `a & b` or `a | b` from its operands' bounds, looser than the hull of the
     composition but without its numpy work over the q-blocks (host time of every compile of new
     documents, issue 13): `a & b` visits only tiles that both visit, `a | b` only tiles that one
@@ -177,13 +176,13 @@ def _operand_bound(mask: specs.Mask, q_len: int, kv_len: int, block_m: int, bloc
     return min(a, b) if mask.kind == "and" else a + b
 
 
-def _has_host_documents(mask: specs.Mask) -> bool:
+def _has_host_documents(mask) -> bool:
     if mask.kind in ("and", "or"):
         return _has_host_documents(mask.a) or _has_host_documents(mask.b)
     return mask.kind in ("document", "prefix_lm_document") and not isinstance(mask.params()["seqlens"], torch.Tensor)
 
 
-def _scalar_tree(mask: specs.Mask):
+def _scalar_tree(mask):
     """A hashable description of a composition of families of a few ints, or None."""
     if mask.kind in ("and", "or"):
         a, b = _scalar_tree(mask.a), _scalar_tree(mask.b)

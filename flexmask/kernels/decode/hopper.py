@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from .forward_hopper import _descriptor, _tma_view, shared_layout
+from ..forward.hopper import _descriptor, _tma_view, shared_layout
 
 ROWS = gl.constexpr(64)  # one warpgroup's wgmma rows: the GQA group's heads x the query rows, padded
 TILE = 128  # kv columns of the mask's tile (cm.block_n); a step reads the whole tile or one half of it (BLOCK_N)

@@ -35,12 +35,12 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .intmath import cdiv, next_pow2
+from ..common.intmath import cdiv, next_pow2
 from . import configs
 from .configs import DecodePlan, decode_plan
-from .forward import LOG2E, mask_broadcast, precision_for
-from .masking import block_source, column_intervals, load_block, mask_row, masked_elements
-from .tma import prepare_tma, tma_enabled
+from ..common.masking import LOG2E, mask_broadcast, precision_for
+from ..common.masking import block_source, column_intervals, load_block, mask_row, masked_elements
+from ..common.tma import prepare_tma, tma_enabled
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -378,7 +378,7 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         o_part = torch.empty(plan.num_splits, rows, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(plan.num_splits, rows, dtype=torch.float32, device=q.device)
     if plan.kernel == "hopper":
-        from . import decode_hopper  # Gluon: imported only where a plan asks for it
+        from . import hopper as decode_hopper  # Gluon: imported only where a plan asks for it
 
         if decode_hopper.supports(q, k, v, cm, plan.block_h, plan.block_q):
             semaphores = merge_counters(q.device, batch * hkv) if fused else None  # one per row group

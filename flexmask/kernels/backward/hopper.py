@@ -44,8 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import configs, scheduler
-from .forward_hopper import (
+from ..common import scheduler
+from . import configs
+from ..forward.hopper import (
     _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_words, _tma_view, heaviest_first, shared_layout,
 )
 

@@ -1,5 +1,6 @@
-"""FlashAttention-2 backward in Triton: preprocess, dK/dV, dQ (the deterministic two-pass path),
-and the launcher that picks it or the fused path of backward_fused.py.
+"""FlashAttention-2 backward in Triton: preprocess, dK/dV, dQ (the deterministic two-pass path).
+The path is picked by kernels/dispatch.py; the fused (fused.py) and Hopper (hopper.py) paths
+share the preprocess.
 
 preprocess  D = rowsum(dO * O) - dLSE, and the LSE in log2 units with empty rows at +inf
             (so P = exp2(s - lse) is exactly 0 there, never NaN).
@@ -18,15 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .intmath import cdiv, next_pow2
-from .backward_fused import convert_dq, fused_backward
-from .configs import (backward_config, backward_fused_config, backward_fused_dq_tma, backward_fused_dq_transposed,
-                      backward_fused_uses_tma, backward_path, backward_uses_tma, flat_steps, two_pass_dkdv_path,
-                      two_pass_dq_path)
-from .forward import LOG2E, mask_broadcast, precision_for
-from .masking import (block_source, column_intervals, load_block, mask_row, masked_elements, masked_elements_t,
-                      row_stats)
-from .tma import prepare_tma, tma_enabled
+from ..common.intmath import cdiv
+from ..common.masking import (LOG2E, block_source, column_intervals, load_block, mask_row, masked_elements,
+                              masked_elements_t, row_stats)
+from ..common.tiles import flat_steps
 
 
 @triton.jit(do_not_specialize=["Sq"])
@@ -359,7 +355,7 @@ def _dq_kernel(
     )
 
 
-def _launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale: float, cfg_kv, kv_per_bh: int,
+def launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale: float, cfg_kv, kv_per_bh: int,
                  mask_map: tuple[int, int, int], common: dict) -> None:
     """The two-pass path's first pass (portable): dK, dV per kv-block."""
     batch, hq, sq, _ = q.shape
@@ -384,43 +380,14 @@ def _launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale: float, cfg_kv, kv_per_bh
     )
 
 
-def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=None, use_tma=None,
-                       deterministic: bool = True, fused_config=None, dq_transposed=None, dq_tma=None,
-                       kernel: str | None = None):
-    """Gradients (dq, dk, dv) of `attention_forward`; dlse (or None) is the gradient of the LSE.
-
-    deterministic=True runs the two-pass path (dK/dV, then dQ; bitwise reproducible);
-    False the fused path of backward_fused.py (dQ by fp32 atomics) where
-    configs.backward_fused_config offers one, else the two-pass path.
-    `configs` ((dK/dV, dQ) LaunchConfigs), `fused_config`, `dq_transposed` (the fused kernel's
-    dQ product as (K^T dS^T)^T), `dq_tma` (its dQ added by TMA bulk reductions rather than
-    per-element atomics) and `use_tma` override the defaults (tuning, tests). `kernel`
-    ("hopper", "fused" or "two-pass") overrides configs.backward_path."""
-    batch, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    block_d = max(16, next_pow2(d))
-    chosen = kernel is None
-    if chosen:
-        kernel = "fused" if fused_config is not None else backward_path(q, cm, deterministic)
-    if kernel not in ("hopper", "fused", "two-pass"):
-        raise ValueError(f"kernel must be 'hopper', 'fused', 'two-pass' or None, got {kernel!r}")
-    if kernel == "hopper":
-        from . import backward_hopper  # Gluon: imported only where it can run
-
-        on_hopper = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
-        if chosen and not backward_hopper.supports(q, k, v, cm):  # strides the copy engine cannot read
-            kernel = "fused"
-        elif not on_hopper or not backward_hopper.supports(q, k, v, cm):
-            raise ValueError("kernel='hopper' takes fp16/bf16 inputs on an sm_90 GPU with head dim 64 or 128, 128 x 128 "
-                             f"tables and TMA-readable layouts; got {q.dtype} on {q.device}, head dim {d}, "
-                             f"tables {cm.block_m} x {cm.block_n}")
-    cfg_fused = None
-    if kernel == "fused":
-        cfg_fused = fused_config or backward_fused_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
-    stats = torch.empty(batch * hq, 2, sq, dtype=torch.float32, device=q.device)  # (LSE log2, D) rows
+def preprocess(o, do, dlse, lse, block_d: int, accumulate_dq: bool):
+    """D = rowsum(dO * O) - dLSE and the LSE in log2 units, as (B * Hq, 2, Sq) fp32 rows; with
+    `accumulate_dq` also a zeroed fp32 dQ buffer (B * Hq, Sq, block_d) for the paths that add
+    dQ up (fused, Hopper); else that slot is the stats tensor itself (unused)."""
+    batch, hq, sq, d = o.shape
+    stats = torch.empty(batch * hq, 2, sq, dtype=torch.float32, device=o.device)  # (LSE log2, D) rows
     # rows of BLOCK_D floats: 16-byte aligned for the TMA reduction whatever the head dim
-    accumulate_dq = cfg_fused is not None or kernel == "hopper"
-    dq_acc = torch.empty(batch * hq, sq, block_d, dtype=torch.float32, device=q.device) if accumulate_dq else stats
+    dq_acc = torch.empty(batch * hq, sq, block_d, dtype=torch.float32, device=o.device) if accumulate_dq else stats
     pre_m = 64
     _preprocess_kernel[(cdiv(sq, pre_m), batch * hq)](
         o, do, dlse if dlse is not None else lse, lse, stats, dq_acc,
@@ -428,52 +395,14 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         sq, hq,
         HAS_DLSE=dlse is not None, ZERO_DQ=accumulate_dq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
     )
+    return stats, dq_acc
 
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    if kernel == "hopper":
-        backward_hopper.backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale,
-                                        mask_broadcast(cm, batch, hq, hkv))
-        convert_dq(dq_acc, dq, scale, block_d)
-        return dq, dk, dv
-    if use_tma is None:
-        walk = cm.num_tiles_visited / max(1, cm.batch * cm.heads * cm.num_kv_blocks)  # tiles per program
-        use_tma = (backward_fused_uses_tma if cfg_fused else backward_uses_tma)(d, q.dtype, q.device, walk)
-    tma = tma_enabled(use_tma, q, k, v, do)
-    if tma:
-        prepare_tma(q.device)
-    mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
-    precision = precision_for(q.dtype)
-    # whole tiles need no bounds checks
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d, TILE_M=cm.block_m, TILE_N=cm.block_n, PRECISION=precision,
-                  USE_TMA=tma, EVEN_M=sq % cm.block_m == 0, EVEN_N=sk % cm.block_n == 0)
-    if cfg_fused:
-        if dq_transposed is None:
-            dq_transposed = backward_fused_dq_transposed(d, q.dtype, q.device)
-        if dq_tma is None:
-            dq_tma = backward_fused_dq_tma(d, q.dtype, q.device)
-        if dq_tma:
-            prepare_tma(q.device)
-        fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale, cfg_fused, tma, (mb, mdiv, mh),
-                       precision, common, dq_transposed, dq_tma)
-        return dq, dk, dv
-    cfg_kv, cfg_q = configs or backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
-    kv_per_bh = cdiv(sk, cfg_kv.block_n)
-    if configs is None and two_pass_dkdv_path(q, cm) == "hopper":
-        from . import backward_hopper
 
-        if backward_hopper.supports(q, k, v, cm):  # dK/dV by the Hopper kernel, no dQ in it
-            backward_hopper.backward_hopper(q, k, v, do, stats, None, dk, dv, cm, scale, (mb, mdiv, mh))
-            kv_per_bh = 0
-    if kv_per_bh:
-        _launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale, cfg_kv, kv_per_bh, (mb, mdiv, mh), common)
-    if configs is None and two_pass_dq_path(q, cm) == "hopper":
-        from . import backward_hopper, backward_hopper_dq
-
-        if backward_hopper.supports(q, k, v, cm):  # dQ per q-block by the Hopper kernel
-            backward_hopper_dq.dq_hopper(q, k, v, do, stats, dq, cm, scale, (mb, mdiv, mh))
-            return dq, dk, dv
+def launch_dq(q, k, v, do, stats, dq, cm, scale: float, cfg_q, mask_map: tuple[int, int, int], common: dict) -> None:
+    """The two-pass path's second pass (portable): dQ per q-block."""
+    batch, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    mb, mdiv, mh = mask_map
     q_per_bh = cdiv(sq, cfg_q.block_m)
     _dq_kernel[(q_per_bh * batch * hq,)](
         q, k, v, do, stats, dq,
@@ -491,4 +420,3 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         FLAT=flat_steps(q.dtype, cm.num_tiles_visited, cm.block_n // min(cfg_q.step_masked or cfg_q.block_n, cfg_q.block_n)),
         **common, num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
     )
-    return dq, dk, dv

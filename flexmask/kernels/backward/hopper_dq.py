@@ -16,7 +16,7 @@ Per 64-key half of a tile each warpgroup computes
 with queries on the rows, so LSE and delta are two registers per thread. The walk order is
 fixed by the table, so dQ is bitwise reproducible.
 
-Default on Hopper (`configs.HOPPER_DQ_IN_TWO_PASS`): its GPU tests pass and the speed check
+Default on Hopper (`dispatch.HOPPER_DQ_IN_TWO_PASS`): its GPU tests pass and the speed check
 measures the deterministic backward faster with it than with the portable dQ pass.
 """
 
@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from .backward_hopper import LOG2E, _like_q
-from .forward_hopper import (
+from .hopper import LOG2E, _like_q
+from ..forward.hopper import (
     CONSUMER_REGS, HOPPER_BLOCK, PRODUCER_REGS, _descriptor, _masked_scores, _num_sms, _tile_of, _walk_bounds,
     _work_item, work_list,
 )

@@ -22,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .intmath import cdiv
-from .masking import block_source, column_intervals, load_block, mask_row, masked_elements_t, row_stats
+from ..common.intmath import cdiv
+from ..common.masking import block_source, column_intervals, load_block, mask_row, masked_elements_t, row_stats
 
 
 @triton.jit

@@ -1,7 +1,9 @@
 """Triton helpers shared by the forward and backward kernels: where a program's mask row
 lives, the elementwise mask of a partial tile, and loads of [rows, head dim] blocks either
-through a TMA tensor descriptor or through pointers with bounds masks."""
+through a TMA tensor descriptor or through pointers with bounds masks; and the host-side values
+the launchers pass them (the mask row mapping, the dot precision)."""
 
+import torch
 import triton
 import triton.language as tl
 
@@ -101,3 +103,24 @@ def load_block(src, start, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: 
                 return tl.load(ptrs)
             else:
                 return tl.load(ptrs, mask=o_d[None, :] < HEAD_DIM, other=0.0)
+
+
+# --- host side: what the launchers pass to the helpers above ------------------------------
+
+LOG2E = 1.4426950408889634
+
+
+def mask_broadcast(cm, batch: int, q_heads: int, kv_heads: int) -> tuple[int, int, int]:
+    """(MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE) mapping (b, query head) to a mask row."""
+    hm = cm.heads
+    b_stride = hm if cm.batch > 1 else 0
+    if hm == 1:
+        return b_stride, 1, 0
+    if hm == q_heads:
+        return b_stride, 1, 1
+    return b_stride, q_heads // kv_heads, 1  # one mask per KV head
+
+
+def precision_for(dtype: torch.dtype) -> str:
+    # fp32 inputs must be exact fp32 (tf32 would miss the tolerance of the fp32 reference)
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -16,7 +16,7 @@ the mask is a bias row that the tensor cores add to S in one more k-step (D = 64
 softmax adds it); where a column changes inside the rows, a bit test and a select per score.
 Rows that attend nothing give O = 0 and LSE = -inf.
 
-Gluon kernels do not run under the CPU interpreter: `configs.forward_path` sends the
+Gluon kernels do not run under the CPU interpreter: `kernels/dispatch.forward_path` sends the
 interpreter, pre-Hopper GPUs, fp32 and other head dims to the portable kernel, and the GPU
 tests compare the two.
 """
@@ -34,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import configs, scheduler
+from ..common import scheduler
+from . import configs
 
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the one-warp TMA producer
@@ -726,7 +727,7 @@ HOPPER_BLOCK = 128
 
 
 def supports(q, k, v, cm) -> bool:
-    """Whether the Hopper kernel takes these inputs (configs.forward_path decides the rest): q, k
+    """Whether the Hopper kernel takes these inputs (dispatch.forward_path decides the rest): q, k
     and v in layouts the copy engine reads, k and v in the same one (the producer addresses V's
     tiles with K's coordinates)."""
     d = q.shape[-1]

@@ -9,19 +9,16 @@ LSE = -inf: the running max is replaced by a finite pivot while it is still -inf
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from .intmath import cdiv, next_pow2
-from .configs import flat_steps, forward_config, forward_path, forward_uses_tma
-from .masking import block_source, column_intervals, load_block, mask_row, masked_elements
-from .tma import prepare_tma, tma_enabled
-
-LOG2E = 1.4426950408889634
-
+from ..common.intmath import cdiv, next_pow2
+from ..common.masking import (LOG2E, block_source, column_intervals, load_block, mask_broadcast, mask_row,
+                              masked_elements, precision_for)
+from ..common.tiles import flat_steps
+from ..common.tma import prepare_tma, tma_enabled
+from .configs import forward_config, forward_uses_tma
 
 @triton.jit
 def _attend_step(
@@ -151,38 +148,13 @@ def _forward_kernel(
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + o_m, lse, mask=o_m < Sq)
 
 
-def mask_broadcast(cm, batch: int, q_heads: int, kv_heads: int) -> tuple[int, int, int]:
-    """(MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE) mapping (b, query head) to a mask row."""
-    hm = cm.heads
-    b_stride = hm if cm.batch > 1 else 0
-    if hm == 1:
-        return b_stride, 1, 0
-    if hm == q_heads:
-        return b_stride, 1, 1
-    return b_stride, q_heads // kv_heads, 1  # one mask per KV head
-
-
-def precision_for(dtype: torch.dtype) -> str:
-    # fp32 inputs must be exact fp32 (tf32 would miss the tolerance of the fp32 reference)
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, kernel=None):
-    """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), last dim contiguous; cm a CompiledMask for
-    (Sq, Sk) on q's device. Returns (o (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32).
-    `kernel` ("hopper" or "portable") overrides `configs.forward_path`; `config` (a
-    LaunchConfig) and `use_tma` override the portable kernel's defaults (tuning and tests)."""
+def forward_portable(q, k, v, cm, scale: float, *, config=None, use_tma=None):
+    """The portable forward: q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), last dim contiguous; cm a
+    CompiledMask for (Sq, Sk) on q's device. Returns (o (B, Hq, Sq, D) in q's dtype, lse
+    (B, Hq, Sq) float32). `config` (a LaunchConfig) and `use_tma` override the defaults (tuning
+    and tests)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    if kernel is None:
-        kernel = "portable" if config is not None or use_tma is not None else forward_path(q, cm)
-    if kernel == "hopper":
-        from . import forward_hopper  # Gluon: imported only where it can run
-
-        if forward_hopper.supports(q, k, v, cm):
-            return forward_hopper.attention_forward_hopper(q, k, v, cm, scale, mask_broadcast(cm, batch, hq, hkv))
-    elif kernel != "portable":
-        raise ValueError(f"kernel must be 'hopper', 'portable' or None, got {kernel!r}")
     o = torch.empty_like(q)  # q's memory layout: (B, S, H, D) views stay (B, S, H, D) buffers
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
     cfg = config or forward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
@@ -212,7 +184,3 @@ def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, k
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -36,8 +36,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from .intmath import cdiv
-from .launcher import FastLaunch
+from ..kernels.common.intmath import cdiv
+from ..kernels.common.launcher import FastLaunch
 
 # families whose intervals the classify kernel computes itself (FAMILY constexpr)
 # (the families from DOCUMENT on read document bounds)

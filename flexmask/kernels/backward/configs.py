@@ -1,0 +1,118 @@
+"""Launch configurations of the backward kernels (two-pass, fused, Hopper). Why each value:
+docs/performance.md."""
+
+from __future__ import annotations
+
+import torch
+
+from ..common.tiles import LaunchConfig, clip_config, head_block
+from ..common.tma import device_has_tma
+
+
+def backward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], device) -> tuple[LaunchConfig, LaunchConfig]:
+    """(dK/dV config, dQ config). dK/dV: block_n kv rows per program, block_m q rows per step;
+    dQ: block_m q rows per program, block_n kv columns per step."""
+    tile_m, tile_n = tile
+    if torch.device(device).type != "cuda":
+        return (LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1, masked_block=min(32, tile_m)),
+                LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1, masked_block=min(32, tile_n)))
+    block_d = head_block(head_dim)
+    if block_d > 128:
+        small = 16 if dtype == torch.float32 else 32
+        dkdv, dq = LaunchConfig(small, 32, 4, 1), LaunchConfig(32, small, 4, 1)
+    elif dtype == torch.float32:
+        dkdv, dq = LaunchConfig(32, 64, 4, 2), LaunchConfig(64, 32, 4, 2)
+    elif block_d <= 64:
+        dkdv, dq = LaunchConfig(64, 128, 8, 3, masked_block=32, masked_stages=2), LaunchConfig(64, 64, 4, 3)
+    else:
+        dkdv, dq = (LaunchConfig(64, 128, 8, 3, masked_block=32, masked_stages=2),
+                    LaunchConfig(128, 64, 8, 3, masked_block=64, masked_stages=2))  # 3 masked stages: over 227 KB
+    return clip_config(dkdv, tile_m, tile_n, step=tile_m), clip_config(dq, tile_m, tile_n, step=tile_n)
+
+
+# Which backward runs where (backward.attention_backward; `deterministic` comes from
+# flexmask.attention):
+#   deterministic=True            two-pass path (dK/dV kernel, then dQ kernel): bitwise reproducible.
+#   deterministic=False           fused path (backward_fused.py: 5 products per tile pair, dQ added to
+#                                 an fp32 buffer by TMA bulk reductions on sm_90+, by atomics
+#                                 elsewhere) wherever backward_fused_config returns a config:
+#                                 - CPU interpreter: every dtype and head dim (the tests cover it);
+#                                 - CUDA: fp16/bf16 with head dim <= 128.
+#                                 Elsewhere (CUDA fp32, head dims above 128) the two-pass path runs.
+def backward_fused_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], device) -> LaunchConfig | None:
+    """Config of the fused backward kernel (block_n kv rows per program, block_m q rows per
+    step), or None where the two-pass path runs instead (see the table above)."""
+    tile_m, tile_n = tile
+    if torch.device(device).type != "cuda":
+        return clip_config(LaunchConfig(64, 64, 4, 1, masked_block=32), tile_m, tile_n, step=tile_m)
+    block_d = head_block(head_dim)
+    if dtype == torch.float32 or block_d > 128:
+        return None
+    # measured on an H200 with benchmarks/tune_fused_bwd.py (bf16, 32K, causal / sliding window
+    # 1024 / causal document; benchmarks/results/bwd_fused_variants_log.txt, run 2): 128 kv rows
+    # per program, 8 warps, two stages. Head dim 64: steps of 64 query rows (32 on PARTIAL tiles),
+    # 1.29-1.39x the two-pass path. Head dim 128: steps of 32 rows (64 rows exceed 227 KB of
+    # shared memory with the dQ staging buffer), 1.01-1.06x the two-pass path.
+    step = 64 if block_d <= 64 else 32
+    return clip_config(LaunchConfig(step, 128, 8, 2, masked_block=32), tile_m, tile_n, step=tile_m)
+
+
+def backward_fused_dq_transposed(head_dim: int, dtype: torch.dtype, device) -> bool:
+    """The fused kernel's dQ product as dQ^T = K^T dS^T (dS^T stored once to shared memory)
+    rather than dS K (dS^T transposed in registers)."""
+    return torch.device(device).type == "cuda"
+
+
+def backward_fused_dq_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
+    """dQ added to its fp32 buffer by TMA bulk reductions of whole blocks (Hopper), rather than
+    by one atomic per element."""
+    device = torch.device(device)
+    return device.type == "cuda" and device_has_tma(device)
+
+
+def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_program: float) -> bool:
+    """TMA descriptor loads of Q/dO in the fused backward: measured slower than pointer loads
+    (H200, head dim 128, 32-row steps: causal 32K 27.8 ms against 27.4 ms, sliding window 1024
+    2.51 ms against 2.38 ms)."""
+    return False
+
+
+# The order the Hopper backward's persistent programs take their (kv-block, kv head) items in,
+# inside each chunk of heads (backward_hopper.backward_work_list): "heaviest" first by tile
+# count, or "bucketed": heaviest first by power-of-two bucket of the tile count, index order
+# inside a bucket, so that the programs running at one time hold neighbouring kv-blocks, which
+# walk the same q-blocks (documents: with "heaviest" they hold the first kv-blocks of every
+# document, whose Q/dO/dQ do not fit in L2; ncu_bwd_hopper_causal_document_128k.txt). Measured
+# on an H200 (benchmarks.backward_order, backward_order.csv): within noise of "heaviest", which
+# stays the default (backward_hopper_log.md, session 5).
+HOPPER_BACKWARD_ORDER = "heaviest"
+
+
+# TMA descriptors are built inside each program, a fixed cost that only a long walk pays back
+TMA_MIN_TILES_PER_PROGRAM = 16
+
+
+def backward_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_program: float) -> bool:
+    """TMA descriptor loads in dK/dV and dQ: faster on an H200 at head dim 128 in 16-bit types
+    when programs walk many tiles (causal, causal document); slower under a sliding window of
+    1024 (about 9 tiles per program) and at head dim 64."""
+    return (torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and 64 < head_block(head_dim) <= 128 and tiles_per_program >= TMA_MIN_TILES_PER_PROGRAM)
+
+
+# --- split-KV decoding (kernels/decode.py) ------------------------------------------------
+#
+# When does flexmask.attention take the split-KV path? The q-block grid of the forward runs
+# cdiv(Sq, block_m) x B x Hq programs of block_m (128 on a GPU) query rows each, and every
+# program streams all the K/V its rows see. For a few queries against a long cache that is
+# wrong twice: (1) the grid under-fills the GPU (B x Hq = 32 programs for a decode step at
+# batch 1 on 132 SMs), (2) rows past Sq are padding and K/V is read once per query head, GQA
+# groups included. The split-KV path packs a GQA group's heads into the rows of one program
+# (K/V read once per group) and cuts each row's kv-tile list into shares so the grid fills the
+# GPU. So on a GPU it is taken when Sq <= DECODE_MAX_Q (decode, speculative decoding, small
+# prefill chunks: at least half of a 128-row q-block would be padding), whatever the batch:
+# measured on an H200 at Sq = 1 (B = 1, 8, 32) and 16 (B = 8) it reads K/V at 1.7-9.4x the q-block
+# grid's bandwidth (benchmarks/results/decode.csv). Longer chunks at small batch also
+# under-fill the q-block grid, but the split path is not measured there, so they keep the
+# q-block grid. Under the CPU interpreter there is nothing to fill; the split path is taken
+# for Sq <= CPU_DECODE_MAX_Q (decode steps), so that the CPU tests cover it while the q-block

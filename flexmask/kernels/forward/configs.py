@@ -1,0 +1,124 @@
+"""Launch configurations of the forward kernels: the portable kernel's blocks and stages, and the
+Hopper kernel's schedule and masking options. Why each value: docs/performance.md."""
+
+from __future__ import annotations
+
+import torch
+
+from ..common.tiles import LaunchConfig, clip_config, head_block
+
+
+def forward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], device) -> LaunchConfig:
+    tile_m, tile_n = tile
+    if torch.device(device).type != "cuda":
+        return LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1, masked_block=min(32, tile_n))
+    # measured on an H200 with benchmarks/tune_configs.py and tune_variants.py (bf16, 32K tokens;
+    # causal, sliding window, causal document). The smaller PARTIAL step keeps the mask
+    # arithmetic out of register spills (ptxas reports them at 128 columns and D=128).
+    block_d = head_block(head_dim)
+    if block_d > 128:  # large heads: one pipeline stage keeps the tiles in shared memory
+        cfg = LaunchConfig(32 if dtype == torch.float32 else 64, 32, 4, 1)
+    elif dtype == torch.float32:
+        cfg = LaunchConfig(64, 32 if block_d > 64 else 64, 4, 2)
+    elif block_d <= 64:
+        cfg = LaunchConfig(128, 64, 4, 3, masked_block=32)
+    else:
+        cfg = LaunchConfig(128, 128, 8, 3, masked_block=64, masked_stages=2)
+    return clip_config(cfg, tile_m, tile_n, step=tile_n)
+
+
+def forward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
+    """TMA descriptor loads of K/V in the forward: measured no faster than pointer loads there."""
+    return False
+
+
+def hopper_forward_schedule(head_dim: int) -> tuple[int, bool]:
+    """(K/V stages, ping-pong) of the Hopper forward (forward_hopper.py) at this head dim:
+    HOPPER_FORWARD_SCHEDULE, else two stages and no ping-pong."""
+    return HOPPER_FORWARD_SCHEDULE.get(head_dim, (2, False))
+
+
+# Measured on an H200 at 32K (forward_session12a_d64_log.txt / _d128_log.txt, forward_variants):
+# 3 or 4 stages and the ping-pong (with 2, 3 or 4 stages) were level or slower on every family at
+# D = 64 and 128 (e.g. full D = 128: 601.0 TFLOP/s with 2 stages, 573.5 with 3, 577.7 with the
+# ping-pong; causal D = 128 591.1 against 517.9 with the ping-pong), so both stay off.
+HOPPER_FORWARD_SCHEDULE = {128: (2, False), 64: (2, False)}
+
+
+def hopper_forward_column_bias(head_dim: int, cm=None) -> bool:
+    """Whether the Hopper forward masks PARTIAL tiles with a column bias where it can
+    (forward_hopper._column_bias): at the head dims of HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS, for
+    masks built from a kind in COLUMN_CUT_KINDS (alone or in a composition; `cm.source`, a host
+    value). Their PARTIAL tiles are cut by per-column interval ends, so most take the bias; a
+    diagonal or a document boundary cuts every column of its tiles, which then pay the test for
+    nothing (sliding window 1024 at D = 64: 3.6% slower with it). `cm=None` asks about the head
+    dim alone."""
+    if head_dim not in HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS:
+        return False
+    return cm is None or bool(_mask_kinds(getattr(cm, "source", None)) & COLUMN_CUT_KINDS)
+
+
+def _mask_kinds(mask) -> set:
+    """The kinds of a mask and of the masks it composes (`a & b`, `a | b`)."""
+    if mask is None:
+        return set()
+    parts = [getattr(mask, "a", None), getattr(mask, "b", None)]
+    return {mask.kind}.union(*(_mask_kinds(m) for m in parts if m is not None))
+
+
+# Measured on an H200 at 32K, D = 64 (forward_session12c_bias_log.txt; a PARTIAL tile's cost
+# against a FULL one, column bias on / off): random intervals x1.36 / x1.39, random eviction
+# x1.25 / x1.30; causal documents 1.402 / 1.415 ms, causal level, sliding window 1024 0.447 /
+# 0.431 ms. At D = 128 the bias path spills (44 bytes, offline ptxas) and PARTIAL tiles already
+# cost 1.06-1.09x, so it stays off there.
+HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS = frozenset({64})
+COLUMN_CUT_KINDS = frozenset({"column_intervals", "random_eviction"})
+
+
+def hopper_forward_split_loops(head_dim: int) -> bool:
+    """Whether the Hopper forward walks a work item's PARTIAL tiles and its FULL tiles in two
+    loops (the FULL loop without any mask work) instead of one loop that tests every tile."""
+    return head_dim in HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS
+
+
+# Measured on an H200 at 32K, D = 64 (forward_session16b_{before,after}{1,2}_log.txt, two loops
+# against one, two runs each): full 9.67 / 9.83 ms against 10.19 / 10.11, causal 4.90 / 4.93
+# against 5.18 / 5.17, causal documents 1.378 / 1.380 against 1.427 / 1.438; random intervals,
+# random evictions and sliding window level. At D = 128 two loops spill (offline ptxas), so one
+# loop stays there.
+HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS = frozenset({64})
+
+
+def hopper_forward_tc_bias(head_dim: int, q_buffers: int = 1) -> bool:
+    """Whether the Hopper forward's column bias (hopper_forward_column_bias) is added to S by the
+    tensor cores, in one more k-step per PARTIAL tile, instead of by the softmax per score: at the
+    head dims of HOPPER_FORWARD_TC_BIAS_HEAD_DIMS with one Q buffer (with two, ptxas spills a
+    register in the loop over PARTIAL tiles; offline ptxas, session 18)."""
+    return head_dim in HOPPER_FORWARD_TC_BIAS_HEAD_DIMS and q_buffers == 1
+
+
+# Measured on an H100 at 32K, D = 64 (forward_session18c_d64_{1,2,3}_log.txt, three interleaved
+# rounds): random intervals 11.849 / 11.852 / 11.842 ms against 12.371 / 12.282 / 12.448 with the
+# bias in the softmax, random evictions 5.597 / 5.650 / 5.783 against 5.934 / 5.935 / 6.218. Not
+# at D = 128: the column bias itself is off there (it spills).
+HOPPER_FORWARD_TC_BIAS_HEAD_DIMS = frozenset({64})
+
+
+def hopper_forward_q_buffers(head_dim: int, cm) -> int:
+    """Q buffers of the Hopper forward (forward_hopper.py): 2 (the next work item's Q loads while
+    this item's walk ends) at the head dims of HOPPER_QBUF2_HEAD_DIMS when a q-block visits at most
+    HOPPER_QBUF2_MAX_WALK tiles on average, else 1. Reads only host values: `num_tiles_visited`
+    is exact for full, causal, sliding-window, document and prefix-LM masks and an upper bound
+    for the rest, so a mask of unknown shape keeps one buffer."""
+    if head_dim not in HOPPER_QBUF2_HEAD_DIMS:
+        return 1
+    walks = cm.batch * cm.heads * cm.num_q_blocks
+    return 2 if cm.num_tiles_visited <= HOPPER_QBUF2_MAX_WALK * walks else 1
+
+
+# measured on an H200 at 32K (forward_variants_qbuf.csv): the second Q buffer gains ~7% on a
+# 1024-key sliding window at D = 64 (walks of ~9 tiles), is level on causal documents and costs
+# 2-8% on long walks (causal, full) at D = 64 and up to 18% at D = 128, where it never gained
+HOPPER_QBUF2_HEAD_DIMS = frozenset({64})
+HOPPER_QBUF2_MAX_WALK = 16
+
