@@ -12,6 +12,7 @@ from .kernels.decode.split_kv import decode_forward, decode_fwd
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
 from .masks import specs
+from .masks.compiled_cache import CompiledCache
 from .masks.compiler import CompiledMask, compile_spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,17 +60,22 @@ def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> Compil
         return mask
     if mask is not None and not isinstance(mask, specs.Mask):
         raise TypeError(f"mask must be None, a flexmask.masks.Mask or a CompiledMask, got {_describe_mask(mask)}")
-    spec = specs.full() if mask is None else mask
-    cache = _FULL_CACHE if mask is None else spec._compiled_cache
-    key = (q_len, kv_len, str(device))
-    if key not in cache:
+    spec = _FULL if mask is None else mask
+    shape_key = (q_len, kv_len, device.type, device.index)
+    compiled = COMPILED.get(spec, shape_key, lambda: compile_mask(spec, q_len, kv_len, device=device))
+    if compiled is not None:
+        return compiled
+    cache = spec._compiled_cache  # a spec the structural key does not cover (a GPU tensor in it)
+    if shape_key not in cache:
         if len(cache) >= 16:  # a bounded cache: masks are usually reused for a few shapes
             cache.pop(next(iter(cache)))
-        cache[key] = compile_mask(spec, q_len, kv_len, device=device)
-    return cache[key]
+        cache[shape_key] = compile_mask(spec, q_len, kv_len, device=device)
+    return cache[shape_key]
 
 
-_FULL_CACHE: dict = {}
+_FULL = specs.full()
+# equal specs share their tables: `mask=masks.causal()` in the call costs what a compiled mask costs
+COMPILED = CompiledCache(size=64)
 
 
 def _describe_mask(mask) -> str:
