@@ -90,8 +90,8 @@ def test_readme_table_is_generated_between_the_markers(tmp_path):
 
 
 def test_targets_reports_misses(tmp_path):
-    """benchmarks.targets flags a case under its target and counts the ones met."""
-    from benchmarks import targets
+    """tools.targets flags a case under its target and counts the ones met."""
+    from tools import targets
 
     fields = ["provider", "family", "params", "seqlen", "head_dim", "status", "mode", "fwd_vs_flex", "bwd_vs_flex",
               "fwd_bwd_vs_flex", "fwd_tflops", "bwd_tflops"]
