@@ -35,6 +35,7 @@ BENCH_RUN_CASES = [
     ("--seqlens 150,2048", ["sequence length 2048"]),
     ("--quick --sweep-shapes 8K:64", ["sequence length 8192"]),
     ("--providers sdpa_cudnn,sdpa_mask", ["--providers sdpa_cudnn,sdpa_mask run on a GPU only"]),
+    ("--full", ["--full is the GPU sweep"]),
 ]
 
 
