@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The full GPU sweep on one H100/H200, in about 8 minutes of wall time. From the repo root:
+# The full peer sweep (`python -m benchmarks.run --full`) on one H100/H200 in phases with
+# deadlines, in about 8 minutes of wall time. From the repository root:
 #
-#     PYTHONPATH=$PWD bash benchmarks/gpu_sweep.sh
+#     OUT=/some/dir bash tools/gpu_jobs/sweep.sh
 #
-# Writes gpu.csv and the PNG plots into $OUT if set, else benchmarks/results/. Needs torch with
-# CUDA, triton, matplotlib and tqdm; no network. Exits nonzero when a flexmask configuration
-# fails its cross-check against FlexAttention (or does not run); the CSV is complete anyway.
+# Writes gpu.csv and the PNG plots into $OUT if set, else benchmarks/results/ (where it also
+# regenerates docs/results.md's block). Needs torch with CUDA, triton, matplotlib and tqdm; no
+# network. Exits nonzero when a flexmask configuration fails its cross-check against
+# FlexAttention (or does not run); the CSV is complete anyway. The two-minute summary of the
+# README is plain `python -m benchmarks.run`.
 #
 # Three runs append to one CSV, each with its own command line in its rows, in order of
 # importance, each given a deadline (seconds from the start) after which the configurations it
@@ -22,18 +25,10 @@
 #      $DEADLINE_D, default 450 s from the start: run it alone, PHASES=D)
 #   E  D=128 at 32K, 8K and 128K: the deterministic backward (flexmask_det) beside FlexAttention,
 #      every family (deadline $DEADLINE_E, default 450 s: run it alone, PHASES=E)
-# The log ends with the results table in markdown (python -m benchmarks.readme_table --print).
+# The log ends with the results tables in markdown (python -m benchmarks.readme_table --print).
 set -uo pipefail
-
-OUT="${OUT:-benchmarks/results}"
-PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
+. tools/gpu_jobs/setup.sh
 PHASES="${PHASES:-A B C}"
-mkdir -p "$OUT"
-unset TRITON_INTERPRET  # real kernels, not the CPU interpreter
-if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "benchmarks/gpu_sweep.sh times GPU kernels: no CUDA device is available here; on the CPU, \`python -m benchmarks.run --quick\` checks the kernels against the float64 reference at tiny sizes" >&2
-  exit 1
-fi
 
 T0=$(date +%s)
 status=0
@@ -48,7 +43,7 @@ budget_until() {  # seconds left until T0 + $1 (0 when past)
 }
 
 run() {
-  local cmd=("$PYTHON" -m benchmarks.run --gpu --out "$OUT" --name gpu --no-plots --no-progress
+  local cmd=("$PYTHON" -m benchmarks.run --gpu --full --out "$OUT" --name gpu --no-plots --no-progress
              --warmup 25 --rep 100 "${append[@]}" "$@")
   echo "+ ${cmd[*]}" >&2
   "${cmd[@]}" || status=1
