@@ -121,7 +121,7 @@ def _flush_l2(flush: torch.Tensor, how: str) -> None:
     """Evict the L2 cache before a timed replay. "zero" writes the buffer, as
     triton.testing.do_bench does: the L2 is then full of dirty lines, and the next kernel pays
     for writing them back before its own reads stream (a decode step at B = 1 or 8 and 32K keys
-    measured 8-9 us longer than with "read": benchmarks/results/decode_variants_log.txt). "read"
+    measured 8-9 us longer than with "read", docs/performance.md). "read"
     reads the buffer: the L2 is left holding clean lines, as after the weight reads that precede
     attention in a decode step."""
     if how == "zero":

@@ -109,7 +109,7 @@ def fused_merge_ptx(kernel) -> str:
     return f"ticket: {atoms}; " + "; ".join(f"{what} x{n}" for what, n in count.items())
 
 
-HOPPER_CONFIGS = {  # the default Hopper decode plan of session 8, and of session 9
+HOPPER_CONFIGS = {  # the default Hopper decode plan before and after the fused merge
     "two-launch, 128-key steps": (128, torch.bfloat16, 1, 2, False, False, 1, 16, 128),
     "fused merge, 64-key steps": (128, torch.bfloat16, 1, 2, False, True, 1, 16, 64),
 }

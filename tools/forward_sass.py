@@ -1,6 +1,6 @@
 """Disassemble the Hopper forward for sm_90 without a GPU (Triton's bundled ptxas and nvdisasm)
 and count, per instruction kind, what the consumer's PARTIAL-tile masking adds: the SASS is
-what says where a PARTIAL tile's extra time goes (forward_hopper_log.md, session 8).
+what says where a PARTIAL tile's extra time goes (docs/performance.md).
 
     python -m tools.forward_sass --head-dim 64 --out /tmp/fwd64   # writes .cubin/.sass, prints counts
 """

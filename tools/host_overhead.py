@@ -5,7 +5,7 @@ stub that only allocates the outputs, so the figure is the same on a CPU as on a
 
 A short masked forward takes ~0.4 ms on an H200 (a 1024-key sliding window at 32K, D=64); when
 the host needs longer than that per call, the GPU waits and eager training is host-bound
-(host_bound_probe_log.txt measured 0.39-0.79 ms per call there). Rows, in microseconds per call
+(tools.host_bound_probe measured 0.39-0.79 ms per call there). Rows, in microseconds per call
 (median of 7 rounds of 300 calls):
 
   eager_grad / eager_no_grad   flexmask.attention as it runs now (autograd.Function in eager

@@ -28,7 +28,6 @@ from flexmask.kernels.common.tiles import LaunchConfig
 from benchmarks.speed_check import families
 
 # (block_m, block_n, num_warps, num_stages, masked_block, masked_stages), dq_transposed, tma, dq_tma
-# (earlier runs: benchmarks/results/bwd_fused_variants_log.txt)
 VARIANTS = {  # the list of run 2 (the defaults in configs.py come first)
     128: [((32, 128, 8, 2, 32, 2), True, False, True), ((32, 128, 8, 2, 32, 2), True, True, True),
           ((64, 128, 8, 2, 32, 2), True, False, True), ((64, 128, 8, 2, 32, 2), False, False, True),
