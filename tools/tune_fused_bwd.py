@@ -19,9 +19,6 @@ import torch
 import triton
 
 import flexmask
-from flexmask.kernels import dispatch as bwd_mod
-from flexmask.kernels import dispatch
-from flexmask.kernels.forward import portable as fwd_mod
 from flexmask.kernels import dispatch
 from flexmask.kernels.common.tiles import LaunchConfig
 
