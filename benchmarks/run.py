@@ -6,8 +6,8 @@ installed (FlexAttention; SDPA's cuDNN and flash backends on full and causal), e
 not importable skipped with a one-line note. Writes benchmarks/results/summary.csv and its
 summary_*.png plots, and regenerates the README's results-summary block.
 
-GPU full sweep (--full, about 8 minutes; tools/gpu_jobs/sweep.sh runs it in phases with
-deadlines): every family at S = 8K, 32K, 128K (B = max(1, 32K / S)), D = 128 and 64, and the
+GPU full sweep (--full; tools/gpu_jobs/sweep.sh runs it in phases with deadlines, in about 8
+minutes): every family at S = 8K, 32K, 128K (B = max(1, 32K / S)), D = 128 and 64, and the
 sliding-window density sweep at 32K: 81 configurations, against FlexAttention and SDPA (and
 flexmask's deterministic backward). Writes benchmarks/results/gpu.csv and its plots, and
 regenerates the results block of docs/results.md.
