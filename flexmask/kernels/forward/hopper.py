@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..common.launcher import FastLaunch
 from ..common import scheduler
 from . import configs
 
@@ -782,7 +783,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     n_items = work.numel()
     grid = (min(n_items, programs),)
     mb, mdiv, mh = mask_map
-    _forward_hopper_kernel[grid](
+    _FORWARD_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, o, lse,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
         o.stride(0), o.stride(1), o.stride(2),
@@ -795,3 +796,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         num_warps=4, maxnreg=168,
     )
     return o, lse
+
+
+# launched without Triton's per-call binding (common/launcher.py): short calls are host-bound
+_FORWARD_HOPPER_LAUNCH = FastLaunch(_forward_hopper_kernel)
