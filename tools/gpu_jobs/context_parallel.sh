@@ -55,8 +55,8 @@ echo "benchmark exit: $?" | tee -a "$LOG"
 LEFT=$(( 515 - SECONDS ))
 if [ "$LEFT" -ge 75 ]; then
     stamp "training ($LEFT s left)"
-    timeout "$LEFT" python3 -m examples.train_context_parallel --nproc "$W" --seq-len 262144 --steps 6 \
-        --budget-s $(( LEFT - 35 )) --out-dir "$OUT" --tag "w${W}" 2>&1 | tail -n 40 | tee -a "$LOG"
+    timeout "$LEFT" python3 -m examples.train_context_parallel --nproc "$W" --seq-len 262144 --steps 12 \
+        --out-dir "$OUT" --tag "_w${W}" 2>&1 | grep -v "it/s" | tail -n 40 | tee -a "$LOG"
     echo "training exit: $?" | tee -a "$LOG"
 else
     stamp "training skipped: $LEFT s left (run tools/gpu_jobs/train_context_parallel.sh)"
