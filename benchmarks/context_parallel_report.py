@@ -88,7 +88,8 @@ def markdown_table(rows: list[dict]) -> str:
     variants = sorted({r["variant"] for r in rows if r["provider"] != "flexmask" and r.get("variant")})
     notes += [f"torch_ring: {v}." for v in variants]
     for gpus in sorted({r["gpus"] for r in rows}, key=int):
-        r0 = next(r for r in rows if r["gpus"] == gpus)
+        same = [r for r in rows if r["gpus"] == gpus]
+        r0 = next((r for r in same if r.get("heads")), same[0])  # a measured row (skipped ones lack shapes)
         notes.append(f"W={gpus}: {gpus} x {r0['gpu']}, torch {r0['torch']}, triton {r0['triton']}, {r0['date']}, "
                      f"H={r0['heads']}/{r0['kv_heads']}, D={r0['head_dim']}, {r0['dtype']}; `{r0['command']}`")
     return "\n".join(lines + notes) + "\n"

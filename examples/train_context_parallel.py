@@ -30,6 +30,7 @@ tolerance). Tolerance: 1e-4 nats in fp32 (the two runs differ only in summation 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import os
@@ -169,7 +170,7 @@ def worker(rank: int, world: int, init: str, cfg: RunConfig, args, argv: list[st
         torch.set_num_threads(1)
     if cfg.device.type == "cuda":
         torch.cuda.set_device(rank)
-        cfg = RunConfig(**{**cfg.__dict__, "device": torch.device("cuda", rank)})
+        cfg = dataclasses.replace(cfg, device=torch.device("cuda", rank))
     backend = "nccl" if cfg.device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=15)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timeout)

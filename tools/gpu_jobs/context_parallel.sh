@@ -39,12 +39,12 @@ stamp() { echo "== $1 $(date -u +%T) (${SECONDS} s)" | tee -a "$LOG"; }
 echo "W=$W of $N CUDA devices" | tee -a "$LOG"
 
 stamp "NCCL tests"
-timeout 150 python3 -m pytest tests/test_distributed.py -k nccl -q -rs -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$LOG"
+timeout 200 python3 -m pytest tests/test_distributed.py -k nccl -q -rs -p no:cacheprovider 2>&1 | tail -n 40 | tee -a "$LOG"
 echo "test exit: $?" | tee -a "$LOG"
 
 stamp "benchmark"
 rm -f "$CSV"
-BUDGET=$(( 400 - SECONDS ))  # no new configuration starts after this; the one under way finishes
+BUDGET=$(( 410 - SECONDS ))  # no new configuration starts after this; the one under way finishes
 timeout $(( BUDGET + 90 )) python3 -m benchmarks.bench_context_parallel --nproc "$W" --budget-s "$BUDGET" \
     --reps 2 --target-s 15 --masks causal,causal_document --ring-masks causal \
     --schedule "flexmask:1048576,524288;torch_ring:1048576,524288;flexmask:262144;torch_ring:262144" \
