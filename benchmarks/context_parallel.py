@@ -1,13 +1,22 @@
 """Context parallelism on several GPUs vs one: `flexmask.distributed.attention` over W GPUs
-(NCCL) against `flexmask.attention` on one GPU of the same machine, forward + backward.
+(NCCL) against `flexmask.attention` on one GPU of the same machine, forward + backward; and
+PyTorch's own context parallelism (ring attention over SDPA, `benchmarks.context_parallel_ring`)
+on the same shards as a baseline (provider `torch_ring`, causal only).
 
-    python -m benchmarks.bench_context_parallel --out benchmarks/results/context_parallel.csv
-    torchrun --nproc_per_node=2 -m benchmarks.bench_context_parallel ...   (the same, launched by torchrun)
-    python -m benchmarks.bench_context_parallel --plot-only benchmarks/results/context_parallel.csv
+    python -m benchmarks.context_parallel --nproc 4 --out benchmarks/results/context_parallel.csv
+    torchrun --nproc_per_node=2 -m benchmarks.context_parallel ...   (the same, launched by torchrun)
+    python -m benchmarks.context_parallel --plot-only cp_w2.csv cp_w4.csv --readme README.md
+
+The run order is `--schedule` ("flexmask:1048576,524288;torch_ring:1048576" runs flexmask on
+every mask of --masks at 1M then 512K tokens, then the ring at 1M on the masks of --ring-masks),
+so that a run cut short by --budget-s keeps the configurations that matter most.
 
 Per (mask, sequence length): rank 0 times one GPU alone (the other ranks wait), then every rank
 times its shard; the W-GPU time is the slowest rank's. The W-GPU results (output and gradients)
-are gathered and compared with the one-GPU results (relative error). The CSV also has the
+are gathered and compared with the one-GPU results (relative error). A torch_ring row times PyTorch's ring on the same shards and compares its
+results with flexmask's on the same W GPUs (kept from the flexmask row of that configuration);
+its 1-GPU columns are flexmask's, so `speedup_*` has one meaning in every row: flexmask on one
+GPU / this provider on W GPUs. The CSV also has the
 plan: chunk pairs computed out of (2W)^2, K/V chunks moved (vs an all-gather) and the bytes they
 take forward (K, V in the input dtype) and backward (dK, dV in float32). Rows are written as
 they are measured, so a run cut short keeps what it measured.
@@ -27,16 +36,21 @@ import traceback
 
 import torch
 
+from benchmarks import context_parallel_ring as ring
+from benchmarks import context_parallel_report
+
 COLUMNS = (
-    "date", "gpu", "gpus", "torch", "triton", "command",
+    "date", "gpu", "gpus", "torch", "triton", "command", "provider", "variant",
     "mask", "seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "density",
     "chunk_pairs_computed", "chunk_pairs_total", "ideal_speedup", "kv_chunks_moved", "kv_chunks_all_gather",
     "fwd_bytes_moved", "bwd_bytes_moved", "all_gather_fwd_bytes",
     "reps_1gpu", "reps_multi", "comm_plan_ms", "comm_all_gather_ms",
     "t1_fwd_ms", "t1_bwd_ms", "t1_fwd_bwd_ms", "tw_fwd_ms", "tw_bwd_ms", "tw_fwd_bwd_ms",
     "speedup_fwd", "speedup_bwd", "speedup_fwd_bwd", "tflops_1gpu_fwd_bwd", "tflops_multi_fwd_bwd",
+    "multi_time_over_flexmask", "err_against",
     "err_out", "err_dq", "err_dk", "err_dv", "peak_gb_1gpu", "peak_gb_multi", "status",
 )
+PROVIDERS = ("flexmask", "torch_ring")
 CHECK_TOL = 2e-2  # relative error of bf16 results between two exact summation orders
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -45,6 +59,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-lens", default="262144,524288,1048576")
     p.add_argument("--masks", default="causal_document,causal", help="causal_document, causal (comma-separated)")
+    p.add_argument("--providers", default="flexmask,torch_ring",
+                   help="flexmask, torch_ring (comma-separated); used when --schedule is not given")
+    p.add_argument("--schedule", default=None,
+                   help="run order, 'provider:S,S;provider:S;...' (default: each provider of --providers "
+                        "over --seq-lens)")
+    p.add_argument("--ring-masks", default="causal", help="masks of the torch_ring rows (PyTorch's ring: causal only)")
+    p.add_argument("--ring-backend", default="flash", choices=ring.BACKENDS, help="SDPA backend of torch_ring")
+    p.add_argument("--ring-rotate", default="allgather", choices=ring.ROTATE_METHODS, help="torch_ring's K/V rotation")
+    p.add_argument("--ring-gqa", default="native", choices=ring.GQA_MODES,
+                   help="torch_ring with Hkv < Hq: enable_gqa (native; on failure the row retries with repeat) "
+                        "or K/V repeated to Hq heads")
     p.add_argument("--nproc", type=int, default=2, help="GPUs (processes) when not launched by torchrun")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=16)
@@ -60,7 +85,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/context_parallel.csv")
     p.add_argument("--png", default=None, help="default: the CSV path with .png")
-    p.add_argument("--plot-only", default=None, metavar="CSV", help="only draw the PNG of an existing CSV")
+    p.add_argument("--plot-only", nargs="+", default=None, metavar="CSV",
+                   help="only write the PNG and the markdown table of existing CSVs (e.g. a 2-GPU and a 4-GPU run)")
+    p.add_argument("--table", default=None, help="markdown table (default: the first CSV path with .md)")
+    p.add_argument("--readme", default=None, metavar="PATH",
+                   help="also write the table into PATH between <!-- context-parallel:start --> and "
+                        "<!-- context-parallel:end -->")
     p.add_argument("--cpu", action="store_true",
                    help="smoke test of this script: gloo, kernels in the Triton interpreter, tiny shapes")
     return p.parse_args(argv)
@@ -193,20 +223,40 @@ def ideal_speedup(intervals: torch.Tensor, seq_len: int, world: int) -> float:
     return sum(per_rank) / max(max(per_rank), 1.0)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||, one head at a time (a float32 copy of a 1M-token tensor is 8 GB)."""
+def rel_err_parts(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(||a - b||^2, ||b||^2), one head at a time (a float32 copy of a 1M-token tensor is 8 GB)."""
     num = den = 0.0
     for i in range(a.shape[1]):
         x, y = a[:, i].float(), b[:, i].float()
         num += float((x - y).square().sum())
         den += float(y.square().sum())
+    return num, den
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||."""
+    num, den = rel_err_parts(a, b)
     return (num / max(den, 1e-30)) ** 0.5
 
 
 # --- one configuration ------------------------------------------------------------------
 
 
-def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: int, world: int) -> dict:
+def schedule(args) -> list[tuple[str, str, int]]:
+    """(provider, mask, seq_len) in run order, from --schedule (or every provider over --seq-lens)."""
+    spec = args.schedule or ";".join(f"{p}:{args.seq_lens}" for p in args.providers.split(","))
+    jobs = []
+    for part in spec.split(";"):
+        provider, sep, lens = part.partition(":")
+        if provider not in PROVIDERS or not sep:
+            raise ValueError(f"--schedule parts must be 'provider:S,S' with provider in {PROVIDERS}, got {part!r}")
+        masks = (args.masks if provider == "flexmask" else args.ring_masks).split(",")
+        jobs += [(provider, m, int(s)) for s in lens.split(",") for m in masks]
+    return jobs
+
+
+def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: int, world: int,
+               keep: dict | None = None) -> dict:
     from flexmask import distributed as fmd
     from benchmarks import flops
 
@@ -214,8 +264,9 @@ def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: i
 
     device = torch.device("cuda", torch.cuda.current_device()) if not args.cpu else torch.device("cpu")
     dtype = DTYPES[args.dtype]
-    row = dict(env, mask=mask_name, seq_len=seq_len, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
-               head_dim=args.head_dim, dtype=args.dtype, gpus=world)
+    row = dict(env, provider="flexmask", mask=mask_name, seq_len=seq_len, batch=args.batch, heads=args.heads,
+               kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, gpus=world,
+               err_against="flexmask 1 GPU", multi_time_over_flexmask=1.0)
     mask = build_mask(mask_name, seq_len, args)
     plan = fmd.context_plan(mask, seq_len, world, device)
     moved = plan.bytes_moved(args.batch, args.kv_heads, args.head_dim, dtype)
@@ -229,10 +280,7 @@ def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: i
                fwd_bytes_moved=moved["forward_bytes"], bwd_bytes_moved=moved["backward_bytes"],
                all_gather_fwd_bytes=moved["all_gather_forward_bytes"])
 
-    def agree(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group)
-        return float(t)
+    agree = agreement(cpu_group)
 
     # one GPU: rank 0 alone, the others wait
     status, reference = [], None
@@ -246,7 +294,7 @@ def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: i
     dist.barrier(group=cpu_group)
 
     try:
-        multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, world)
+        multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, world, keep)
     except Exception as err:  # e.g. out of memory on every rank: record it, go on with the next config
         status.append(f"{world}gpu {type(err).__name__}: {str(err).splitlines()[0][:120]}")
         log(traceback.format_exc())
@@ -282,9 +330,22 @@ def one_gpu(row, mask, seq_len, args, work, device):
     return (out, *grads)
 
 
-def multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, world) -> None:
+def agreement(cpu_group, op=None):
+    """x -> the same number on every rank: the max over the ranks (or `op`), on the CPU group."""
+    import torch.distributed as dist
+
+    def agree(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=op or dist.ReduceOp.MAX, group=cpu_group)
+        return float(t)
+
+    return agree
+
+
+def multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, world, keep=None) -> None:
     """Times fmd.attention on every rank's shard and compares the gathered results with the
-    one-GPU ones (rank 0)."""
+    one-GPU ones (rank 0). With `keep` (a dict), this rank's results (out, dq, dk, dv) are kept
+    there on the CPU, for the torch_ring row of the same configuration."""
     from flexmask import distributed as fmd
     from benchmarks import flops
 
@@ -301,12 +362,109 @@ def multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, wo
                peak_gb_multi=agree(peak_gb(device)))
     row.update(comm_times(mask, kl, vl, agree))
     del ql, kl, vl, dol
+    if keep is not None:
+        keep["results"] = [t.cpu() for t in (out, *grads)]
     # the W-GPU results against the one-GPU ones, gathered one tensor at a time
     for i, (name, local) in enumerate(zip(("err_out", "err_dq", "err_dk", "err_dv"), (out, *grads))):
         full = fmd.unshard(local)
         if reference is not None:
             row[name] = rel_err(full, reference[i])
         del full
+
+
+def run_ring_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, world: int, rank: int,
+                    meshes: dict, kept: dict | None) -> dict:
+    """A torch_ring row: PyTorch's ring attention over SDPA on the shards of every rank, timed
+    like flexmask's, its results compared with flexmask's on the same GPUs (`kept`: that
+    configuration's flexmask row and this rank's results, when it ran before)."""
+    import torch.distributed as dist
+    from benchmarks import flops
+
+    device = torch.device("cuda", torch.cuda.current_device()) if not args.cpu else torch.device("cpu")
+    row = dict(env, provider="torch_ring", mask=mask_name, seq_len=seq_len, batch=args.batch, heads=args.heads,
+               kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, gpus=world,
+               variant=ring.variant_name(args.ring_backend, args.ring_rotate, args.ring_gqa, args.heads, args.kv_heads))
+    if mask_name != "causal":
+        row["status"] = "skipped: PyTorch's ring attention over SDPA takes is_causal=True only, not this mask"
+        return row
+    mask = build_mask(mask_name, seq_len, args)
+    intervals = mask.intervals(seq_len, seq_len, device)
+    pairs = flops.attending_pairs(intervals, seq_len, args.batch, args.heads)
+    work = flops.attention_flops(pairs, args.head_dim)["fwd_bwd"]
+    row.update(density=flops.density(pairs, args.batch, args.heads, seq_len, seq_len),
+               ideal_speedup=ideal_speedup(intervals.cpu(), seq_len, world))
+    ours = (kept or {}).get("row", {})
+    for d in ("fwd", "bwd", "fwd_bwd"):  # flexmask on one GPU: the denominator of every speedup
+        row[f"t1_{d}_ms"] = ours.get(f"t1_{d}_ms")
+    row["reps_1gpu"] = ours.get("reps_1gpu")
+
+    agree, total = agreement(cpu_group), agreement(cpu_group, op=dist.ReduceOp.SUM)
+    modes = [args.ring_gqa] + (["repeat"] if args.ring_gqa == "native" and args.heads != args.kv_heads else [])
+    failures = []
+    for gqa in modes:
+        row["variant"] = ring.variant_name(args.ring_backend, args.ring_rotate, gqa, args.heads, args.kv_heads)
+        try:
+            if "mesh" not in meshes:
+                meshes["mesh"] = ring.device_mesh(device, world)
+            ring_multi_gpu(row, seq_len, args, gqa, meshes["mesh"], kept, agree, total, work, device, rank, world)
+            break
+        except Exception as err:  # recorded in the row (with the variant tried); the next one runs
+            failures.append(f"{row['variant']}: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")
+            if rank == 0:
+                log(traceback.format_exc())
+            for n in ("tw_fwd_ms", "tw_bwd_ms", "tw_fwd_bwd_ms"):
+                row.pop(n, None)
+            empty_cache(device)
+    measured = row.get("tw_fwd_bwd_ms") is not None
+    if measured and row.get("t1_fwd_bwd_ms"):
+        for d in ("fwd", "bwd", "fwd_bwd"):
+            row[f"speedup_{d}"] = row[f"t1_{d}_ms"] / row[f"tw_{d}_ms"]
+    if measured and ours.get("tw_fwd_bwd_ms"):
+        row["multi_time_over_flexmask"] = row["tw_fwd_bwd_ms"] / ours["tw_fwd_bwd_ms"]
+    status = ([] if measured else ["failed"]) + failures
+    errs = [row.get(n) for n in ("err_out", "err_dq", "err_dk", "err_dv") if row.get(n) is not None]
+    if errs and max(errs) > CHECK_TOL:
+        status.append(f"MISMATCH vs flexmask (max rel err {max(errs):.2e} > {CHECK_TOL})")
+    elif measured and not errs:
+        status.append("not checked (no flexmask result of this configuration)")
+    row["status"] = "; ".join(status) or "ok"
+    if rank == 0:
+        log(f"torch_ring {mask_name} S={seq_len}: {world} GPUs {row.get('tw_fwd_bwd_ms') or float('nan'):.1f} ms, "
+            f"{row.get('multi_time_over_flexmask') or float('nan'):.2f}x flexmask's time, {row['status']}")
+    return row
+
+
+def ring_multi_gpu(row, seq_len, args, gqa, mesh, kept, agree, total, work, device, rank, world) -> None:
+    """Times the ring on every rank's shard; `total` sums a number over the ranks."""
+    from flexmask import distributed as fmd
+    from benchmarks import flops
+
+    reset_peak(device)
+    q, k, v, do = global_inputs(seq_len, args, device)
+    ql, kl, vl, dol = (fmd.shard(t).contiguous() for t in (q, k, v, do))
+    del q, k, v, do
+    empty_cache(device)
+    ql, kl, vl = (t.requires_grad_(True) for t in (ql, kl, vl))
+    if rank == 0:
+        log(f"torch_ring {row['mask']} S={seq_len}: {world} GPUs, {row['variant']} ...")
+    with ring.ring_context(mesh, seq_len, args.ring_backend, args.ring_rotate):
+        (fw, bw, tw), reps, out, grads = timed(ring.ring_attention(gqa), ql, kl, vl, dol, args, agree)
+    row.update(tw_fwd_ms=fw, tw_bwd_ms=bw, tw_fwd_bwd_ms=tw, reps_multi=reps, tflops_multi_fwd_bwd=flops.tflops(work, tw),
+               peak_gb_multi=agree(peak_gb(device)))
+    moved = ring.ring_bytes_moved(seq_len, world, args.batch, args.heads, args.kv_heads, args.head_dim,
+                                  DTYPES[args.dtype], gqa)
+    all_gather = fmd.context_plan(None, seq_len, world).bytes_moved(args.batch, args.kv_heads, args.head_dim,
+                                                                    DTYPES[args.dtype])
+    row.update(kv_chunks_moved=moved["kv_chunks_moved"], kv_chunks_all_gather=moved["kv_chunks_all_gather"],
+               fwd_bytes_moved=moved["forward_bytes"], all_gather_fwd_bytes=all_gather["all_gather_forward_bytes"])
+    del ql, kl, vl, dol
+    if kept is None or "results" not in kept:
+        return
+    # this rank's shards against flexmask's on the same GPUs; sums over the ranks
+    row["err_against"] = f"flexmask on the same {world} GPUs"
+    for name, got, want in zip(("err_out", "err_dq", "err_dk", "err_dv"), (out, *grads), kept["results"]):
+        num, den = rel_err_parts(got, want.to(got.device))
+        row[name] = (total(num) / max(total(den), 1e-30)) ** 0.5
 
 
 def comm_times(mask, k, v, agree, reps: int = 3) -> dict:
@@ -349,7 +507,7 @@ def comm_times(mask, k, v, agree, reps: int = 3) -> dict:
 def environment(world: int, argv) -> dict:
     import triton
 
-    cmd = "python -m benchmarks.bench_context_parallel " + shlex.join(sys.argv[1:] if argv is None else argv)
+    cmd = "python -m benchmarks.context_parallel " + shlex.join(sys.argv[1:] if argv is None else argv)
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (TRITON_INTERPRET=1)", "gpus": world, "torch": torch.__version__,
             "triton": triton.__version__, "command": cmd.strip()}
@@ -376,86 +534,54 @@ def worker(rank: int, world: int, init: str, args, argv) -> None:
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         log(f"{world} x {env['gpu']}, torch {env['torch']}, triton {env['triton']}; CSV -> {args.out}")
+    jobs = schedule(args)
+    ring_wanted = {(m, n) for p, m, n in jobs if p == "torch_ring"}
+    kept: dict = {}  # (mask, S) -> flexmask's row and this rank's results, for the torch_ring row
+    meshes: dict = {}
     start = time.time()
     try:
-        for seq_len in (int(s) for s in args.seq_lens.split(",")):
-            for mask_name in args.masks.split(","):
-                # rank 0's clock decides for every rank
-                over = torch.tensor([float(args.budget_s is not None and time.time() - start > args.budget_s)])
-                dist.broadcast(over, src=0, group=cpu_group)
-                if over.item():
-                    row = dict(env, mask=mask_name, seq_len=seq_len, status=f"skipped: time budget {args.budget_s:.0f} s")
-                else:
-                    row = run_config(mask_name, seq_len, args, env, cpu_group, rank, world)
-                if rank == 0:
-                    write_row(args.out, row)
-                    log(f"row written: {mask_name} S={seq_len} ({row['status']})")
+        for provider, mask_name, seq_len in jobs:
+            # rank 0's clock decides for every rank
+            over = torch.tensor([float(args.budget_s is not None and time.time() - start > args.budget_s)])
+            dist.broadcast(over, src=0, group=cpu_group)
+            if over.item():
+                row = dict(env, provider=provider, mask=mask_name, seq_len=seq_len, gpus=world,
+                           status=f"skipped: time budget {args.budget_s:.0f} s")
+            elif provider == "flexmask":
+                keep = {} if (mask_name, seq_len) in ring_wanted else None
+                row = run_config(mask_name, seq_len, args, env, cpu_group, rank, world, keep)
+                if keep is not None:
+                    kept[(mask_name, seq_len)] = dict(keep, row=row)
+            else:
+                row = run_ring_config(mask_name, seq_len, args, env, cpu_group, world, rank, meshes,
+                                      kept.pop((mask_name, seq_len), None))
+            if rank == 0:
+                write_row(args.out, row)
+                log(f"row written: {provider} {mask_name} S={seq_len} ({row['status']})")
     finally:
         dist.destroy_process_group()
     if rank == 0:
         log(f"done in {time.time() - start:.0f} s")
-        plot(args.out, args.png)
-
-
-def plot(csv_path: str, png: str | None) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log(f"no matplotlib here: draw the PNG later with --plot-only {csv_path}")
-        return
-    with open(csv_path) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("tw_fwd_bwd_ms")]
-    if not rows:
-        log("nothing measured to plot")
-        return
-    png = png or os.path.splitext(csv_path)[0] + ".png"
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for mask_name in sorted({r["mask"] for r in rows}):
-        rs = sorted((r for r in rows if r["mask"] == mask_name), key=lambda r: int(r["seq_len"]))
-        x = [int(r["seq_len"]) for r in rs]
-        gpus = rs[0]["gpus"]
-        axes[0].plot(x, [float(r["t1_fwd_bwd_ms"] or "nan") / 1e3 for r in rs], "o--", label=f"{mask_name}, 1 GPU")
-        axes[0].plot(x, [float(r["tw_fwd_bwd_ms"]) / 1e3 for r in rs], "o-", label=f"{mask_name}, {gpus} GPUs")
-        line = axes[1].plot(x, [float(r["speedup_fwd_bwd"] or "nan") for r in rs], "o-", label=mask_name)[0]
-        axes[1].plot(x, [float(r["ideal_speedup"] or "nan") for r in rs], "_", ms=14, color=line.get_color(),
-                     label=f"{mask_name}: layout's balance")
-        axes[2].plot(x, [int(r["fwd_bytes_moved"]) / 2**30 for r in rs], "o-", label=f"{mask_name}: sent (plan)")
-        axes[2].plot(x, [int(r["all_gather_fwd_bytes"]) / 2**30 for r in rs], "x:", label=f"{mask_name}: all-gather")
-    axes[0].set(xscale="log", yscale="log", xlabel="sequence (tokens)", ylabel="fwd+bwd (s)", title="time")
-    axes[1].axhline(1.8, color="grey", ls=":", label="target 1.8x")
-    axes[1].set(xscale="log", xlabel="sequence (tokens)", ylabel="1 GPU time / multi-GPU time",
-                title="speedup (fwd+bwd)")
-    axes[2].set(xscale="log", xlabel="sequence (tokens)", ylabel="GiB", title="K/V bytes sent, forward")
-    for ax in axes:
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    r0 = rows[0]
-    fig.suptitle(f"context parallel: {r0['gpus']} x {r0['gpu']}, H={r0['heads']}/{r0['kv_heads']}, "
-                 f"D={r0['head_dim']}, {r0['dtype']}; torch {r0['torch']}, triton {r0['triton']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    log(f"wrote {png}")
+        context_parallel_report.report([args.out], args.png, args.table, args.readme, log)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot_only:
-        plot(args.plot_only, args.png)
+        context_parallel_report.report(args.plot_only, args.png, args.table, args.readme, log)
         return 0
+    schedule(args)  # a bad --schedule fails here, before any process starts
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before flexmask (and Triton) are first imported
         args.dtype = "fp32"
     elif not torch.cuda.is_available():
-        print("bench_context_parallel: no CUDA device; nothing to measure", flush=True)
+        print("benchmarks.context_parallel: no CUDA device; nothing to measure", flush=True)
         return 1
     if "RANK" in os.environ:  # torchrun
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args, argv)
         return 0
     if not args.cpu and torch.cuda.device_count() < args.nproc:
-        print(f"bench_context_parallel: needs {args.nproc} CUDA devices, found {torch.cuda.device_count()}", flush=True)
+        print(f"benchmarks.context_parallel: needs {args.nproc} CUDA devices, found {torch.cuda.device_count()}", flush=True)
         return 1
     import torch.multiprocessing as mp
 

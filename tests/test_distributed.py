@@ -1,14 +1,14 @@
 """Context parallelism (`flexmask.distributed`) against the dense reference.
 
-The CPU cases run in ONE spawn of three gloo processes (spawning costs seconds per process
-under the interpreter): the world-size-3 cases use the default group, the world-size-2 cases
-a subgroup of ranks {0, 1} (so the `group` argument is exercised too). Rank 0 of each case
+The CPU cases run in ONE fork of four gloo processes (spawning costs seconds per process
+under the interpreter): the world-size-4 cases use the default group, the world-size-3 and 2
+cases the subgroups of ranks {0, 1, 2} and {0, 1} (so the `group` argument is exercised too). Rank 0 of each case
 gathers the unsharded output, LSE and gradients and saves them; the tests here compare them
 with autograd through `flexmask.reference` by the DESIGN.md section 4 rule. Bad input is
 checked inside the same processes and reported back the same way.
 
-The GPU test runs the same worker with NCCL on two CUDA devices (`nvidia-h200-x2`), in bf16
-at a few thousand tokens.
+The GPU tests run the same worker with NCCL on two and on four CUDA devices (each skipped
+where fewer are present), in bf16 at a few thousand tokens.
 """
 
 from __future__ import annotations
@@ -92,7 +92,11 @@ CPU_CASES = [
     Case(3, "causal", 144, with_dlse=True),
     Case(3, "document_crossing", 144),
     Case(3, "document_per_batch", 144, b=2),
+    # W=4 at S=192: chunks of 24 again; one spawn, so only the two cases that matter most
+    Case(4, "causal", 192, with_dlse=True),
+    Case(4, "document_crossing", 192),
 ]
+CPU_WORLD = max(c.world for c in CPU_CASES)
 
 
 # --- the worker: runs in every spawned process ----------------------------------------------
@@ -175,8 +179,8 @@ def _worker(rank: int, world: int, init_file: str, out_file: str, cases: list, b
                             timeout=datetime.timedelta(seconds=180))
     try:
         groups = {world: None}
-        if world > 2:
-            groups[2] = dist.new_group([0, 1])  # every rank must create it
+        for w in range(2, world):
+            groups[w] = dist.new_group(list(range(w)))  # every rank must create every group
         results = {}
         for case in cases:  # an exception ends this process, and mp ends the others with its traceback
             if rank < case.world:
@@ -203,7 +207,7 @@ def _spawn(tmp_dir, world: int, cases: list, backend: str, bad_input: bool) -> d
 
 @pytest.fixture(scope="module")
 def cpu_results(tmp_path_factory):
-    return _spawn(str(tmp_path_factory.mktemp("cp")), 3, CPU_CASES, "gloo", bad_input=True)
+    return _spawn(str(tmp_path_factory.mktemp("cp")), CPU_WORLD, CPU_CASES, "gloo", bad_input=True)
 
 
 # --- checks -------------------------------------------------------------------------------
@@ -275,7 +279,7 @@ def test_needs_a_process_group():
 
 
 @pytest.mark.parametrize("family", ["document", "sliding_window_bidir", "startend_bidir", "random_eviction"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_plan_is_exact(family, world):
     """pairs[i, j] is True iff some (batch, head, query of chunk i, key of chunk j) attends,
     from the dense mask written out here."""
@@ -299,25 +303,29 @@ def test_bytes_moved_counts_only_needed_chunks():
     assert moved["all_gather_forward_bytes"] == 4 * 2 * chunk_bytes
 
 
-# --- GPU: NCCL on two devices -------------------------------------------------------------
+# --- GPU: NCCL on two and four devices ----------------------------------------------------
 
-# one head dim (128, as in the benchmark, whose run then finds these kernels compiled)
-GPU_CASES = [
-    Case(2, "causal", 4096, hq=4, hkv=2, d=128, dtype=BF16, with_dlse=True),
-    Case(2, "document_crossing", 4096, hq=4, hkv=2, d=128, dtype=BF16),
-    Case(2, "narrow_window", 4096, hq=4, hkv=2, d=128, dtype=BF16),
-    Case(2, "startend_bidir", 2048, b=2, hq=4, hkv=2, d=128, dtype=BF16),
-]
+
+def gpu_cases(world: int) -> list[Case]:
+    """One head dim (128, as in the benchmark, whose run then finds these kernels compiled)."""
+    return [
+        Case(world, "causal", 4096, hq=4, hkv=2, d=128, dtype=BF16, with_dlse=True),
+        Case(world, "document_crossing", 4096, hq=4, hkv=2, d=128, dtype=BF16),
+        Case(world, "narrow_window", 4096, hq=4, hkv=2, d=128, dtype=BF16),
+        Case(world, "startend_bidir", 2048, b=2, hq=4, hkv=2, d=128, dtype=BF16),
+    ]
 
 
 @pytest.mark.gpu
-def test_nccl_two_gpus(tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl(tmp_path, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices, found {torch.cuda.device_count()}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    results = _spawn(str(tmp_path), 2, GPU_CASES, "nccl", bad_input=False)
+    cases = gpu_cases(world)
+    results = _spawn(str(tmp_path), world, cases, "nccl", bad_input=False)
     failures = []
-    for case in GPU_CASES:
+    for case in cases:
         try:
             check_case(case, results[case.name], device="cuda:0")
         except AssertionError as err:
