@@ -69,22 +69,26 @@ def _err(row: dict) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """The results as markdown: one line per (GPUs, mask, tokens, provider), then where and how."""
     lines = [
-        "| GPUs | mask | tokens | provider | 1 GPU fwd+bwd (s) | W GPUs fwd+bwd (s) | speedup | layout allows "
-        "| K/V sent fwd (GiB): this / all-gather | max rel. err | status |",
-        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| GPUs | mask | tokens | provider | 1 GPU fwd+bwd (s) | W GPUs fwd+bwd (s) | timed runs 1 / W | speedup "
+        "| layout allows | K/V sent fwd (GiB): this / all-gather | max rel. err | status |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        if (r.get("status") or "").startswith("skipped"):  # not measured: the time budget ran out
+            continue
         t1, tw = _num(r.get("t1_fwd_bwd_ms")), _num(r.get("tw_fwd_bwd_ms"))
         lines.append(
             f"| {r['gpus']} | {r['mask']} | {_tokens(r['seq_len'])} | {r['provider']} "
             f"| {'–' if t1 is None else f'{t1 / 1e3:.2f}'} | {'–' if tw is None else f'{tw / 1e3:.2f}'} "
-            f"| {_x(r.get('speedup_fwd_bwd'))} | {_x(r.get('ideal_speedup'))} "
+            f"| {r.get('reps_1gpu') or 0} / {r.get('reps_multi') or 0} | {_x(r.get('speedup_fwd_bwd'))} | {_x(r.get('ideal_speedup'))} "
             f"| {_gib(r.get('fwd_bytes_moved'))} / {_gib(r.get('all_gather_fwd_bytes'))} | {_err(r)} "
             f"| {_status(r.get('status'))} |")
     notes = ["", "Speedup: `flexmask.attention` on one GPU / this provider on W GPUs (the slowest rank), "
              "forward + backward; *layout allows*: the speedup a perfect kernel gets from the 2W-chunk layout "
              "(attending pairs in all ranks / in the busiest). Errors: relative to flexmask on one GPU "
-             "(flexmask rows) or to flexmask on the same W GPUs (torch_ring rows)."]
+             "(flexmask rows) or to flexmask on the same W GPUs (torch_ring rows). Timed runs 0: the time is "
+             "that of the warm-up run alone (a run longer than --target-s), which on a process's first "
+             "configuration included compiling the kernels (fixed since: they compile first, on a short sequence)."]
     variants = sorted({r["variant"] for r in rows if r["provider"] != "flexmask" and r.get("variant")})
     notes += [f"torch_ring: {v}." for v in variants]
     for gpus in sorted({r["gpus"] for r in rows}, key=int):
