@@ -627,11 +627,11 @@ def from_mask_mod(mask_mod, batch: int | None = None, heads: int | None = None, 
     passed to ``flexmask.attention`` is compiled once per (q_len, kv_len, device) and reused: if
     tensors the function reads change, build a new mask (or call ``flexmask.compile_mask`` again).
     """
+    if isinstance(mask_mod, Mask):
+        raise TypeError(f"mask_mod must be a function, got the mask {mask_mod!r} (it is already a Mask)")
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor, got "
                         f"{type(mask_mod).__name__} {_short(mask_mod)!r}")
-    if isinstance(mask_mod, Mask):
-        raise TypeError(f"mask_mod must be a function, got the mask {mask_mod!r} (it is already a Mask)")
     for name, value in (("batch", batch), ("heads", heads)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be None (the mask does not depend on it) or a positive int, got "
