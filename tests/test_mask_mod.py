@@ -173,6 +173,24 @@ def test_attention_forward_and_backward(name, b, hq, hkv, sq, sk, d, dtype):
     check_grads(q, k, v, mask, random_do(b, hq, sq, d, dtype), block_m=16, block_n=16, ref_mask=dense)
 
 
+def test_decode_step():
+    """One query against a long cache (the split-KV path): the function places the query itself
+    (position sk - 1); a window per KV head."""
+    sk = 97
+    windows = torch.tensor([5, 40])
+
+    def window(b, h, q, kv):
+        d = q + (sk - 1) - kv
+        return (d >= 0) & (d <= windows[h])
+
+    mask, dense = masks.from_mask_mod(window, heads=2), dense_of_mod(window, 1, sk, heads=2)
+    q, k, v = make_qkv(2, 4, 2, 1, sk, 32, torch.float16, seed=4)
+    out, lse = flexmask.attention(q, k, v, mask=mask, return_lse=True)
+    (ref_out, ref_lse), (low_out, low_lse) = references(q, k, v, dense)
+    assert_close_to_reference(out, ref_out, low_out, default_floor(torch.float16))
+    assert_close_to_reference(lse, ref_lse, low_lse, default_floor(torch.float32), name="lse")
+
+
 def test_attention_reuses_the_spec_tables():
     """A mask_mod spec is not keyed by structure (a function), so it keeps its tables itself:
     evaluated once per shape, not once per call."""

@@ -321,7 +321,8 @@ def _kv_cache(m, g):
 
 # --- kv_cache in a composition: the other operands' query positions follow the cache -----
 
-_EXPLICIT_ROWS = ("column_intervals", "from_startend_row_indices", "column_runs", "mask_mod")  # query rows, not positions
+# masks given as query rows, not positions
+_EXPLICIT_ROWS = ("column_intervals", "from_startend_row_indices", "column_runs", "mask_mod")
 
 
 def _find_cache(m) -> list:
@@ -528,12 +529,6 @@ def _given_runs(m, g: _Geometry) -> torch.Tensor:
     return _column_runs(m, g) if m.kind == "column_runs" else _mask_mod_runs(m, g)
 
 
-def _trimmed(runs: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Runs cut to the most any column holds (at least one slot): one host sync."""
-    most = int(count.max()) if count.numel() else 0
-    return runs[..., : max(1, most), :]
-
-
 def _column_runs(m, g: _Geometry) -> torch.Tensor:
     p = m.params()
     starts, ends = p["starts"], p["ends"]
@@ -555,9 +550,10 @@ def _column_runs(m, g: _Geometry) -> torch.Tensor:
         both = both.unsqueeze(0)
     k = both.shape[-2]
     runs = _normalize_runs(both, g.q_len, k)
-    if k <= 2:  # fits by construction: no need to look
+    if k <= 2 or runs.numel() == 0:  # fits by construction: no need to look
         return runs
-    return _trimmed(runs, (runs[..., 0] <= g.q_len).sum(-1))
+    most = int((runs[..., 0] <= g.q_len).sum(-1).max())  # a host sync: cut to the most runs of a column
+    return runs[..., : max(1, most), :]
 
 
 def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
@@ -585,7 +581,7 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     collected as the row blocks go by: a run opens at a masked row below an attended one (or
     the first row) and closes at an attended row below a masked one (or at q_len). Run r of a
     column lands in slot r by a scatter (no host sync per block); runs past max_runs are only
-    counted. One host sync at the end reads the counts."""
+    counted. One host sync at the end reads the most runs of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
@@ -627,15 +623,14 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
                     starts[b, h, k0:k0 + width] = s_buf.T
                     ends[b, h, k0:k0 + width] = e_buf.T
                     count[b, h, k0:k0 + width] = opened
-    over = count > max_runs
-    if bool(over.any()):  # (the one host sync, with the trim below)
-        b, h, j = over.nonzero()[0].tolist()
+    most = int(count.max()) if count.numel() else 0  # the one host sync
+    if most > max_runs:
+        b, h, j = (count > max_runs).nonzero()[0].tolist()
         raise ValueError(
             f"{m!r}: key column {j}{_where(m, b, h)} has {int(count[b, h, j])} masked runs of query rows, "
-            f"more than max_runs={max_runs}"
+            f"more than max_runs={max_runs} (it may be raised up to {run_bounds.MAX_RUNS_LIMIT})"
         )
-    runs = torch.stack([starts[..., :max_runs], ends[..., :max_runs]], dim=-1)
-    return _trimmed(runs, count)
+    return torch.stack([starts[..., :max(1, most)], ends[..., :max(1, most)]], dim=-1)
 
 
 def _where(m, b: int, h: int) -> str:

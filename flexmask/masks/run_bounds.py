@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+MAX_RUNS_LIMIT = 16  # the most masked runs per column a mask may be asked for (from_mask_mod's max_runs)
+
 T, B, M = "T", "B", "M"
 L, U, X = "L", "U", "X"
 ALL_L = "L*"  # exactly rows [0, r_j): the causal triangle, which holds every L interval

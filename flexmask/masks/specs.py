@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .run_bounds import MAX_RUNS_LIMIT
+
 __all__ = [
     "Mask",
     "full",
@@ -478,9 +480,6 @@ def column_intervals(lts, lte=None, uts=None, ute=None) -> Mask:
     return _Simple("column_intervals", **tensors)
 
 
-MAX_RUNS_LIMIT = 16  # the most masked runs per column a mask may be asked to hold (DESIGN.md 2.1)
-
-
 def column_runs(starts, ends) -> Mask:
     """Explicit masked row runs per key column, k of them: column j masks the union over r of
     rows ``[starts[..., j, r], ends[..., j, r])`` (0-based, end exclusive, within [0, q_len]).
@@ -510,7 +509,9 @@ def column_runs(starts, ends) -> Mask:
             try:
                 value = torch.as_tensor(value)
             except (TypeError, ValueError, RuntimeError) as err:
-                raise TypeError(f"{name} must be an integer tensor or a nested list of ints, got {_short(value)!r}") from err
+                raise TypeError(
+                    f"{name} must be an integer tensor or a nested list of ints, got {_short(value)!r}"
+                ) from err
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
         if value.dim() not in (2, 3, 4):
