@@ -455,3 +455,14 @@ def test_column_runs_bad_arguments():
     with pytest.raises(ValueError, match="starts holds row -1"):
         masks.column_runs(s - 1, s).to_dense(4, 5)
     assert bool(masks.column_runs([[0, 0]] * 5, [[0, 0]] * 5).to_dense(4, 5).all())  # lists, empty runs
+
+
+def test_docstring_pictures():
+    """The pictures in the builders' docstrings are what the builders draw."""
+    runs = masks.column_runs([[0, 4], [3, 1], [5, 0]], [[2, 6], [5, 2], [0, 0]])
+    assert runs.show(6, 3) == ".##\n..#\n###\n#.#\n..#\n.##"
+    window = masks.from_mask_mod(lambda b, h, q, kv: (kv <= q) & (q - kv < 3))
+    assert window.show(6, 6) == "#.....\n##....\n###...\n.###..\n..###.\n...###"
+    assert torch.equal(dense_of_mod(dilated, 6, 6)[0, 0, :, 0], torch.tensor([True, False] * 3))
+    with pytest.raises(ValueError, match=r"query rows \[1, 2\), \[3, 4\), \[5, 6\)"):
+        masks.from_mask_mod(dilated).show(6, 6)
