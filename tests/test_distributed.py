@@ -76,9 +76,11 @@ def case_mask(case: Case) -> masks.Mask:
         seqlens = [c - 8, c + 22, c - 10, s - 3 * c - 4]
         return masks.document(seqlens, causal=True)
     if case.family == "document_uneven":  # a long document, then short ones: the default layout is uneven
-        c = s // (2 * case.world)
-        seqlens = [3 * c, 8, 8, 8] if case.world == 2 else [130, 10, 12, 10, 30]
-        assert sum(seqlens) == s
+        if (case.world, s) in ((2, 96), (4, 192)):
+            seqlens = [72, 8, 8, 8] if case.world == 2 else [130, 10, 12, 10, 30]
+        else:  # 5/8 of the sequence, then documents of S/32
+            first, piece = 5 * s // 8 + 10, s // 32
+            seqlens = [first] + [piece] * ((s - first) // piece) + ([(s - first) % piece] if (s - first) % piece else [])
         return masks.document(seqlens, causal=True)
     if case.family == "narrow_window":  # far chunk pairs are empty: skipped, never received
         return masks.sliding_window(s // (2 * case.world) - 18)
@@ -449,6 +451,7 @@ def gpu_cases(world: int) -> list[Case]:
         Case(world, "document_crossing", 4096, hq=4, hkv=2, d=128, dtype=BF16),
         Case(world, "narrow_window", 4096, hq=4, hkv=2, d=128, dtype=BF16),
         Case(world, "startend_bidir", 2048, b=2, hq=4, hkv=2, d=128, dtype=BF16),
+        Case(world, "document_uneven", 4096, hq=4, hkv=2, d=128, dtype=BF16, chunks="balanced"),
     ]
 
 

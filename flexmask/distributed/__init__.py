@@ -28,8 +28,8 @@ Backward: the merge is differentiated by hand, each partial call by autograd (it
 gradient of the LSE too); dQ stays local, and the dK/dV of received chunks are computed first
 and sent back to their owners while the local backward runs.
 
-Modules: layout (Layout, shard/unshard), balance (balanced_layout), plan (pairs, sub-masks, cache), exchange (point-to-point
-traffic), merge (LSE merge and its gradient), context_attention (forward/backward, the public call).
+Modules: layout (Layout, shard/unshard), balance (balanced_layout), plan (pairs, sub-masks, cache),
+exchange (point-to-point traffic), merge (LSE merge and its gradient), context_attention (forward/backward, the public call).
 """
 
 from __future__ import annotations

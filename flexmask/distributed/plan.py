@@ -36,8 +36,8 @@ class ContextPlan:
 
     def halves_needed(self, rank: int, source: int) -> list[int]:
         """The halves of `source`'s shard that some query of `rank` needs (sorted)."""
-        queries = self.layout.rank_chunks(rank)
-        return [h for h, key in enumerate(self.layout.rank_chunks(source)) if bool(self.pairs[list(queries), key].any())]
+        queries = list(self.layout.rank_chunks(rank))
+        return [h for h, key in enumerate(self.layout.rank_chunks(source)) if bool(self.pairs[queries, key].any())]
 
     def transfers(self) -> list[tuple[int, int, int]]:
         """(source rank, destination rank, source half) of every K/V chunk that travels."""
