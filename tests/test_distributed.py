@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flexmask import distributed as fmd
-from flexmask import masks
+from flexmask import masks, reference
 
 from conftest import (
     assert_close_to_reference,
@@ -50,10 +50,12 @@ class Case:
     dtype: torch.dtype = FP32
     with_dlse: bool = False
     layout: str = "bhsd"  # "bshd": q/k/v are .transpose(1, 2) views, sharded along dim 1 of (B, S, H, D)
+    terms: bool = False  # softcap and sinks (score terms, DESIGN.md section 1): case_terms
 
     @property
     def name(self) -> str:
         extra = f"W{self.world}" + ("-dlse" if self.with_dlse else "") + ("-bshd" if self.layout == "bshd" else "")
+        extra += "-softcap-sinks" if self.terms else ""
         return case_id(self.b, self.hq, self.hkv, self.s, None, self.d, self.dtype, self.family, extra)
 
 
@@ -68,6 +70,14 @@ def case_mask(case: Case) -> masks.Mask:
     if case.family == "empty_rows":  # the first query chunk (and a bit more) attends nothing
         return masks.column_intervals(torch.zeros(s, dtype=torch.int64), torch.full((s,), s // 3))
     return make_mask(case.family, s, s, batch=case.b, heads=case.hq)
+
+
+def case_terms(case: Case, device="cpu") -> dict:
+    """Soft-capping inside every chunk call, and sinks added once per row after the merge."""
+    if not case.terms:
+        return {}
+    sinks = torch.randn(case.hq, generator=torch.Generator().manual_seed(3)).to(device)
+    return {"softcap": 2.0, "sinks": sinks}
 
 
 def case_inputs(case: Case, device="cpu"):
@@ -92,6 +102,8 @@ CPU_CASES = [
     Case(3, "causal", 144, with_dlse=True),
     Case(3, "document_crossing", 144),
     Case(3, "document_per_batch", 144, b=2),
+    Case(2, "empty_rows", 96, with_dlse=True, terms=True),  # rows that see nothing: output 0, LSE = the sink
+    Case(3, "causal", 144, terms=True),
 ]
 
 
@@ -108,12 +120,19 @@ def _run_case(case: Case, group, device) -> dict | None:
         ql.retain_grad(), kl.retain_grad(), vl.retain_grad()
     else:
         ql, kl, vl = (fmd.shard(t, group).detach().requires_grad_(True) for t in (q, k, v))
-    out, lse = fmd.attention(ql, kl, vl, mask, group, return_lse=True)
+    terms = case_terms(case, device)
+    if "sinks" in terms:
+        terms["sinks"].requires_grad_(True)
+    out, lse = fmd.attention(ql, kl, vl, mask, group, return_lse=True, **terms)
     loss = (out * fmd.shard(do, group)).sum()
     if dlse is not None:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * fmd.shard(dlse, group)).sum()
     loss.backward()
     got = [fmd.unshard(t.detach(), group) for t in (out, lse, ql.grad, kl.grad, vl.grad)]
+    if "sinks" in terms:  # each rank's gradient covers its rows: summed as for any replicated parameter
+        dsinks = terms["sinks"].grad.clone()
+        dist.all_reduce(dsinks, group=group)
+        got.append(dsinks)
     return {"got": [t.cpu() for t in got], "plan": fmd.context_plan(mask, case.s, case.world).pairs}
 
 
@@ -139,6 +158,8 @@ def _bad_input(group, device) -> dict:
     _expect_error(res, "mask_type", lambda: fmd.attention(q, q, q, torch.ones(96, 96, dtype=torch.bool), group))
     _expect_error(res, "mask_length", lambda: fmd.attention(q, q, q, masks.document([50, 50]), group))
     _expect_error(res, "rank_3d", lambda: fmd.attention(q[0], q[0], q[0], None, group))
+    _expect_error(res, "alibi", lambda: fmd.attention(q, q, q, None, group, alibi_slopes=torch.ones(2)))
+    _expect_error(res, "sinks_shape", lambda: fmd.attention(q, q, q, None, group, sinks=torch.ones(3)))
     # without autograd (inference) the same calls give the same output, bit for bit
     causal = masks.causal()
     qs, ks, vs = (torch.randn(1, 2, 48, 8, device=device, generator=torch.Generator().manual_seed(i)) for i in range(3))
@@ -209,15 +230,32 @@ def cpu_results(tmp_path_factory):
 # --- checks -------------------------------------------------------------------------------
 
 
+def reference_with_terms(q, k, v, mask, do, dlse, terms: dict, dtype):
+    """(out, lse, dq, dk, dv, dsinks) by autograd through reference.attention with the score terms."""
+    qr, kr, vr = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    sinks = terms["sinks"].detach().to(dtype).requires_grad_(True)
+    out, lse = reference.attention(qr, kr, vr, mask, dtype=dtype, softcap=terms["softcap"], sinks=sinks)
+    loss = (out * do.to(dtype)).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse.to(dtype)).sum()
+    return (out.detach(), lse.detach(), *torch.autograd.grad(loss, (qr, kr, vr, sinks)))
+
+
 def check_case(case: Case, result: dict, device="cpu") -> None:
     mask = case_mask(case)
     q, k, v, do, dlse = case_inputs(case, device)
-    ref64 = reference_grads(q, k, v, mask, do, dlse=dlse)
-    lowp = reference_grads(q, k, v, mask, do, dtype=case.dtype, dlse=dlse)
+    if case.terms:
+        terms = case_terms(case, device)
+        ref64 = reference_with_terms(q, k, v, mask, do, dlse, terms, torch.float64)
+        lowp = reference_with_terms(q, k, v, mask, do, dlse, terms, case.dtype)
+    else:
+        ref64 = reference_grads(q, k, v, mask, do, dlse=dlse)
+        lowp = reference_grads(q, k, v, mask, do, dtype=case.dtype, dlse=dlse)
     floor = default_floor(case.dtype)
-    for name, g, r, lp in zip(("out", "lse", "dq", "dk", "dv"), result["got"], ref64, lowp):
-        assert g.dtype == (torch.float32 if name == "lse" else case.dtype), f"{name}: dtype {g.dtype}"
-        assert_close_to_reference(g.to(device), r, lp, floor, name=name)
+    for name, g, r, lp in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), result["got"], ref64, lowp):
+        assert g.dtype == (torch.float32 if name in ("lse", "dsinks") else case.dtype), f"{name}: dtype {g.dtype}"
+        assert_close_to_reference(g.to(device), r, lp, default_floor(case.dtype, gradient=True) if name == "dsinks"
+                                  else floor, name=name)
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c.name for c in CPU_CASES])
@@ -246,6 +284,8 @@ BAD_INPUT = {
     "mask_length": ("ValueError", "96"),
     "rank_3d": ("ValueError", "4-D"),
     "ranks_disagree": ("ValueError", "disagree"),
+    "alibi": ("ValueError", "alibi_slopes is not supported by flexmask.distributed.attention"),
+    "sinks_shape": ("ValueError", "sinks must have shape (2,)"),
 }
 
 
