@@ -43,7 +43,10 @@ def _forward_impl(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd
                   softcap=0.0, alibi_slopes=None, sinks=None):
     cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
-    return attention_forward(q, k, v, cm, scale, terms=_terms(softcap, alibi_slopes, sinks))
+    terms = _terms(softcap, alibi_slopes, sinks)
+    if terms is None:  # the call without terms is the one it always was
+        return attention_forward(q, k, v, cm, scale)
+    return attention_forward(q, k, v, cm, scale, terms=terms)
 
 
 def _backward_impl(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets,
