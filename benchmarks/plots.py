@@ -108,7 +108,7 @@ def _family_panels(plt, rows, out_dir, name, ylabel, providers, value, title, hl
     return path
 
 
-def _sweep_plot(plt, rows, out_dir):
+def _sweep_plot(plt, rows, out_dir, prefix=""):
     sweep = [r for r in rows if r.get("family") == SWEEP and _ok(r)]
     shapes = _shapes(sweep)
     if not shapes:
@@ -135,14 +135,15 @@ def _sweep_plot(plt, rows, out_dir):
         ax.legend(fontsize=7)
     fig.suptitle(f"time vs density\n{_stamp(sweep)}", fontsize=10)
     fig.tight_layout()
-    path = os.path.join(out_dir, "sweep_time_vs_density.png")
+    path = os.path.join(out_dir, f"{prefix}sweep_time_vs_density.png")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def make_plots(rows: Sequence[dict], out_dir: str) -> list[str]:
-    """Write the PNGs for `rows` (dicts as read from the CSV) into `out_dir`; returns their paths."""
+def make_plots(rows: Sequence[dict], out_dir: str, prefix: str = "") -> list[str]:
+    """Write the PNGs for `rows` (dicts as read from the CSV) into `out_dir`, each name led by
+    `prefix`; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,19 +156,19 @@ def make_plots(rows: Sequence[dict], out_dir: str) -> list[str]:
         col = f"{direction}_tflops"
         if not any(_num(r.get(col)) for r in rows):
             continue
-        paths.append(_family_panels(plt, rows, out_dir, f"tflops_{direction}.png", "TFLOP/s (unmasked)",
+        paths.append(_family_panels(plt, rows, out_dir, f"{prefix}tflops_{direction}.png", "TFLOP/s (unmasked)",
                                     PROVIDER_ORDER, lambda r, col=col: _num(r.get(col)) if r else None,
                                     f"{title}: TFLOP/s on unmasked elements"))
     speedup = [f"{d}_vs_flex" for d in DIRECTION_TITLES]
     if any(_num(r.get(c)) for r in rows if r.get("provider") == "flexmask" for c in speedup):
         ratio_rows = [dict(r, provider=d) for r in rows if r.get("provider") == "flexmask" and _ok(r)
                       for d in DIRECTION_TITLES]
-        paths.append(_family_panels(plt, ratio_rows, out_dir, "speedup_vs_flex.png", "flexmask / FlexAttention",
+        paths.append(_family_panels(plt, ratio_rows, out_dir, f"{prefix}speedup_vs_flex.png", "flexmask / FlexAttention",
                                     tuple(DIRECTION_TITLES),
                                     lambda r: _num(r.get(f"{r['provider']}_vs_flex")) if r else None,
                                     "flexmask speedup over FlexAttention (its time / ours); dashed: 1x and the 1.25x target",
                                     hlines=(1.0, 1.25)))
-    paths.append(_sweep_plot(plt, rows, out_dir))
+    paths.append(_sweep_plot(plt, rows, out_dir, prefix))
     return [p for p in paths if p]
 
 
@@ -178,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv", help="a results CSV written by benchmarks.run")
     p.add_argument("--out", help="output directory (default: the CSV's directory)")
+    p.add_argument("--prefix", default="", help="start of every PNG's name (benchmarks.run: 'summary_' for summary.csv)")
     args = p.parse_args(argv)
-    for path in make_plots(read_csv(args.csv), args.out or os.path.dirname(os.path.abspath(args.csv))):
+    for path in make_plots(read_csv(args.csv), args.out or os.path.dirname(os.path.abspath(args.csv)), args.prefix):
         print(path)
     return 0
 

@@ -4,7 +4,8 @@
 flexmask tile tables, FlexAttention's BlockMask, a dense boolean mask) and returns a
 `Prepared`: the attention callable ``attn(q, k, v) -> out`` plus the mask build time and the
 mask memory. `Provider.applies(case)` says whether it can express the mask at all (no row
-when not), `Provider.skip_reason(setup)` why it cannot run this configuration (a SKIP row).
+when not), `Provider.skip_reason(setup)` why it cannot run this configuration (a SKIP row),
+`Provider.missing()` why it cannot run here at all (not installed: benchmarks.run leaves it out).
 
   flexmask     flexmask.attention with a CompiledMask from flexmask.compile_mask (fused backward,
                deterministic=False)
@@ -68,6 +69,10 @@ class Provider:
         return True
 
     def skip_reason(self, setup: Setup) -> str | None:
+        return None
+
+    def missing(self) -> str | None:
+        """None when this provider can be imported here, else why not, in one line."""
         return None
 
     def prepare(self, setup: Setup) -> Prepared:
@@ -174,6 +179,13 @@ def _closure_tensors(fn: Callable, seen: set | None = None) -> list[torch.Tensor
 class Flex(Provider):
     name, label = "flex", "FlexAttention"
 
+    def missing(self) -> str | None:
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401
+        except ImportError as err:
+            return f"FlexAttention is not importable in torch {torch.__version__} ({err})"
+        return None
+
     def mask_mod(self, setup: Setup) -> Callable:
         return intervals_mask_mod(setup.intervals, setup.heads)[0]
 
@@ -222,6 +234,15 @@ class SdpaBackend(Provider):
 
     def applies(self, case: Case) -> bool:
         return case.family in ("full", "causal")
+
+    def missing(self) -> str | None:
+        try:
+            from torch.nn.attention import SDPBackend
+        except ImportError as err:
+            return f"torch {torch.__version__} has no torch.nn.attention ({err})"
+        if not hasattr(SDPBackend, self.backend):
+            return f"torch {torch.__version__}'s SDPA has no {self.backend} backend"
+        return None
 
     def prepare(self, setup: Setup) -> Prepared:
         from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -13,6 +13,7 @@ from .kernels.decode.split_kv import decode_forward, decode_fwd
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
 from .masks import specs
+from .masks.compiled_cache import CompiledCache, spec_from_key, traceable_key
 from .masks.compiler import CompiledMask, compile_spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -60,17 +61,22 @@ def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> Compil
         return mask
     if mask is not None and not isinstance(mask, specs.Mask):
         raise TypeError(f"mask must be None, a flexmask.masks.Mask or a CompiledMask, got {_describe_mask(mask)}")
-    spec = specs.full() if mask is None else mask
-    cache = _FULL_CACHE if mask is None else spec._compiled_cache
-    key = (q_len, kv_len, str(device))
-    if key not in cache:
+    spec = _FULL if mask is None else mask
+    shape_key = (q_len, kv_len, device.type, device.index)
+    compiled = COMPILED.get(spec, shape_key, lambda: compile_mask(spec, q_len, kv_len, device=device))
+    if compiled is not None:
+        return compiled
+    cache = spec._compiled_cache  # a spec the structural key does not cover (a GPU tensor in it)
+    if shape_key not in cache:
         if len(cache) >= 16:  # a bounded cache: masks are usually reused for a few shapes
             cache.pop(next(iter(cache)))
-        cache[key] = compile_mask(spec, q_len, kv_len, device=device)
-    return cache[key]
+        cache[shape_key] = compile_mask(spec, q_len, kv_len, device=device)
+    return cache[shape_key]
 
 
-_FULL_CACHE: dict = {}
+_FULL = specs.full()
+# equal specs share their tables: `mask=masks.causal()` in the call costs what a compiled mask costs
+COMPILED = CompiledCache(size=64)
 
 
 def _describe_mask(mask) -> str:
@@ -167,6 +173,17 @@ def _spec_table_args(mask, q_len: int, kv_len: int, device: torch.device) -> tup
     return _table_args(_resolve_mask(mask, q_len, kv_len, device))
 
 
+@torch.compiler.assume_constant_result
+def _key_table_args(key: tuple, q_len: int, kv_len: int, device: torch.device) -> tuple:
+    """`_spec_table_args` for a spec written inside the compiled region, by its structural key:
+    dynamo hands such an object over without the attributes it set while tracing, so the spec is
+    rebuilt from the key (or found in the cache by it)."""
+    shape_key = (q_len, kv_len, device.type, device.index)
+    compiled = COMPILED.get_by_key(key, shape_key,
+                                   lambda: compile_mask(spec_from_key(key), q_len, kv_len, device=device))
+    return _table_args(compiled)
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -251,7 +268,11 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     if isinstance(mask, CompiledMask) or not torch.compiler.is_compiling():
         tables = _table_args(_resolve_mask(mask, sq, sk, q.device))
     else:  # a spec (or None) inside torch.compile: its tables are constants of the graph
-        tables = _spec_table_args(mask, sq, sk, q.device)
+        # the tables are constants of one length: a symbolic length (dynamic shapes, after a new
+        # length) is specialised, which dynamo does for len(range(n)) (int(n) would stay symbolic)
+        key, lengths = None if mask is None else traceable_key(mask), (len(range(sq)), len(range(sk)))
+        tables = (_spec_table_args(mask, *lengths, q.device) if key is None
+                  else _key_table_args(key, *lengths, q.device))
     _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     plan = _split_kv_plan(q, k, v, tables, terms)

@@ -294,12 +294,13 @@ def test_torch_compile_mask_none(monkeypatch):
     of flexmask/masks/intervals.py `_merge` made Dynamo fail ("Could not guard on
     data-dependent expression"), although the user has no mask to build outside."""
     import flexmask.api as api
+    from flexmask.masks.compiled_cache import CompiledCache
 
-    monkeypatch.setattr(api, "_FULL_CACHE", {})  # a cold cache, whatever ran before
+    monkeypatch.setattr(api, "COMPILED", CompiledCache())  # a cold cache, whatever ran before
     torch._dynamo.reset()
     q, k, v = make_qkv(1, 2, 2, 40, 40, 16, FP32, seed=11)
     eager = flexmask.attention(q, k, v)
-    monkeypatch.setattr(api, "_FULL_CACHE", {})
+    monkeypatch.setattr(api, "COMPILED", CompiledCache())
     compiled = torch.compile(lambda q, k, v: flexmask.attention(q, k, v), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(q, k, v), eager)
 

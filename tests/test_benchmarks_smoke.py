@@ -2,8 +2,8 @@
 
 The CPU mode of ``python -m benchmarks.run`` runs in a subprocess on three families (kernels
 under the Triton interpreter, checked against the dense reference); the FlexAttention mask_mod
-that the GPU sweep derives from our intervals is checked against the dense mask; the README
-table is regenerated from a CSV.
+that the GPU sweep derives from our intervals is checked against the dense mask; the results
+tables of the README and docs/results.md are regenerated from a CSV.
 """
 
 import os
@@ -89,9 +89,57 @@ def test_readme_table_is_generated_between_the_markers(tmp_path):
     assert readme_table.main([str(tmp_path / "gpu.csv"), "--readme", str(readme), "--check"]) == 0
 
 
+def test_readme_summary_block_is_the_32k_d128_rows(tmp_path):
+    """The README's summary block takes the S = 32K, D = 128 rows of a CSV, and names SDPA's
+    backends on full and causal in one line; --readme fills whichever blocks a file has."""
+    env = {"date": "2026-11-22T00:00:00+00:00", "gpu": "Test GPU", "torch": "2.11", "triton": "3.6",
+           "command": "python -m benchmarks.run", "mode": "gpu"}
+    rows = []
+    for seqlen, head_dim, tflops in ((32768, 128, 500.0), (8192, 128, 111.0), (32768, 64, 222.0)):
+        base = dict(env, family="full", params="", batch=1, heads=16, kv_heads=16, seqlen=seqlen, head_dim=head_dim,
+                    dtype="bfloat16", density=1.0)
+        rows += [dict(base, provider="flexmask", status="ok", fwd_tflops=tflops, bwd_tflops=tflops, fwd_bwd_tflops=tflops,
+                      fwd_vs_flex=1.5, bwd_vs_flex=1.4, fwd_bwd_vs_flex=1.45, mask_build_ms=0.1, mask_bytes=4096,
+                      check="pass"),
+                 dict(base, provider="flex", status="ok", fwd_tflops=300.0, bwd_tflops=300.0, fwd_bwd_tflops=300.0),
+                 dict(base, provider="sdpa_cudnn", status="ok", fwd_tflops=610.0, fwd_bwd_tflops=548.0)]
+    writer = report.CsvWriter(str(tmp_path / "summary.csv"))
+    writer.write(rows)
+    writer.close()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n{readme_table.SUMMARY_START}\nold\n{readme_table.SUMMARY_END}\n")
+    assert readme_table.main([str(tmp_path / "summary.csv"), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old" not in text and "| full | 32K | 1 | 1.000 | 500 / 300 |" in text
+    assert "111" not in text and "222" not in text  # only S = 32K, D = 128
+    assert "full: cudnn 610 / 548." in text
+    assert readme_table.main([str(tmp_path / "summary.csv"), "--readme", str(readme), "--check"]) == 0
+
+
+def test_repository_results_blocks_are_generated():
+    """The README's summary and docs/results.md's full block are what readme_table gives from
+    the committed CSVs (regenerate with `python -m benchmarks.readme_table`)."""
+    assert readme_table.regenerate(check=True, quiet=True) == 0
+
+
+def test_summary_leaves_out_peers_that_are_not_installed(monkeypatch, capsys):
+    """`python -m benchmarks.run` on a GPU: 32K, D = 128, 16/16 heads, flexmask and the peers that
+    import; a missing one is left out with a one-line note."""
+    from benchmarks import run
+
+    monkeypatch.setattr(providers.Flex, "missing", lambda self: "FlexAttention is not importable here")
+    opts = run.make_options(run.build_parser().parse_args([]), quick=False)
+    assert opts.shapes == [(32768, 128)] and opts.sweep_shapes == [] and opts.heads == 16
+    assert opts.kv_heads in (None, 16) and str(opts.dtype) == "torch.bfloat16"
+    assert opts.providers == ["flexmask", "sdpa_cudnn", "sdpa_flash"]
+    assert capsys.readouterr().err.strip() == "note: flex left out: FlexAttention is not importable here"
+    full = run.make_options(run.build_parser().parse_args(["--full"]), quick=False)
+    assert len(full.shapes) == 6 and full.sweep_shapes == [(32768, 128)] and "flexmask_det" in full.providers
+
+
 def test_targets_reports_misses(tmp_path):
-    """benchmarks.targets flags a case under its target and counts the ones met."""
-    from benchmarks import targets
+    """tools.targets flags a case under its target and counts the ones met."""
+    from tools import targets
 
     fields = ["provider", "family", "params", "seqlen", "head_dim", "status", "mode", "fwd_vs_flex", "bwd_vs_flex",
               "fwd_bwd_vs_flex", "fwd_tflops", "bwd_tflops"]

@@ -779,7 +779,7 @@ def test_classify_kernel_compiles_for_sm90():
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-m", "benchmarks.offline_compile", "compiler"], env=env, cwd=root,
+    done = subprocess.run([sys.executable, "-m", "tools.offline_compile", "compiler"], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("classify ", "shift_to_cache", "random_eviction "))]
@@ -875,8 +875,8 @@ def test_nested_compositions_keep_the_composition_launches(monkeypatch):
 
 
 def test_bench_compositions_are_paired():
-    """The compositions timed by benchmarks.bench_compile take the paired path (built at 8K)."""
-    from benchmarks.bench_compile import _extra_cases
+    """The compositions timed by benchmarks.compile take the paired path (built at 8K)."""
+    from benchmarks.compile import _extra_cases
     from flexmask.masks import device_intervals
 
     s = 8192
@@ -906,19 +906,19 @@ def test_document_bounds_kernel_matches_the_torch_ops(rows, docs):
 def test_compile_kernel_variants_compile_for_sm90():
     """The classify kernel as launched (its fused scan, composed pairs, the kv_cache shift of
     either operand), the emit kernel and the document-bounds kernel go through Triton and ptxas
-    for sm_90 with no spills (benchmarks.compile_variants_offline, in a process without
+    for sm_90 with no spills (tools.compile_variants_offline, in a process without
     TRITON_INTERPRET)."""
     import os
     import pathlib
     import subprocess
     import sys
 
-    from benchmarks.compile_variants_offline import variants
+    from tools.compile_variants_offline import variants
 
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-m", "benchmarks.compile_variants_offline"], env=env, cwd=root,
+    done = subprocess.run([sys.executable, "-m", "tools.compile_variants_offline"], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [ln for ln in done.stdout.splitlines() if ": shared=" in ln]
@@ -995,17 +995,18 @@ def test_device_data_is_read_at_every_compile():
     assert_same_tables(compile_spec(masks.document([120, 7, 70]), 197, 197, cpu, 32, 32, on_device=False), got)
 
 
-def test_readme_compile_table_is_generated_from_the_csv():
-    """The README's compile-cost table is `bench_compile --readme` of the committed CSV, verbatim."""
+def test_compile_table_is_generated_from_the_csv():
+    """docs/tile-tables.md's compile-cost table is `benchmarks.compile --readme` of the committed CSV,
+    verbatim."""
     import csv
     import os
 
-    from benchmarks import bench_compile
+    from benchmarks import compile as compile_bench
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
+    with open(os.path.join(root, "docs", "tile-tables.md")) as f:
         readme = f.read()
-    block = readme.split(bench_compile.README_START, 1)[1].split(bench_compile.README_END, 1)[0]
+    block = readme.split(compile_bench.README_START, 1)[1].split(compile_bench.README_END, 1)[0]
     with open(os.path.join(root, "benchmarks", "results", "compile_cost_cuda.csv"), newline="") as f:
         rows = list(csv.DictReader(f))
-    assert block.strip() == bench_compile.readme_block(rows).strip()
+    assert block.strip() == compile_bench.readme_block(rows).strip()

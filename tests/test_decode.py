@@ -482,28 +482,28 @@ def test_hopper_decode_plan_only_where_it_runs():
 
 
 def test_readme_decode_table_is_generated_from_the_csv():
-    """The README's decoding table is `bench_decode --table` of the committed CSV, verbatim."""
+    """docs/decoding.md's decoding table is `benchmarks.decode --table` of the committed CSV, verbatim."""
     import os
 
-    from benchmarks import bench_decode
+    from benchmarks import decode as decode_bench
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
+    with open(os.path.join(root, "docs", "decoding.md")) as f:
         readme = f.read()
-    block = readme.split(bench_decode.README_START, 1)[1].split(bench_decode.README_END, 1)[0]
-    rows = bench_decode.read_csv(os.path.join(root, "benchmarks", "results", "decode.csv"))
-    assert block.strip() == bench_decode.table(rows).strip()
+    block = readme.split(decode_bench.README_START, 1)[1].split(decode_bench.README_END, 1)[0]
+    rows = decode_bench.read_csv(os.path.join(root, "benchmarks", "results", "decode.csv"))
+    assert block.strip() == decode_bench.table(rows).strip()
 
 
 def test_readme_decode_variants_table_is_generated_from_the_csv():
-    """The README's split of a decode step is `decode_variants --table` of the committed CSV."""
+    """docs/decoding.md's split of a decode step is `tools.decode_variants --table` of the committed CSV."""
     import csv
     import os
 
-    from benchmarks import decode_variants
+    from tools import decode_variants
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
+    with open(os.path.join(root, "docs", "decoding.md")) as f:
         readme = f.read()
     block = readme.split(decode_variants.README_START, 1)[1].split(decode_variants.README_END, 1)[0]
     with open(os.path.join(root, "benchmarks", "results", "decode_hopper.csv")) as f:

@@ -277,7 +277,9 @@ def test_spec_is_compiled_once_and_matches_compiled_mask(monkeypatch):
     """A Mask spec is compiled once per (Sq, Sk, device) and cached on the mask; its result
     equals passing the CompiledMask built with the same (default) tiles."""
     import flexmask.api as api
+    from flexmask.masks.compiled_cache import CompiledCache
 
+    monkeypatch.setattr(api, "COMPILED", CompiledCache())  # cold, whatever ran before
     calls = []
     real = api.compile_mask
 

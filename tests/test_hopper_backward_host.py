@@ -141,7 +141,7 @@ def test_do_follows_q_layout(q_layout):
 
 _COMPILE_ALL = """
 import json
-from benchmarks import offline_compile as oc
+from tools import offline_compile as oc
 
 cases = [("forward", d, qb, lambda d=d, qb=qb: oc._hopper_forward(d, 2, qb)) for d, qb in ((128, 1), (128, 2), (64, 2))]
 cases += [("backward", d, dq, lambda d=d, dq=dq: oc._hopper_backward(2, d, dq)) for d, dq in ((128, True), (64, True), (128, False))]

@@ -51,14 +51,70 @@ def test_key_ignores_what_triton_does_not_specialise():
 
 
 def test_unkeyed_arguments_take_triton_path():
-    """A float or a numpy scalar is not modelled by the key: the launch goes through Triton."""
+    """A numpy scalar is not modelled by the key: the launch goes through Triton."""
     import numpy as np
 
     from flexmask.kernels.common import launcher
 
-    for value in (1.5, np.int64(3)):
-        with pytest.raises(launcher._Unkeyed):
-            KEY(_args(n=value))
+    with pytest.raises(launcher._Unkeyed):
+        KEY(_args(n=np.int64(3)))
+
+
+def test_floats_are_fp32_whatever_their_value():
+    """Triton passes a Python float as fp32 and never specialises on its value."""
+    assert KEY(_args(m=1.5)) == KEY(_args(m=-2.0)) != KEY(_args(m=2))
+
+
+def test_descriptors_are_keyed_by_tritons_own_specialisation():
+    """A host TMA descriptor: another block or dtype is another kernel; another tensor of the same
+    block and dtype is the same one."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def desc(t, rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, rows, 64], gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 64], layout)
+
+    a, b = torch.zeros(2, 128, 64, dtype=torch.bfloat16), torch.zeros(3, 256, 64, dtype=torch.bfloat16)
+    assert KEY(_args(flag=desc(a, 128))) == KEY(_args(flag=desc(b, 128)))
+    assert KEY(_args(flag=desc(a, 64))) != KEY(_args(flag=desc(a, 128)))
+    assert KEY(_args(flag=desc(a.half(), 128))) != KEY(_args(flag=desc(a, 128)))
+
+
+def test_launch_binds_parameters_by_name_and_keys_launch_options(monkeypatch):
+    """Parameters given by name run in the kernel's order; a launch option (maxnreg) is part of
+    the key; a parameter left to its default goes through Triton's path, which binds it."""
+    from flexmask.kernels.common import launcher
+
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "f", "m"
+
+        def run(self, *args):
+            calls.append(("fast", args[9:]))
+
+    class Jit:
+        params = KERNEL.params
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(("triton", args, kwargs))
+                return Compiled()
+            return launch
+
+    monkeypatch.setattr(launcher.torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # a CPU build has none
+    monkeypatch.setattr(launcher.torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    fast = FastLaunch(KERNEL)
+    fast.fn = Jit()
+    x = torch.zeros(64, dtype=torch.int32)
+    fast((1,), x, x, n=32, m=5, flag=None, BLOCK=128, maxnreg=168)
+    fast((1,), x, x, n=32, m=6, flag=None, BLOCK=128, maxnreg=168)
+    fast((1,), x, x, n=32, m=6, flag=None, BLOCK=128, maxnreg=128)
+    fast((1,), x, x, 32, 6, None, BLOCK=128)
+    fast((1,), x, x, n=32, m=6, flag=None)  # BLOCK left out
+    assert [c[0] for c in calls] == ["triton", "fast", "triton", "triton", "triton"]
+    assert calls[1][1] == (x, x, 32, 6, None, 128)
 
 
 def test_interpreter_kernels_take_triton_path():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..common.launcher import FastLaunch
 from ..common.intmath import cdiv
 from ..common.masking import block_source, column_intervals, load_block, mask_row, masked_elements_t, row_stats
 from ..common.score_terms import kernel_args as score_kernel_args, log2_scores
@@ -44,7 +45,7 @@ def _fused_tiles(
     if MASKED:
         lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)  # this program's columns, once
     # a flat loop over the BLOCK_M steps (one set of pipeline buffers instead of one per step)
-    # measured 10-15% slower on an H200 (benchmarks/results/bwd_fused_variants_log.txt, run 3)
+    # measured 10-15% slower on an H200 (docs/performance.md, section 3)
     for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
         m = tl.load(p_blocks + t)
         for i in tl.static_range(TILE_M // BLOCK_M):
@@ -200,7 +201,7 @@ def fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale: float, cfg
     hkv, sk = k.shape[1], k.shape[2]
     kv_per_bh = cdiv(sk, cfg.block_n)
     score_args, score_flags = score_kernel_args(terms, scale, sq, sk, stats)
-    _fused_kernel[(kv_per_bh * batch * hkv,)](
+    _FUSED_LAUNCH((kv_per_bh * batch * hkv,),
         q, k, v, do, stats, dq_acc, dk, dv,
         cm.kernel_intervals, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
@@ -223,7 +224,12 @@ def convert_dq(dq_acc, dq, scale: float, block_d: int) -> None:
     """dQ = scale * the fp32 sums [B * Hq, Sq, block_d], cast to dq's dtype and layout."""
     batch, hq, sq, d = dq.shape
     conv_m = 64
-    _convert_dq_kernel[(cdiv(sq, conv_m), batch * hq)](
+    _CONVERT_DQ_LAUNCH((cdiv(sq, conv_m), batch * hq),
         dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), sq, hq, scale,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=conv_m,
     )
+
+
+# launched without Triton's per-call binding (common/launcher.py): short calls are host-bound
+_FUSED_LAUNCH = FastLaunch(_fused_kernel)
+_CONVERT_DQ_LAUNCH = FastLaunch(_convert_dq_kernel)

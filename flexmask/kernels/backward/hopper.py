@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..common.launcher import FastLaunch
 from ..common import scheduler
 from . import configs
 from ..forward.hopper import (
@@ -434,7 +435,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     with_dq = dq_acc is not None
     if not with_dq:  # the kernel still takes a descriptor: one over a single box, never used
         dq_acc = torch.empty(1, Q_ROWS, 32, dtype=torch.float32, device=q.device)
-    _backward_hopper_kernel[grid](
+    _BACKWARD_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, do_desc, _dq_descriptor(dq_acc), stats, dk, dv,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
@@ -443,3 +444,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         scale * LOG2E, scale,
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, num_warps=4, maxnreg=168,
     )
+
+
+# launched without Triton's per-call binding (common/launcher.py): short calls are host-bound
+_BACKWARD_HOPPER_LAUNCH = FastLaunch(_backward_hopper_kernel)

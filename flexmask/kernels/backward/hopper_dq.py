@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .hopper import LOG2E, _like_q
+from ..common.launcher import FastLaunch
 from ..forward.hopper import (
     CONSUMER_REGS, HOPPER_BLOCK, PRODUCER_REGS, _descriptor, _masked_scores, _num_sms, _tile_of, _walk_bounds,
     _work_item, work_list,
@@ -212,7 +213,7 @@ def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int
     n_items = work.numel()
     grid = (min(n_items, _num_sms(q.device.index or 0)),)
     mb, mdiv, mh = mask_map
-    _dq_hopper_kernel[grid](
+    _DQ_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, do_desc, dq, stats,
         cm.kernel_intervals, work, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
         dq.stride(0), dq.stride(1), dq.stride(2),
@@ -221,3 +222,7 @@ def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int
         scale * LOG2E, scale,
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, num_warps=4, maxnreg=168,
     )
+
+
+# launched without Triton's per-call binding (common/launcher.py): short calls are host-bound
+_DQ_HOPPER_LAUNCH = FastLaunch(_dq_hopper_kernel)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.launcher import FastLaunch
 from ..common.intmath import cdiv
 from ..common.masking import (LOG2E, block_source, column_intervals, load_block, mask_row, masked_elements,
                               masked_elements_t, row_stats)
@@ -120,7 +121,7 @@ def _dkdv_tiles(
                                 HAS_ALIBI)
     else:
         # a flat loop over the BLOCK_M steps (one set of pipeline buffers instead of one per step)
-        # measured 10-15% slower on an H200 (benchmarks/results/bwd_fused_variants_log.txt, run 3)
+        # measured 10-15% slower on an H200 (docs/performance.md, section 3)
         for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
             m = tl.load(p_blocks + t)
             for i in tl.static_range(STEPS):
@@ -412,7 +413,7 @@ def launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale: float, cfg_kv, kv_per_bh:
     hkv, sk = k.shape[1], k.shape[2]
     mb, mdiv, mh = mask_map
     score_args, score_flags = score_kernel_args(terms, scale, sq, sk, stats)
-    _dkdv_kernel[(kv_per_bh * batch * hkv,)](
+    _DKDV_LAUNCH((kv_per_bh * batch * hkv,),
         q, k, v, do, stats, dk, dv,
         cm.kernel_intervals, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
@@ -447,7 +448,7 @@ def preprocess(o, do, dlse, lse, block_d: int, accumulate_dq: bool, sinks=None, 
     part = None
     if sinks is not None:
         part = torch.empty(batch, hq, cdiv(sq, pre_m), dtype=torch.float32, device=o.device)
-    _preprocess_kernel[(cdiv(sq, pre_m), batch * hq)](
+    _PREPROCESS_LAUNCH((cdiv(sq, pre_m), batch * hq),
         o, do, dlse if dlse is not None else lse, lse, stats, dq_acc,
         lse if sinks is None else sinks, stats if part is None else part,
         o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
@@ -468,7 +469,7 @@ def launch_dq(q, k, v, do, stats, dq, cm, scale: float, cfg_q, mask_map: tuple[i
     mb, mdiv, mh = mask_map
     score_args, score_flags = score_kernel_args(terms, scale, sq, sk, stats)
     q_per_bh = cdiv(sq, cfg_q.block_m)
-    _dq_kernel[(q_per_bh * batch * hq,)](
+    _DQ_LAUNCH((q_per_bh * batch * hq,),
         q, k, v, do, stats, dq,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
@@ -484,3 +485,9 @@ def launch_dq(q, k, v, do, stats, dq, cm, scale: float, cfg_q, mask_map: tuple[i
         FLAT=flat_steps(q.dtype, cm.num_tiles_visited, cm.block_n // min(cfg_q.step_masked or cfg_q.block_n, cfg_q.block_n)),
         **common, **score_flags, num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
     )
+
+
+# launched without Triton's per-call binding (common/launcher.py): short calls are host-bound
+_DKDV_LAUNCH = FastLaunch(_dkdv_kernel)
+_PREPROCESS_LAUNCH = FastLaunch(_preprocess_kernel)
+_DQ_LAUNCH = FastLaunch(_dq_kernel)

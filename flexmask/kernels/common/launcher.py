@@ -1,7 +1,7 @@
 """Launch a Triton kernel again without `JITFunction.run`'s per-call work (issue 13).
 
-The mask compiler is host-bound: its GPU work takes microseconds, and each `kernel[grid](...)`
-costs ~10-25 us of Python in Triton 3.6 before the driver call (the binder specialises every
+The mask compiler and short attention calls are host-bound: their GPU work takes microseconds,
+and each `kernel[grid](...)` costs ~10-25 us of Python in Triton 3.6 before the driver call (the binder specialises every
 argument, the cache key is rebuilt from them and `str(options)`, every module-level constexpr
 the kernel reads is compared with its value at compile time, the launch hooks are called even
 when none is registered).
@@ -10,7 +10,8 @@ when none is registered).
 returns and later calls its C launcher (`CompiledKernel.run`) directly. The key covers everything
 Triton specialises on: each constexpr's value, each tensor's dtype and 16-byte alignment, each
 int's width (and, where the kernel specialises it, whether it is 1 or a multiple of 16), None
-arguments, num_warps, the current device. A new key, a registered launch hook (a profiler), or
+arguments, floats (always fp32), TMA descriptors (Triton's own specialisation of them: dtype,
+block and layout), num_warps and the other launch options (maxnreg), the current device. A new key, a registered launch hook (a profiler), or
 the interpreter (CPU tests) take the ordinary path. The launch is the same driver call on the
 current stream, so it is captured by a CUDA graph like any other.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
@@ -41,7 +44,11 @@ def _other(a, specialised: bool):
         return a.dtype, specialised and a.data_ptr() & 15 == 0
     if a is None or a.__class__ is bool:
         return (a,)
-    raise _Unkeyed  # floats, numpy scalars, descriptors
+    if a.__class__ is float:
+        return ("fp32",)
+    if hasattr(a, "block_shape") and hasattr(a, "base"):  # a host TMA descriptor: Triton's own key
+        return native_specialize_impl(BaseBackend, a, False, specialised, specialised)
+    raise _Unkeyed  # numpy scalars and whatever else
 
 
 def _key_function(fn):
@@ -81,31 +88,43 @@ def _hooks_registered() -> bool:
 
 
 class FastLaunch:
-    """`FastLaunch(jit_fn)(grid, *args, num_warps=4)`: `jit_fn[grid](*args, num_warps=num_warps)`,
-    where `args` are all the kernel's parameters in order, constexprs included (positional)."""
+    """`FastLaunch(jit_fn)(grid, *args, num_warps=4, **kwargs)`: `jit_fn[grid](*args, num_warps=num_warps,
+    **kwargs)`, where `args` and the kernel parameters among `kwargs` are all the kernel's
+    parameters (constexprs included, by position or by name) and the other `kwargs` are launch
+    options (maxnreg, ...)."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
         self._fast = isinstance(fn, JITFunction)  # not under the interpreter
         self._key = _key_function(fn) if self._fast else None
+        self._names = [p.name for p in fn.params] if self._fast else []
+        self._param_names = frozenset(self._names)
         self._kernels: dict = {}
 
-    def __call__(self, grid, *args, num_warps: int = 4):
+    def __call__(self, grid, *args, num_warps: int = 4, **kwargs):
         if not self._fast or _hooks_registered():
-            return self.fn[grid](*args, num_warps=num_warps)
+            return self.fn[grid](*args, num_warps=num_warps, **kwargs)
+        if kwargs:
+            rest = self._names[len(args):]
+            if any(name not in kwargs for name in rest):  # a parameter left to its default: Triton binds it
+                return self.fn[grid](*args, num_warps=num_warps, **kwargs)
+            params = args + tuple(kwargs[name] for name in rest)
+            options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self._param_names))
+        else:
+            params, options = args, ()
         try:
-            key = self._key(args)
+            key = self._key(params)
         except _Unkeyed:
-            return self.fn[grid](*args, num_warps=num_warps)
+            return self.fn[grid](*args, num_warps=num_warps, **kwargs)
         device = torch._C._cuda_getDevice()  # (CUDA is initialised: the arguments live there)
-        key = (key, num_warps, device)
+        key = (key, num_warps, options, device)
         kernel = self._kernels.get(key)
         if kernel is None:  # the first launch of this specialisation: Triton's own path
-            kernel = self.fn[grid](*args, num_warps=num_warps)
+            kernel = self.fn[grid](*args, num_warps=num_warps, **kwargs)
             self._kernels[key] = kernel
             return kernel
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(device)
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *params)
         return kernel

@@ -1,8 +1,8 @@
 """Hopper (sm_90) split-KV decode in Gluon: the same shares of the same tile lists as
 decode.py's split kernel, with the K/V stream fed by the copy engine.
 
-Why a second decode kernel: measured with ncu at batch 1 (benchmarks/results/decode_ncu_*.txt)
-the Triton split kernel keeps too few bytes in flight. Its pipeliner holds one K/V tile per
+Why a second decode kernel: measured with ncu at batch 1 (docs/performance.md, section 6) the
+Triton split kernel keeps too few bytes in flight. Its pipeliner holds one K/V tile per
 program in shared memory, registers and shared memory allow 3 programs an SM, and the warps
 spend most of their time waiting on global loads: 74% of the DRAM peak at 32K keys, 46% at 8K.
 Here
@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from ..common.launcher import FastLaunch
 from ..forward.hopper import _descriptor, _tma_view, shared_layout
 
 ROWS = gl.constexpr(64)  # one warpgroup's wgmma rows: the GQA group's heads x the query rows, padded
@@ -370,7 +371,7 @@ def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int,
     fused = not direct and semaphores is not None
     # without the fused merge the kernel never reads these: one value, so no new specialisation
     merge_rows, merge_chunk, merge_layout = merge_shape(hq // hkv * sq if fused else 1, d, num_splits if fused else 1)
-    _decode_hopper_kernel[(num_splits, batch * hkv)](
+    _DECODE_HOPPER_LAUNCH((num_splits, batch * hkv),
         k_desc, v_desc, q, o, lse, o_part, lse_part, semaphores if fused else lse,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -382,3 +383,7 @@ def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int,
         Q_LAYOUT=shared_layout((ROWS.value, d), q.dtype), num_warps=4,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )
+
+
+# launched without Triton's per-call binding (common/launcher.py): short calls are host-bound
+_DECODE_HOPPER_LAUNCH = FastLaunch(_decode_hopper_kernel)

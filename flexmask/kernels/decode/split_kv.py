@@ -36,6 +36,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..common.launcher import FastLaunch
 from ..common.intmath import cdiv, next_pow2
 from . import configs
 from .configs import DecodePlan, decode_plan
@@ -428,7 +429,7 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         prepare_tma(q.device)
     semaphores = merge_counters(q.device, grid[1] * grid[2]) if fused else lse  # one per row group
     score_args, score_flags = score_kernel_args(terms, scale, sq, sk, lse)
-    _split_kv_kernel[grid](
+    _SPLIT_KV_LAUNCH(grid,
         q, k, v, o, lse, o_part, lse_part, semaphores,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
@@ -455,7 +456,7 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
 
 def _merge(o_part, lse_part, o, lse, sq: int, rows: int, hq: int, d: int, block_d: int, num_splits: int, pdl: bool):
     """The two-launch merge: one program per output row combines the shares' partials."""
-    _merge_kernel[(rows,)](
+    _MERGE_LAUNCH((rows,),
         o_part, lse_part, o, lse,
         o.stride(0), o.stride(1), o.stride(2),
         sq, rows,
@@ -507,3 +508,8 @@ def _(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mas
       softcap=0.0, alibi_slopes=None, sinks=None):
     b, h, s, d = q.shape
     return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
+
+
+# launched without Triton's per-call binding (common/launcher.py): short calls are host-bound
+_SPLIT_KV_LAUNCH = FastLaunch(_split_kv_kernel)
+_MERGE_LAUNCH = FastLaunch(_merge_kernel)

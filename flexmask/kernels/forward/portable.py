@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.launcher import FastLaunch
 from ..common.intmath import cdiv, next_pow2
 from ..common.masking import (LOG2E, block_source, column_intervals, load_block, mask_broadcast, mask_row,
                               masked_elements, precision_for)
@@ -193,7 +194,7 @@ def forward_portable(q, k, v, cm, scale: float, *, config=None, use_tma=None, te
     mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
     grid = (cdiv(sq, cfg.block_m), batch * hq)
     score_args, score_flags = score_kernel_args(terms, scale, sq, sk, lse)
-    _forward_kernel[grid](
+    _FORWARD_LAUNCH(grid,
         q, k, v, o, lse,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
@@ -213,3 +214,7 @@ def forward_portable(q, k, v, cm, scale: float, *, config=None, use_tma=None, te
         **score_flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse
+
+
+# launched without Triton's per-call binding (common/launcher.py): short calls are host-bound
+_FORWARD_LAUNCH = FastLaunch(_forward_kernel)

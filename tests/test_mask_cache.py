@@ -1,0 +1,136 @@
+"""Masks written in the call find the tables of an equal mask (issue: per-call cost). Equal specs
+share one CompiledMask through their structural key; different specs do not; a tensor changed in
+place is never served stale; specs the key cannot cover still work; the cache stays bounded."""
+
+import pytest
+import torch
+
+import flexmask
+import flexmask.api as api
+from flexmask import masks
+from flexmask.masks.compiled_cache import CONTENT_KEY_MAX_BYTES, CompiledCache, structural_key
+
+from conftest import assert_close_to_reference, default_floor, make_qkv, references
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """A cold cache, and the list of (q_len, kv_len) that were compiled."""
+    monkeypatch.setattr(api, "COMPILED", CompiledCache(size=8))
+    calls = []
+    real = api.compile_mask
+
+    def counting(mask, q_len, kv_len, **kwargs):
+        calls.append((q_len, kv_len))
+        return real(mask, q_len, kv_len, **kwargs)
+
+    monkeypatch.setattr(api, "compile_mask", counting)
+    return calls
+
+
+def resolve(mask, q_len=96, kv_len=96):
+    return api._resolve_mask(mask, q_len, kv_len, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("build", [
+    lambda: masks.causal(),
+    lambda: masks.sliding_window(17, 3),
+    lambda: masks.document([40, 56]),
+    lambda: masks.document([[40, 56], [96]]),
+    lambda: masks.document(torch.tensor([40, 56])),
+    lambda: masks.document([40, 56]) & masks.sliding_window(9),
+    lambda: masks.prefix_lm(20) | masks.causal(),
+    lambda: masks.kv_cache([90, 17], causal=True),
+    lambda: masks.column_intervals(torch.arange(96, dtype=torch.int32)),
+], ids=["causal", "window", "document", "document-per-row", "document-tensor", "and", "or", "kv_cache",
+        "column_intervals"])
+def test_equal_specs_share_their_tables(counted, build):
+    first, second = resolve(build()), resolve(build())
+    assert first is second and counted == [(96, 96)]
+
+
+def test_different_specs_do_not_share(counted):
+    built = [resolve(m) for m in (masks.causal(), masks.sliding_window(17), masks.sliding_window(18),
+                                  masks.document([40, 56]), masks.document([56, 40]),
+                                  masks.document([40, 56], causal=False),
+                                  masks.causal() & masks.sliding_window(9), masks.causal() | masks.sliding_window(9))]
+    assert len({id(cm) for cm in built}) == len(built) == len(counted)
+    assert resolve(masks.causal(), 50, 96) is not built[0]  # another shape: its own tables
+
+
+def test_int_and_bool_parameters_are_told_apart():
+    assert structural_key(masks.document([40, 56], causal=True)) != structural_key(masks.document([40, 56], causal=1 == 0))
+
+
+def test_a_tensor_changed_in_place_is_not_served_stale(counted):
+    """A CPU tensor is keyed by its content: after an in-place write the same tensor object
+    builds a mask with other tables, and attention follows the new content."""
+    s = 96
+    lts = torch.full((s,), s, dtype=torch.int32)
+    q, k, v = make_qkv(1, 2, 1, s, s, 32, BF16, seed=3)
+    flexmask.attention(q, k, v, mask=masks.column_intervals(lts))
+    lts[: s // 2] = 10  # rows 10.. of the first columns masked from now on
+    mask = masks.column_intervals(lts)
+    out = flexmask.attention(q, k, v, mask=mask)
+    assert len(counted) == 2
+    (o64, _), (olp, _) = references(q, k, v, mask)
+    assert_close_to_reference(out, o64, olp, default_floor(BF16))
+
+
+def test_specs_the_key_cannot_cover_are_compiled_on_the_spec(counted):
+    """A tensor above CONTENT_KEY_MAX_BYTES (or on a GPU) is not read for a key: such a spec is
+    compiled per spec object, as before, and served from that object afterwards."""
+    s = CONTENT_KEY_MAX_BYTES // 4 + 1
+    lts = torch.full((s,), 1, dtype=torch.int32)
+    mask = masks.column_intervals(lts)
+    assert resolve(mask, 8, s) is resolve(mask, 8, s)
+    assert resolve(masks.column_intervals(lts), 8, s) is not resolve(mask, 8, s)
+    assert len(api.COMPILED) == 0 and len(counted) == 2
+
+
+def test_the_cache_is_bounded(counted):
+    for window in range(20):
+        resolve(masks.sliding_window(window))
+    assert len(api.COMPILED) == api.COMPILED.size == 8
+    resolve(masks.sliding_window(19))  # the most recent ones stay
+    assert len(counted) == 20
+    resolve(masks.sliding_window(0))  # the oldest went out
+    assert len(counted) == 21
+
+
+def test_inline_mask_output_equals_compiled_mask():
+    s = 80
+    q, k, v = make_qkv(1, 2, 1, s, s, 32, BF16, seed=5)
+    cm = flexmask.compile_mask(masks.document([30, 50]) & masks.sliding_window(20), s, s, device="cpu")
+    inline = flexmask.attention(q, k, v, mask=masks.document([30, 50]) & masks.sliding_window(20))
+    assert torch.equal(inline, flexmask.attention(q, k, v, mask=cm))
+
+
+def test_masks_written_inside_torch_compile():
+    """A model that writes its masks in the call, under torch.compile(fullgraph=True): no graph
+    break, no recompile from one step to the next, results equal to eager; a new length compiles
+    once more (the tables are constants of one length). Regression: dynamo handed the mask built
+    inside the graph over without its attributes ("mask must be a flexmask.masks.Mask, got
+    Combined")."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def layer(q, k, v):
+        return (flexmask.attention(q, k, v, mask=masks.causal() & masks.sliding_window(16))
+                + flexmask.attention(q, k, v, mask=masks.document([q.shape[2] // 2, q.shape[2] - q.shape[2] // 2])))
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    for step, s in enumerate((64, 64, 80)):
+        q, k, v = make_qkv(1, 2, 1, s, s, 16, torch.float32, seed=step, requires_grad=True)
+        out = compiled(q, k, v)
+        out.sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        want = layer(q, k, v)
+        want.sum().backward()
+        assert torch.equal(out, want) and all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
+        assert counter.frame_count == (1 if s == 64 else 2), f"step {step}: {counter.frame_count} compiles"

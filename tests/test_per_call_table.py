@@ -1,0 +1,51 @@
+"""benchmarks.per_call's table and README block, from rows (no GPU needed): every case gets its
+table, flexmask's ratio to the named peer and the inline/compiled ratio are computed from the
+rows, and a provider that failed keeps its row with a dash."""
+
+import csv
+
+from benchmarks import per_call
+
+ENV = {"date": "2026-01-01", "gpu": "GPU", "torch": "2", "triton": "3", "command": "python -m benchmarks.per_call"}
+
+
+def row(case, s, provider, ms, batch=32, hq=16, hkv=16):
+    return {**ENV, "case": case, "seq_len": s, "batch": batch, "heads_q": hq, "heads_kv": hkv, "head_dim": 128,
+            "provider": provider, "ms": ms}
+
+
+def test_table_ratios_and_failures():
+    rows = [row("fwd_bwd", 512, "flexmask", "1.0"), row("fwd_bwd", 512, "flexmask_inline", "1.1"),
+            row("fwd_bwd", 512, "sdpa_cudnn", "2.0"), row("fwd_bwd", 512, "flex", "error: boom"),
+            row("decode", 8192, "flexmask", "0.05", batch=1, hq=32, hkv=8),
+            row("decode", 8192, "sdpa", "0.1", batch=1, hq=32, hkv=8)]
+    text = per_call.table(rows)
+    assert "**fwd_bwd**" in text and "**decode**" in text
+    fwd_bwd = next(line for line in text.splitlines() if line.startswith("| 512 |"))
+    assert fwd_bwd.split("|")[-3].strip() == "0.50" and fwd_bwd.split("|")[-2].strip() == "1.10"
+    assert "| - |" in fwd_bwd  # flex failed: a dash, not a number
+    decode = next(line for line in text.splitlines() if line.startswith("| 8192 |"))
+    assert decode.split("|")[-2].strip() == "0.50"
+
+
+def test_table_command_writes_the_readme_block(tmp_path):
+    path = tmp_path / "per_call.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=per_call.COLUMNS)
+        writer.writeheader()
+        writer.writerows([row("fwd", 1024, "flexmask", "0.3"), row("fwd", 1024, "sdpa_cudnn", "0.2")])
+    readme, full = tmp_path / "README.md", tmp_path / "results.md"
+    readme.write_text(f"intro\n{per_call.START}\nold\n{per_call.END}\ntail\n")
+    full.write_text(f"{per_call.FULL_START}\nold\n{per_call.FULL_END}\n")
+    assert per_call.main(["--table", str(path), "--readme", str(readme), "--full", str(full)]) == 0
+    assert "old" not in full.read_text() and "| 1024 | 32 | 16/16 | 0.300 | 0.200 | 1.50 |" in full.read_text()
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("tail\n") and "| decode: B |" in text
+
+
+def test_summary_ratios():
+    rows = [row("fwd_bwd", 512, "flexmask", "1.2"), row("fwd_bwd", 512, "sdpa_cudnn", "0.6"),
+            row("fwd_bwd", 512, "flexmask_inline", "1.32"),
+            row("fwd_bwd", 512, "flexmask", "1.5", hq=32, hkv=8), row("fwd_bwd", 512, "sdpa_cudnn", "1.0", hq=32, hkv=8)]
+    line = next(x for x in per_call.summary(rows).splitlines() if x.startswith("| 512 |"))
+    assert line == "| 512 | 32 | 1.200 / 0.600 | 2.00 | 1.500 / 1.000 | 1.50 | 1.10, - |"

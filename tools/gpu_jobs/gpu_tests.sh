@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every GPU-marked test on one H100/H200, in six processes side by side, under 5 minutes. From the
+# repository root:
+#     OUT=/some/dir bash tools/gpu_jobs/gpu_tests.sh
+# Each group's log goes to /tmp/gpu_tests_logs; their tails are gathered into
+# $OUT/gpu_tests_log.txt (few files come back from a device call). Exits nonzero when a group failed.
+# The transformers tests need its wheels in .whl/ (hf_parity.sh lists them); without, they skip.
+set -uo pipefail
+. tools/gpu_jobs/setup.sh
+logs=/tmp/gpu_tests_logs
+mkdir -p $logs
+rm -f "$logs"/tests_*.log
+
+tests() {  # tests NAME PYTEST-ARGS...
+  local name=$1
+  shift
+  timeout "${TEST_TIMEOUT:-300}" "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu "$@" > "$logs/tests_$name.log" 2>&1
+  echo "== $name: exit $? after $((SECONDS - T0)) s" >> "$logs/tests_$name.log"
+}
+others=(tests/test_decode.py tests/test_decode_fused.py tests/test_varlen.py tests/test_readme.py
+        tests/test_train_smoke.py tests/test_transformers_integration.py tests/test_cuda_graph.py
+        tests/test_no_sync.py tests/test_compiler.py tests/test_distributed.py)
+tests hopper tests/test_gpu_hopper.py &
+tests hopper_backward tests/test_gpu_hopper_backward.py tests/test_gpu_scheduler.py -x &
+tests families tests/test_gpu.py -k family_matches_reference &
+# fp32 kernels compile for one to two minutes each from a cold cache
+tests dtypes tests/test_gpu.py -k dtypes_and_head_dims &
+tests gpu_rest tests/test_gpu.py -k "not family_matches_reference and not dtypes_and_head_dims" &
+tests others "${others[@]}" &
+wait
+for f in "$logs"/tests_*.log; do echo "#### $f"; tail -n 25 "$f"; done > "$OUT/gpu_tests_log.txt"
+grep -h "^== \|passed\|failed" "$logs"/tests_*.log
+echo "gpu_tests.sh took $((SECONDS - T0)) s"
+! grep -q "^== .*: exit [^0]" "$logs"/tests_*.log

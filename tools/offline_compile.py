@@ -1,0 +1,193 @@
+"""Compile a kernel for sm_90 on a machine without a GPU (Triton's bundled ptxas) and report
+registers, spills and shared memory: catches compile errors and register/shared-memory
+overflows before any device time is spent.
+
+    python -m tools.offline_compile            # the Hopper forward, D=64 and 128
+    python -m tools.offline_compile backward   # the Hopper backward, D=128 and 64 (and dK/dV only; the dQ pass)
+    python -m tools.offline_compile compiler   # the mask compiler's classify kernel (four families), shift kernel,
+                                                    # random_eviction kernels
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def compile_offline(fn, args: dict, constexprs: dict, options: dict, source_cls=None):
+    """`args`: name -> example value (tensors may live on the CPU; descriptors too)."""
+    signature = {name: mangle_type(value) for name, value in args.items()}
+    for name in constexprs:
+        signature[name] = "constexpr"
+    ordered = {name: signature[name] for name in fn.arg_names if name in signature}
+    if source_cls is None:
+        source_cls = triton.compiler.ASTSource
+    src = source_cls(fn=fn, signature=ordered, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=HOPPER, options=options)
+
+
+def report(name: str, kernel) -> str:
+    """ptxas's own resource line (registers, spill bytes) and Triton's shared-memory size."""
+    import subprocess
+    import tempfile
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    lines = [ln.strip() for ln in out.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    return f"{name}: shared={kernel.metadata.shared} B; " + " | ".join(lines)
+
+
+def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
+                    column_bias: bool | None = None, tc_bias: bool | None = None):
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from flexmask.kernels.forward import hopper as fh
+
+    q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
+    qd, _ = fh._descriptor(q, fh.HOPPER_BLOCK // 2)
+    kd, _ = fh._descriptor(k, fh.HOPPER_BLOCK)
+    i32 = torch.empty(8, dtype=torch.int32)
+    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, O=q, LSE=torch.empty(8), INTV=i32, WORK=i32, COUNTER=i32, FWD_OFFSETS=i32,
+                FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_ob=7, stride_oh=7, stride_om=7,
+                Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
+                Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5)  # as launched
+    from flexmask.kernels.forward import configs as forward_configs
+
+    if column_bias is None:
+        column_bias = forward_configs.hopper_forward_column_bias(head_dim)
+    if tc_bias is None:
+        tc_bias = forward_configs.hopper_forward_tc_bias(head_dim, q_buffers) and column_bias
+    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
+                  COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim),
+                  TC_BIAS=bool(tc_bias), num_warps=4)
+    return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
+                           source_cls=GluonASTSource)
+
+
+def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True):
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from flexmask.kernels.backward import hopper as bh
+    from flexmask.kernels.forward import hopper as fh
+
+    q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
+    qd, _ = fh._descriptor(q, bh.Q_ROWS)
+    kd, _ = fh._descriptor(k, bh.KV_ROWS)
+    dqd = bh._dq_descriptor(torch.empty(8, 1024, head_dim))
+    i32 = torch.empty(8, dtype=torch.int32)
+    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, STATS=torch.empty(8), DK=k, DV=k,
+                INTV=i32, WORK=i32, COUNTER=i32, BWD_OFFSETS=i32, BWD_NUM_FULL=i32, BWD_BLOCKS=i32, n_items=1000,
+                stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
+                Sq=1000, Sk=1000, NKB=7, HQ=4, HKV=2, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
+                Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, num_warps=4)
+    return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
+                           source_cls=GluonASTSource)
+
+
+def _hopper_dq(stages: int, head_dim: int = 128):
+    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from flexmask.kernels.backward import hopper_dq as bq
+    from flexmask.kernels.forward import hopper as fh
+
+    q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
+    qd, _ = fh._descriptor(q, fh.HOPPER_BLOCK // 2)
+    kd, _ = fh._descriptor(k, fh.HOPPER_BLOCK)
+    i32 = torch.empty(8, dtype=torch.int32)
+    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, DQ=q, STATS=torch.empty(8), INTV=i32, WORK=i32,
+                FWD_OFFSETS=i32, FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_dqb=7, stride_dqh=7,
+                stride_dqm=7, Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1,
+                MASK_H_STRIDE=0, Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5,
+                sm_scale=0.3)  # as launched
+    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, num_warps=4)
+    return compile_offline(bq._dq_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
+                           source_cls=GluonASTSource)
+
+
+def _classify(family: int):
+    """The mask compiler's classify kernel (kernels/compile_kernels.py) for one FAMILY code."""
+    from flexmask.masks import compiler_kernels as ck
+
+    t32 = torch.empty(16, dtype=torch.int32)
+    args = dict(IV=t32, PLANAR=t32, GRID=torch.empty(16, dtype=torch.uint8), COUNTS=t32, DIFFS=t32, DOCS=t32,
+                PREFIXES=t32, Sq=1000, Sk=1000, NQB=100, NKB=100, G_ROW=32, offset=0, P0=5, P1=6, P2=7,
+                DOC_STRIDE=9, DOC_ITERS=3, RAGGED_N=7)
+    constexprs = dict(FAMILY=family, TILE_M=128, TILE_N=128, CHUNK=ck.CHUNK_M)
+    return compile_offline(ck._classify_kernel, args, constexprs, dict(num_warps=4))
+
+
+def _shift():
+    """The mask compiler's kv_cache shift kernel (kernels/compile_kernels.py)."""
+    from flexmask.masks import compiler_kernels as ck
+
+    args = dict(VIRTUAL=torch.empty(16, dtype=torch.int32), LENGTHS=torch.empty(4, dtype=torch.int64),
+                OUT=torch.empty(16, dtype=torch.int32), v_sb=0, v_sh=4000, Sq=1000, Sk=1000, HEADS=2)
+    return compile_offline(ck._shift_kernel, args, dict(BLOCK=ck.COMPOSE_BLOCK), dict(num_warps=4))
+
+
+def _eviction(kernel: str):
+    """The random_eviction kernels of the device path (masks/eviction_kernels.py)."""
+    from flexmask.masks import eviction_kernels as ek
+
+    out, keys = torch.empty(16, dtype=torch.int32), torch.empty(16, dtype=torch.int64)
+    if kernel == "keys":
+        args = dict(OUT=out, KEYS=keys, Sq=1000, Sk=1000, offset=0, first=500, slots=500, seed_term=-7, n=500)
+        return compile_offline(ek._eviction_keys_kernel, args, dict(BLOCK=ek.BLOCK), dict(num_warps=4))
+    args = dict(KEYS=keys, src=0, OUT=out, Sq=1000, Sk=1000, offset=0, n=500, run=1024)
+    consts = dict(WAYS=2 if kernel == "final" else ek.MERGE_WAYS, STEPS=ek.BLOCK.bit_length(), FINAL=kernel == "final",
+                  BLOCK=ek.MERGE_BLOCK)
+    return compile_offline(ek._eviction_merge_kernel, args, consts, dict(num_warps=4))
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tools.offline_compile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", nargs="?", default="forward", choices=("forward", "backward", "compiler"),
+                    help="which kernels to compile (default: the Hopper forward)")
+    what = ap.parse_args(argv).what
+    os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
+    if what == "compiler":
+        from flexmask.masks import compiler_kernels as ck
+
+        for name in ("LOAD", "CAUSAL", "DOCUMENT", "PREFIX_LM_DOCUMENT", "KV_CACHE"):
+            print(report(f"classify {name}", _classify(getattr(ck, name))), flush=True)
+        print(report("shift_to_cache", _shift()), flush=True)
+        for kernel in ("keys", "merge", "final"):
+            print(report(f"random_eviction {kernel}", _eviction(kernel)), flush=True)
+        return 0
+    if what == "backward":
+        for d in (128, 64):
+            try:
+                print(report(f"backward_hopper_dq D={d} stages=2", _hopper_dq(2, d)), flush=True)
+            except Exception as exc:
+                print(f"backward_hopper_dq D={d}: FAILED {type(exc).__name__}: {str(exc)[:6000]}", file=sys.stderr)
+        for d, with_dq in ((128, True), (64, True), (128, False)):
+            try:
+                print(report(f"backward_hopper D={d} stages=2 with_dq={with_dq}", _hopper_backward(2, d, with_dq)),
+                      flush=True)
+            except Exception as exc:
+                print(f"backward_hopper D={d}: FAILED {type(exc).__name__}: {str(exc)[:6000]}", file=sys.stderr)
+        return 0
+    for d, st, qb in ((128, 2, 1), (64, 2, 1), (64, 3, 1), (128, 2, 2), (64, 2, 2)):
+        try:
+            print(report(f"forward_hopper D={d} stages={st} q_buffers={qb}", _hopper_forward(d, st, qb)), flush=True)
+        except Exception as exc:  # report and go on: this is a diagnostic tool
+            print(f"forward_hopper D={d} stages={st}: FAILED {type(exc).__name__}: {str(exc)[:3000]}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
