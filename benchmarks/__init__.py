@@ -4,13 +4,18 @@ Each one runs from the repository root as ``python -m benchmarks.<name> --help``
 PNGs land in benchmarks/results/ and the README's tables are generated from them.
 
   run               the peer sweep: every mask family at 32K tokens, D = 128, against FlexAttention
-                    and SDPA (about two minutes on one GPU; --full: the 81-configuration sweep,
+                    and SDPA (--full: the 81-configuration sweep,
                     8K-128K, D = 128 and 64); without a GPU, the kernels under the Triton
                     interpreter at tiny sizes against the float64 reference
   speed_check       forward and backward TFLOP/s beside FlexAttention, first-call times included
   decode            one decode step against a KV cache: GB/s of K and V, against FlexAttention and SDPA
   compile           the cost of building the mask tables: compile_mask against create_block_mask
-  context_parallel  one sequence on W GPUs (flexmask.distributed) against one GPU
+  context_parallel  one sequence on W GPUs (flexmask.distributed) against one GPU and against
+                    PyTorch's ring attention (context_parallel_ring, context_parallel_report)
+  per_call          wall clock per call at short lengths and eager decode steps, host time included,
+                    against SDPA and FlexAttention; masks written in the call against compiled ones
+  peers             the masks FlashAttention-4 expresses against FA4, FlexAttention's FLASH backend,
+                    the Triton FlexAttention and SDPA cuDNN; every family against FlexAttention
 
 Training parity lives with the training examples (docs/training.md): ``python -m
 examples.train_packed_lm parity`` (loss curves against SDPA: train_parity.csv; ``scale``:
@@ -32,6 +37,6 @@ Support modules of the sweep, one job each:
   readme_table  the results blocks of README.md (summary) and docs/results.md (full), from the CSVs
   cuda_guard    one-line stops for GPU-only scripts on a machine without CUDA
 
-The GPU job scripts (tests, sweep, decode, compile, context parallel) are in tools/gpu_jobs/;
+The GPU job scripts (tests, sweep, peers, decode, compile, context parallel) are in tools/gpu_jobs/;
 maintainer tools (offline compiles, profiles, tuning, probes) in tools/.
 """

@@ -40,7 +40,7 @@ from benchmarks import context_parallel_ring as ring
 from benchmarks import context_parallel_report
 
 COLUMNS = (
-    "date", "gpu", "gpus", "torch", "triton", "command", "provider", "variant",
+    "date", "gpu", "gpus", "torch", "triton", "command", "provider", "variant", "layout",
     "mask", "seq_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "density",
     "chunk_pairs_computed", "chunk_pairs_total", "ideal_speedup", "kv_chunks_moved", "kv_chunks_all_gather",
     "fwd_bytes_moved", "bwd_bytes_moved", "all_gather_fwd_bytes",
@@ -51,6 +51,7 @@ COLUMNS = (
     "err_out", "err_dq", "err_dk", "err_dv", "peak_gb_1gpu", "peak_gb_multi", "status",
 )
 PROVIDERS = ("flexmask", "torch_ring")
+LAYOUTS = ("default", "balanced")
 CHECK_TOL = 2e-2  # relative error of bf16 results between two exact summation orders
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -70,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--ring-gqa", default="native", choices=ring.GQA_MODES,
                    help="torch_ring with Hkv < Hq: enable_gqa (native; on failure the row retries with repeat) "
                         "or K/V repeated to Hq heads")
+    p.add_argument("--layout", default="default", choices=LAYOUTS,
+                   help="flexmask's chunks per rank: default (chunks r and 2W-1-r) or balanced "
+                        "(fmd.balanced_layout: paired by the mask's work per chunk)")
     p.add_argument("--nproc", type=int, default=2, help="GPUs (processes) when not launched by torchrun")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=16)
@@ -206,11 +210,22 @@ def empty_cache(device) -> None:
         torch.cuda.empty_cache()
 
 
-def ideal_speedup(intervals: torch.Tensor, seq_len: int, world: int) -> float:
-    """Attending pairs in all / in the busiest rank's rows: the speedup a perfect kernel would
-    get from the load-balanced layout (W for causal; less where documents fall unevenly)."""
-    from flexmask.distributed import rank_chunks
+def make_layout(name: str, mask, seq_len: int, world: int):
+    """The fmd layout of --layout: None (the default) or the mask's balanced layout."""
+    from flexmask import distributed as fmd
 
+    if name not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {name!r}")
+    return fmd.balanced_layout(mask, seq_len, world) if name == "balanced" else None
+
+
+def ideal_speedup(intervals: torch.Tensor, seq_len: int, world: int, layout=None) -> float:
+    """Attending pairs in all / in the busiest rank's rows: the speedup a perfect kernel would
+    get from `layout` (None: the default load-balanced layout; W for causal, less where
+    documents fall unevenly)."""
+    from flexmask.distributed import Layout
+
+    layout = layout or Layout.default(world)
     c = seq_len // (2 * world)
     iv = intervals.to(torch.int64)
 
@@ -219,7 +234,7 @@ def ideal_speedup(intervals: torch.Tensor, seq_len: int, world: int) -> float:
                      for s, e in ((0, 1), (2, 3)))
         return float(((b - a) - masked).double().sum())
 
-    per_rank = [sum(attending(ch * c, (ch + 1) * c) for ch in rank_chunks(r, world)) for r in range(world)]
+    per_rank = [sum(attending(ch * c, (ch + 1) * c) for ch in layout.rank_chunks(r)) for r in range(world)]
     return sum(per_rank) / max(max(per_rank), 1.0)
 
 
@@ -264,18 +279,19 @@ def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: i
 
     device = torch.device("cuda", torch.cuda.current_device()) if not args.cpu else torch.device("cpu")
     dtype = DTYPES[args.dtype]
-    row = dict(env, provider="flexmask", mask=mask_name, seq_len=seq_len, batch=args.batch, heads=args.heads,
-               kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, gpus=world,
+    row = dict(env, provider="flexmask", layout=args.layout, mask=mask_name, seq_len=seq_len, batch=args.batch,
+               heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, gpus=world,
                err_against="flexmask 1 GPU", multi_time_over_flexmask=1.0)
     mask = build_mask(mask_name, seq_len, args)
-    plan = fmd.context_plan(mask, seq_len, world, device)
+    layout = make_layout(args.layout, mask, seq_len, world)
+    plan = fmd.context_plan(mask, seq_len, world, device, layout=layout)
     moved = plan.bytes_moved(args.batch, args.kv_heads, args.head_dim, dtype)
     intervals = mask.intervals(seq_len, seq_len, device)
     pairs = flops.attending_pairs(intervals, seq_len, args.batch, args.heads)
     work = flops.attention_flops(pairs, args.head_dim)["fwd_bwd"]
     row.update(density=flops.density(pairs, args.batch, args.heads, seq_len, seq_len),
                chunk_pairs_computed=int(plan.pairs.sum()), chunk_pairs_total=plan.pairs.numel(),
-               ideal_speedup=ideal_speedup(intervals.cpu(), seq_len, world),
+               ideal_speedup=ideal_speedup(intervals.cpu(), seq_len, world, layout),
                kv_chunks_moved=moved["kv_chunks_moved"], kv_chunks_all_gather=moved["kv_chunks_all_gather"],
                fwd_bytes_moved=moved["forward_bytes"], bwd_bytes_moved=moved["backward_bytes"],
                all_gather_fwd_bytes=moved["all_gather_forward_bytes"])
@@ -294,7 +310,7 @@ def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: i
     dist.barrier(group=cpu_group)
 
     try:
-        multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, world, keep)
+        multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, world, keep, layout)
     except Exception as err:  # e.g. out of memory on every rank: record it, go on with the next config
         status.append(f"{world}gpu {type(err).__name__}: {str(err).splitlines()[0][:120]}")
         log(traceback.format_exc())
@@ -309,9 +325,29 @@ def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: i
     row["status"] = "; ".join(status) or "ok"
     if rank == 0:
         log(f"{mask_name} S={seq_len}: {world} GPUs {row.get('tw_fwd_bwd_ms', float('nan')):.1f} ms, speedup "
-            f"{row.get('speedup_fwd_bwd', float('nan')):.2f}x (layout's balance allows {row['ideal_speedup']:.2f}x), "
+            f"{row.get('speedup_fwd_bwd', float('nan')):.2f}x ({args.layout} layout's balance allows {row['ideal_speedup']:.2f}x), "
             f"K/V chunks moved {row['kv_chunks_moved']}/{row['kv_chunks_all_gather']}, {row['status']}")
     return row
+
+
+_COMPILED: set = set()
+
+
+def compile_kernels(args, device) -> None:
+    """Compile the kernels before the first timed run of the process, on a short causal sequence
+    (the masks measured here take the same kernels): a run longer than --target-s is timed by its
+    warm-up alone, and on a process's first configuration that warm-up included compiling (7 s of
+    a 36 s 1M-token run on an H200: context_parallel_w4.csv against context_parallel_w2.csv)."""
+    import flexmask
+    from flexmask import masks
+
+    if device.type != "cuda" or str(device) in _COMPILED:  # the interpreter compiles nothing
+        return
+    q, k, v, do = global_inputs(4096, args, device)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    flexmask.attention(q, k, v, masks.causal()).backward(do)
+    torch.cuda.synchronize()
+    _COMPILED.add(str(device))
 
 
 def one_gpu(row, mask, seq_len, args, work, device):
@@ -319,6 +355,7 @@ def one_gpu(row, mask, seq_len, args, work, device):
     import flexmask
     from benchmarks import flops
 
+    compile_kernels(args, device)
     reset_peak(device)
     q, k, v, do = global_inputs(seq_len, args, device)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
@@ -342,31 +379,34 @@ def agreement(cpu_group, op=None):
     return agree
 
 
-def multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, world, keep=None) -> None:
-    """Times fmd.attention on every rank's shard and compares the gathered results with the
-    one-GPU ones (rank 0). With `keep` (a dict), this rank's results (out, dq, dk, dv) are kept
-    there on the CPU, for the torch_ring row of the same configuration."""
+def multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, world, keep=None, layout=None) -> None:
+    """Times fmd.attention on every rank's shard (cut by `layout`, None: the default) and
+    compares the gathered results with the one-GPU ones (rank 0). With `keep` (a dict), this
+    rank's results (out, dq, dk, dv) and the layout are kept there on the CPU, for the
+    torch_ring row of the same configuration."""
     from flexmask import distributed as fmd
     from benchmarks import flops
 
     reset_peak(device)
     q, k, v, do = global_inputs(seq_len, args, device)
-    ql, kl, vl, dol = (fmd.shard(t).contiguous() for t in (q, k, v, do))
+    ql, kl, vl, dol = (fmd.shard(t, layout=layout).contiguous() for t in (q, k, v, do))
     del q, k, v, do
     empty_cache(device)
     ql, kl, vl = (t.requires_grad_(True) for t in (ql, kl, vl))
     if rank == 0:
         log(f"{row['mask']} S={seq_len}: {world} GPUs ...")
-    (fw, bw, tw), repsw, out, grads = timed(lambda a, b, c: fmd.attention(a, b, c, mask), ql, kl, vl, dol, args, agree)
+    (fw, bw, tw), repsw, out, grads = timed(lambda a, b, c: fmd.attention(a, b, c, mask, layout=layout), ql, kl, vl,
+                                            dol, args, agree)
     row.update(tw_fwd_ms=fw, tw_bwd_ms=bw, tw_fwd_bwd_ms=tw, reps_multi=repsw, tflops_multi_fwd_bwd=flops.tflops(work, tw),
                peak_gb_multi=agree(peak_gb(device)))
-    row.update(comm_times(mask, kl, vl, agree))
+    row.update(comm_times(mask, kl, vl, agree, layout=layout))
     del ql, kl, vl, dol
     if keep is not None:
         keep["results"] = [t.cpu() for t in (out, *grads)]
+        keep["layout"] = fmd.context_plan(None, seq_len, world, layout=layout).layout
     # the W-GPU results against the one-GPU ones, gathered one tensor at a time
     for i, (name, local) in enumerate(zip(("err_out", "err_dq", "err_dk", "err_dv"), (out, *grads))):
-        full = fmd.unshard(local)
+        full = fmd.unshard(local, layout=layout)
         if reference is not None:
             row[name] = rel_err(full, reference[i])
         del full
@@ -381,7 +421,7 @@ def run_ring_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, wo
     from benchmarks import flops
 
     device = torch.device("cuda", torch.cuda.current_device()) if not args.cpu else torch.device("cpu")
-    row = dict(env, provider="torch_ring", mask=mask_name, seq_len=seq_len, batch=args.batch, heads=args.heads,
+    row = dict(env, provider="torch_ring", layout="default", mask=mask_name, seq_len=seq_len, batch=args.batch, heads=args.heads,
                kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, gpus=world,
                variant=ring.variant_name(args.ring_backend, args.ring_rotate, args.ring_gqa, args.heads, args.kv_heads))
     if mask_name != "causal":
@@ -458,8 +498,8 @@ def ring_multi_gpu(row, seq_len, args, gqa, mesh, kept, agree, total, work, devi
     row.update(kv_chunks_moved=moved["kv_chunks_moved"], kv_chunks_all_gather=moved["kv_chunks_all_gather"],
                fwd_bytes_moved=moved["forward_bytes"], all_gather_fwd_bytes=all_gather["all_gather_forward_bytes"])
     del ql, kl, vl, dol
-    if kept is None or "results" not in kept:
-        return
+    if kept is None or "results" not in kept or kept["layout"] != fmd.Layout.default(world):
+        return  # the ring's shards are those of the default layout
     # this rank's shards against flexmask's on the same GPUs; sums over the ranks
     row["err_against"] = f"flexmask on the same {world} GPUs"
     for name, got, want in zip(("err_out", "err_dq", "err_dk", "err_dv"), (out, *grads), kept["results"]):
@@ -467,7 +507,7 @@ def ring_multi_gpu(row, seq_len, args, gqa, mesh, kept, agree, total, work, devi
         row[name] = (total(num) / max(total(den), 1e-30)) ** 0.5
 
 
-def comm_times(mask, k, v, agree, reps: int = 3) -> dict:
+def comm_times(mask, k, v, agree, reps: int = 3, layout=None) -> dict:
     """The forward's K/V traffic alone (no compute to hide behind), slowest rank, median of
     `reps`: the plan's point-to-point exchange, and an all-gather of K and V for comparison."""
     import torch.distributed as dist
@@ -475,7 +515,7 @@ def comm_times(mask, k, v, agree, reps: int = 3) -> dict:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     rp = plan.rank_plan(mask, k.shape[2] * world, world, rank, k.device, None,
-                        [0, 0, 0, 0, 0])  # the plan attention() built and cached (no new check)
+                        [0, 0, 0, 0, 0], layout)  # the plan attention() built and cached (no new check)
 
     def plan_exchange():
         received, works = exchange.post_kv_exchange(k, v, rp, None)

@@ -20,7 +20,9 @@ def read_rows(paths: list[str]) -> list[dict]:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
                 row.setdefault("provider", "flexmask")  # CSVs written before the provider column
-                key = (row.get("gpus"), row["provider"], row.get("variant", ""), row["mask"], row["seq_len"])
+                row["layout"] = row.get("layout") or "default"  # CSVs written before the layout column
+                key = (row.get("gpus"), row["provider"], row.get("variant", ""), row["layout"], row["mask"],
+                       row["seq_len"])
                 latest[key] = row
     order = {"flexmask": 0, "torch_ring": 1}
     return sorted(latest.values(), key=lambda r: (int(r["gpus"] or 0), r["mask"], -int(r["seq_len"]),
@@ -66,25 +68,35 @@ def _err(row: dict) -> str:
     return f"{max(errs):.1e}" if errs else "–"
 
 
+def _provider(row: dict) -> str:
+    layout = row.get("layout") or "default"
+    return row["provider"] if layout == "default" else f"{row['provider']} ({layout} layout)"
+
+
 def markdown_table(rows: list[dict]) -> str:
     """The results as markdown: one line per (GPUs, mask, tokens, provider), then where and how."""
     lines = [
-        "| GPUs | mask | tokens | provider | 1 GPU fwd+bwd (s) | W GPUs fwd+bwd (s) | speedup | layout allows "
-        "| K/V sent fwd (GiB): this / all-gather | max rel. err | status |",
-        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| GPUs | mask | tokens | provider | 1 GPU fwd+bwd (s) | W GPUs fwd+bwd (s) | timed runs 1 / W | speedup "
+        "| layout allows | K/V sent fwd (GiB): this / all-gather | max rel. err | status |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        if (r.get("status") or "").startswith("skipped"):  # not measured: the time budget ran out
+            continue
         t1, tw = _num(r.get("t1_fwd_bwd_ms")), _num(r.get("tw_fwd_bwd_ms"))
         lines.append(
-            f"| {r['gpus']} | {r['mask']} | {_tokens(r['seq_len'])} | {r['provider']} "
+            f"| {r['gpus']} | {r['mask']} | {_tokens(r['seq_len'])} | {_provider(r)} "
             f"| {'–' if t1 is None else f'{t1 / 1e3:.2f}'} | {'–' if tw is None else f'{tw / 1e3:.2f}'} "
-            f"| {_x(r.get('speedup_fwd_bwd'))} | {_x(r.get('ideal_speedup'))} "
+            f"| {r.get('reps_1gpu') or 0} / {r.get('reps_multi') or 0} | {_x(r.get('speedup_fwd_bwd'))} | {_x(r.get('ideal_speedup'))} "
             f"| {_gib(r.get('fwd_bytes_moved'))} / {_gib(r.get('all_gather_fwd_bytes'))} | {_err(r)} "
             f"| {_status(r.get('status'))} |")
     notes = ["", "Speedup: `flexmask.attention` on one GPU / this provider on W GPUs (the slowest rank), "
              "forward + backward; *layout allows*: the speedup a perfect kernel gets from the 2W-chunk layout "
-             "(attending pairs in all ranks / in the busiest). Errors: relative to flexmask on one GPU "
-             "(flexmask rows) or to flexmask on the same W GPUs (torch_ring rows)."]
+             "used (attending pairs in all ranks / in the busiest; the default layout gives rank r chunks r and "
+             "2W-1-r, the balanced one pairs them by the mask's work, `fmd.balanced_layout`). Errors: relative to flexmask on one GPU "
+             "(flexmask rows) or to flexmask on the same W GPUs (torch_ring rows). Timed runs 0: the time is "
+             "that of the warm-up run alone (a run longer than --target-s), which on a process's first "
+             "configuration included compiling the kernels (fixed since: they compile first, on a short sequence)."]
     variants = sorted({r["variant"] for r in rows if r["provider"] != "flexmask" and r.get("variant")})
     notes += [f"torch_ring: {v}." for v in variants]
     for gpus in sorted({r["gpus"] for r in rows}, key=int):
@@ -123,15 +135,16 @@ def plot(rows: list[dict], png: str, log) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     lines = {}
     for r in rows:
-        lines.setdefault((r["provider"], r["mask"], r["gpus"]), []).append(r)
+        lines.setdefault((_provider(r), r["mask"], r["gpus"]), []).append(r)
     for (provider, mask_name, gpus), rs in sorted(lines.items()):
         rs.sort(key=lambda r: int(r["seq_len"]))
         x = [int(r["seq_len"]) for r in rs]
-        style = "o-" if provider == "flexmask" else "s--"
+        ours = provider.startswith("flexmask")
+        style = ("o-" if provider == "flexmask" else "^-.") if ours else "s--"
         label = f"{provider}, {mask_name}, {gpus} GPUs"
         axes[0].plot(x, [_num(r["tw_fwd_bwd_ms"]) / 1e3 for r in rs], style, label=label)
         line = axes[1].plot(x, [_num(r.get("speedup_fwd_bwd")) or float("nan") for r in rs], style, label=label)[0]
-        if provider == "flexmask":
+        if ours:
             axes[1].plot(x, [_num(r.get("ideal_speedup")) or float("nan") for r in rs], "_", ms=14,
                          color=line.get_color())
             axes[0].plot(x, [(_num(r.get("t1_fwd_bwd_ms")) or float("nan")) / 1e3 for r in rs], ":",

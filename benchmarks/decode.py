@@ -3,7 +3,7 @@
     python -m benchmarks.decode --out benchmarks/results            # the sweep (GPU)
     python -m benchmarks.decode --providers flexmask,flexmask_fused,flex --name decode_fused
     python -m benchmarks.decode --table benchmarks/results/decode.csv   # print the table
-    python -m benchmarks.decode --table benchmarks/results/decode.csv --readme README.md
+    python -m benchmarks.decode --table benchmarks/results/decode.csv --readme docs/decoding.md
 
 Per point (batch B, cache length Sk, Sq queries; Hq=32, Hkv=8, D=128, bf16; every cache full,
 so every provider reads all of K/V): flexmask.attention with a precompiled `masks.kv_cache`

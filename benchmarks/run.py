@@ -1,6 +1,6 @@
 """The peer sweep: ``python -m benchmarks.run [options]``.
 
-GPU summary (the default when CUDA is available, about two minutes on one H100/H200): every mask
+GPU summary (the default when CUDA is available; meant to take minutes, not yet timed): every mask
 family at 32K tokens, D = 128, bf16, 16 query and 16 key/value heads, against the peers that are
 installed (FlexAttention; SDPA's cuDNN and flash backends on full and causal), each one that is
 not importable skipped with a one-line note. Writes benchmarks/results/summary.csv and its

@@ -12,7 +12,7 @@ from .kernels.decode.split_kv import decode_forward, decode_fwd
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
 from .masks import specs
-from .masks.compiled_cache import CompiledCache
+from .masks.compiled_cache import CompiledCache, spec_from_key, traceable_key
 from .masks.compiler import CompiledMask, compile_spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -148,6 +148,17 @@ def _spec_table_args(mask, q_len: int, kv_len: int, device: torch.device) -> tup
     return _table_args(_resolve_mask(mask, q_len, kv_len, device))
 
 
+@torch.compiler.assume_constant_result
+def _key_table_args(key: tuple, q_len: int, kv_len: int, device: torch.device) -> tuple:
+    """`_spec_table_args` for a spec written inside the compiled region, by its structural key:
+    dynamo hands such an object over without the attributes it set while tracing, so the spec is
+    rebuilt from the key (or found in the cache by it)."""
+    shape_key = (q_len, kv_len, device.type, device.index)
+    compiled = COMPILED.get_by_key(key, shape_key,
+                                   lambda: compile_mask(spec_from_key(key), q_len, kv_len, device=device))
+    return _table_args(compiled)
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -208,7 +219,11 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     if isinstance(mask, CompiledMask) or not torch.compiler.is_compiling():
         tables = _table_args(_resolve_mask(mask, sq, sk, q.device))
     else:  # a spec (or None) inside torch.compile: its tables are constants of the graph
-        tables = _spec_table_args(mask, sq, sk, q.device)
+        # the tables are constants of one length: a symbolic length (dynamic shapes, after a new
+        # length) is specialised, which dynamo does for len(range(n)) (int(n) would stay symbolic)
+        key, lengths = None if mask is None else traceable_key(mask), (len(range(sq)), len(range(sk)))
+        tables = (_spec_table_args(mask, *lengths, q.device) if key is None
+                  else _key_table_args(key, *lengths, q.device))
     _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     plan = _split_kv_plan(q, k, v, tables)

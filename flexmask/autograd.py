@@ -5,8 +5,8 @@ so it runs under `torch.compile(fullgraph=True)` without graph breaks, and a pla
 Why two: an eager call of a custom op with registered autograd costs ~0.2-0.3 ms of host time
 per call in torch 2.11-2.13 (its argument defaults are re-read from the schema on every call),
 more than a short masked forward takes on an H200, so eager training steps were host-bound
-(benchmarks/results/host_bound_probe_log.txt). `attention` (api.py) calls `apply` below in
-eager mode and the op only while torch.compile traces."""
+(`python -m tools.host_bound_probe`; docs/performance.md, section 7). `attention` (api.py) calls
+`apply` below in eager mode and the op only while torch.compile traces."""
 
 from __future__ import annotations
 

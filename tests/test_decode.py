@@ -482,13 +482,13 @@ def test_hopper_decode_plan_only_where_it_runs():
 
 
 def test_readme_decode_table_is_generated_from_the_csv():
-    """The README's decoding table is `benchmarks.decode --table` of the committed CSV, verbatim."""
+    """docs/decoding.md's decoding table is `benchmarks.decode --table` of the committed CSV, verbatim."""
     import os
 
     from benchmarks import decode as decode_bench
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
+    with open(os.path.join(root, "docs", "decoding.md")) as f:
         readme = f.read()
     block = readme.split(decode_bench.README_START, 1)[1].split(decode_bench.README_END, 1)[0]
     rows = decode_bench.read_csv(os.path.join(root, "benchmarks", "results", "decode.csv"))

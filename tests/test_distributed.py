@@ -2,7 +2,8 @@
 
 The CPU cases run in ONE fork of four gloo processes (spawning costs seconds per process
 under the interpreter): the world-size-4 cases use the default group, the world-size-3 and 2
-cases the subgroups of ranks {0, 1, 2} and {0, 1} (so the `group` argument is exercised too). Rank 0 of each case
+cases the subgroups of ranks {0, 1, 2} and {0, 1} (so the `group` argument is exercised too); a few
+cases shard by another `fmd.Layout` (the mask's balanced one, or a given pairing). Rank 0 of each case
 gathers the unsharded output, LSE and gradients and saves them; the tests here compare them
 with autograd through `flexmask.reference` by the DESIGN.md section 4 rule. Bad input is
 checked inside the same processes and reported back the same way.
@@ -50,11 +51,22 @@ class Case:
     dtype: torch.dtype = FP32
     with_dlse: bool = False
     layout: str = "bhsd"  # "bshd": q/k/v are .transpose(1, 2) views, sharded along dim 1 of (B, S, H, D)
+    chunks: str | tuple | None = None  # fmd layout: None (default), "balanced" (the mask's), or its chunks
 
     @property
     def name(self) -> str:
         extra = f"W{self.world}" + ("-dlse" if self.with_dlse else "") + ("-bshd" if self.layout == "bshd" else "")
+        if self.chunks is not None:
+            extra += "-" + (self.chunks if isinstance(self.chunks, str) else "".join(f"{a}{b}" for a, b in self.chunks))
         return case_id(self.b, self.hq, self.hkv, self.s, None, self.d, self.dtype, self.family, extra)
+
+
+def case_layout(case: Case) -> fmd.Layout | None:
+    if case.chunks is None:
+        return None
+    if case.chunks == "balanced":
+        return fmd.balanced_layout(case_mask(case), case.s, case.world)
+    return fmd.Layout(case.world, case.chunks)
 
 
 def case_mask(case: Case) -> masks.Mask:
@@ -62,6 +74,13 @@ def case_mask(case: Case) -> masks.Mask:
     if case.family == "document_crossing":  # documents that straddle the chunk boundaries
         c = s // (2 * case.world)
         seqlens = [c - 8, c + 22, c - 10, s - 3 * c - 4]
+        return masks.document(seqlens, causal=True)
+    if case.family == "document_uneven":  # a long document, then short ones: the default layout is uneven
+        if (case.world, s) in ((2, 96), (4, 192)):
+            seqlens = [72, 8, 8, 8] if case.world == 2 else [130, 10, 12, 10, 30]
+        else:  # 5/8 of the sequence, then documents of S/32
+            first, piece = 5 * s // 8 + 10, s // 32
+            seqlens = [first] + [piece] * ((s - first) // piece) + ([(s - first) % piece] if (s - first) % piece else [])
         return masks.document(seqlens, causal=True)
     if case.family == "narrow_window":  # far chunk pairs are empty: skipped, never received
         return masks.sliding_window(s // (2 * case.world) - 18)
@@ -89,12 +108,15 @@ CPU_CASES = [
     Case(2, "empty_rows", 96, with_dlse=True),
     Case(2, "causal", 96, dtype=BF16),
     Case(2, "sliding_window_bidir", 96, layout="bshd"),
+    Case(2, "document_uneven", 96, chunks="balanced"),  # rank 0 holds [0 | 1], rank 1 [2 | 3]
+    Case(2, "causal", 96, chunks=((3, 1), (0, 2))),  # chunks out of sequence order inside a shard
     Case(3, "causal", 144, with_dlse=True),
     Case(3, "document_crossing", 144),
     Case(3, "document_per_batch", 144, b=2),
     # W=4 at S=192: chunks of 24 again; one spawn, so only the two cases that matter most
     Case(4, "causal", 192, with_dlse=True),
     Case(4, "document_crossing", 192),
+    Case(4, "document_uneven", 192, chunks="balanced", with_dlse=True),  # [0|3] [1|5] [2|7] [4|6]
 ]
 CPU_WORLD = max(c.world for c in CPU_CASES)
 
@@ -105,19 +127,20 @@ CPU_WORLD = max(c.world for c in CPU_CASES)
 def _run_case(case: Case, group, device) -> dict | None:
     """fmd.attention on the shards, forward and backward; rank 0 returns the unsharded results."""
     mask = case_mask(case)
+    lay = case_layout(case)
     q, k, v, do, dlse = case_inputs(case, device)
     if case.layout == "bshd":  # shard the (B, S, H, D) tensors along S and hand over (B, H, S, D) views
-        ql, kl, vl = (fmd.shard(t.transpose(1, 2), group, seq_dim=1).detach().requires_grad_(True).transpose(1, 2)
-                      for t in (q, k, v))
+        ql, kl, vl = (fmd.shard(t.transpose(1, 2), group, seq_dim=1, layout=lay).detach().requires_grad_(True)
+                      .transpose(1, 2) for t in (q, k, v))
         ql.retain_grad(), kl.retain_grad(), vl.retain_grad()
     else:
-        ql, kl, vl = (fmd.shard(t, group).detach().requires_grad_(True) for t in (q, k, v))
-    out, lse = fmd.attention(ql, kl, vl, mask, group, return_lse=True)
-    loss = (out * fmd.shard(do, group)).sum()
+        ql, kl, vl = (fmd.shard(t, group, layout=lay).detach().requires_grad_(True) for t in (q, k, v))
+    out, lse = fmd.attention(ql, kl, vl, mask, group, return_lse=True, layout=lay)
+    loss = (out * fmd.shard(do, group, layout=lay)).sum()
     if dlse is not None:
-        loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * fmd.shard(dlse, group)).sum()
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * fmd.shard(dlse, group, layout=lay)).sum()
     loss.backward()
-    got = [fmd.unshard(t.detach(), group) for t in (out, lse, ql.grad, kl.grad, vl.grad)]
+    got = [fmd.unshard(t.detach(), group, layout=lay) for t in (out, lse, ql.grad, kl.grad, vl.grad)]
     return {"got": [t.cpu() for t in got], "plan": fmd.context_plan(mask, case.s, case.world).pairs}
 
 
@@ -153,6 +176,16 @@ def _bad_input(group, device) -> dict:
     # every rank passes a different mask: caught by the plan check, on every rank, no hang
     differ = masks.causal() if dist.get_rank(group) == 0 else masks.sliding_window(10)
     _expect_error(res, "ranks_disagree", lambda: fmd.attention(q, q, q, differ, group))
+    # layouts: one for another world size, something else than a Layout, and a different one per rank
+    three = fmd.Layout.default(3)
+    _expect_error(res, "layout_world_shard", lambda: fmd.shard(q, group, layout=three))
+    _expect_error(res, "layout_world_unshard", lambda: fmd.unshard(q, group, layout=three))
+    _expect_error(res, "layout_world_attention", lambda: fmd.attention(q, q, q, causal, group, layout=three))
+    _expect_error(res, "layout_type", lambda: fmd.attention(q, q, q, causal, group, layout=((0, 3), (1, 2))))
+    # (a new mask object: a plan one rank has cached is not checked again, so that rank would not
+    # join the check)
+    mine = fmd.Layout(2, ((0, 3), (1, 2)) if dist.get_rank(group) == 0 else ((0, 1), (2, 3)))
+    _expect_error(res, "layouts_disagree", lambda: fmd.attention(q, q, q, masks.causal(), group, layout=mine))
     # shard -> unshard is the identity, and unshard's gradient sums the ranks' gradients
     y = torch.randn(2, 96, 3, device=device).requires_grad_(True)
     dist.broadcast(y.data, src=dist.get_global_rank(group, 0), group=group)
@@ -164,7 +197,34 @@ def _bad_input(group, device) -> dict:
     want = torch.zeros_like(y)
     want[:, held] = 2 * held.view(1, -1, 1).float()
     res["unshard_grad"] = bool(torch.equal(y.grad, want))
+    res["roundtrip_layouts"] = _roundtrip_layouts(group, device)
     return res
+
+
+def random_layouts(world: int, n: int, seed: int) -> list[fmd.Layout]:
+    """`n` random pairings of the 2W chunks (the same on every rank: a seeded generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        perm = torch.randperm(2 * world, generator=gen).tolist()
+        out.append(fmd.Layout(world, tuple(zip(perm[:world], perm[world:]))))
+    return out
+
+
+def _roundtrip_layouts(group, device) -> bool:
+    """unshard(shard(y)) == y, and a shard holds the positions of its layout's chunks, for
+    random layouts of the group's size."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    s = 8 * world
+    c = s // (2 * world)
+    y = torch.arange(2 * s * 3, device=device, dtype=torch.float32).view(2, s, 3)
+    ok = True
+    for lay in random_layouts(world, 4, seed=world):
+        part = fmd.shard(y, group, seq_dim=1, layout=lay)
+        want = torch.cat([torch.arange(ch * c, (ch + 1) * c) for ch in lay.rank_chunks(rank)])
+        ok &= bool(torch.equal(part[0, :, 0].long().cpu(), 3 * want))
+        ok &= bool(torch.equal(fmd.unshard(part, group, seq_dim=1, layout=lay), y))
+    return ok
 
 
 def _worker(rank: int, world: int, init_file: str, out_file: str, cases: list, backend: str, bad_input: bool):
@@ -187,6 +247,8 @@ def _worker(rank: int, world: int, init_file: str, out_file: str, cases: list, b
                 results[case.name] = _run_case(case, groups[case.world], device)
         if bad_input and rank < 2:
             results["bad_input"] = _bad_input(groups[2], device)
+        if bad_input:
+            results[f"roundtrip_layouts_W{world}"] = _roundtrip_layouts(groups[world], device)
         if rank == 0:
             torch.save(results, out_file)
         dist.barrier()
@@ -249,7 +311,12 @@ BAD_INPUT = {
     "mask_type": ("TypeError", "Tensor"),
     "mask_length": ("ValueError", "96"),
     "rank_3d": ("ValueError", "4-D"),
-    "ranks_disagree": ("ValueError", "disagree"),
+    "ranks_disagree": ("ValueError", "disagree on mask"),
+    "layout_world_shard": ("ValueError", "layout is for 3 ranks"),
+    "layout_world_unshard": ("ValueError", "layout is for 3 ranks"),
+    "layout_world_attention": ("ValueError", "layout is for 3 ranks"),
+    "layout_type": ("TypeError", "layout must be"),
+    "layouts_disagree": ("ValueError", "disagree on layout"),
 }
 
 
@@ -263,6 +330,13 @@ def test_bad_input(cpu_results, name):
 def test_shard_unshard(cpu_results):
     assert cpu_results["bad_input"]["roundtrip"]
     assert cpu_results["bad_input"]["unshard_grad"]
+
+
+def test_shard_unshard_random_layouts(cpu_results):
+    """Random layouts at W = 2 (the subgroup) and W = 4: a shard holds its chunks, and unshard
+    puts them back."""
+    assert cpu_results["bad_input"]["roundtrip_layouts"]
+    assert cpu_results[f"roundtrip_layouts_W{CPU_WORLD}"]
 
 
 def test_inference_path(cpu_results):
@@ -292,6 +366,70 @@ def test_plan_is_exact(family, world):
     assert torch.equal(fmd.context_plan(mask, s, world).pairs, want)
 
 
+def test_layout_checks_its_chunks():
+    assert fmd.Layout(2, [[0, 3], [1, 2]]) == fmd.Layout.default(2)  # lists are taken, stored as tuples
+    assert fmd.Layout.default(3).chunk_owner(4) == (1, 1)
+    for world, chunks, text in ((2, ((0, 3),), "2 pairs"), (2, ((0, 3), (1, 1)), "each held once"),
+                                (2, ((0, 3), (1, 4)), "each held once"), (2, ((0, 1, 2), (3,)), "2 pairs"),
+                                (0, (), "positive"), (2, "0312", "2 pairs"), (2, None, "pairs of chunk")):
+        with pytest.raises(ValueError, match=text):
+            fmd.Layout(world, chunks)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_balanced_layout_of_causal_is_the_default(world):
+    """Causal work grows with the chunk: heaviest with lightest is (r, 2W-1-r), today's layout."""
+    s = 48 * world
+    assert fmd.balanced_layout(masks.causal(), s, world) == fmd.Layout.default(world)
+    assert fmd.balanced_layout(None, s, world).world == world  # full attention: any pairing is balanced
+
+
+def test_chunk_work_counts_attending_pairs():
+    s, world = 120, 3
+    mask = make_mask("startend_bidir", s, s, batch=2, heads=2)
+    dense = mask.to_dense(s, s)
+    want = dense.reshape(-1, 2 * world, s // (2 * world), s).sum(dim=(0, 2, 3)).tolist()
+    assert fmd.chunk_work(mask, s, world) == want
+
+
+def _random_documents(s: int, gen: torch.Generator) -> masks.Mask:
+    cuts = sorted(torch.randperm(s - 1, generator=gen)[: int(torch.randint(1, 8, (), generator=gen))].add(1).tolist())
+    seqlens = [b - a for a, b in zip([0] + cuts, cuts + [s])]
+    return masks.document(seqlens, causal=bool(torch.randint(0, 4, (), generator=gen)))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_balanced_layout_is_no_worse_and_optimal(world):
+    """On random document masks the balanced layout's busiest rank never has more work than the
+    default layout's; at W <= 3 it equals the best of every pairing (enumerated here)."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(world)
+    s = 24 * world
+    better = 0
+    for _ in range(30):
+        mask = _random_documents(s, gen)
+        work = fmd.chunk_work(mask, s, world)
+        got = max(fmd.rank_work(work, fmd.balanced_layout(mask, s, world)))
+        default = max(fmd.rank_work(work, fmd.Layout.default(world)))
+        assert got <= default
+        better += got < default
+        if world <= 3:
+            best = min(max(work[p[2 * i]] + work[p[2 * i + 1]] for i in range(world))
+                       for p in itertools.permutations(range(2 * world)))
+            assert got == best
+    assert better > 0  # the documents do fall unevenly on the default chunks at times
+
+
+def test_plan_traffic_follows_the_layout():
+    """Causal over 2 ranks holding [0 | 1] and [2 | 3]: rank 1's queries need both of rank 0's
+    chunks, rank 0's need none of rank 1's."""
+    plan = fmd.context_plan(masks.causal(), 64, 2, layout=fmd.Layout(2, ((0, 1), (2, 3))))
+    assert plan.transfers() == [(0, 1, 0), (0, 1, 1)]
+    with pytest.raises(ValueError, match="layout is for 2 ranks"):
+        fmd.context_plan(masks.causal(), 64, 4, layout=plan.layout)
+
+
 def test_bytes_moved_counts_only_needed_chunks():
     """Causal over 2 ranks: rank 0 ([0 | 3]) needs chunks 1 and 2 of rank 1, rank 1 ([1 | 2])
     needs only chunk 0: three of the four chunks an all-gather would move."""
@@ -313,6 +451,7 @@ def gpu_cases(world: int) -> list[Case]:
         Case(world, "document_crossing", 4096, hq=4, hkv=2, d=128, dtype=BF16),
         Case(world, "narrow_window", 4096, hq=4, hkv=2, d=128, dtype=BF16),
         Case(world, "startend_bidir", 2048, b=2, hq=4, hkv=2, d=128, dtype=BF16),
+        Case(world, "document_uneven", 4096, hq=4, hkv=2, d=128, dtype=BF16, chunks="balanced"),
     ]
 
 

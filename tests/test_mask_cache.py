@@ -106,3 +106,31 @@ def test_inline_mask_output_equals_compiled_mask():
     cm = flexmask.compile_mask(masks.document([30, 50]) & masks.sliding_window(20), s, s, device="cpu")
     inline = flexmask.attention(q, k, v, mask=masks.document([30, 50]) & masks.sliding_window(20))
     assert torch.equal(inline, flexmask.attention(q, k, v, mask=cm))
+
+
+def test_masks_written_inside_torch_compile():
+    """A model that writes its masks in the call, under torch.compile(fullgraph=True): no graph
+    break, no recompile from one step to the next, results equal to eager; a new length compiles
+    once more (the tables are constants of one length). Regression: dynamo handed the mask built
+    inside the graph over without its attributes ("mask must be a flexmask.masks.Mask, got
+    Combined")."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def layer(q, k, v):
+        return (flexmask.attention(q, k, v, mask=masks.causal() & masks.sliding_window(16))
+                + flexmask.attention(q, k, v, mask=masks.document([q.shape[2] // 2, q.shape[2] - q.shape[2] // 2])))
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    for step, s in enumerate((64, 64, 80)):
+        q, k, v = make_qkv(1, 2, 1, s, s, 16, torch.float32, seed=step, requires_grad=True)
+        out = compiled(q, k, v)
+        out.sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        want = layer(q, k, v)
+        want.sum().backward()
+        assert torch.equal(out, want) and all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
+        assert counter.frame_count == (1 if s == 64 else 2), f"step {step}: {counter.frame_count} compiles"

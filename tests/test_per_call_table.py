@@ -34,8 +34,18 @@ def test_table_command_writes_the_readme_block(tmp_path):
         writer = csv.DictWriter(f, fieldnames=per_call.COLUMNS)
         writer.writeheader()
         writer.writerows([row("fwd", 1024, "flexmask", "0.3"), row("fwd", 1024, "sdpa_cudnn", "0.2")])
-    readme = tmp_path / "README.md"
+    readme, full = tmp_path / "README.md", tmp_path / "results.md"
     readme.write_text(f"intro\n{per_call.START}\nold\n{per_call.END}\ntail\n")
-    assert per_call.main(["--table", str(path), "--readme", str(readme)]) == 0
+    full.write_text(f"{per_call.FULL_START}\nold\n{per_call.FULL_END}\n")
+    assert per_call.main(["--table", str(path), "--readme", str(readme), "--full", str(full)]) == 0
+    assert "old" not in full.read_text() and "| 1024 | 32 | 16/16 | 0.300 | 0.200 | 1.50 |" in full.read_text()
     text = readme.read_text()
-    assert "old" not in text and "| 1024 | 32 | 16/16 | 0.300 | 0.200 | 1.50 |" in text and text.endswith("tail\n")
+    assert "old" not in text and text.endswith("tail\n") and "| decode: B |" in text
+
+
+def test_summary_ratios():
+    rows = [row("fwd_bwd", 512, "flexmask", "1.2"), row("fwd_bwd", 512, "sdpa_cudnn", "0.6"),
+            row("fwd_bwd", 512, "flexmask_inline", "1.32"),
+            row("fwd_bwd", 512, "flexmask", "1.5", hq=32, hkv=8), row("fwd_bwd", 512, "sdpa_cudnn", "1.0", hq=32, hkv=8)]
+    line = next(x for x in per_call.summary(rows).splitlines() if x.startswith("| 512 |"))
+    assert line == "| 512 | 32 | 1.200 / 0.600 | 2.00 | 1.500 / 1.000 | 1.50 | 1.10, - |"

@@ -7,9 +7,12 @@ chunks of C = S / (2W) tokens, and rank r holds chunks r and 2W-1-r, one after t
     W = 2, chunks 0 1 2 3:   rank 0 holds [0 | 3], rank 1 holds [1 | 2]
 
 so that causal-like masks, whose work grows with the query position, give every rank the same
-work. `shard` cuts a global tensor into this layout, `unshard` gathers it back.
+work. `shard` cuts a global tensor into this layout, `unshard` gathers it back. Other pairings
+of the 2W chunks are a `Layout` (rank r holds chunks[r]); `balanced_layout(mask, S, W)` pairs
+them by the work the mask gives each chunk (documents that fall unevenly on the chunks), and
+`shard`, `attention` and `unshard` take it as ``layout=`` (the same on every call and rank).
 
-`attention` runs the plan of a mask, built once per (mask, S, W, rank, device) and cached on
+`attention` runs the plan of a mask, built once per (mask, S, W, rank, device, layout) and cached on
 the mask object:
   - the (query chunk, key chunk) pairs that the mask leaves empty are found from its column
     intervals (a column empties the rectangle when one masked interval covers all its rows)
@@ -25,14 +28,16 @@ Backward: the merge is differentiated by hand, each partial call by autograd (it
 gradient of the LSE too); dQ stays local, and the dK/dV of received chunks are computed first
 and sent back to their owners while the local backward runs.
 
-Modules: layout (shard/unshard), plan (pairs, sub-masks, cache), exchange (point-to-point
-traffic), merge (LSE merge and its gradient), context_attention (forward/backward, the public call).
+Modules: layout (Layout, shard/unshard), balance (balanced_layout), plan (pairs, sub-masks, cache),
+exchange (point-to-point traffic), merge (LSE merge and its gradient), context_attention (forward/backward, the public call).
 """
 
 from __future__ import annotations
 
+from .balance import balanced_layout, chunk_work, rank_work
 from .context_attention import attention
-from .layout import chunk_owner, rank_chunks, shard, unshard
+from .layout import Layout, chunk_owner, rank_chunks, shard, unshard
 from .plan import ContextPlan, context_plan
 
-__all__ = ["shard", "unshard", "attention", "ContextPlan", "context_plan", "chunk_owner", "rank_chunks"]
+__all__ = ["shard", "unshard", "attention", "Layout", "balanced_layout", "chunk_work", "rank_work",
+           "ContextPlan", "context_plan", "chunk_owner", "rank_chunks"]

@@ -11,7 +11,7 @@ from ..api import attention as _attention
 from ..masks import specs
 from ..masks.compiler import CompiledMask
 from .exchange import post_grad_exchange, post_kv_exchange, wait
-from .layout import group_info
+from .layout import Layout, group_info, resolve_layout
 from .merge import merge, merge_backward
 from .plan import Item, RankPlan, rank_plan
 
@@ -131,7 +131,8 @@ class _ContextParallelAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, return_lse: bool = False):
+def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, return_lse: bool = False,
+              layout: Layout | None = None):
     """Context-parallel attention: `flexmask.attention` over a sequence sharded on the ranks of
     `group` (None: the default group), exactly equal to it on the unsharded tensors::
 
@@ -139,15 +140,19 @@ def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, ret
         # == flexmask.attention(q, k, v, mask) (within the accuracy rule of DESIGN.md section 4)
 
     q: (B, Hq, S/W, D), k, v: (B, Hkv, S/W, D): this rank's shards in the layout of `shard`
-    (chunks r and 2W-1-r of the 2W chunks of the global sequence of length S). Self-attention:
-    queries and keys cover the same S positions.
+    (chunks r and 2W-1-r of the 2W chunks of the global sequence of length S, or those of
+    `layout`: the one the shards were cut with). Self-attention: queries and keys cover the
+    same S positions.
 
     mask: defined over the GLOBAL (S, S) sequence: None (full attention), a `masks.Mask`, or a
     `CompiledMask` compiled for (S, S) (its column intervals are used; the tables of each
     (query chunk, key chunk) call are compiled here). Its plan is built once per (mask, S, W,
-    rank, device) and cached on the mask object; the first call with a new plan runs one small
-    all-reduce to check that every rank holds the same shapes and mask. Call it on every rank of
-    the group with the same mask and shapes, and with the same grad mode.
+    rank, device, layout) and cached on the mask object; the first call with a new plan runs one
+    small all-reduce to check that every rank holds the same shapes, layout and mask. Call it on
+    every rank of the group with the same mask, layout and shapes, and with the same grad mode.
+
+    layout: None (the default layout of `shard`) or a `Layout`, e.g. `balanced_layout(mask, S, W)`,
+    which gives every rank the same work where documents fall unevenly on the default chunks.
 
     Returns this rank's output shard (B, Hq, S/W, D), and with return_lse=True also its
     natural-log LSE (B, Hq, S/W) float32. Differentiable in q, k, v (and through the LSE);
@@ -181,9 +186,10 @@ def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, ret
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
     world, rank = group_info(group)
+    layout = resolve_layout(layout, world)
     seq_len = q.shape[2] * world
     shape_sig = [q.shape[0], q.shape[1], k.shape[1], q.shape[2], d]
-    rp = rank_plan(mask, seq_len, world, rank, q.device, group, shape_sig)
+    rp = rank_plan(mask, seq_len, world, rank, q.device, group, shape_sig, layout)
 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _ContextParallelAttention.apply(q, k, v, rp, group, float(scale))

@@ -12,18 +12,23 @@ import torch.distributed as dist
 from ..api import compile_mask
 from ..masks import specs
 from ..masks.compiler import CompiledMask
-from .layout import rank_chunks
+from .layout import Layout, resolve_layout
 
 
 @dataclass(frozen=True)
 class ContextPlan:
     """Which (query chunk, key chunk) pairs a mask needs, over the 2W chunks of the global
     sequence; the same on every rank. ``pairs[i, j]`` is True when some query of chunk i
-    attends some key of chunk j (in any batch row or head)."""
+    attends some key of chunk j (in any batch row or head). `layout` says which rank holds
+    which chunks (None: the default layout); only the traffic depends on it."""
 
     world_size: int
     seq_len: int
     pairs: torch.Tensor  # bool [2W, 2W], CPU
+    layout: Layout | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", resolve_layout(self.layout, self.world_size))
 
     @property
     def chunk_len(self) -> int:
@@ -31,9 +36,8 @@ class ContextPlan:
 
     def halves_needed(self, rank: int, source: int) -> list[int]:
         """The halves of `source`'s shard that some query of `rank` needs (sorted)."""
-        w = self.world_size
-        queries = rank_chunks(rank, w)
-        return [h for h, key in enumerate(rank_chunks(source, w)) if bool(self.pairs[list(queries), key].any())]
+        queries = list(self.layout.rank_chunks(rank))
+        return [h for h, key in enumerate(self.layout.rank_chunks(source)) if bool(self.pairs[queries, key].any())]
 
     def transfers(self) -> list[tuple[int, int, int]]:
         """(source rank, destination rank, source half) of every K/V chunk that travels."""
@@ -75,11 +79,13 @@ def _chunk_pairs(intervals: torch.Tensor, seq_len: int, world_size: int) -> torc
     return torch.stack(rows).cpu()
 
 
-def context_plan(mask, seq_len: int, world_size: int, device=None) -> ContextPlan:
+def context_plan(mask, seq_len: int, world_size: int, device=None, *, layout: Layout | None = None) -> ContextPlan:
     """The (query chunk, key chunk) pairs that `mask` (None, a Mask, or a CompiledMask for
-    (seq_len, seq_len)) needs with `world_size` ranks. Needs no process group."""
+    (seq_len, seq_len)) needs with `world_size` ranks holding their chunks by `layout` (None:
+    the default). Needs no process group."""
+    layout = resolve_layout(layout, world_size)
     intervals = _global_intervals(mask, seq_len, device)
-    return ContextPlan(world_size, seq_len, _chunk_pairs(intervals, seq_len, world_size))
+    return ContextPlan(world_size, seq_len, _chunk_pairs(intervals, seq_len, world_size), layout)
 
 
 _FULL = specs.full()
@@ -128,8 +134,8 @@ def _sub_mask(intervals: torch.Tensor, q_chunk: int, key_chunks: list[int], c: i
     return compile_mask(specs.column_intervals(rows), c, len(key_chunks) * c, device=device)
 
 
-def _build_rank_plan(intervals: torch.Tensor, seq_len: int, world: int, rank: int, device) -> RankPlan:
-    plan = ContextPlan(world, seq_len, _chunk_pairs(intervals, seq_len, world))
+def _build_rank_plan(intervals: torch.Tensor, seq_len: int, world: int, rank: int, device, layout: Layout) -> RankPlan:
+    plan = ContextPlan(world, seq_len, _chunk_pairs(intervals, seq_len, world), layout)
     c = plan.chunk_len
     rp = RankPlan(plan, rank, [])
     for peer in range(world):
@@ -139,10 +145,10 @@ def _build_rank_plan(intervals: torch.Tensor, seq_len: int, world: int, rank: in
             rp.recv_halves[peer] = halves
         if halves := plan.halves_needed(peer, rank):
             rp.send_halves[peer] = halves
-    my_chunks = rank_chunks(rank, world)
+    my_chunks = layout.rank_chunks(rank)
     for source in [rank] + [p for p in range(world) if p != rank]:
         held = [0, 1] if source == rank else rp.recv_halves.get(source, [])
-        src_chunks = rank_chunks(source, world)
+        src_chunks = layout.rank_chunks(source)
         for q_half, q_chunk in enumerate(my_chunks):
             halves = [h for h in held if bool(plan.pairs[q_chunk, src_chunks[h]])]
             if not halves:
@@ -158,13 +164,15 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAX_PLANS_PER_MASK = 8
 
 
-def rank_plan(mask, seq_len: int, world: int, rank: int, device, group, shape_sig: list[int]) -> RankPlan:
+def rank_plan(mask, seq_len: int, world: int, rank: int, device, group, shape_sig: list[int],
+              layout: Layout | None = None) -> RankPlan:
+    layout = resolve_layout(layout, world)
     owner = _FULL if mask is None else mask
     cache = _PLANS.setdefault(owner, {})
-    key = (seq_len, world, rank, str(device))
+    key = (seq_len, world, rank, str(device), layout.chunks)
     if key not in cache:
         intervals = _global_intervals(mask, seq_len, device)
-        rp = _build_rank_plan(intervals, seq_len, world, rank, device)
+        rp = _build_rank_plan(intervals, seq_len, world, rank, device, layout)
         _check_agreement(rp.plan, shape_sig, group, device)
         if len(cache) >= _MAX_PLANS_PER_MASK:
             cache.pop(next(iter(cache)))
@@ -173,13 +181,23 @@ def rank_plan(mask, seq_len: int, world: int, rank: int, device, group, shape_si
 
 
 def _check_agreement(plan: ContextPlan, shape_sig: list[int], group, device) -> None:
-    """One small all-reduce per new plan: every rank must hold the same shapes and plan, or the
-    point-to-point exchange would wait forever."""
-    sig = torch.tensor(shape_sig + plan.pairs.flatten().long().tolist(), dtype=torch.int64, device=device)
+    """One small all-reduce per new plan: every rank must hold the same shapes, layout and plan,
+    or the point-to-point exchange would wait forever. Every rank sees the same reduced numbers,
+    so every rank raises the same error."""
+    parts = [
+        ("the local shapes (B, Hq, Hkv, S/W, D)", list(shape_sig)),
+        ("layout", [c for pair in plan.layout.chunks for c in pair]),
+        ("mask", plan.pairs.flatten().long().tolist()),
+    ]
+    sig = torch.tensor([x for _, p in parts for x in p], dtype=torch.int64, device=device)
     both = torch.stack([sig, -sig])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(both[0], -both[1]):
-        raise ValueError(
-            "the ranks disagree on the local shapes (B, Hq, Hkv, S/W, D) or on the mask: call "
-            "flexmask.distributed.attention with the same mask and shard shapes on every rank"
-        )
+    same = (both[0] == -both[1]).cpu()
+    start = 0
+    for what, p in parts:
+        if not bool(same[start:start + len(p)].all()):
+            raise ValueError(
+                f"the ranks disagree on {what}: call flexmask.distributed.attention with the same mask, "
+                f"layout and shard shapes on every rank"
+            )
+        start += len(p)

@@ -33,8 +33,8 @@ def forward_path(q: torch.Tensor, cm) -> str:
     return "hopper" if HOPPER_FORWARD_IS_DEFAULT else "portable"
 
 
-# measured faster than the portable kernel on every family at D = 64 and 128 (benchmarks/results/
-# forward_variants.csv, forward_hopper_log.md); False sends every input to the portable kernel
+# measured faster than the portable kernel on every family at D = 64 and 128 (forward_variants.csv;
+# docs/performance.md, section 4); False sends every input to the portable kernel
 HOPPER_FORWARD_IS_DEFAULT = True
 
 
@@ -56,7 +56,7 @@ def backward_path(q: torch.Tensor, cm, deterministic: bool) -> str:
 # Head dims where the Hopper backward (backward_hopper.py) is the default. On an H200 at 32K
 # (bf16, causal, sliding window 1024, causal document) it passes tests/test_gpu_hopper_backward.py
 # and runs 1.21-1.43x FlexAttention's backward against 0.95-1.07x for the fused path
-# (speed_check_S32768_D128.csv / _D64.csv, backward_hopper_log.md). Empty sends every input to
+# (speed_check_S32768_D128.csv / _D64.csv; docs/performance.md, section 5). Empty sends every input to
 # the fused path.
 HOPPER_BACKWARD_HEAD_DIMS = frozenset({64, 128})
 
@@ -71,7 +71,7 @@ def two_pass_dkdv_path(q: torch.Tensor, cm) -> str:
     return "portable"
 
 
-# measured on an H200 at 32K (speed_check_S32768_D128.csv / _D64.csv, backward_hopper_log.md):
+# measured on an H200 at 32K (speed_check_S32768_D128.csv / _D64.csv; docs/performance.md, section 5):
 # the deterministic backward gains over the portable dK/dV pass at both head dims
 HOPPER_DKDV_IN_TWO_PASS = True
 
@@ -85,10 +85,9 @@ def two_pass_dq_path(q: torch.Tensor, cm) -> str:
     return "portable"
 
 
-# measured on an H200 at 32K (speed_check_S32768_D128.csv / _D64.csv, provider flexmask_det_hopper_dq,
-# from benchmarks/gpu_jobs/pending_checks.sh): the Hopper dQ pass beats the portable one in every
-# measured family at both head dims, most at D=64 where the portable pass left the deterministic
-# backward below FlexAttention; its GPU tests pass (pending_checks_log.txt)
+# measured on an H200 at 32K (docs/performance.md, section 5): the Hopper dQ pass beats the portable
+# one in every measured family at both head dims, most at D=64 where the portable pass left the
+# deterministic backward below FlexAttention
 HOPPER_DQ_IN_TWO_PASS = True
 
 

@@ -6,7 +6,9 @@ from .specs import (
     causal,
     causal_blockwise,
     column_intervals,
+    column_runs,
     document,
+    from_mask_mod,
     from_startend_row_indices,
     full,
     global_sliding_window,
@@ -37,6 +39,8 @@ __all__ = [
     "qk_sparse",
     "random_eviction",
     "column_intervals",
+    "column_runs",
     "from_startend_row_indices",
+    "from_mask_mod",
     "kv_cache",
 ]

@@ -32,6 +32,52 @@ def structural_key(mask) -> tuple:
     return (kind, tuple((name, _value_key(value)) for name, value in sorted(mask.params().items())))
 
 
+def traceable_key(mask) -> tuple | None:
+    """`structural_key` for a spec built inside torch.compile, where it is traced: plain Python on
+    the spec's parameters, no exception, no tensor read. None where a parameter is a tensor or of
+    an unknown type (the spec must then be built outside the compiled region)."""
+    kind = mask.kind
+    if kind in ("and", "or"):
+        a, b = traceable_key(mask.a), traceable_key(mask.b)
+        return None if a is None or b is None else (kind, a, b)
+    items = []
+    for name, value in sorted(mask.params().items()):
+        if value is None or isinstance(value, (bool, int, float, str)):
+            items.append((name, (type(value).__name__, value)))
+        elif isinstance(value, (list, tuple)) and all(v.__class__ is int for v in value):
+            items.append((name, ("ints", tuple(value))))
+        elif isinstance(value, (list, tuple)) and all(
+                isinstance(row, (list, tuple)) and all(v.__class__ is int for v in row) for row in value):
+            items.append((name, ("seq", tuple(("ints", tuple(row)) for row in value))))
+        else:
+            return None
+    return (kind, tuple(items))
+
+
+def spec_from_key(key: tuple):
+    """The spec a key describes (`structural_key` or `traceable_key`): the same builders' objects,
+    so that a spec that dynamo rebuilt without its attributes can still be compiled."""
+    from .specs import _Simple  # the builders' class: specs sits above this module
+
+    kind = key[0]
+    if kind in ("and", "or"):
+        a, b = spec_from_key(key[1]), spec_from_key(key[2])
+        return a & b if kind == "and" else a | b
+    return _Simple(kind, **{name: _value(v) for name, v in key[1]})
+
+
+def _value(v):
+    tag = v[0]
+    if tag == "ints":
+        return list(v[1])
+    if tag == "seq":
+        return [_value(x) for x in v[1]]
+    if tag == "data":
+        _, dtype, shape, data = v
+        return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype.split(".")[-1])).reshape(shape).clone()
+    return v[1]
+
+
 def _value_key(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return (type(value).__name__, value)
@@ -62,9 +108,13 @@ class CompiledCache:
         """The CompiledMask of `mask` for `shape_key` (lengths, device, tile), made by
         `compile_fn()` on a miss; None when the spec cannot be keyed."""
         try:
-            key = (structural_key(mask), shape_key)
+            key = structural_key(mask)
         except Unkeyable:
             return None
+        return self.get_by_key(key, shape_key, compile_fn)
+
+    def get_by_key(self, spec_key: tuple, shape_key: tuple, compile_fn):
+        key = (spec_key, shape_key)
         compiled = self._entries.get(key)
         if compiled is not None:
             self._entries.move_to_end(key)

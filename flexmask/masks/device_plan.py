@@ -13,7 +13,8 @@ Never kept:
 - the device data of a mask whose parameters hold a tensor: a tensor on the device may change in
   place between compiles (lengths refreshed before a CUDA graph replay), so its bounds are
   rebuilt on the device at every compile; a CPU tensor is shared with the caller. (Their tile
-  bound, which never reads a tensor, is kept.)
+  bound, which never reads a tensor, is kept.) The same for `from_mask_mod`, whose function may
+  read tensors captured from the caller: it is evaluated again at every compile.
 - anything built while the current stream captures a CUDA graph: its device tensors are written
   only when the graph replays.
 The stream is part of the key: an upload made on one stream is known to be complete only there.
@@ -40,9 +41,11 @@ class DevicePlan(NamedTuple):
 
 
 def _holds_tensors(mask) -> bool:
+    """Whether the mask may read tensors that change in place: its own, or those a mask_mod
+    function captures (never seen from here, so always assumed)."""
     if mask.kind in ("and", "or"):
         return _holds_tensors(mask.a) or _holds_tensors(mask.b)
-    return any(isinstance(v, torch.Tensor) for v in mask.params().values())
+    return mask.kind == "mask_mod" or any(isinstance(v, torch.Tensor) for v in mask.params().values())
 
 
 def _memo(mask, name: str) -> dict | None:

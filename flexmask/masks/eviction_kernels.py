@@ -37,9 +37,8 @@ from ..kernels.common.launcher import FastLaunch
 BLOCK = 1024  # columns per program, and keys per sorted run (a power of two: tl.sort)
 MERGE_WAYS = 8  # runs merged by one pass of _eviction_merge_kernel
 MERGE_BLOCK = 128  # keys per merge program: its searches are latency-bound, so many small programs
-# (H200, S = 128K, 64K evicting keys: 200 us a build with 1024 keys a program and the runs searched one
-# after the other, 76 us with 256 and the searches unrolled, 66 us with 128: eviction_probe_*session11_log.txt
-# under benchmarks/results)
+# (fastest with the searches unrolled and 128 keys a program; `python -m tools.eviction_probe`,
+# docs/performance.md, section 1.2)
 
 
 @triton.jit

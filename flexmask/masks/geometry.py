@@ -16,8 +16,8 @@ import torch
 def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """Host data (a list, or a CPU tensor) as a tensor on `device`, without waiting for the GPU:
     through pinned memory with a non-blocking copy (a copy from pageable memory would wait for
-    the stream; a ring of pinned slots, tried in session 10, measured slower:
-    benchmarks/results/upload_paths_session10_log.txt). The one place where the device path
+    the stream; a ring of pinned slots measured slower: docs/performance.md, section 1.1). The
+    one place where the device path
     uploads host values."""
     pinned = device.type == "cuda"
     if not isinstance(values, torch.Tensor):

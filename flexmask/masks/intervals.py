@@ -321,7 +321,8 @@ def _kv_cache(m, g):
 
 # --- kv_cache in a composition: the other operands' query positions follow the cache -----
 
-_EXPLICIT_ROWS = ("column_intervals", "from_startend_row_indices")  # query rows, not positions
+# masks given as query rows, not positions
+_EXPLICIT_ROWS = ("column_intervals", "from_startend_row_indices", "column_runs", "mask_mod")
 
 
 def _find_cache(m) -> list:
@@ -412,7 +413,10 @@ def _normalize_runs(ivs: torch.Tensor, q_len: int, k_out: int) -> torch.Tensor:
 
 def _compose_runs(m, g: _Geometry) -> torch.Tensor:
     """Runs [B, H, Sk, K, 2] of mask m; a union of Ka and Kb runs has at most Ka + Kb runs, an
-    intersection at most Ka + Kb - 1."""
+    intersection at most Ka + Kb - 1. A mask given as runs (`_RUN_KINDS`) hands over all of its
+    runs: only the final result must fit two."""
+    if m.kind in _RUN_KINDS:
+        return _given_runs(m, g)
     if m.kind not in ("and", "or"):
         return _runs_of(_operand_intervals(m, g), g.q_len)
     a, b = _compose_runs(m.a, g), _compose_runs(m.b, g)
@@ -462,7 +466,7 @@ def _combined(m, g):
         raise ValueError(f"{m!r}: a composition may hold one kv_cache mask (it sets the query positions), got {len(caches)}")
     if caches:
         g.cache_lengths = cache_lengths(caches[0], g)
-    if g.on_device:
+    if g.on_device and not _holds_run_kinds(m):  # (masks given as runs: the torch path below)
         composed = _composed_on_device(m, g, root=True)
         if composed is not None:
             return composed
@@ -478,19 +482,186 @@ def _combined(m, g):
         raise ValueError(
             f"the composed mask needs {n} intervals in key column {j} (batch {b}, head {h}): it masks "
             f"query rows {_format_runs(runs[b, h, j, :n])} there, but a column holds at most 2 masked "
-            f"row intervals ([LTS, LTE) and [UTS, UTE))"
+            f"row intervals ([LTS, LTE) and [UTS, UTE)) in the kernels today (k per column are planned, "
+            f"issue #41)"
         )
+    return _canonical_from_runs(runs, g.q_len)
+
+
+def _canonical_from_runs(runs: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Runs [B, H, Sk, K, 2] whose columns hold at most two runs (the caller checked) -> the
+    canonical int32 [B, H, Sk, 4]."""
     runs = runs[..., :2, :]
     if runs.shape[-2] < 2:
-        runs = _normalize_runs(runs, g.q_len, 2)
+        runs = _normalize_runs(runs, q_len, 2)
     lower, upper = runs[..., 0, :], runs[..., 1, :]  # upper slot: the run of higher rows (or empty)
-    has_upper = upper[..., 0] <= g.q_len
-    has_lower = lower[..., 0] <= g.q_len
+    has_upper = upper[..., 0] <= q_len
+    has_lower = lower[..., 0] <= q_len
     lts = torch.where(has_upper, upper[..., 0], torch.where(has_lower, lower[..., 0], _EMPTY))
     lte = torch.where(has_upper, upper[..., 1], torch.where(has_lower, lower[..., 1], _EMPTY))
     uts = torch.where(has_upper, lower[..., 0], _EMPTY)
     ute = torch.where(has_upper, lower[..., 1], _EMPTY)
     return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32)
+
+
+# --- masks given as runs of masked rows: column_runs, from_mask_mod ------------------------
+#
+# Both are built as runs [B|1, H|1, Sk, K, 2] (the composition's form above), K being the most
+# runs any column holds. Alone, a mask must fit the two intervals of the canonical form; in a
+# composition only the final result must (`_compose_runs` takes the runs as they are).
+
+_RUN_KINDS = ("column_runs", "mask_mod")
+
+# One mask_mod call sees at most this many (q_idx, kv_idx) pairs: with the int64 temporaries of
+# the run scan, some 100 MB of transient memory, whatever q_len x kv_len is.
+MASK_MOD_BLOCK_ELEMENTS = 1 << 21
+MASK_MOD_BLOCK_COLUMNS = 4096
+
+
+def _holds_run_kinds(m) -> bool:
+    if m.kind in ("and", "or"):
+        return _holds_run_kinds(m.a) or _holds_run_kinds(m.b)
+    return m.kind in _RUN_KINDS
+
+
+def _given_runs(m, g: _Geometry) -> torch.Tensor:
+    """Runs [B|1, H|1, Sk, K, 2] of a mask of `_RUN_KINDS`, K the most runs a column holds."""
+    return _column_runs(m, g) if m.kind == "column_runs" else _mask_mod_runs(m, g)
+
+
+def _column_runs(m, g: _Geometry) -> torch.Tensor:
+    p = m.params()
+    starts, ends = p["starts"], p["ends"]
+    if starts.shape[-2] != g.kv_len:
+        raise ValueError(
+            f"starts and ends must cover kv_len={g.kv_len} key columns (dimension -2), got shape {tuple(starts.shape)}"
+        )
+    if _host_checked(g, starts, ends):  # host data: rows out of [0, q_len] are errors, as in column_intervals
+        for name, t in (("starts", starts), ("ends", ends)):
+            bad = (t < 0) | (t > g.q_len)
+            if bool(bad.any()):
+                pos = bad.nonzero()[0].tolist()
+                raise ValueError(
+                    f"{name} holds row {int(t[tuple(pos)])} at key column {pos[-2]} (run {pos[-1]}), outside "
+                    f"[0, q_len={g.q_len}]"
+                )
+    both = torch.stack([g.upload(starts), g.upload(ends)], dim=-1)  # [..., Sk, k, 2]
+    while both.dim() < 5:  # (Sk, k): one mask; (H, Sk, k): heads, not batch
+        both = both.unsqueeze(0)
+    k = both.shape[-2]
+    runs = _normalize_runs(both, g.q_len, k)
+    if k <= 2 or runs.numel() == 0:  # fits by construction: no need to look
+        return runs
+    most = int((runs[..., 0] <= g.q_len).sum(-1).max())  # a host sync: cut to the most runs of a column
+    return runs[..., : max(1, most), :]
+
+
+def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
+    """mask_mod on one block, checked and broadcast to [rows, cols] (bool, on `device`)."""
+    out = fn(b, h, q_idx, kv_idx)
+    if not isinstance(out, torch.Tensor):
+        if not isinstance(out, bool):
+            raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {type(out).__name__}")
+        out = torch.tensor(out)
+    if out.dtype != torch.bool:
+        raise TypeError(f"mask_mod must return a bool tensor (True = attend), got dtype {out.dtype}")
+    shape = (q_idx.shape[0], kv_idx.shape[1])
+    try:
+        return torch.broadcast_to(out.to(device), shape)
+    except RuntimeError:
+        raise ValueError(
+            f"mask_mod returned shape {tuple(out.shape)} for q_idx of shape {tuple(q_idx.shape)} and kv_idx of "
+            f"shape {tuple(kv_idx.shape)}: it must broadcast to {shape}"
+        ) from None
+
+
+def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
+    """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`: the function evaluated on the device over
+    blocks of rows x columns (MASK_MOD_BLOCK_ELEMENTS at most), each column's runs of masked rows
+    collected as the row blocks go by: a run opens at a masked row below an attended one (or
+    the first row) and closes at an attended row below a masked one (or at q_len). Run r of a
+    column lands in slot r by a scatter (no host sync per block); runs past max_runs are only
+    counted. One host sync at the end reads the most runs of a column."""
+    p = m.params()
+    fn, max_runs = p["mask_mod"], p["max_runs"]
+    n_b, n_h = p["batch"] or 1, p["heads"] or 1
+    q_len, kv_len, dev = g.q_len, g.kv_len, g.device
+    spare = max_runs  # the slot that takes the runs past max_runs (and every non-event), dropped
+    empty = q_len + 1
+    starts = torch.full((n_b, n_h, kv_len, max_runs + 1), empty, dtype=torch.int64, device=dev)
+    ends = torch.full_like(starts, empty)
+    count = torch.zeros((n_b, n_h, kv_len), dtype=torch.int64, device=dev)
+    cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS))
+    rows = max(1, min(q_len, MASK_MOD_BLOCK_ELEMENTS // cols))
+    with torch.no_grad():
+        for b in range(n_b):
+            for h in range(n_h):
+                b_idx = torch.tensor(b, dtype=torch.int64, device=dev)
+                h_idx = torch.tensor(h, dtype=torch.int64, device=dev)
+                for k0 in range(0, kv_len, cols):
+                    kv_idx = torch.arange(k0, min(k0 + cols, kv_len), device=dev).view(1, -1)
+                    width = kv_idx.shape[1]
+                    s_buf = torch.full((max_runs + 1, width), empty, dtype=torch.int64, device=dev)
+                    e_buf = torch.full_like(s_buf, empty)
+                    opened = torch.zeros(width, dtype=torch.int64, device=dev)  # runs opened so far
+                    closed = torch.zeros_like(opened)
+                    above = torch.zeros(width, dtype=torch.bool, device=dev)  # the previous row masked
+                    for q0 in range(0, q_len, rows):
+                        q_idx = torch.arange(q0, min(q0 + rows, q_len), device=dev).view(-1, 1)
+                        masked = ~_mask_mod_block(fn, b_idx, h_idx, q_idx, kv_idx, dev)  # [rows, cols]
+                        before = torch.cat([above[None], masked[:-1]], 0)
+                        row_of = q_idx.expand_as(masked)
+                        for events, done, buf in ((masked & ~before, opened, s_buf), (~masked & before, closed, e_buf)):
+                            rank = torch.cumsum(events, 0) + (done - 1)  # run index of each event
+                            slot = torch.where(events, rank.clamp(max=spare), spare)
+                            buf.scatter_(0, slot, row_of)
+                            done += events.sum(0)
+                        above = masked[-1]
+                    if q_len:  # runs still open at the last row end at q_len
+                        e_buf.scatter_(0, torch.where(above, closed.clamp(max=spare), spare)[None],
+                                       torch.full((1, width), q_len, dtype=torch.int64, device=dev))
+                    starts[b, h, k0:k0 + width] = s_buf.T
+                    ends[b, h, k0:k0 + width] = e_buf.T
+                    count[b, h, k0:k0 + width] = opened
+    most = int(count.max()) if count.numel() else 0  # the one host sync
+    if most > max_runs:
+        b, h, j = (count > max_runs).nonzero()[0].tolist()
+        raise ValueError(
+            f"{m!r}: key column {j}{_where(m, b, h)} has {int(count[b, h, j])} masked runs of query rows, "
+            f"more than max_runs={max_runs} (it may be raised up to {run_bounds.MAX_RUNS_LIMIT})"
+        )
+    return torch.stack([starts[..., :max(1, most)], ends[..., :max(1, most)]], dim=-1)
+
+
+def _where(m, b: int, h: int) -> str:
+    """' (batch b, head h)' for the dimensions the mask has."""
+    p = m.params()
+    parts = [f"batch {b}"] if p.get("batch") else []
+    parts += [f"head {h}"] if p.get("heads") else []
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _from_runs(m, g: _Geometry) -> torch.Tensor:
+    """Canonical intervals of a mask given as runs alone: a column of more than two runs raises
+    (the kernels hold two today)."""
+    runs = _given_runs(m, g)
+    if runs.shape[-2] > 2:
+        count = (runs[..., 0] <= g.q_len).sum(-1)
+        if bool((count > 2).any()):
+            b, h, j = (count > 2).nonzero()[0].tolist()
+            n = int(count[b, h, j])
+            if m.kind == "mask_mod":
+                where, merged = _where(m, b, h), f" (max_runs={m.params()['max_runs']} allows it)"
+            else:
+                where = f" (batch {b}, head {h})" if runs.shape[0] * runs.shape[1] > 1 else ""
+                merged = " once overlapping runs are merged"
+            raise ValueError(
+                f"{m!r}: key column {j}{where} needs {n} masked runs{merged}: query rows "
+                f"{_format_runs(runs[b, h, j, :n])}, but the kernels take two masked intervals per column today "
+                f"(k runs per column, up to max_runs, are planned: issue #41). Until then a mask must have at most "
+                f"two masked runs per column, alone or as the result of a composition (& / |)"
+            )
+    return _canonical_from_runs(runs, g.q_len)
 
 
 _BUILDERS = {
@@ -508,6 +679,8 @@ _BUILDERS = {
     "column_intervals": _column_intervals,
     "from_startend_row_indices": _from_startend,
     "kv_cache": _kv_cache,
+    "column_runs": _from_runs,
+    "mask_mod": _from_runs,
     "and": _combined,
     "or": _combined,
 }
@@ -525,7 +698,7 @@ def build_intervals(mask, q_len: int, kv_len: int, device=None, on_device: bool 
     device = torch.device(device) if device is not None else torch.device("cpu")
     g = _Geometry(q_len, kv_len, device, on_device)
     raw = _BUILDERS[mask.kind](mask, g)
-    if mask.kind in ("and", "or") or (on_device and mask.kind == "random_eviction"):  # built canonical
+    if mask.kind in ("and", "or", *_RUN_KINDS) or (on_device and mask.kind == "random_eviction"):  # built canonical
         return raw
     return canonicalize(raw, q_len)
 

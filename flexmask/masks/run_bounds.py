@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+MAX_RUNS_LIMIT = 16  # the most masked runs per column a mask may be asked for (from_mask_mod's max_runs)
+
 T, B, M = "T", "B", "M"
 L, U, X = "L", "U", "X"
 ALL_L = "L*"  # exactly rows [0, r_j): the causal triangle, which holds every L interval
@@ -78,6 +80,10 @@ def _leaf_runs(mask) -> _Runs:
         if "ute" not in p:
             return _leaf(first)
         return _leaf(first, (T, X) if "uts" not in p else (M, X))
+    if kind == "column_runs":  # the union of k given runs: at most k, anywhere
+        return _leaf(*[(M, X)] * p["starts"].shape[-1])
+    if kind == "mask_mod":  # a function: up to max_runs runs anywhere (more raise when it is built)
+        return _leaf(*[(M, X)] * p["max_runs"])
     return _leaf((M, X), (M, X))  # unknown: any two intervals
 
 
@@ -111,7 +117,7 @@ def _intersect(a, b):
     return shape, L if side == ALL_L else side
 
 
-_EXPLICIT_ROWS = ("column_intervals", "from_startend_row_indices")
+_EXPLICIT_ROWS = ("column_intervals", "from_startend_row_indices", "column_runs", "mask_mod")
 
 
 def _has_cache(mask) -> bool:

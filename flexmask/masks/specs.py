@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .run_bounds import MAX_RUNS_LIMIT
+
 __all__ = [
     "Mask",
     "full",
@@ -32,7 +34,9 @@ __all__ = [
     "qk_sparse",
     "random_eviction",
     "column_intervals",
+    "column_runs",
     "from_startend_row_indices",
+    "from_mask_mod",
     "kv_cache",
 ]
 
@@ -217,6 +221,8 @@ class _Simple(Mask):
             return p["startend_row_indices"].shape[2]
         if "lts" in p:
             return p["lts"].shape[-1]
+        if "starts" in p:
+            return p["starts"].shape[-2]
         return None
 
 
@@ -474,6 +480,55 @@ def column_intervals(lts, lte=None, uts=None, ute=None) -> Mask:
     return _Simple("column_intervals", **tensors)
 
 
+def column_runs(starts, ends) -> Mask:
+    """Explicit masked row runs per key column, k of them: column j masks the union over r of
+    rows ``[starts[..., j, r], ends[..., j, r])`` (0-based, end exclusive, within [0, q_len]).
+    A run with ``start >= end`` is empty; runs may come in any order and may overlap or touch
+    (they are merged). ``column_intervals`` is the case k = 2 with the runs in fixed slots.
+
+    ``starts`` and ``ends`` are integer tensors (or nested lists) of one shape: (kv_len, k),
+    (H, kv_len, k) or (B, H, kv_len, k), a size-1 batch or head dimension broadcasting.
+    ::
+        q_len=6, kv_len=3                       rows masked      picture
+        starts=[[0, 4], [3, 1], [5, 0]]         col 0: [0, 2) ∪ [4, 6)     .##
+        ends  =[[2, 6], [5, 2], [0, 0]]         col 1: [1, 2) ∪ [3, 5)     ..#
+                                                col 2: none                ###
+                                                                           #.#
+                                                                           ..#
+                                                                           .##
+
+    The kernels hold two masked intervals per column today: a column whose merged runs number
+    more than two raises a ValueError naming the column and its runs (k runs per column through
+    every kernel are planned, issue #41). In a composition (``&``, ``|``) only the final mask
+    must fit. Tensors on a GPU are used there: their rows are clamped to [0, q_len] instead of
+    checked (the run count is still checked, one host sync).
+    """
+    tensors = {}
+    for name, value in (("starts", starts), ("ends", ends)):
+        if not isinstance(value, torch.Tensor):
+            try:
+                value = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise TypeError(
+                    f"{name} must be an integer tensor or a nested list of ints, got {_short(value)!r}"
+                ) from err
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+        if value.dim() not in (2, 3, 4):
+            raise ValueError(
+                f"{name} must have shape (kv_len, k), (H, kv_len, k) or (B, H, kv_len, k), got {tuple(value.shape)}"
+            )
+        if value.shape[-1] < 1:
+            raise ValueError(f"{name} must hold at least one run per column (k >= 1), got shape {tuple(value.shape)}")
+        tensors[name] = value
+    if tensors["starts"].shape != tensors["ends"].shape:
+        raise ValueError(
+            f"starts and ends must have the same shape, got starts {tuple(tensors['starts'].shape)} and "
+            f"ends {tuple(tensors['ends'].shape)}"
+        )
+    return _Simple("column_runs", **tensors)
+
+
 _STARTEND_WIDTHS = {True: (1, 2), False: (2, 4)}
 
 
@@ -513,6 +568,82 @@ def from_startend_row_indices(startend_row_indices: torch.Tensor, causal: bool) 
             f"{_STARTEND_WIDTHS[causal]}, got {n}"
         )
     return _Simple("from_startend_row_indices", startend_row_indices=idx, causal=causal)
+
+
+class _MaskMod(_Simple):
+    """`from_mask_mod`: a user function, drawn by its name; its picture may fail at the default
+    length (a function written for other lengths), which `str` reports instead of raising."""
+
+    def __repr__(self) -> str:
+        p = self._params
+        name = getattr(p["mask_mod"], "__qualname__", None) or repr(p["mask_mod"])
+        return f"masks.from_mask_mod({name}, batch={p['batch']}, heads={p['heads']}, max_runs={p['max_runs']})"
+
+    def __str__(self) -> str:
+        try:
+            return f"{self!r}\n{self.show(16, 16, max_size=32)}"
+        except Exception as err:  # noqa: BLE001 (the user's function may raise anything)
+            return f"{self!r}\n(no picture at length 16: {type(err).__name__}: {err})"
+
+
+def from_mask_mod(mask_mod, batch: int | None = None, heads: int | None = None, max_runs: int = 8) -> Mask:
+    """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = attend) as a Mask.
+
+    Indices are raw rows and columns (0..q_len-1, 0..kv_len-1): no bottom-right shift is
+    applied, the function decides positions. When the mask is compiled for (q_len, kv_len),
+    the function is evaluated on the compile's device over blocks of broadcast int64 index
+    tensors (``q_idx`` [rows, 1], ``kv_idx`` [1, cols], ``b`` and ``h`` 0-dim), a few million
+    pairs at a time, never q_len x kv_len at once; it may read captured tensors (document ids,
+    per-head windows) that live on that device. Each key column keeps only its runs of masked
+    rows, so the result is an ordinary Mask: it composes with ``&`` / ``|``, shows, densifies.
+    ::
+        def window(b, h, q_idx, kv_idx):      # causal window of 3
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < 3)
+
+        masks.from_mask_mod(window)           q_len = kv_len = 6
+                                              #.....
+                                              ##....
+                                              ###...
+                                              .###..
+                                              ..###.
+                                              ...###
+
+    ``batch=None`` / ``heads=None``: the mask does not depend on b / h (evaluated with b = h = 0,
+    it broadcasts); an int B / H evaluates every b < B / h < H (H may equal Hq or Hkv).
+
+    ``max_runs`` (1..16, default 8) bounds the masked runs of one column: a column with more
+    raises a ValueError naming it, its run count and max_runs. The kernels hold two masked
+    intervals per column today, so a column of 3..max_runs runs raises a ValueError too, saying
+    so (k runs per column through every kernel are planned, issue #41); in a composition only
+    the final mask must fit two. A dilated pattern needs one run per gap::
+
+        (kv_idx <= q_idx) & ((q_idx - kv_idx) % 2 == 0)     #.....   column 0 masks rows
+                                                             .#....   1, 3 and 5: three runs,
+                                                             #.#...   a ValueError today
+                                                             .#.#..
+                                                             #.#.#.
+                                                             .#.#.#
+
+    Evaluation costs O(q_len x kv_len) calls' worth of elementwise work once per compile. A Mask
+    passed to ``flexmask.attention`` is compiled once per (q_len, kv_len, device) and reused: if
+    tensors the function reads change, build a new mask (or call ``flexmask.compile_mask`` again).
+    """
+    if isinstance(mask_mod, Mask):
+        raise TypeError(f"mask_mod must be a function, got the mask {mask_mod!r} (it is already a Mask)")
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor, got "
+                        f"{type(mask_mod).__name__} {_short(mask_mod)!r}")
+    for name, value in (("batch", batch), ("heads", heads)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be None (the mask does not depend on it) or a positive int, got "
+                            f"{type(value).__name__} {value!r}")
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be None or a positive int, got {value}")
+    if isinstance(max_runs, bool) or not isinstance(max_runs, int):
+        raise TypeError(f"max_runs must be an int, got {type(max_runs).__name__} {max_runs!r}")
+    if not 1 <= max_runs <= MAX_RUNS_LIMIT:
+        raise ValueError(f"max_runs must be in [1, {MAX_RUNS_LIMIT}], got {max_runs}")
+    return _MaskMod("mask_mod", mask_mod=mask_mod, batch=batch, heads=heads, max_runs=max_runs)
 
 
 def kv_cache(kv_lengths, causal: bool = True) -> Mask:

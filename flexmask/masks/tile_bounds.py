@@ -6,7 +6,8 @@ meet the hull [lo, hi] of the key columns its rows attend; per family the hull c
 mask's parameters alone. It is exact when the columns attended by a block of rows are one
 contiguous range (full, causal, sliding window, documents, prefix-LM), and an upper bound
 otherwise (families that attend a subset of causal take the causal hull; masks given as
-tensors take every tile, documents given as a tensor of lengths the causal hull or every tile).
+tensors or as a function (column_intervals, column_runs, from_mask_mod, ...) take every tile,
+documents given as a tensor of lengths the causal hull or every tile).
 A composition holding documents given as lists is bounded by its operands' bounds instead (the
 smaller for `&`, the sum for `|`, where that is below every tile): looser than its hull, but no
 numpy pass over the q-blocks at every compile of new documents.
@@ -130,7 +131,7 @@ def _leaf_hull(kind: str, p: dict, b: _Blocks):
         return b.causal()
     if kind == "kv_cache" and p["causal"]:
         return b.causal()  # row i of batch b sees j <= L_b - Sq + i <= Sk - Sq + i
-    return b.everything()  # given as tensors (or unknown): every tile
+    return b.everything()  # given as tensors or a function (or unknown): every tile
 
 
 def _contains_kind(mask, *kinds: str) -> bool:

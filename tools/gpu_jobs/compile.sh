@@ -11,8 +11,8 @@
 #    (compile_cost_cuda.csv + PNG), with the document families given as lists and as device
 #    tensors and the compositions (&, |, kv_cache) of the README's table;
 # 3. `python -m tools.compile_breakdown`: host steps against kernels for a few families.
-# Logs, CSVs and PNG land in $OUT. The README's table: python -m benchmarks.compile --readme
-# README.md --csv $OUT/compile_cost_cuda.csv.
+# Logs, CSVs and PNG land in $OUT. The table of docs/tile-tables.md: python -m benchmarks.compile --readme
+# docs/tile-tables.md --csv $OUT/compile_cost_cuda.csv.
 set -uo pipefail
 . tools/gpu_jobs/setup.sh
 LOG="$OUT/compile_log.txt"

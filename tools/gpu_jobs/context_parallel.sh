@@ -14,6 +14,10 @@
 #    when at least 75 s are left of the 9 minutes (else run tools/gpu_jobs/train_context_parallel.sh).
 # Everything lands in $OUT: context_parallel_w$W{_log.txt,.csv,.png,.md} and
 # train_context_parallel_w$W.{csv,png} (six files).
+# LAYOUT=balanced: steps 1 and 2 only, step 2 with --layout balanced (fmd.balanced_layout) on the
+# causal documents alone (causal's balanced layout is the default one), 1M, 512K, 256K, no ring;
+# files context_parallel_w${W}_balanced{_log.txt,.csv,.png,.md}. Beside the default run's CSV:
+#   bash tools/gpu_jobs/context_parallel.sh --plot-only cp_w4.csv cp_w4_balanced.csv
 set -o pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -27,8 +31,11 @@ export NCCL_NVLS_ENABLE=0  # no NVLink multicast on these machines
 
 N=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 W=$(( N >= 4 ? 4 : N ))
-LOG="$OUT/context_parallel_w${W}_log.txt"
-CSV="$OUT/context_parallel_w${W}.csv"
+LAYOUT="${LAYOUT:-default}"
+SUFFIX=""
+[ "$LAYOUT" = "default" ] || SUFFIX="_$LAYOUT"
+LOG="$OUT/context_parallel_w${W}${SUFFIX}_log.txt"
+CSV="$OUT/context_parallel_w${W}${SUFFIX}.csv"
 if [ "$W" -lt 2 ]; then
     echo "context_parallel.sh: needs 2 or 4 CUDA devices, found $N. Stopping." | tee "$LOG"
     exit 1
@@ -45,15 +52,23 @@ echo "test exit: $?" | tee -a "$LOG"
 stamp "benchmark"
 rm -f "$CSV"
 BUDGET=$(( 410 - SECONDS ))  # no new configuration starts after this; the one under way finishes
+if [ "$LAYOUT" = "default" ]; then
+    MASKS=causal,causal_document
+    SCHEDULE="flexmask:1048576,524288;torch_ring:1048576,524288;flexmask:262144;torch_ring:262144"
+else
+    MASKS=causal_document
+    SCHEDULE="flexmask:1048576,524288,262144"
+fi
 timeout $(( BUDGET + 90 )) python3 -m benchmarks.context_parallel --nproc "$W" --budget-s "$BUDGET" \
-    --reps 2 --target-s 15 --masks causal,causal_document --ring-masks causal \
-    --schedule "flexmask:1048576,524288;torch_ring:1048576,524288;flexmask:262144;torch_ring:262144" \
-    --out "$CSV" 2>&1 | tee -a "$LOG"
+    --reps 2 --target-s 15 --masks "$MASKS" --ring-masks causal --layout "$LAYOUT" \
+    --schedule "$SCHEDULE" --out "$CSV" 2>&1 | tee -a "$LOG"
 echo "benchmark exit: $?" | tee -a "$LOG"
 [ -f "$CSV" ] && python3 -m benchmarks.context_parallel --plot-only "$CSV" 2>&1 | tail -n 3 | tee -a "$LOG"
 
 LEFT=$(( 515 - SECONDS ))
-if [ "$LEFT" -ge 75 ]; then
+if [ "$LAYOUT" != "default" ]; then
+    stamp "training skipped: LAYOUT=$LAYOUT"
+elif [ "$LEFT" -ge 75 ]; then
     stamp "training ($LEFT s left)"
     timeout "$LEFT" python3 -m examples.train_context_parallel --nproc "$W" --seq-len 262144 --steps 12 \
         --out-dir "$OUT" --tag "_w${W}" 2>&1 | grep -v "it/s" | tail -n 40 | tee -a "$LOG"

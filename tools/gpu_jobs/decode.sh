@@ -8,8 +8,8 @@
 #   2  the decode benchmark, `python -m benchmarks.decode` (decode.csv, decode.png): B 1/8/32 x
 #      Sk 8K-512K, Sq=1, and Sq=16 at B=8, against FlexAttention and SDPA, with the GPU's copy
 #      bandwidth (DECODE_BUDGET s, default 200)
-# Exits nonzero when a stage failed. The README's decode table: python -m benchmarks.decode
-# --table $OUT/decode.csv --readme README.md.
+# Exits nonzero when a stage failed. docs/decoding.md's decode table: python -m benchmarks.decode
+# --table $OUT/decode.csv --readme docs/decoding.md.
 set -uo pipefail
 . tools/gpu_jobs/setup.sh
 status=0

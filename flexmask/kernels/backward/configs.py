@@ -48,8 +48,8 @@ def backward_fused_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, in
     block_d = head_block(head_dim)
     if dtype == torch.float32 or block_d > 128:
         return None
-    # measured on an H200 with benchmarks/tune_fused_bwd.py (bf16, 32K, causal / sliding window
-    # 1024 / causal document; benchmarks/results/bwd_fused_variants_log.txt, run 2): 128 kv rows
+    # measured on an H200 with `python -m tools.tune_fused_bwd` (bf16, 32K, causal / sliding window
+    # 1024 / causal document; tune_fused_bwd_S32768_run2.csv, docs/performance.md): 128 kv rows
     # per program, 8 warps, two stages. Head dim 64: steps of 64 query rows (32 on PARTIAL tiles),
     # 1.29-1.39x the two-pass path. Head dim 128: steps of 32 rows (64 rows exceed 227 KB of
     # shared memory with the dQ staging buffer), 1.01-1.06x the two-pass path.
@@ -82,9 +82,9 @@ def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per
 # count, or "bucketed": heaviest first by power-of-two bucket of the tile count, index order
 # inside a bucket, so that the programs running at one time hold neighbouring kv-blocks, which
 # walk the same q-blocks (documents: with "heaviest" they hold the first kv-blocks of every
-# document, whose Q/dO/dQ do not fit in L2; ncu_bwd_hopper_causal_document_128k.txt). Measured
-# on an H200 (benchmarks.backward_order, backward_order.csv): within noise of "heaviest", which
-# stays the default (backward_hopper_log.md, session 5).
+# document, whose Q/dO/dQ do not fit in L2). Measured on an H200 (`python -m tools.backward_order`,
+# backward_order.csv): within noise of "heaviest", which stays the default (docs/performance.md,
+# section 5).
 HOPPER_BACKWARD_ORDER = "heaviest"
 
 

@@ -105,7 +105,7 @@ def _dkdv_tiles(
                                 PRECISION, USE_TMA, EVEN_M)
     else:
         # a flat loop over the BLOCK_M steps (one set of pipeline buffers instead of one per step)
-        # measured 10-15% slower on an H200 (benchmarks/results/bwd_fused_variants_log.txt, run 3)
+        # measured 10-15% slower on an H200 (docs/performance.md, section 3)
         for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
             m = tl.load(p_blocks + t)
             for i in tl.static_range(STEPS):

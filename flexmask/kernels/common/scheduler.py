@@ -5,8 +5,8 @@ it is ready for one, and hands it to the consumer warpgroups through a ring of I
 in shared memory. Over a heaviest-first list this is greedy list scheduling (the longest-
 processing-time rule): every program ends within about one item of the others. A static split
 (program p takes items p, p + P, p + 2P, ...) gave some programs 5-15% more tiles than the
-mean on document masks (the work lists' tile counts, benchmarks/results/backward_hopper_log.md,
-session 6), and the kernel ends with its busiest program.
+mean on document masks (the work lists' tile counts; docs/performance.md, section 4.2), and the
+kernel ends with its busiest program.
 
 The counter lives in a buffer kept per (device, stream) and zeroed once; the last program of a
 launch to finish sets it back to 0 for the next launch on that stream. Under CUDA-graph capture

@@ -13,12 +13,10 @@ from dataclasses import dataclass
 import torch
 
 # tile of the mask tables (rows x columns). On a GPU 128 x 128 at every density, sparse masks
-# included: a smaller tile visits less of a narrow band (a 1%-dense sliding window at 32K: 1.36x the
-# unmasked pairs at 64 x 64 against 1.94x at 128 x 128) but takes the portable kernels, and those
-# ran 1.3-4x slower than the Hopper kernels at 128 x 128 at every density measured, 1% to 10%, fwd
-# and fwd+bwd (H200, D = 128; benchmarks/results/tile_size_sweep.csv, `python -m
-# benchmarks.tile_size_sweep`). So the compiler never picks a smaller tile by itself; block_m /
-# block_n of compile_mask still take one.
+# included: a smaller tile visits less of a narrow band but takes the portable kernels, which ran
+# slower than the Hopper kernels at 128 x 128 at every density measured (`python -m
+# tools.tile_size_sweep`, tile_size_sweep.csv; docs/performance.md, section 1.3). So the compiler
+# never picks a smaller tile by itself; block_m / block_n of compile_mask still take one.
 GPU_TILE = (128, 128)
 CPU_TILE = (64, 64)  # the interpreter pays per tile; smaller tiles keep CPU tests quick
 
@@ -67,9 +65,9 @@ def flat_steps(dtype: torch.dtype, tiles_listed: int, steps_per_tile: int) -> bo
     """Whether the forward, dK/dV and dQ kernels walk a tile's BLOCK-sized steps in one loop
     (`for s in range(t_lo * steps, t_hi * steps)`) rather than unrolling them inside the loop over
     tiles. fp32: its exact (ieee) dots compile to FMA code that grows with every unrolled step;
-    unrolled, the sm_90 compiles of the head-dim-128 kernels take minutes (dK/dV about 5 minutes:
-    benchmarks/results/fp32_compile_diag_log.md). Same arithmetic in the same order either way.
-    16-bit types keep the unrolled steps (a flat loop measured 10-15% slower there). The flat
+    unrolled, the sm_90 compiles of the head-dim-128 kernels take minutes (dK/dV about 5 minutes;
+    docs/performance.md, section 2). Same arithmetic in the same order either way. 16-bit types
+    keep the unrolled steps (a flat loop measured 10-15% slower there: section 3). The flat
     loop counts steps in int32: lists too long for that keep the unrolled steps."""
     return dtype == torch.float32 and (tiles_listed + 1) * steps_per_tile < 2**31
 

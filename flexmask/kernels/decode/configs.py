@@ -23,15 +23,10 @@ DECODE_MAX_ROWS = 64  # rows (query heads x query rows) per program: the fp32 ac
 # few programs over a wave waits a whole program's time for them). Programs of up to
 # DECODE_NARROW_ROWS rows (decode steps: a GQA group's heads) use 72 KB of shared memory and 168
 # registers a thread (H200, D = 128, bf16), so an SM holds 3; wider ones (Sq = 16: 64 rows,
-# 146 KB, 255 registers) one. Measured on an H200 in CUDA-graph replays, L2 emptied by a read
-# (benchmarks/results/decode_variants_log.txt, session 8): B=1 Sk=32K 33 splits (264 programs)
-# 42.8 us, 73% of copy; B=8 Sk=32K 4 splits (256 programs) 100%; Sq=16 B=8 Sk=32K 2 splits (128
-# programs) 80%. Every other knob measured at the points that miss issue 14's targets (B=1 8K
-# and 32K, B=8 8K; decode_knobs_log.txt, `bash benchmarks/gpu_jobs/decode_knobs.sh`) is level or
-# slower: 3 stages (141 KB: one program an SM) 20-40% slower, 64 columns a step with 3-4 stages
-# 30-40% slower, 8 or 2 warps and 1 or 3 programs per SM level to 15% slower, 16 or 48 splits at
-# B=1 level to 15% slower. Earlier sweeps (eager; graph with the L2 emptied by a write):
-# tune_decode.csv, decode_splits.csv.
+# 146 KB, 255 registers) one. 2 programs an SM measured best at batch 1; every other knob (stages,
+# step width, warps, programs an SM, split count) was level or slower at the points that missed
+# the targets (decode_variants.csv, decode_knobs.csv, decode_splits.csv; docs/performance.md,
+# section 6).
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_NARROW_ROWS = 16
 DECODE_WIDE_PROGRAMS_PER_SM = 1
@@ -75,39 +70,18 @@ def _pow2_at_least(n: int) -> int:
 # wave. It takes fp16/bf16 at head dim 64 or 128 with the mask's 128-column tiles when a GQA
 # group's heads share the mask row and the group's heads x query rows fit in 64 rows;
 # decode.attention_decode runs the Triton kernel instead when K/V are views the copy engine
-# cannot read. Measured on an H200 against the Triton kernel's plan (D = 128, bf16, Hq 32 / Hkv 8,
-# CUDA-graph replays; benchmarks/results/decode_hopper_log.txt, session 9, with the fused merge and
-# 64-key steps below; `bash benchmarks/gpu_jobs/decode_session9.sh`):
-#   Sq = 16 (64 rows a program), B = 8: 8K 74.1 against 90.9 us, 32K 251.8 against 315.2 us;
-#   Sq = 1, B = 1: 8K 16.6 against 19.7 us, 32K 39.4 against 43.7 us, 128K 128.2 against 131.5 us;
-#   Sq = 1, B = 8 (64 programs): 8K 68.8 against 71.5 us, 32K 248.1 against 248.8 us;
-#   Sq = 1, B = 32 (256 programs, one share each): 952.0 against 950.4 us.
-# (Session 8, with two-launch merges and whole-tile steps, B = 8 had been level to 2% slower.) So
-# by default it runs at D = 128 (DECODE_HOPPER_HEAD_DIMS; D = 64 is tested but not measured) for
-# wide programs (rows > DECODE_NARROW_ROWS) and for narrow ones when B x Hkv x head blocks <=
+# cannot read. Against the Triton kernel it measured faster for wide programs (Sq = 16) and at
+# batch 1, level to faster at B = 8, level at B = 32 (one share each), so by default it runs at
+# D = 128 (DECODE_HOPPER_HEAD_DIMS; D = 64 is tested but not measured) for wide programs (rows >
+# DECODE_NARROW_ROWS) and for narrow ones when B x Hkv x head blocks <=
 # DECODE_HOPPER_MAX_NARROW_PROGRAMS.
-# Its shares are merged by DECODE_HOPPER_MERGE: "fused" (the last program of a row group merges,
-# decode_hopper._merge_group) measured level with or faster than its two launches at every point
-# of benchmarks/results/decode_session9_log.txt (H200; B=1: 8K 16.9 against 17.5 us, 32K 39.6
-# against 40.4 us; Sq=16 B=8 32K 255.2 against 254.4 us), where the Triton kernel's own fused
-# merge is slower than its two launches (DECODE_FUSED_MERGE_ON_GPU, below).
-# Each 128-key tile is read in DECODE_HOPPER_BLOCK_N-key steps: 64-key steps with 2 stages beat
-# 128-key steps with 2 or 3 stages and 64-key steps with 3, 4 or 6 at every point measured
-# (decode_session9_steps_log.txt, decode_session9_steps2_log.txt; fused merge, B=1: 8K 16.5-16.7
-# against 17.0 us, 32K 39.3-39.5 against 40.3 us; Sq=16 B=8 8K 73.9-74.2 against 78.0 us). The
-# consumer of 128-key steps spills registers, that of 64-key steps does not
-# (benchmarks.decode_offline_compile); why more stages (more bytes in flight) are slower was not
-# profiled. Nor do more programs help: with its registers capped (max_registers 168 or 200: no
-# spills offline) two programs share an SM, and 24 or 32 shares at batch 1 (4 at batch 8)
-# measured slower at every point than one program an SM (decode_session10_splits_log.txt; B=1:
-# 8K 21.2 against the default plan's 16.4 us, 32K 43.5 against 38.7 us), so max_registers stays
-# None (ptxas's 255). Nor do more bytes in flight than the ring's: L2 prefetches of the steps past
-# it (commit bedc823, session 11) were slower at every point, the more steps the slower (B=1: 8K
-# 18.9-19.6 against 16.0 us, 32K 46.7-56.4 against 39.1 us; decode_session11_prefetch_log.txt).
-# Nor is the tile table the start-up cost: a probe that computes each share without reading it
-# (commit 25898af, full caches only) saved at most about 1 us a step (B=1 8K 16.3 against 16.3-16.6,
-# 32K 38.7-38.8 against 39.2, B=8 8K 68.2-68.4 against 69.2 us; decode_session11_oracle_log.txt),
-# so a speculative first load, which could win only part of that, was not built.
+# DECODE_HOPPER_MERGE "fused" (the last program of a row group merges, decode_hopper._merge_group)
+# measured level with or faster than its two launches, unlike the Triton kernel's fused merge
+# (DECODE_FUSED_MERGE_ON_GPU, below). DECODE_HOPPER_BLOCK_N: 64-key steps with 2 stages beat
+# 128-key steps (whose consumer spills, `python -m tools.decode_offline_compile`) and deeper
+# rings. max_registers stays None: two register-capped programs an SM were slower. L2 prefetches
+# past the ring and a speculative first load (the tile table is not the start-up cost) were not
+# kept. Figures and commits of each: docs/performance.md, section 6.
 DECODE_HOPPER = True
 DECODE_HOPPER_MERGE = "fused"
 DECODE_HOPPER_BLOCK_N = 64
@@ -183,11 +157,10 @@ def decode_plan(batch: int, hq: int, hkv: int, sq: int, sk: int, head_dim: int, 
 #                 draws the last ticket merges every share of that row group, writes the final
 #                 (O, LSE) and puts the counter back to 0. Meant to remove the second launch
 #                 and the drain before it: the last shares of one row group merge while other
-#                 row groups still run. Measured on an H200 (stage 2, session 3;
-#                 benchmarks/results/decode_fused.csv, bench_decode --table of it): correct on
-#                 the GPU (tests/test_decode_fused.py passes), but slower than the two launches
-#                 at B = 1 and no faster at B = 8, so it stays off there; DECODE_FUSED_MERGE_ON_GPU
-#                 flips it.
+#                 row groups still run. Correct on the GPU (tests/test_decode_fused.py), but
+#                 measured slower than the two launches at B = 1 and no faster at B = 8
+#                 (decode_fused.csv, docs/performance.md), so it stays off there;
+#                 DECODE_FUSED_MERGE_ON_GPU flips it.
 # Which runs where (decode_merge):
 #   CUDA            "two_launch" while DECODE_FUSED_MERGE_ON_GPU is False (the default until the
 #                   fused merge is measured faster).
@@ -210,13 +183,12 @@ DECODE_GRAPH_COUNTERS = 1 << 18
 
 
 # DECODE_OPTIONS: two launch options of the split-KV plan, both off by default because neither
-# measured faster (H200, CUDA-graph replays, benchmarks/results/decode_variants_log.txt, session 8):
+# measured faster (H200, CUDA-graph replays; figures: docs/performance.md, section 6):
 #   pdl      the two-launch merge as a programmatic dependent launch (Hopper and newer): the split
 #            kernel's programs call griddepcontrol.launch_dependents as they start, so the merge's
 #            programs are placed while they run and wait in griddepcontrol.wait until the split
-#            grid has finished and its partials are visible. Within 1% of the plain launch at
-#            every point (B=1 Sk=8K 20.4 against 20.2 us, 32K 42.8 against 43.5 us): in a graph
-#            the merge's launch is not what it costs (the split kernel alone: 17.6 and 40.4 us).
+#            grid has finished and its partials are visible. Within 1% of the plain launch: in a
+#            graph the merge's launch is not what a step costs.
 #   use_tma  K/V through in-kernel TMA descriptors: 1-3% slower at Sq = 1, 2% faster at Sq = 16.
 # Both stay tested on the GPU (tests/test_decode.py) so that a later GPU can take them.
 

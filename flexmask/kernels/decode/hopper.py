@@ -1,8 +1,8 @@
 """Hopper (sm_90) split-KV decode in Gluon: the same shares of the same tile lists as
 decode.py's split kernel, with the K/V stream fed by the copy engine.
 
-Why a second decode kernel: measured with ncu at batch 1 (benchmarks/results/decode_ncu_*.txt)
-the Triton split kernel keeps too few bytes in flight. Its pipeliner holds one K/V tile per
+Why a second decode kernel: measured with ncu at batch 1 (docs/performance.md, section 6) the
+Triton split kernel keeps too few bytes in flight. Its pipeliner holds one K/V tile per
 program in shared memory, registers and shared memory allow 3 programs an SM, and the warps
 spend most of their time waiting on global loads: 74% of the DRAM peak at 32K keys, 46% at 8K.
 Here

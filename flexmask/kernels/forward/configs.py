@@ -12,9 +12,10 @@ def forward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], dev
     tile_m, tile_n = tile
     if torch.device(device).type != "cuda":
         return LaunchConfig(min(64, tile_m), min(64, tile_n), 4, 1, masked_block=min(32, tile_n))
-    # measured on an H200 with benchmarks/tune_configs.py and tune_variants.py (bf16, 32K tokens;
-    # causal, sliding window, causal document). The smaller PARTIAL step keeps the mask
-    # arithmetic out of register spills (ptxas reports them at 128 columns and D=128).
+    # measured on an H200 with `python -m tools.tune_configs` and `tools.tune_variants` (bf16, 32K
+    # tokens; causal, sliding window, causal document; docs/performance.md, section 2). The smaller
+    # PARTIAL step keeps the mask arithmetic out of register spills (ptxas reports them at 128
+    # columns and D=128).
     block_d = head_block(head_dim)
     if block_d > 128:  # large heads: one pipeline stage keeps the tiles in shared memory
         cfg = LaunchConfig(32 if dtype == torch.float32 else 64, 32, 4, 1)
@@ -38,10 +39,8 @@ def hopper_forward_schedule(head_dim: int) -> tuple[int, bool]:
     return HOPPER_FORWARD_SCHEDULE.get(head_dim, (2, False))
 
 
-# Measured on an H200 at 32K (forward_session12a_d64_log.txt / _d128_log.txt, forward_variants):
-# 3 or 4 stages and the ping-pong (with 2, 3 or 4 stages) were level or slower on every family at
-# D = 64 and 128 (e.g. full D = 128: 601.0 TFLOP/s with 2 stages, 573.5 with 3, 577.7 with the
-# ping-pong; causal D = 128 591.1 against 517.9 with the ping-pong), so both stay off.
+# 3 or 4 stages and the ping-pong (with 2, 3 or 4 stages) measured level or slower on every family
+# at D = 64 and 128 (H200, 32K), so both stay off (docs/performance.md, section 4.3).
 HOPPER_FORWARD_SCHEDULE = {128: (2, False), 64: (2, False)}
 
 
@@ -66,11 +65,9 @@ def _mask_kinds(mask) -> set:
     return {mask.kind}.union(*(_mask_kinds(m) for m in parts if m is not None))
 
 
-# Measured on an H200 at 32K, D = 64 (forward_session12c_bias_log.txt; a PARTIAL tile's cost
-# against a FULL one, column bias on / off): random intervals x1.36 / x1.39, random eviction
-# x1.25 / x1.30; causal documents 1.402 / 1.415 ms, causal level, sliding window 1024 0.447 /
-# 0.431 ms. At D = 128 the bias path spills (44 bytes, offline ptxas) and PARTIAL tiles already
-# cost 1.06-1.09x, so it stays off there.
+# At D = 64 the column bias makes PARTIAL tiles cheaper on masks cut by per-column ends (H200,
+# 32K). At D = 128 the bias path spills (offline ptxas) and PARTIAL tiles already cost little
+# more than FULL ones, so it stays off there (docs/performance.md, section 4.4).
 HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS = frozenset({64})
 COLUMN_CUT_KINDS = frozenset({"column_intervals", "random_eviction"})
 
@@ -81,11 +78,8 @@ def hopper_forward_split_loops(head_dim: int) -> bool:
     return head_dim in HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS
 
 
-# Measured on an H200 at 32K, D = 64 (forward_session16b_{before,after}{1,2}_log.txt, two loops
-# against one, two runs each): full 9.67 / 9.83 ms against 10.19 / 10.11, causal 4.90 / 4.93
-# against 5.18 / 5.17, causal documents 1.378 / 1.380 against 1.427 / 1.438; random intervals,
-# random evictions and sliding window level. At D = 128 two loops spill (offline ptxas), so one
-# loop stays there.
+# Two loops are faster on full, causal and causal-document masks at D = 64 (H200, 32K); at
+# D = 128 they spill (offline ptxas), so one loop stays there (docs/performance.md, section 4.4).
 HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS = frozenset({64})
 
 
@@ -93,14 +87,13 @@ def hopper_forward_tc_bias(head_dim: int, q_buffers: int = 1) -> bool:
     """Whether the Hopper forward's column bias (hopper_forward_column_bias) is added to S by the
     tensor cores, in one more k-step per PARTIAL tile, instead of by the softmax per score: at the
     head dims of HOPPER_FORWARD_TC_BIAS_HEAD_DIMS with one Q buffer (with two, ptxas spills a
-    register in the loop over PARTIAL tiles; offline ptxas, session 18)."""
+    register in the loop over PARTIAL tiles; offline ptxas)."""
     return head_dim in HOPPER_FORWARD_TC_BIAS_HEAD_DIMS and q_buffers == 1
 
 
-# Measured on an H100 at 32K, D = 64 (forward_session18c_d64_{1,2,3}_log.txt, three interleaved
-# rounds): random intervals 11.849 / 11.852 / 11.842 ms against 12.371 / 12.282 / 12.448 with the
-# bias in the softmax, random evictions 5.597 / 5.650 / 5.783 against 5.934 / 5.935 / 6.218. Not
-# at D = 128: the column bias itself is off there (it spills).
+# Faster than the bias in the softmax on random intervals and random evictions (H100, 32K,
+# D = 64; docs/performance.md, section 4.4). Not at D = 128: the column bias itself is off there
+# (it spills).
 HOPPER_FORWARD_TC_BIAS_HEAD_DIMS = frozenset({64})
 
 

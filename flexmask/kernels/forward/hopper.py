@@ -130,7 +130,7 @@ def _producer(
 @gluon.jit
 def _row_bits(start, end, base):
     """Bit r set where row base + r (r < 32) lies in [start, end): one int32 word per column.
-    (One BMSK instead of the two shifts measured slower: forward_hopper_log.md, session 12.)"""
+    (One BMSK instead of the two shifts measured slower: docs/performance.md, section 4.4.)"""
     lo = gl.minimum(gl.maximum(start - base, 0), 32).to(gl.int64)
     hi = gl.minimum(gl.maximum(end - base, 0), 32).to(gl.int64)
     one = gl.full_like(lo, 1)
@@ -173,8 +173,8 @@ def _apply_row_words(s, words, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     column it holds (BLOCK_N / 4 registers) instead of the four interval ends (4x that, which
     spilled), and each element costs a test and a select. They are written in PTX: from
     gl.where on the test, LLVM packed the tests' i1 results into integers and unpacked them
-    again (~200 more instructions a thread a tile in the offline SASS; forward_hopper_log.md,
-    session 17)."""
+    again (~200 more instructions a thread a tile in the offline SASS; docs/performance.md,
+    section 4.4)."""
     HALF: gl.constexpr = ROWS // 2
     s3 = gl.reshape(s, [2, HALF, BLOCK_N])
     s3_layout: gl.constexpr = s3.type.layout
@@ -352,7 +352,7 @@ def _biased_softmax_step(s, words, mixed, m_i, l_i, qk_scale, ROWS: gl.constexpr
     words on top where a column of this warpgroup's rows is mixed. Two softmax copies, so that
     the wait for the previous O += P V stays in their merge block, below them, as on the
     register-bias path (waiting above the mask work made PARTIAL tiles slower there:
-    forward_hopper_log.md, session 18)."""
+    docs/performance.md, section 4.5)."""
     if _any_column(mixed, BLOCK_N, 4) != 0:
         s = _apply_row_words(s, words, ROWS, BLOCK_N)
         p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale)
@@ -462,7 +462,7 @@ def _consumer(
             if SPLIT_LOOPS:
                 # PARTIAL tiles 1 .. n_partial - 1, then the FULL ones in a loop of their own, which
                 # has no mask work at all (2-5% faster on full, causal and document masks:
-                # forward_hopper_log.md, session 16). The intervals are loaded one tile ahead
+                # docs/performance.md, section 4.4). The intervals are loaded one tile ahead
                 n_partial = t_hi - t_mid
                 n_next = gl.load(FWD_BLOCKS + t_mid + 1, mask=n_partial > 1, other=0)
                 lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, n_partial > 1)
@@ -678,7 +678,8 @@ def work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, 
     "count": heaviest first over all heads. "chunked" (default): heads cut into chunks whose K/V
     fit in L2_SHARE_BYTES, heaviest first inside each chunk: the ~one item per SM that run at
     one time then read the K/V of one or a few heads, which stay in L2, instead of every
-    head's (measured: forward_hopper_log.md). `hoist`: see heaviest_first. Cached per tile table."""
+    head's (measured: docs/performance.md, section 4.1). `hoist`: see heaviest_first. Cached per
+    tile table."""
     entry = _WORK_CACHE.get(id(cm.fwd_offsets))
     if entry is None or entry[0]() is not cm.fwd_offsets:
         for key in [k for k, (ref, _) in _WORK_CACHE.items() if ref() is None]:

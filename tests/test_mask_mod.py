@@ -1,0 +1,468 @@
+"""`masks.from_mask_mod` (FlexAttention's mask_mod, DESIGN.md 2.5) and `masks.column_runs`
+(explicit runs per column, 2.1): dense equality with the function evaluated densely, exact tile
+classes (brute force), attention forward and backward against the float64 reference, composition,
+the evaluation in blocks, and the errors for columns that need more than the kernels' two masked
+intervals (or more than max_runs).
+"""
+
+import re
+
+import pytest
+import torch
+
+import flexmask
+from flexmask import masks
+from flexmask.masks import intervals as intervals_module
+from flexmask.masks.compiled_cache import Unkeyable, structural_key, traceable_key
+from flexmask.masks.compiler import compile_spec
+
+from conftest import assert_close_to_reference, case_id, default_floor, make_qkv, references
+from test_backward import check_grads, random_do
+from test_compiler import assert_same_tables, brute_force_classes, check_lists
+
+
+def dense_of_mod(fn, sq, sk, batch=None, heads=None):
+    """Boolean [B|1, H|1, sq, sk]: the mask_mod evaluated on the whole grid, b by b and h by h
+    (the oracle: no blocks, no runs)."""
+    q, kv = torch.arange(sq).view(-1, 1), torch.arange(sk).view(1, -1)
+    rows = []
+    for b in range(batch or 1):
+        rows.append(torch.stack([fn(torch.tensor(b), torch.tensor(h), q, kv).expand(sq, sk)
+                                 for h in range(heads or 1)]))
+    return torch.stack(rows)
+
+
+def masked_runs(column: torch.Tensor) -> list:
+    """[(start, end)] runs of False (masked) rows of a boolean column."""
+    runs, start = [], None
+    for r, attend in enumerate(column.tolist() + [True]):
+        if not attend and start is None:
+            start = r
+        elif attend and start is not None:
+            runs.append((start, r))
+            start = None
+    return runs
+
+
+# --- the mask_mods (FlexAttention's own examples); each takes (sq, sk) for its captured data ----
+
+B, H = 2, 3
+
+
+def causal_mod(sq, sk):
+    return (lambda b, h, q, kv: kv <= q), None, None
+
+
+def bottom_right_window_mod(sq, sk):  # the function decides positions: query q sits at q + sk - sq
+    def window(b, h, q, kv):
+        d = q + (sk - sq) - kv
+        return (d >= 0) & (d < 7)
+    return window, None, None
+
+
+def document_mod(sq, sk):  # document ids over the key positions, captured; queries bottom-right
+    gen = torch.Generator().manual_seed(sq * 1000 + sk)
+    doc = torch.sort(torch.randint(0, 4, (sk,), generator=gen)).values
+
+    def same_doc(b, h, q, kv):
+        pos = (q + (sk - sq)).clamp(0, sk - 1)
+        return (doc[pos] == doc[kv]) & (kv <= q + (sk - sq))
+    return same_doc, None, None
+
+
+def prefix_lm_mod(sq, sk):
+    return (lambda b, h, q, kv: (kv < 5) | (kv <= q)), None, None
+
+
+def per_head_window_mod(sq, sk):  # heads=H: each head its own window
+    windows = torch.tensor([1, 4, 9])
+
+    def window(b, h, q, kv):
+        return (kv <= q) & (q - kv <= windows[h])
+    return window, None, H
+
+
+def per_batch_document_mod(sq, sk):  # batch=B: each batch row its own documents (bidirectional)
+    gen = torch.Generator().manual_seed(7)
+    n = max(sq, sk)
+    doc = torch.sort(torch.randint(0, 3, (B, n), generator=gen), dim=-1).values
+
+    def same_doc(b, h, q, kv):
+        return doc[b, q] == doc[b, kv]
+    return same_doc, B, None
+
+
+def batch_and_head_mod(sq, sk):  # both: prefix per batch row, window per head
+    prefix, windows = torch.tensor([3, 11]), torch.tensor([2, 5, 8])
+
+    def mod(b, h, q, kv):
+        return (kv < prefix[b]) | ((kv <= q) & (q - kv <= windows[h]))
+    return mod, B, H
+
+
+def global_tokens_mod(sq, sk):  # FlashMask's global + sliding window, written as a function
+    return (lambda b, h, q, kv: (q < 2) | (kv < 2) | ((q - kv).abs() <= 3)), None, None
+
+
+MODS = {f.__name__[:-4]: f for f in (causal_mod, bottom_right_window_mod, document_mod, prefix_lm_mod,
+                                     per_head_window_mod, per_batch_document_mod, batch_and_head_mod,
+                                     global_tokens_mod)}
+SHAPES = [(37, 37), (29, 53), (53, 29), (1, 41)]
+SHAPE_IDS = [f"S{a}" if a == b else f"Sq{a}-Sk{b}" for a, b in SHAPES]
+
+
+def build(name, sq, sk, **kwargs):
+    fn, batch, heads = MODS[name](sq, sk)
+    return masks.from_mask_mod(fn, batch=batch, heads=heads, **kwargs), dense_of_mod(fn, sq, sk, batch, heads)
+
+
+@pytest.mark.parametrize("sq, sk", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("name", MODS)
+def test_to_dense_equals_the_function(name, sq, sk):
+    mask, want = build(name, sq, sk)
+    got = mask.to_dense(sq, sk)
+    assert torch.equal(got, want[0, 0] if got.dim() == 2 else want)
+    iv = mask.intervals(sq, sk)
+    assert iv.dtype == torch.int32 and iv.shape == (want.shape[0], want.shape[1], sk, 4)
+    assert torch.equal(intervals_module.canonicalize(iv, sq), iv)  # already canonical
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (16, 32), (32, 16)], ids=["16x16", "16x32", "32x16"])
+@pytest.mark.parametrize("name", MODS)
+def test_tile_classes_exact(name, block_m, block_n):
+    for sq, sk in ((53, 29), (29, 53), (40, 40)):
+        mask, dense = build(name, sq, sk)
+        cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=block_m, block_n=block_n)
+        classes = cm.tile_classes()
+        assert torch.equal(classes, brute_force_classes(dense, block_m, block_n)), (sq, sk)
+        check_lists(cm, classes)
+
+
+@pytest.mark.parametrize("name", ["document", "batch_and_head"])
+def test_device_compile_path(name):
+    """The GPU compile path (its Triton kernels, here under the interpreter) builds the torch
+    path's tables, with a tile bound >= the tiles visited; alone and composed."""
+    sq, sk = 45, 70
+    mask, _ = build(name, sq, sk)
+    for m in (mask, mask & masks.sliding_window(20, 3)):
+        got = compile_spec(m, sq, sk, torch.device("cpu"), 16, 32, on_device=True)
+        expected = compile_spec(m, sq, sk, torch.device("cpu"), 16, 32, on_device=False)
+        assert_same_tables(expected, got)
+        assert got.num_tiles_visited >= expected.num_tiles_visited
+
+
+# --- attention: forward and backward against the float64 reference ----------------------------
+
+ATTENTION_CASES = [
+    # (mask name, B, Hq, Hkv, Sq, Sk, D, dtype)
+    ("document", 2, 4, 2, 37, 53, 32, torch.float16),
+    ("per_head_window", 1, 6, 3, 45, 45, 16, torch.float32),  # heads = Hkv: one mask per KV head
+    ("batch_and_head", 2, 3, 1, 29, 29, 16, torch.bfloat16),  # heads = Hq under MQA
+]
+
+
+@pytest.mark.parametrize("name, b, hq, hkv, sq, sk, d, dtype", ATTENTION_CASES,
+                         ids=[case_id(*c[1:], family=c[0]) for c in ATTENTION_CASES])
+def test_attention_forward_and_backward(name, b, hq, hkv, sq, sk, d, dtype):
+    mask, dense = build(name, sq, sk)
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=3)
+    out, lse = flexmask.attention(q, k, v, mask=mask, return_lse=True)  # the spec itself, compiled inside
+    (ref_out, ref_lse), (low_out, low_lse) = references(q, k, v, dense)
+    assert_close_to_reference(out, ref_out, low_out, default_floor(dtype))
+    assert_close_to_reference(lse, ref_lse, low_lse, default_floor(torch.float32), name="lse")
+    check_grads(q, k, v, mask, random_do(b, hq, sq, d, dtype), block_m=16, block_n=16, ref_mask=dense)
+
+
+def test_decode_step():
+    """One query against a long cache (the split-KV path): the function places the query itself
+    (position sk - 1); a window per KV head."""
+    sk = 97
+    windows = torch.tensor([5, 40])
+
+    def window(b, h, q, kv):
+        d = q + (sk - 1) - kv
+        return (d >= 0) & (d <= windows[h])
+
+    mask, dense = masks.from_mask_mod(window, heads=2), dense_of_mod(window, 1, sk, heads=2)
+    q, k, v = make_qkv(2, 4, 2, 1, sk, 32, torch.float16, seed=4)
+    out, lse = flexmask.attention(q, k, v, mask=mask, return_lse=True)
+    (ref_out, ref_lse), (low_out, low_lse) = references(q, k, v, dense)
+    assert_close_to_reference(out, ref_out, low_out, default_floor(torch.float16))
+    assert_close_to_reference(lse, ref_lse, low_lse, default_floor(torch.float32), name="lse")
+
+
+def test_attention_reuses_the_spec_tables():
+    """A mask_mod spec is not keyed by structure (a function), so it keeps its tables itself:
+    evaluated once per shape, not once per call."""
+    calls = []
+
+    def counted(b, h, q, kv):
+        calls.append(1)
+        return kv <= q
+
+    mask = masks.from_mask_mod(counted)
+    with pytest.raises(Unkeyable):
+        structural_key(mask)
+    assert traceable_key(mask) is None
+    q, k, v = make_qkv(1, 1, 1, 20, 20, 16, torch.float32)
+    first = flexmask.attention(q, k, v, mask=mask)
+    n = len(calls)
+    assert torch.equal(flexmask.attention(q, k, v, mask=mask), first) and len(calls) == n
+
+
+# --- composition ----------------------------------------------------------------------------------
+
+
+def dilated(b, h, q, kv):  # every other key below the diagonal: one masked run per gap
+    return (kv <= q) & ((q - kv) % 2 == 0)
+
+
+@pytest.mark.parametrize("sq, sk", [(37, 37), (29, 53)], ids=["S37", "Sq29-Sk53"])
+def test_compositions(sq, sk):
+    mask, dense = build("document", sq, sk)
+    for other in (masks.sliding_window(6), masks.prefix_lm(4), masks.from_mask_mod(lambda b, h, q, kv: q >= 3)):
+        other_dense = other.to_dense(sq, sk)
+        assert torch.equal((mask & other).to_dense(sq, sk), dense[0, 0] & other_dense)
+        assert torch.equal((mask | other).to_dense(sq, sk), dense[0, 0] | other_dense)
+    per_head, per_head_dense = build("per_head_window", sq, sk)
+    assert torch.equal((per_head & masks.causal()).to_dense(sq, sk), per_head_dense & masks.causal().to_dense(sq, sk))
+
+
+def test_composition_takes_more_runs_midway():
+    """Only the final mask must fit two intervals (DESIGN.md 2.1): masks of many runs per column
+    alone, composed into masks that fit, with & and with |."""
+    sq = sk = 24
+    dil = dense_of_mod(dilated, sq, sk)[0, 0]
+    near = lambda b, h, q, kv: q - kv < 2  # noqa: E731
+    only_diagonal = masks.from_mask_mod(dilated, max_runs=16) & masks.from_mask_mod(near)  # q - kv = 1: masked
+    assert torch.equal(only_diagonal.to_dense(sq, sk), dil & dense_of_mod(near, sq, sk)[0, 0])
+    assert torch.equal(only_diagonal.to_dense(sq, sk), torch.eye(sq, dtype=torch.bool))
+    starts = torch.tensor([[0, 5, 10]] * sk)
+    ends = torch.tensor([[3, 8, 20]] * sk)  # three runs per column alone
+    late = lambda b, h, q, kv: q >= 10  # noqa: E731
+    kept = masks.column_runs(starts, ends) | masks.from_mask_mod(late)  # masked: [0, 3), [5, 8)
+    want = dense_of_runs(starts, ends, sq) | dense_of_mod(late, sq, sk)[0, 0]
+    assert torch.equal(kept.to_dense(sq, sk), want)
+    assert masked_runs(want[:, 0]) == [(0, 3), (5, 8)]
+    with pytest.raises(ValueError, match=r"the composed mask needs 3 intervals in key column 0"):
+        (masks.column_runs(starts, ends) | masks.from_mask_mod(lambda b, h, q, kv: q >= 15)).to_dense(sq, sk)
+
+
+def test_composition_with_kv_cache_keeps_rows():
+    """Next to kv_cache, a mask_mod's rows are raw rows (explicit rows), not shifted positions."""
+    sq, sk = 5, 12
+    fn = lambda b, h, q, kv: (kv % 3) != q % 3  # noqa: E731
+    mask = masks.kv_cache([7, 12]) & masks.from_mask_mod(fn)
+    want = masks.kv_cache([7, 12]).to_dense(sq, sk) & dense_of_mod(fn, sq, sk)
+    assert torch.equal(mask.to_dense(sq, sk), want)
+
+
+# --- more runs than the kernels take, more than max_runs ------------------------------------------
+
+
+def test_three_runs_raise_naming_the_column():
+    sq = sk = 9
+    dense = dense_of_mod(dilated, sq, sk)[0, 0]
+    with pytest.raises(ValueError) as err:
+        masks.from_mask_mod(dilated).intervals(sq, sk)
+    msg = str(err.value)
+    found = re.search(r"key column (\d+) needs (\d+) masked runs \(max_runs=8 allows it\): query rows (.*), but "
+                      r"the kernels take two masked intervals per column today", msg)
+    assert found, msg
+    j, n = int(found.group(1)), int(found.group(2))
+    first = next(c for c in range(sk) if len(masked_runs(dense[:, c])) > 2)
+    assert j == first and n == len(masked_runs(dense[:, j]))
+    assert found.group(3) == ", ".join(f"[{s}, {e})" for s, e in masked_runs(dense[:, j]))
+    assert "max_runs" in msg and "planned" in msg
+
+
+def test_per_head_column_names_its_head():
+    """A column that fails in one head only: the message names the head (and not the batch,
+    which the mask does not have)."""
+    def mod(b, h, q, kv):
+        return (kv <= q) & ((h == 0) | ((q - kv) % 2 == 0))
+
+    with pytest.raises(ValueError, match=r"key column 0 \(head 1\) needs 4 masked runs"):
+        masks.from_mask_mod(mod, heads=2).to_dense(8, 8)
+    with pytest.raises(ValueError, match=r"key column 0 \(batch 0, head 1\) has 4 masked runs of query rows, "
+                                         r"more than max_runs=3"):
+        masks.from_mask_mod(mod, batch=1, heads=2, max_runs=3).to_dense(8, 8)
+
+
+def test_more_runs_than_max_runs():
+    sq = sk = 30
+    dense = dense_of_mod(dilated, sq, sk)[0, 0]
+    with pytest.raises(ValueError) as err:
+        masks.from_mask_mod(dilated, max_runs=5).intervals(sq, sk)
+    found = re.search(r"key column (\d+) has (\d+) masked runs of query rows, more than max_runs=5", str(err.value))
+    assert found, str(err.value)
+    j, n = int(found.group(1)), int(found.group(2))
+    assert n == len(masked_runs(dense[:, j])) > 5
+    assert j == next(c for c in range(sk) if len(masked_runs(dense[:, c])) > 5)
+
+
+def test_two_runs_within_max_runs_fit():
+    """max_runs=1 bounds a column to one run; a column with two then raises, a column with one fits."""
+    window = lambda b, h, q, kv: (q - kv).abs() <= 2  # noqa: E731 (two runs per column, one at the ends)
+    with pytest.raises(ValueError, match=r"has 2 masked runs of query rows, more than max_runs=1"):
+        masks.from_mask_mod(window, max_runs=1).to_dense(10, 10)
+    assert torch.equal(masks.from_mask_mod(window, max_runs=2).to_dense(10, 10), dense_of_mod(window, 10, 10)[0, 0])
+    assert torch.equal(masks.from_mask_mod(lambda b, h, q, kv: kv <= q, max_runs=1).to_dense(10, 10),
+                       masks.causal().to_dense(10, 10))
+
+
+# --- evaluation in blocks -------------------------------------------------------------------------
+
+
+def test_evaluated_in_blocks():
+    """3000 x 3000 is evaluated in blocks well below q_len x kv_len, and the runs found across the
+    row blocks join up (a window's runs cross every block boundary)."""
+    sq = sk = 3000
+    seen = []
+
+    def recorded(b, h, q, kv):
+        assert q.dtype == kv.dtype == b.dtype == h.dtype == torch.int64
+        assert q.dim() == kv.dim() == 2 and q.shape[1] == 1 and kv.shape[0] == 1 and b.dim() == h.dim() == 0
+        seen.append((q.shape[0], kv.shape[1]))
+        return (kv <= q) & (q - kv <= 1500)
+
+    got = masks.from_mask_mod(recorded).intervals(sq, sk)
+    assert torch.equal(got, masks.sliding_window(1500).intervals(sq, sk))
+    largest = max(r * c for r, c in seen)
+    assert len(seen) > 1 and largest <= intervals_module.MASK_MOD_BLOCK_ELEMENTS < sq * sk
+    assert sum(r * c for r, c in seen) == sq * sk  # each pair once
+
+
+def test_small_blocks_join_runs(monkeypatch):
+    """With tiny blocks, runs that span many row and column blocks are still single runs."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 12)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 4)
+    for name in ("document", "batch_and_head", "global_tokens"):
+        mask, want = build(name, 29, 23)
+        got = mask.to_dense(29, 23)
+        assert torch.equal(got, want[0, 0] if got.dim() == 2 else want), name
+
+
+def test_bad_arguments():
+    causal = lambda b, h, q, kv: kv <= q  # noqa: E731
+    with pytest.raises(TypeError, match="mask_mod must be a function"):
+        masks.from_mask_mod(3)
+    with pytest.raises(TypeError, match="already a Mask"):
+        masks.from_mask_mod(masks.causal())
+    for name in ("batch", "heads"):
+        for bad, error in ((0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError), ("2", TypeError)):
+            with pytest.raises(error, match=name):
+                masks.from_mask_mod(causal, **{name: bad})
+    for bad, error in ((0, ValueError), (17, ValueError), (2.0, TypeError), (True, TypeError), (None, TypeError)):
+        with pytest.raises(error, match="max_runs"):
+            masks.from_mask_mod(causal, max_runs=bad)
+    masks.from_mask_mod(causal, max_runs=16)
+    with pytest.raises(TypeError, match="must return a bool tensor.*int64"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv - q).to_dense(4, 4)
+    with pytest.raises(ValueError, match=r"returned shape \(3,\)"):
+        masks.from_mask_mod(lambda b, h, q, kv: torch.ones(3, dtype=torch.bool)).to_dense(4, 4)
+    everyone = masks.from_mask_mod(lambda b, h, q, kv: True)  # a Python bool broadcasts
+    assert bool(everyone.to_dense(3, 5).all())
+
+
+def test_repr_and_picture():
+    mask = masks.from_mask_mod(dilated, heads=2)
+    assert repr(mask) == "masks.from_mask_mod(dilated, batch=None, heads=2, max_runs=8)"
+    assert "no picture" in str(mask) and "ValueError" in str(mask)  # three runs at length 16
+    assert str(masks.from_mask_mod(lambda b, h, q, kv: kv <= q)).endswith(masks.causal().show(16, 16, 32))
+    assert masks.from_mask_mod(lambda b, h, q, kv: kv <= q).density(4, 4) == 10 / 16
+
+
+# --- column_runs ----------------------------------------------------------------------------------
+
+
+def dense_of_runs(starts, ends, sq):
+    """Boolean [..., sq, sk] straight from the rule: rows in any [start, end) are masked."""
+    rows = torch.arange(sq).view(-1, 1, 1)  # [sq, 1, 1] against [..., 1, sk, k]
+    hit = (rows >= starts.unsqueeze(-3)) & (rows < ends.unsqueeze(-3))
+    return ~hit.any(-1)
+
+
+@pytest.mark.parametrize("shape", [(23,), (3, 23), (2, 3, 23)], ids=["Sk", "H-Sk", "B-H-Sk"])
+def test_column_runs_match_dense(shape):
+    """Up to five runs per column, in any order, overlapping and touching, that merge to at most
+    two: equal to the dense rule."""
+    sq = 19
+    gen = torch.Generator().manual_seed(len(shape))
+    a = torch.randint(0, 7, (*shape,), generator=gen)
+    b = torch.randint(10, sq + 1, (*shape,), generator=gen)
+    parts = [(a, a + 2), (b, torch.full_like(b, sq)), (a + 1, a + 4), (b, b - 3), (a + 2, a + 2)]  # [a, a+4), [b, sq)
+    starts = torch.stack([s for s, _ in parts], -1).to(torch.int32)
+    ends = torch.stack([e for _, e in parts], -1).to(torch.int32)
+    order = torch.randperm(5, generator=gen)
+    starts, ends = starts[..., order], ends[..., order]
+    mask = masks.column_runs(starts, ends)
+    want = dense_of_runs(starts.long(), ends.long(), sq)
+    got = mask.to_dense(sq, 23)
+    assert torch.equal(got, want if got.dim() == want.dim() else want.view(got.shape))
+    for k in (1, 2):  # one and two runs, given as such
+        got = masks.column_runs(starts[..., :k] * 0 + a[..., None], ends[..., :k] * 0 + (a + 3)[..., None])
+        assert torch.equal(got.intervals(sq, 23)[..., :2].flatten(), masks.column_intervals(a, a + 3).intervals(sq, 23)
+                           [..., :2].flatten())
+
+
+def test_column_runs_tile_classes_and_compile():
+    sq, sk = 41, 37
+    gen = torch.Generator().manual_seed(5)
+    lo = torch.randint(0, 20, (2, 1, sk, 3), generator=gen)
+    starts = torch.cat([lo[..., :1], lo[..., :1] + 3, torch.full_like(lo[..., :1], 30)], -1)  # [l, l+3) merges
+    ends = torch.cat([lo[..., :1] + 5, lo[..., :1] + 9, torch.full_like(lo[..., :1], 41)], -1)
+    mask = masks.column_runs(starts, ends)
+    dense = dense_of_runs(starts, ends, sq)
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=16, block_n=16)
+    assert torch.equal(cm.tile_classes(), brute_force_classes(dense, 16, 16))
+    got = compile_spec(mask, sq, sk, torch.device("cpu"), 16, 16, on_device=True)
+    assert_same_tables(cm, got)
+
+
+def test_column_runs_more_than_two_raise():
+    starts = torch.tensor([[0, 9, 5], [0, 0, 0], [4, 1, 5]], dtype=torch.int32)  # column 2: [1, 3), [4, 9)
+    ends = torch.tensor([[2, 10, 6], [0, 0, 0], [6, 3, 9]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"key column 0 needs 3 masked runs once overlapping runs are merged: "
+                                         r"query rows \[0, 2\), \[5, 6\), \[9, 10\), but the kernels take two"):
+        masks.column_runs(starts, ends).to_dense(10, 3)
+    fixed = ends.clone()
+    fixed[0, 0] = 5  # [0, 5) touches [5, 6): two runs
+    assert torch.equal(masks.column_runs(starts, fixed).to_dense(10, 3), dense_of_runs(starts, fixed, 10))
+    per_head = torch.stack([starts, starts.clamp(max=0)])  # head 0 fails, head 1 is empty
+    with pytest.raises(ValueError, match=r"key column 0 \(batch 0, head 0\) needs 3 masked runs"):
+        masks.column_runs(per_head, torch.stack([ends, ends])).to_dense(10, 3)
+
+
+def test_column_runs_bad_arguments():
+    s = torch.zeros(5, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="starts must be an integer tensor, got dtype torch.float32"):
+        masks.column_runs(s.float(), s)
+    with pytest.raises(TypeError, match="ends must be an integer tensor, got dtype torch.bool"):
+        masks.column_runs(s, s.bool())
+    with pytest.raises(ValueError, match=r"starts must have shape \(kv_len, k\)"):
+        masks.column_runs(s[:, 0], s[:, 0])
+    with pytest.raises(ValueError, match=r"same shape, got starts \(5, 2\) and ends \(5, 3\)"):
+        masks.column_runs(s, torch.zeros(5, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"k >= 1"):
+        masks.column_runs(s[:, :0], s[:, :0])
+    with pytest.raises(ValueError, match="kv_len=6 key columns"):
+        masks.column_runs(s, s).to_dense(4, 6)
+    bad = s.clone()
+    bad[3, 1] = 9
+    with pytest.raises(ValueError, match=r"ends holds row 9 at key column 3 \(run 1\), outside \[0, q_len=4\]"):
+        masks.column_runs(s, bad).to_dense(4, 5)
+    with pytest.raises(ValueError, match="starts holds row -1"):
+        masks.column_runs(s - 1, s).to_dense(4, 5)
+    assert bool(masks.column_runs([[0, 0]] * 5, [[0, 0]] * 5).to_dense(4, 5).all())  # lists, empty runs
+
+
+def test_docstring_pictures():
+    """The pictures in the builders' docstrings are what the builders draw."""
+    runs = masks.column_runs([[0, 4], [3, 1], [5, 0]], [[2, 6], [5, 2], [0, 0]])
+    assert runs.show(6, 3) == ".##\n..#\n###\n#.#\n..#\n.##"
+    window = masks.from_mask_mod(lambda b, h, q, kv: (kv <= q) & (q - kv < 3))
+    assert window.show(6, 6) == "#.....\n##....\n###...\n.###..\n..###.\n...###"
+    assert torch.equal(dense_of_mod(dilated, 6, 6)[0, 0, :, 0], torch.tensor([True, False] * 3))
+    with pytest.raises(ValueError, match=r"query rows \[1, 2\), \[3, 4\), \[5, 6\)"):
+        masks.from_mask_mod(dilated).show(6, 6)
