@@ -31,6 +31,7 @@ import flexmask
 from . import families as fam
 from .flex_masks import native_mask_mod
 from .providers import build_block_mask, intervals_mask_mod
+from .report import write_marked_block
 
 TILE = 128
 
@@ -269,13 +270,7 @@ def _protocol(row: dict) -> str:
 def write_readme(csv_path: str, readme: str) -> None:
     with open(csv_path, newline="") as f:
         block = readme_block(list(csv.DictReader(f)))
-    with open(readme) as f:
-        text = f.read()
-    start, end = text.find(README_START), text.find(README_END)
-    if start < 0 or end < start:
-        raise SystemExit(f"{readme} has no {README_START} ... {README_END} block")
-    with open(readme, "w") as f:
-        f.write(text[: start + len(README_START)] + "\n" + block + "\n" + text[end:])
+    write_marked_block(readme, block, README_START, README_END)
     print("wrote the compile-cost table into", readme)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import os
 
+from .report import write_marked_block
+
 START, END = "<!-- context-parallel:start -->", "<!-- context-parallel:end -->"
 
 
@@ -109,14 +111,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def write_readme_block(readme: str, table: str) -> None:
     """Replaces the text between the markers in `readme` by `table`."""
-    with open(readme) as f:
-        text = f.read()
-    if START not in text or END not in text or text.index(START) > text.index(END):
-        raise ValueError(f"readme {readme} must hold the markers {START} and {END}, in this order")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    with open(readme, "w") as f:
-        f.write(f"{head}{START}\n{table}{END}{tail}")
+    write_marked_block(readme, table, START, END)
 
 
 def plot(rows: list[dict], png: str, log) -> None:

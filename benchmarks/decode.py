@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from .report import environment
+from .report import environment, write_marked_block
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "provider", "batch", "q_len", "kv_len", "heads",
            "kv_heads", "head_dim", "dtype", "status", "kv_bytes", "copy_gbps",
@@ -308,15 +308,8 @@ README_START, README_END = "<!-- decode:start -->", "<!-- decode:end -->"
 
 
 def write_readme(path: str, text: str) -> None:
-    """Replace the text between the decode markers of the README with `text`."""
-    with open(path) as f:
-        readme = f.read()
-    if README_START not in readme or README_END not in readme:
-        raise SystemExit(f"{path} has no {README_START} ... {README_END} block")
-    head, rest = readme.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    with open(path, "w") as f:
-        f.write(f"{head}{README_START}\n{text}\n{README_END}{tail}")
+    """Replace the text between the decode markers of `path` with `text`."""
+    write_marked_block(path, text, README_START, README_END)
 
 
 def plot(rows: list[dict], path: str) -> None:

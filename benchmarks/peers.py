@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .report import environment
+from .report import environment, write_marked_block
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "family", "seq_len", "batch", "heads_q", "heads_kv",
            "head_dim", "provider", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "status")
@@ -280,22 +280,11 @@ def table(rows: Sequence[dict], families: Sequence[str] | None = None, head_dims
     return "\n".join(lines)
 
 
-def write_block(path: str, block: str, start: str, end: str) -> None:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if start not in text or end not in text:
-        raise SystemExit(f"{path} has no {start} ... {end} block")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(f"{head}{start}\n{block}\n{end}{tail}")
-
-
 def write_tables(rows, readme: str | None, full: str | None) -> None:
     if readme:  # the README: what FA4 expresses, D = 128, 16/16 heads
-        write_block(readme, table(rows, PEER_FAMILIES, (128,), ("16/16",)), START, END)
+        write_marked_block(readme, table(rows, PEER_FAMILIES, (128,), ("16/16",)), START, END)
     if full:
-        write_block(full, table(rows), FULL_START, FULL_END)
+        write_marked_block(full, table(rows), FULL_START, FULL_END)
     print(table(rows))
 
 

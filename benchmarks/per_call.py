@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .report import environment
+from .report import environment, write_marked_block
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "case", "seq_len", "batch", "heads_q", "heads_kv",
            "head_dim", "provider", "ms")
@@ -288,17 +288,6 @@ def summary(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_block(path: str, block: str, start: str = START, end: str = END) -> None:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if start not in text or end not in text:
-        raise SystemExit(f"{path} has no {start} ... {end} block")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(f"{head}{start}\n{block}\n{end}{tail}")
-
-
 def plot(rows: Sequence[dict], path: str) -> None:
     import matplotlib
 
@@ -356,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write_tables(rows, args) -> None:
     if args.readme:
-        write_block(args.readme, summary(rows))
+        write_marked_block(args.readme, summary(rows), START, END)
     if args.full:
-        write_block(args.full, table(rows), FULL_START, FULL_END)
+        write_marked_block(args.full, table(rows), FULL_START, FULL_END)
     print(table(rows))
 
 

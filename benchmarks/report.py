@@ -173,3 +173,16 @@ def format_table(rows: Sequence[dict]) -> str:
     for row in rows:
         lines.append("  ".join(align(fmt(row), w) for _, w, fmt in TABLE).rstrip())
     return "\n".join(lines)
+
+
+def write_marked_block(path: str, block: str, start: str, end: str) -> None:
+    """Replace what stands between the markers `start` and `end` in the file at `path` with
+    `block` (the generated tables of README.md and docs/); a ValueError when the file lacks the
+    markers, in that order."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"{path} must hold the markers {start} and {end}, in this order")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text[: i + len(start)] + "\n" + block.rstrip("\n") + "\n" + text[j:])
