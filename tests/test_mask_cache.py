@@ -134,3 +134,17 @@ def test_masks_written_inside_torch_compile():
         want.sum().backward()
         assert torch.equal(out, want) and all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
         assert counter.frame_count == (1 if s == 64 else 2), f"step {step}: {counter.frame_count} compiles"
+
+
+def test_the_cache_is_bounded_by_table_bytes(monkeypatch):
+    """Long masks have large tables: the cache keeps at most max_bytes of them (the most recent
+    entry stays whatever its size)."""
+    one = resolve(masks.sliding_window(3))
+    size = sum(t.numel() * t.element_size() for t in vars(one).values() if isinstance(t, torch.Tensor))
+    monkeypatch.setattr(api, "COMPILED", CompiledCache(size=64, max_bytes=3 * size))
+    for window in range(6):
+        resolve(masks.sliding_window(window))
+    assert 1 <= len(api.COMPILED) <= 3 and api.COMPILED.bytes <= 3 * size  # evicted by bytes, not by count
+    monkeypatch.setattr(api, "COMPILED", CompiledCache(size=64, max_bytes=1))
+    assert resolve(masks.causal()) is resolve(masks.causal())  # the newest entry stays
+    assert len(api.COMPILED) == 1

@@ -8,7 +8,8 @@ never identities: ints, floats, lists, and CPU tensors of up to CONTENT_KEY_MAX_
 bytes (reading a CPU tensor costs no sync), so a tensor changed in place afterwards gives another
 key and is never served stale. A spec holding anything else (a GPU tensor, whose content would
 need a sync; a large CPU tensor) is not keyed: it is compiled as before and its tables cached on
-the spec object itself. The cache is a bounded LRU.
+the spec object itself. The cache is a bounded LRU, by count and by the bytes of the tables it
+holds (long masks have large tables: a causal mask over 1M tokens lists ~33M tiles).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import OrderedDict
 import torch
 
 CONTENT_KEY_MAX_BYTES = 1 << 14  # CPU tensors up to this size are keyed by their bytes
+TABLE_BYTES_BUDGET = 1 << 30  # the tables the cache keeps alive, beyond the most recent entry
 
 
 class Unkeyable(Exception):
@@ -92,17 +94,24 @@ def _value_key(value):
 
 
 class CompiledCache:
-    """Bounded LRU: (structural key, shape key) -> CompiledMask."""
+    """Bounded LRU: (structural key, shape key) -> CompiledMask, at most `size` entries and
+    `max_bytes` of tensors (the most recent entry stays whatever its size)."""
 
-    def __init__(self, size: int = 64) -> None:
-        self.size = size
-        self._entries: OrderedDict = OrderedDict()
+    def __init__(self, size: int = 64, max_bytes: int = TABLE_BYTES_BUDGET) -> None:
+        self.size, self.max_bytes = size, max_bytes
+        self._entries: OrderedDict = OrderedDict()  # key -> (CompiledMask, its bytes)
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
     def clear(self) -> None:
         self._entries.clear()
+        self._bytes = 0
 
     def get(self, mask, shape_key: tuple, compile_fn):
         """The CompiledMask of `mask` for `shape_key` (lengths, device, tile), made by
@@ -115,11 +124,15 @@ class CompiledCache:
 
     def get_by_key(self, spec_key: tuple, shape_key: tuple, compile_fn):
         key = (spec_key, shape_key)
-        compiled = self._entries.get(key)
-        if compiled is not None:
+        entry = self._entries.get(key)
+        if entry is not None:
             self._entries.move_to_end(key)
-            return compiled
-        compiled = self._entries[key] = compile_fn()
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+            return entry[0]
+        compiled = compile_fn()
+        size = sum(t.numel() * t.element_size() for t in vars(compiled).values() if isinstance(t, torch.Tensor))
+        self._entries[key] = (compiled, size)
+        self._bytes += size
+        while len(self._entries) > 1 and (len(self._entries) > self.size or self._bytes > self.max_bytes):
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self._bytes -= dropped
         return compiled
