@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import os
 
+from .readme_table import _f, _num  # the table cells of every generated README table
 from .report import write_marked_block
 
 START, END = "<!-- context-parallel:start -->", "<!-- context-parallel:end -->"
@@ -29,18 +30,6 @@ def read_rows(paths: list[str]) -> list[dict]:
     order = {"flexmask": 0, "torch_ring": 1}
     return sorted(latest.values(), key=lambda r: (int(r["gpus"] or 0), r["mask"], -int(r["seq_len"]),
                                                   order.get(r["provider"], 2)))
-
-
-def _num(value) -> float | None:
-    try:
-        return float(value) if value not in (None, "") else None
-    except ValueError:
-        return None
-
-
-def _f(value, spec: str) -> str:
-    v = _num(value)
-    return "–" if v is None else format(v, spec)
 
 
 def _x(value) -> str:
