@@ -117,6 +117,41 @@ def test_launch_binds_parameters_by_name_and_keys_launch_options(monkeypatch):
     assert calls[1][1] == (x, x, 32, 6, None, 128)
 
 
+def test_launch_passes_num_warps_to_a_kernel_that_takes_it(monkeypatch):
+    """Gluon kernels take `num_warps` as a constexpr parameter: the fast path passes it in its place
+    (a regression: such launches always fell back to Triton's path)."""
+    from flexmask.kernels.common import launcher
+
+    def _gluon_like(X, n, BLOCK: tl.constexpr, num_warps: tl.constexpr):
+        pass
+
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "f", "m"
+
+        def run(self, *args):
+            calls.append(("fast", args[9:]))
+
+    class Jit:
+        params = JITFunction(_gluon_like).params
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(("triton", args, kwargs))
+                return Compiled()
+            return launch
+
+    monkeypatch.setattr(launcher.torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(launcher.torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    fast = FastLaunch(JITFunction(_gluon_like))
+    fast.fn = Jit()
+    x = torch.zeros(64, dtype=torch.int32)
+    for _ in range(2):
+        fast((1,), x, 32, BLOCK=64, num_warps=4, maxnreg=168)
+    assert [c[0] for c in calls] == ["triton", "fast"] and calls[1][1] == (x, 32, 64, 4)
+
+
 def test_interpreter_kernels_take_triton_path():
     """Under the interpreter (the CPU tests) FastLaunch only forwards to `kernel[grid](...)`."""
     from flexmask.masks import compiler_kernels as ck

@@ -104,14 +104,16 @@ class FastLaunch:
     def __call__(self, grid, *args, num_warps: int = 4, **kwargs):
         if not self._fast or _hooks_registered():
             return self.fn[grid](*args, num_warps=num_warps, **kwargs)
-        if kwargs:
+        if len(args) < len(self._names):
+            # parameters by name; a Gluon kernel may take `num_warps` as a parameter too
+            named = {**kwargs, "num_warps": num_warps}
             rest = self._names[len(args):]
-            if any(name not in kwargs for name in rest):  # a parameter left to its default: Triton binds it
+            if any(name not in named for name in rest):  # a parameter left to its default: Triton binds it
                 return self.fn[grid](*args, num_warps=num_warps, **kwargs)
-            params = args + tuple(kwargs[name] for name in rest)
+            params = args + tuple(named[name] for name in rest)
             options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self._param_names))
         else:
-            params, options = args, ()
+            params, options = args, tuple(sorted(kwargs.items()))
         try:
             key = self._key(params)
         except _Unkeyed:
