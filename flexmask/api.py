@@ -7,6 +7,7 @@ import math
 import torch
 
 from .autograd import attention_eager, attention_fwd
+from .kernels.common.score_terms import ScoreTerms
 from .kernels.common.tiles import default_tile, is_valid_tile
 from .kernels.decode.split_kv import decode_forward, decode_fwd
 from .kernels.dispatch import split_kv_plan
@@ -120,6 +121,30 @@ def _check_qkv(q, k, v) -> None:
         )
 
 
+def _check_score_terms(softcap, alibi_slopes, sinks, batch: int, hq: int, device: torch.device) -> float:
+    """Validates the score terms (DESIGN.md section 1); returns softcap as a float (0 = off)."""
+    if softcap is None:
+        softcap = 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0 = off), got {type(softcap).__name__} {softcap!r}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+    for name, t, shapes in (("alibi_slopes", alibi_slopes, ((hq,), (batch, hq))), ("sinks", sinks, ((hq,),))):
+        if t is None:
+            continue
+        want = " or ".join(str(s) for s in shapes)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a float32 tensor of shape {want}, got {type(t).__name__}")
+        if tuple(t.shape) not in shapes:
+            raise ValueError(f"{name} must have shape {want} (Hq={hq}" + (f", B={batch}" if len(shapes) > 1 else "")
+                             + f"), got {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
+    return float(softcap)
+
+
 def _interpreting() -> bool:
     return type(_forward_kernel).__name__ == "InterpretedFunction"
 
@@ -164,7 +189,8 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: bool = False,
-              deterministic: bool | None = None):
+              deterministic: bool | None = None, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None):
     """Attention with a FlashMask-style column-interval mask.
 
     q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq % Hkv == 0 (GQA/MQA by indexing). Any
@@ -196,6 +222,19 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     deterministic: None follows torch.are_deterministic_algorithms_enabled() at this call;
     True gives gradients bitwise identical run to run (two-pass backward); False the fastest
     backward (dQ accumulated with fp32 atomics, last bits vary run to run).
+
+    Score terms (FlashAttention's keyword names), applied in this order to s = scale * q_i . k_j:
+
+    - softcap > 0: s = softcap * tanh(s / softcap) (Gemma-2 logit soft-capping; 0 = off);
+    - alibi_slopes ((Hq,) or (B, Hq) float32): s -= slope[b, h] * |i + Sk - Sq - j| (query row i
+      at its bottom-right position, as causal);
+    - then the mask;
+    - sinks ((Hq,) float32, learnable, as gpt-oss): the softmax denominator gains exp(sinks[h]),
+      P_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij)), and the LSE is log(exp(sinks[h]) +
+      sum_j exp(s_ij)); a row that sees no key outputs 0 with LSE sinks[h].
+
+    Gradients flow to q, k, v and sinks (not to the slopes or the cap). Inputs with a score term
+    run the portable Triton kernels on every GPU (kernels/dispatch.py says why).
     """
     _check_qkv(q, k, v)
     batch, hq, sq, d = q.shape
@@ -210,11 +249,21 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         deterministic = torch.are_deterministic_algorithms_enabled()
     elif not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be None or a bool, got {type(deterministic).__name__}")
+    softcap = _check_score_terms(softcap, alibi_slopes, sinks, batch, hq, q.device)
 
-    if sq == 0 or sk == 0:  # nothing to attend: zeros, LSE -inf, zero gradients
+    if sq == 0 or sk == 0:  # nothing to attend: zeros, LSE -inf (the sink with sinks), zero gradients
         out = q * 0.0
-        lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+        if sinks is None:
+            lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+        else:
+            lse = sinks.view(1, hq, 1).expand(batch, hq, sq).contiguous()
         return (out, lse) if return_lse else out
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach().contiguous()  # no gradient to the slopes
+    if sinks is not None:
+        sinks = sinks.contiguous()
+    terms = ScoreTerms(softcap, alibi_slopes, sinks)
+    terms = terms if terms.active else None
 
     if isinstance(mask, CompiledMask) or not torch.compiler.is_compiling():
         tables = _table_args(_resolve_mask(mask, sq, sk, q.device))
@@ -226,25 +275,33 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
                   else _key_table_args(key, *lengths, q.device))
     _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    plan = _split_kv_plan(q, k, v, tables)
+    plan = _split_kv_plan(q, k, v, tables, terms)
     if plan is not None:  # few queries, long keys, no gradient: Flash-Decoding
         if torch.compiler.is_compiling():  # the op only for the compiler
-            out, lse = decode_fwd(q, k, v, *tables[:4], *tables[7:11], float(scale))
+            out, lse = decode_fwd(q, k, v, *tables[:4], *tables[7:11], float(scale), softcap, alibi_slopes, sinks)
         else:
-            out, lse = decode_forward(q, k, v, *tables[:4], *tables[7:11], float(scale), plan=plan)
+            out, lse = decode_forward(q, k, v, *tables[:4], *tables[7:11], float(scale), plan, softcap, alibi_slopes,
+                                      sinks)
         return (out, lse) if return_lse else out
-    op = attention_fwd if torch.compiler.is_compiling() else attention_eager  # the op only for the compiler
-    out, lse = op(q, k, v, *tables, float(scale), int(deterministic))
+    if torch.compiler.is_compiling():  # the op only for the compiler
+        out, lse = attention_fwd(q, k, v, *tables, float(scale), int(deterministic), softcap, alibi_slopes, sinks)
+    elif terms is None:
+        out, lse = attention_eager(q, k, v, *tables, float(scale), int(deterministic))
+    else:
+        out, lse = attention_eager(q, k, v, *tables, float(scale), int(deterministic), softcap=softcap,
+                                   alibi_slopes=alibi_slopes, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
-def _split_kv_plan(q, k, v, tables):
+def _split_kv_plan(q, k, v, tables, terms=None):
     """The split-KV forward's plan, or None for the q-block path: split-KV serves small Sq when no
-    gradient is needed (kernels/dispatch.split_kv_plan decides by shape); with gradients the
-    q-block path runs (it saves what the backward needs)."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    gradient is needed (kernels/dispatch.split_kv_plan decides by shape); with gradients (to q, k,
+    v or the sinks) the q-block path runs (it saves what the backward needs)."""
+    sinks = terms.sinks if terms is not None else None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
         return None
-    return split_kv_plan(q, k, (tables[9], tables[10]), tables[8])
+    return split_kv_plan(q, k, (tables[9], tables[10]), tables[8], terms)
 
 
 def flashmask_attention(query, key, value, startend_row_indices=None, *, causal: bool = False,

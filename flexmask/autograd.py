@@ -1,6 +1,8 @@
 """The attention op, two ways with one implementation: `torch.library` custom ops with autograd,
 so it runs under `torch.compile(fullgraph=True)` without graph breaks, and a plain
-`torch.autograd.Function` for eager calls. Both save only (q, k, v, o, lse) and the mask tables.
+`torch.autograd.Function` for eager calls. Both save only (q, k, v, o, lse), the mask tables and the
+score terms (softcap, ALiBi slopes, sinks: common/score_terms.py), and give gradients to q, k, v and
+the sinks.
 
 Why two: an eager call of a custom op with registered autograd costs ~0.2-0.3 ms of host time
 per call in torch 2.11-2.13 (its argument defaults are re-read from the schema on every call),
@@ -16,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .kernels.common.score_terms import ScoreTerms
 from .kernels.dispatch import attention_backward, attention_forward
 
 
@@ -30,23 +33,36 @@ def _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_n
     )
 
 
+def _terms(softcap, alibi_slopes, sinks) -> ScoreTerms | None:
+    terms = ScoreTerms(float(softcap), alibi_slopes, sinks)
+    return terms if terms.active else None
+
+
 def _forward_impl(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
-                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic=-1):
+                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic=-1,
+                  softcap=0.0, alibi_slopes=None, sinks=None):
     cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
-    return attention_forward(q, k, v, cm, scale)
+    terms = _terms(softcap, alibi_slopes, sinks)
+    if terms is None:  # the call without terms is the one it always was
+        return attention_forward(q, k, v, cm, scale)
+    return attention_forward(q, k, v, cm, scale, terms=terms)
 
 
 def _backward_impl(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets,
                    bwd_num_full, bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale,
-                   deterministic=-1):
+                   deterministic=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+    """(dq, dk, dv, dsinks): dsinks is (Hq,) fp32 with sinks, an empty tensor without."""
     cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
     if do.stride(-1) != 1:
         do = do.contiguous()
     if deterministic < 0:
         deterministic = int(torch.are_deterministic_algorithms_enabled())
-    return attention_backward(do, dlse, q, k, v, o, lse, cm, scale, deterministic=bool(deterministic))
+    dsinks = torch.empty(q.shape[1] if sinks is not None else 0, dtype=torch.float32, device=q.device)
+    dq, dk, dv = attention_backward(do, dlse, q, k, v, o, lse, cm, scale, deterministic=bool(deterministic),
+                                    terms=_terms(softcap, alibi_slopes, sinks), dsinks=dsinks)
+    return dq, dk, dv, dsinks
 
 
 @torch.library.custom_op("flexmask::attention_fwd", mutates_args=())
@@ -55,18 +71,22 @@ def attention_fwd(
     intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
     bwd_offsets: Tensor, bwd_num_full: Tensor, bwd_blocks: Tensor,
     mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, tiles_visited: int, scale: float,
-    deterministic: int = -1,
+    deterministic: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """`deterministic` only travels to the backward: 1 the two-pass path (bitwise reproducible),
     0 the fused path, -1 whatever torch.are_deterministic_algorithms_enabled() says when the
-    backward runs (flexmask.attention always resolves it to 0 or 1 at call time)."""
+    backward runs (flexmask.attention always resolves it to 0 or 1 at call time). `softcap`,
+    `alibi_slopes`, `sinks`: the score terms, as flexmask.attention validated them."""
     return _forward_impl(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full,
-                         bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic)
+                         bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic,
+                         softcap, alibi_slopes, sinks)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
-      mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic=-1):
+      mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic=-1, softcap=0.0, alibi_slopes=None,
+      sinks=None):
     b, h, s, d = q.shape
     return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
 
@@ -77,41 +97,49 @@ def attention_bwd(
     intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
     bwd_offsets: Tensor, bwd_num_full: Tensor, bwd_blocks: Tensor,
     mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, tiles_visited: int, scale: float,
-    deterministic: int = -1,
-) -> tuple[Tensor, Tensor, Tensor]:
+    deterministic: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is empty when there are no sinks."""
     return _backward_impl(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets,
                           bwd_num_full, bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale,
-                          deterministic)
+                          deterministic, softcap, alibi_slopes, sinks)
 
 
 @attention_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full,
-      bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic=-1):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+      bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic=-1, softcap=0.0,
+      alibi_slopes=None, sinks=None):
+    dsinks = q.new_empty(q.shape[1] if sinks is not None else 0, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 _TABLE_ARGS = slice(3, 10)  # positions of the mask tensors in attention_fwd's arguments
 _INT_ARGS = slice(10, 17)  # ... scale, deterministic
+_NUM_INPUTS = 20  # ... softcap, alibi_slopes, sinks
+_DEFAULTS = (-1, 0.0, None, None)  # of deterministic, softcap, alibi_slopes, sinks
 
 
 def _setup_context(ctx, inputs, output):
+    inputs = tuple(inputs) + _DEFAULTS[len(inputs) - _NUM_INPUTS:] if len(inputs) < _NUM_INPUTS else tuple(inputs)
     q, k, v = inputs[:3]
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, *inputs[_TABLE_ARGS])
+    alibi_slopes, sinks = inputs[18], inputs[19]
+    ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks, *inputs[_TABLE_ARGS])
     ctx.consts = tuple(inputs[_INT_ARGS])
-    if len(ctx.consts) < 7:  # called without `deterministic`: its default
-        ctx.consts += (-1,)
+    ctx.softcap = inputs[17]
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse, *tables = ctx.saved_tensors
+    q, k, v, o, lse, alibi_slopes, sinks, *tables = ctx.saved_tensors
     if do is None:  # only the LSE was used
         do = torch.zeros_like(o)
     if dlse is not None:
         dlse = dlse.contiguous()
     # d lse / d s is the softmax itself, so the backward folds dlse into D = rowsum(dO * O) - dlse
-    dq, dk, dv = attention_bwd(do, dlse, q, k, v, o, lse, *tables, *ctx.consts)
-    return dq, dk, dv, *([None] * 14)
+    dq, dk, dv, dsinks = attention_bwd(do, dlse, q, k, v, o, lse, *tables, *ctx.consts, ctx.softcap, alibi_slopes,
+                                       sinks)
+    return dq, dk, dv, *([None] * 16), (dsinks if sinks is not None else None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -122,27 +150,30 @@ class _EagerAttention(torch.autograd.Function):
     mask tables travel as one tuple, not as inputs: autograd has nothing to track there."""
 
     @staticmethod
-    def forward(ctx, q, k, v, tables, consts):
-        o, lse = _forward_impl(q, k, v, *tables, *consts)
+    def forward(ctx, q, k, v, sinks, tables, consts, softcap, alibi_slopes):
+        o, lse = _forward_impl(q, k, v, *tables, *consts, softcap, alibi_slopes, sinks)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, as with the op
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.tables, ctx.consts = tables, consts
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
+        ctx.tables, ctx.consts, ctx.softcap, ctx.alibi_slopes = tables, consts, softcap, alibi_slopes
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, sinks = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         if dlse is not None:
             dlse = dlse.contiguous()
-        dq, dk, dv = _backward_impl(do, dlse, q, k, v, o, lse, *ctx.tables, *ctx.consts)
-        return dq, dk, dv, None, None
+        dq, dk, dv, dsinks = _backward_impl(do, dlse, q, k, v, o, lse, *ctx.tables, *ctx.consts, ctx.softcap,
+                                            ctx.alibi_slopes, sinks)
+        return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None, None
 
 
-def attention_eager(q, k, v, *args) -> tuple[Tensor, Tensor]:
-    """attention_fwd's arguments; autograd only where a gradient can flow (otherwise the kernels
-    are called directly: the Function's own bookkeeping is skipped too)."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(q, k, v, args[:7], args[7:])
-    return _forward_impl(q, k, v, *args)
+def attention_eager(q, k, v, *args, softcap: float = 0.0, alibi_slopes=None, sinks=None) -> tuple[Tensor, Tensor]:
+    """attention_fwd's arguments (the score terms as keywords); autograd only where a gradient
+    can flow (otherwise the kernels are called directly: the Function's own bookkeeping is
+    skipped too)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
+        return _EagerAttention.apply(q, k, v, sinks, args[:7], args[7:], softcap, alibi_slopes)
+    return _forward_impl(q, k, v, *args, softcap, alibi_slopes, sinks)

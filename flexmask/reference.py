@@ -41,12 +41,19 @@ def _expand_mask_heads(allowed: torch.Tensor, hq: int, hkv: int) -> torch.Tensor
     raise ValueError(f"mask has {hm} heads; expected 1, Hq={hq} or Hkv={hkv}")
 
 
-def attention(q, k, v, mask=None, scale=None, dtype=torch.float64):
-    """softmax(q k^T * scale + mask) v, with rows that attend nothing giving 0 and LSE -inf.
+def attention(q, k, v, mask=None, scale=None, dtype=torch.float64, *, softcap: float = 0.0,
+              alibi_slopes=None, sinks=None):
+    """softmax(score terms of q k^T * scale, masked) v, with rows that attend nothing giving 0.
 
     q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq % Hkv == 0. Returns (out, lse): out in
     `dtype` (B, Hq, Sq, D), lse (natural log) in `dtype` (B, Hq, Sq). Pass the input dtype to
     get "the same math in the input dtype", the baseline of the tolerance rule.
+
+    The score terms (DESIGN.md section 1), in this order, with s = scale * q_i . k_j:
+    softcap > 0 makes s = softcap * tanh(s / softcap); alibi_slopes ((Hq,) or (B, Hq)) adds
+    -slope[h] * |i + Sk - Sq - j|; then the mask; then the softmax, whose denominator gains
+    exp(sinks[h]) when sinks ((Hq,)) is given. A row that sees no key has LSE -inf, or sinks[h]
+    with sinks. Everything is differentiable (sinks included) by autograd.
     """
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -56,14 +63,28 @@ def attention(q, k, v, mask=None, scale=None, dtype=torch.float64):
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dtype).reshape(-1 if alibi_slopes.dim() == 2 else 1, hq, 1, 1)
+        pos_q = torch.arange(sq, device=q.device).view(sq, 1) + (sk - sq)
+        pos_k = torch.arange(sk, device=q.device).view(1, sk)
+        scores = scores - slopes * (pos_q - pos_k).abs().to(dtype)
     allowed = dense_mask(mask, sq, sk, q.device)
     if allowed is None:
         allowed = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=q.device)
     allowed = _expand_mask_heads(allowed, hq, hkv)
-    # rows that attend nothing: computed on zeros (finite, so autograd stays NaN-free), then zeroed
     empty = ~allowed.any(-1)
-    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(empty.unsqueeze(-1), 0.0)
-    lse = torch.logsumexp(scores, dim=-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        # rows that attend nothing: computed on zeros (finite, so autograd stays NaN-free), then zeroed
+        scores = scores.masked_fill(empty.unsqueeze(-1), 0.0)
+        lse = torch.logsumexp(scores, dim=-1)
+    else:  # the sink is one more logit in the denominator (a key of value 0): the LSE stays finite
+        sink = sinks.to(dtype).view(1, hq, 1, 1).expand(scores.shape[0], hq, sq, 1)
+        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
+    if sinks is not None:
+        return out, lse
     out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return out, lse.masked_fill(empty, float("-inf"))

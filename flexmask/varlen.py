@@ -216,9 +216,27 @@ def _plan(cu_q, cu_k, total_q, total_k, causal, left, right, max_seqlen_q, max_s
     return compiled
 
 
+@torch.compiler.disable
+def _check_alibi_positions(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> None:
+    """ALiBi on packed sequences: the kernels place query row i of the packed batch at position
+    i + total_k - total_q, which is its bottom-right position in its own sequence s exactly when
+    Lk_s - Lq_s ends where the batch ends: cu_k[s+1] - cu_q[s+1] == total_k - total_q for every s
+    (always so when cu_seqlens_q and cu_seqlens_k are equal). One host sync, only when they differ."""
+    if cu_q is cu_k:
+        return
+    gap = cu_k.long() - cu_q.long()
+    bad = (gap[1:] != total_k - total_q).nonzero()
+    if bad.numel():
+        s = int(bad[0, 0])
+        raise ValueError(
+            f"alibi_slopes with varlen_attention needs cu_seqlens_k[s+1] - cu_seqlens_q[s+1] to be the same for every "
+            f"sequence (total_k - total_q = {total_k - total_q}); sequence {s} has {int(gap[s + 1])}")
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      causal: bool = False, window=(-1, -1), softmax_scale: float | None = None,
-                     return_lse: bool = False, deterministic: bool | None = None):
+                     return_lse: bool = False, deterministic: bool | None = None, softcap: float = 0.0,
+                     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """Drop-in for FlashAttention's ``flash_attn_varlen_func`` (packed sequences).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D) with Hq % Hkv == 0. Sequence s holds query
@@ -239,8 +257,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     needed). softmax_scale defaults to 1/sqrt(D). deterministic: as in `flexmask.attention` (None
     follows torch.are_deterministic_algorithms_enabled(); True gives bitwise-repeatable gradients).
 
+    softcap, alibi_slopes ((Hq,) float32; the batch is one packed row) and sinks ((Hq,) float32):
+    the score terms of `flexmask.attention`, FlashAttention's keyword names, per sequence. ALiBi
+    needs every sequence to have its Lk - Lq end where the batch ends (always so with equal
+    cu_seqlens; checked with one host sync when the two tensors differ).
+
     Returns out (total_q, Hq, D), and with return_lse=True also the natural-log LSE
-    (Hq, total_q) float32, FlashAttention's layout. Differentiable in q, k, v.
+    (Hq, total_q) float32, FlashAttention's layout. Differentiable in q, k, v (and sinks).
 
     No copy of q, k, v is made: they are viewed as (1, H, total, D). The mask tables are built
     on the device from cu_seqlens and cached (8 entries): every layer of a step reuses them with
@@ -270,8 +293,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     mask = None
     if total_q > 0 and total_k > 0:
         mask = _plan(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, left, right, max_seqlen_q, max_seqlen_k)
+        if alibi_slopes is not None:
+            _check_alibi_positions(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     # (total, H, D) -> (1, H, total, D): a strided view, which flexmask.attention accepts as is
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
-    out, lse = attention(q4, k4, v4, mask, scale=softmax_scale, return_lse=True, deterministic=deterministic)
+    out, lse = attention(q4, k4, v4, mask, scale=softmax_scale, return_lse=True, deterministic=deterministic,
+                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     out = out.transpose(1, 2).squeeze(0)
     return (out, lse.squeeze(0)) if return_lse else out

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flexmask import distributed as fmd
-from flexmask import masks
+from flexmask import masks, reference
 
 from conftest import (
     assert_close_to_reference,
@@ -51,11 +51,13 @@ class Case:
     dtype: torch.dtype = FP32
     with_dlse: bool = False
     layout: str = "bhsd"  # "bshd": q/k/v are .transpose(1, 2) views, sharded along dim 1 of (B, S, H, D)
+    terms: bool = False  # softcap and sinks (score terms, DESIGN.md section 1): case_terms
     chunks: str | tuple | None = None  # fmd layout: None (default), "balanced" (the mask's), or its chunks
 
     @property
     def name(self) -> str:
         extra = f"W{self.world}" + ("-dlse" if self.with_dlse else "") + ("-bshd" if self.layout == "bshd" else "")
+        extra += "-softcap-sinks" if self.terms else ""
         if self.chunks is not None:
             extra += "-" + (self.chunks if isinstance(self.chunks, str) else "".join(f"{a}{b}" for a, b in self.chunks))
         return case_id(self.b, self.hq, self.hkv, self.s, None, self.d, self.dtype, self.family, extra)
@@ -89,6 +91,14 @@ def case_mask(case: Case) -> masks.Mask:
     return make_mask(case.family, s, s, batch=case.b, heads=case.hq)
 
 
+def case_terms(case: Case, device="cpu") -> dict:
+    """Soft-capping inside every chunk call, and sinks added once per row after the merge."""
+    if not case.terms:
+        return {}
+    sinks = torch.randn(case.hq, generator=torch.Generator().manual_seed(3)).to(device)
+    return {"softcap": 2.0, "sinks": sinks}
+
+
 def case_inputs(case: Case, device="cpu"):
     q, k, v = make_qkv(case.b, case.hq, case.hkv, case.s, case.s, case.d, case.dtype, seed=case.s + case.world)
     gen = torch.Generator().manual_seed(7 + case.world)
@@ -113,6 +123,8 @@ CPU_CASES = [
     Case(3, "causal", 144, with_dlse=True),
     Case(3, "document_crossing", 144),
     Case(3, "document_per_batch", 144, b=2),
+    Case(2, "empty_rows", 96, with_dlse=True, terms=True),  # rows that see nothing: output 0, LSE = the sink
+    Case(3, "causal", 144, terms=True),
     # W=4 at S=192: chunks of 24 again; one spawn, so only the two cases that matter most
     Case(4, "causal", 192, with_dlse=True),
     Case(4, "document_crossing", 192),
@@ -135,12 +147,19 @@ def _run_case(case: Case, group, device) -> dict | None:
         ql.retain_grad(), kl.retain_grad(), vl.retain_grad()
     else:
         ql, kl, vl = (fmd.shard(t, group, layout=lay).detach().requires_grad_(True) for t in (q, k, v))
-    out, lse = fmd.attention(ql, kl, vl, mask, group, return_lse=True, layout=lay)
+    terms = case_terms(case, device)
+    if "sinks" in terms:
+        terms["sinks"].requires_grad_(True)
+    out, lse = fmd.attention(ql, kl, vl, mask, group, return_lse=True, layout=lay, **terms)
     loss = (out * fmd.shard(do, group, layout=lay)).sum()
     if dlse is not None:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * fmd.shard(dlse, group, layout=lay)).sum()
     loss.backward()
     got = [fmd.unshard(t.detach(), group, layout=lay) for t in (out, lse, ql.grad, kl.grad, vl.grad)]
+    if "sinks" in terms:  # each rank's gradient covers its rows: summed as for any replicated parameter
+        dsinks = terms["sinks"].grad.clone()
+        dist.all_reduce(dsinks, group=group)
+        got.append(dsinks)
     return {"got": [t.cpu() for t in got], "plan": fmd.context_plan(mask, case.s, case.world).pairs}
 
 
@@ -166,6 +185,8 @@ def _bad_input(group, device) -> dict:
     _expect_error(res, "mask_type", lambda: fmd.attention(q, q, q, torch.ones(96, 96, dtype=torch.bool), group))
     _expect_error(res, "mask_length", lambda: fmd.attention(q, q, q, masks.document([50, 50]), group))
     _expect_error(res, "rank_3d", lambda: fmd.attention(q[0], q[0], q[0], None, group))
+    _expect_error(res, "alibi", lambda: fmd.attention(q, q, q, None, group, alibi_slopes=torch.ones(2)))
+    _expect_error(res, "sinks_shape", lambda: fmd.attention(q, q, q, None, group, sinks=torch.ones(3)))
     # without autograd (inference) the same calls give the same output, bit for bit
     causal = masks.causal()
     qs, ks, vs = (torch.randn(1, 2, 48, 8, device=device, generator=torch.Generator().manual_seed(i)) for i in range(3))
@@ -275,15 +296,32 @@ def cpu_results(tmp_path_factory):
 # --- checks -------------------------------------------------------------------------------
 
 
+def reference_with_terms(q, k, v, mask, do, dlse, terms: dict, dtype):
+    """(out, lse, dq, dk, dv, dsinks) by autograd through reference.attention with the score terms."""
+    qr, kr, vr = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    sinks = terms["sinks"].detach().to(dtype).requires_grad_(True)
+    out, lse = reference.attention(qr, kr, vr, mask, dtype=dtype, softcap=terms["softcap"], sinks=sinks)
+    loss = (out * do.to(dtype)).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse.to(dtype)).sum()
+    return (out.detach(), lse.detach(), *torch.autograd.grad(loss, (qr, kr, vr, sinks)))
+
+
 def check_case(case: Case, result: dict, device="cpu") -> None:
     mask = case_mask(case)
     q, k, v, do, dlse = case_inputs(case, device)
-    ref64 = reference_grads(q, k, v, mask, do, dlse=dlse)
-    lowp = reference_grads(q, k, v, mask, do, dtype=case.dtype, dlse=dlse)
+    if case.terms:
+        terms = case_terms(case, device)
+        ref64 = reference_with_terms(q, k, v, mask, do, dlse, terms, torch.float64)
+        lowp = reference_with_terms(q, k, v, mask, do, dlse, terms, case.dtype)
+    else:
+        ref64 = reference_grads(q, k, v, mask, do, dlse=dlse)
+        lowp = reference_grads(q, k, v, mask, do, dtype=case.dtype, dlse=dlse)
     floor = default_floor(case.dtype)
-    for name, g, r, lp in zip(("out", "lse", "dq", "dk", "dv"), result["got"], ref64, lowp):
-        assert g.dtype == (torch.float32 if name == "lse" else case.dtype), f"{name}: dtype {g.dtype}"
-        assert_close_to_reference(g.to(device), r, lp, floor, name=name)
+    for name, g, r, lp in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), result["got"], ref64, lowp):
+        assert g.dtype == (torch.float32 if name in ("lse", "dsinks") else case.dtype), f"{name}: dtype {g.dtype}"
+        assert_close_to_reference(g.to(device), r, lp, default_floor(case.dtype, gradient=True) if name == "dsinks"
+                                  else floor, name=name)
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c.name for c in CPU_CASES])
@@ -317,6 +355,8 @@ BAD_INPUT = {
     "layout_world_attention": ("ValueError", "layout is for 3 ranks"),
     "layout_type": ("TypeError", "layout must be"),
     "layouts_disagree": ("ValueError", "disagree on layout"),
+    "alibi": ("ValueError", "alibi_slopes is not supported by flexmask.distributed.attention"),
+    "sinks_shape": ("ValueError", "sinks must have shape (2,)"),
 }
 
 

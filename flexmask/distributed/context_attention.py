@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..api import attention as _attention
+from ..api import _check_score_terms, attention as _attention
 from ..masks import specs
 from ..masks.compiler import CompiledMask
 from .exchange import post_grad_exchange, post_kv_exchange, wait
@@ -23,7 +23,7 @@ def _key_block(item: Item, local, received, c: int):
     return k.narrow(2, item.key_start * c, n * c), v.narrow(2, item.key_start * c, n * c)
 
 
-def _forward(q, k, v, rp: RankPlan, group, scale: float, keep_graph: bool):
+def _forward(q, k, v, rp: RankPlan, group, scale: float, keep_graph: bool, softcap: float = 0.0):
     """Runs the plan. Returns (out, lse, state); with keep_graph, state holds each call's
     autograd graph (its leaf inputs and outputs) for `_backward`."""
     c = rp.plan.chunk_len
@@ -40,9 +40,9 @@ def _forward(q, k, v, rp: RankPlan, group, scale: float, keep_graph: bool):
         if keep_graph:
             leaves = [t.detach().requires_grad_(True) for t in (q_in, k_in, v_in)]
             with torch.enable_grad():
-                o, lse = _attention(*leaves, item.mask, scale=scale, return_lse=True)
+                o, lse = _attention(*leaves, item.mask, scale=scale, return_lse=True, softcap=softcap)
         else:
-            o, lse = _attention(q_in, k_in, v_in, item.mask, scale=scale, return_lse=True)
+            o, lse = _attention(q_in, k_in, v_in, item.mask, scale=scale, return_lse=True, softcap=softcap)
         partials[item.q_half].append((item, o, lse, leaves))
     if not waited:
         wait(works)
@@ -117,8 +117,8 @@ def _backward(dout, dlse, q, k, v, rp: RankPlan, group, state):
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rp, group, scale):
-        out, lse, state = _forward(q, k, v, rp, group, scale, keep_graph=True)
+    def forward(ctx, q, k, v, rp, group, scale, softcap):
+        out, lse, state = _forward(q, k, v, rp, group, scale, keep_graph=True, softcap=softcap)
         ctx.rp, ctx.group, ctx.state = rp, group, state
         ctx.save_for_backward(q, k, v)
         return out, lse
@@ -128,11 +128,21 @@ class _ContextParallelAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         dq, dk, dv = _backward(dout, dlse, q, k, v, ctx.rp, ctx.group, ctx.state)
         ctx.state = None
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
+
+
+def _add_sinks(out, lse, sinks):
+    """Folds the sinks into the merged result, once per row (the chunk calls run without them):
+    LSE' = log(exp(LSE) + exp(sinks[h])), out' = out * exp(LSE - LSE'). A row that saw no key
+    (LSE -inf) keeps output 0 and gets LSE' = sinks[h]. Plain torch, so autograd carries the
+    gradients to out, LSE (the context-parallel backward takes dLSE) and the sinks."""
+    lse_new = torch.logaddexp(lse, sinks.view(1, -1, 1))
+    out = (out.float() * torch.exp(lse - lse_new).unsqueeze(-1)).to(out.dtype)
+    return out, lse_new
 
 
 def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, return_lse: bool = False,
-              layout: Layout | None = None):
+              layout: Layout | None = None, softcap: float = 0.0, alibi_slopes=None, sinks=None):
     """Context-parallel attention: `flexmask.attention` over a sequence sharded on the ranks of
     `group` (None: the default group), exactly equal to it on the unsharded tensors::
 
@@ -157,6 +167,12 @@ def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, ret
     Returns this rank's output shard (B, Hq, S/W, D), and with return_lse=True also its
     natural-log LSE (B, Hq, S/W) float32. Differentiable in q, k, v (and through the LSE);
     dK/dV of the chunks a rank lent are returned to their owner in the backward.
+
+    Score terms (as `flexmask.attention`): softcap runs inside every chunk call; sinks ((Hq,)
+    float32, the same on every rank) are added once per row after the chunks are merged, not once
+    per chunk. The sinks' gradient on a rank covers that rank's rows: sum it over the group as for
+    any replicated parameter (DDP does). alibi_slopes is not supported yet (ALiBi needs the global
+    position of every key of a chunk pair, and a rank's two chunks are not adjacent): a ValueError.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -185,6 +201,10 @@ def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, ret
         scale = 1.0 / math.sqrt(d)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes is not supported by flexmask.distributed.attention yet (ALiBi needs the global "
+                         "positions of each chunk pair); use flexmask.attention on the whole sequence")
+    softcap = _check_score_terms(softcap, None, sinks, q.shape[0], q.shape[1], q.device)
     world, rank = group_info(group)
     layout = resolve_layout(layout, world)
     seq_len = q.shape[2] * world
@@ -192,7 +212,9 @@ def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, ret
     rp = rank_plan(mask, seq_len, world, rank, q.device, group, shape_sig, layout)
 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = _ContextParallelAttention.apply(q, k, v, rp, group, float(scale))
+        out, lse = _ContextParallelAttention.apply(q, k, v, rp, group, float(scale), softcap)
     else:
-        out, lse, _ = _forward(q, k, v, rp, group, float(scale), keep_graph=False)
+        out, lse, _ = _forward(q, k, v, rp, group, float(scale), keep_graph=False, softcap=softcap)
+    if sinks is not None:
+        out, lse = _add_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

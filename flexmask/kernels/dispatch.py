@@ -1,6 +1,15 @@
 """The one place that picks a kernel path from (device, dtype, head dim, shapes): the forward
 (Hopper or portable), the backward (Hopper, fused or two-pass, and the two-pass path's kernels) and
-split-KV decoding. Callers never branch on flags; they call the entry points here."""
+split-KV decoding. Callers never branch on flags; they call the entry points here.
+
+Score terms (softcap, ALiBi, attention sinks; DESIGN.md section 1, common/score_terms.py): only
+the portable Triton kernels implement them (forward.portable, backward.two_pass and
+backward.fused, decode.split_kv). Inputs with any term therefore take those kernels on every
+device: the forward the portable kernel, the backward the fused path (two-pass when determinism is
+asked), both two-pass passes the portable kernels, and decoding the Triton split-KV kernel, never
+the Gluon Hopper kernels (which would silently drop the terms). Asking for a Hopper kernel
+explicitly with terms is a ValueError. `score_terms_rule_applies` is that rule.
+"""
 
 from __future__ import annotations
 
@@ -13,17 +22,27 @@ from .backward.fused import convert_dq, fused_backward
 from .common.device import gluon_hopper_available
 from .common.intmath import cdiv, next_pow2
 from .common.masking import mask_broadcast, precision_for
+from .common.score_terms import any_terms
 from .common.tma import prepare_tma, tma_enabled
 from .decode.configs import decode_plan
 from .forward.portable import forward_portable
 
 
-def forward_path(q: torch.Tensor, cm) -> str:
+def score_terms_rule_applies(terms) -> bool:
+    """True when the inputs carry a score term, which only the portable kernels implement (see
+    the module docstring): every path choice below then returns the portable kernel."""
+    return any_terms(terms)
+
+
+def forward_path(q: torch.Tensor, cm, terms=None) -> str:
     """Which forward kernel runs: "hopper" (forward_hopper.py: Gluon, persistent, warp-specialised)
     on sm_90 GPUs for fp16/bf16 at head dim 64 or 128 with the default 128 x 128 tables and
     inputs the copy engine can read (16-byte aligned, (B, H, S, D) or (B, S, H, D) memory
     order); "portable" (forward.py) everywhere else: the CPU interpreter (Gluon kernels do not
-    run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles."""
+    run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles, and
+    inputs with score terms (`terms`, score_terms_rule_applies)."""
+    if score_terms_rule_applies(terms):
+        return "portable"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9 or not gluon_hopper_available():
         return "portable"
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
@@ -38,15 +57,15 @@ def forward_path(q: torch.Tensor, cm) -> str:
 HOPPER_FORWARD_IS_DEFAULT = True
 
 
-def backward_path(q: torch.Tensor, cm, deterministic: bool) -> str:
+def backward_path(q: torch.Tensor, cm, deterministic: bool, terms=None) -> str:
     """Which backward runs: "two-pass" when determinism is asked (backward.py, bitwise
     reproducible); otherwise "hopper" (backward_hopper.py: Gluon, persistent, warp-specialised)
     where the head dim is in HOPPER_BACKWARD_HEAD_DIMS and the inputs suit it (sm_90, fp16/bf16,
     128 x 128 tables, layouts the copy engine reads), else "fused" (backward_fused.py) where backward_fused_config offers a
-    config, else "two-pass"."""
+    config, else "two-pass". Inputs with score terms never take "hopper" (score_terms_rule_applies)."""
     if deterministic:
         return "two-pass"
-    if (q.shape[-1] in HOPPER_BACKWARD_HEAD_DIMS and q.device.type == "cuda" and gluon_hopper_available()
+    if (not score_terms_rule_applies(terms) and q.shape[-1] in HOPPER_BACKWARD_HEAD_DIMS and q.device.type == "cuda" and gluon_hopper_available()
             and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in (torch.float16, torch.bfloat16)
             and (cm.block_m, cm.block_n) == (128, 128)):
         return "hopper"
@@ -61,12 +80,12 @@ def backward_path(q: torch.Tensor, cm, deterministic: bool) -> str:
 HOPPER_BACKWARD_HEAD_DIMS = frozenset({64, 128})
 
 
-def two_pass_dkdv_path(q: torch.Tensor, cm) -> str:
+def two_pass_dkdv_path(q: torch.Tensor, cm, terms=None) -> str:
     """Which kernel runs the two-pass (deterministic) path's dK/dV pass: "hopper" (backward_hopper.py
     with its dQ product left out: each work item sums its own rows in walk order, so the result
     is bitwise reproducible) where HOPPER_DKDV_IN_TWO_PASS and the Hopper backward would take the
     inputs, else "portable" (backward.py's _dkdv_kernel). The dQ pass: two_pass_dq_path."""
-    if HOPPER_DKDV_IN_TWO_PASS and backward_path(q, cm, deterministic=False) == "hopper":
+    if HOPPER_DKDV_IN_TWO_PASS and backward_path(q, cm, deterministic=False, terms=terms) == "hopper":
         return "hopper"
     return "portable"
 
@@ -76,11 +95,11 @@ def two_pass_dkdv_path(q: torch.Tensor, cm) -> str:
 HOPPER_DKDV_IN_TWO_PASS = True
 
 
-def two_pass_dq_path(q: torch.Tensor, cm) -> str:
+def two_pass_dq_path(q: torch.Tensor, cm, terms=None) -> str:
     """Which kernel runs the two-pass path's dQ pass: "hopper" (backward_hopper_dq.py: the
     forward's schedule, one program sums each dQ row in walk order) where HOPPER_DQ_IN_TWO_PASS
     and the Hopper backward would take the inputs, else "portable" (backward.py's _dq_kernel)."""
-    if HOPPER_DQ_IN_TWO_PASS and backward_path(q, cm, deterministic=False) == "hopper":
+    if HOPPER_DQ_IN_TWO_PASS and backward_path(q, cm, deterministic=False, terms=terms) == "hopper":
         return "hopper"
     return "portable"
 
@@ -91,14 +110,18 @@ def two_pass_dq_path(q: torch.Tensor, cm) -> str:
 HOPPER_DQ_IN_TWO_PASS = True
 
 
-def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, kernel=None):
+def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, kernel=None, terms=None):
     """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), last dim contiguous; cm a CompiledMask for
     (Sq, Sk) on q's device. Returns (o (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32).
     `kernel` ("hopper" or "portable") overrides `forward_path`; `config` (a LaunchConfig) and
-    `use_tma` override the portable kernel's defaults (tuning and tests)."""
+    `use_tma` override the portable kernel's defaults (tuning and tests). `terms` (a
+    common.score_terms.ScoreTerms or None) adds the score terms (portable kernel only)."""
     batch, hq = q.shape[:2]
     if kernel is None:
-        kernel = "portable" if config is not None or use_tma is not None else forward_path(q, cm)
+        kernel = "portable" if config is not None or use_tma is not None else forward_path(q, cm, terms)
+    if kernel == "hopper" and score_terms_rule_applies(terms):
+        raise ValueError("kernel='hopper' does not implement the score terms (softcap, alibi_slopes, sinks); "
+                         "use kernel='portable' or None")
     if kernel == "hopper":
         from .forward import hopper  # Gluon: imported only where it can run
 
@@ -106,19 +129,21 @@ def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, k
             return hopper.attention_forward_hopper(q, k, v, cm, scale, mask_broadcast(cm, batch, hq, k.shape[1]))
     elif kernel != "portable":
         raise ValueError(f"kernel must be 'hopper', 'portable' or None, got {kernel!r}")
-    return forward_portable(q, k, v, cm, scale, config=config, use_tma=use_tma)
+    return forward_portable(q, k, v, cm, scale, config=config, use_tma=use_tma, terms=terms)
 
 
-def split_kv_plan(q, k, tile: tuple[int, int], mask_heads: int):
+def split_kv_plan(q, k, tile: tuple[int, int], mask_heads: int, terms=None):
     """The split-KV (Flash-Decoding) plan for these inputs, or None when the q-block forward
-    serves them: few queries against a long cache, forward only (decode/configs.decode_plan)."""
+    serves them: few queries against a long cache, forward only (decode/configs.decode_plan).
+    With score terms the plan is the Triton kernel's, never the Hopper one's."""
     b, hq, sq, d = q.shape
-    return decode_plan(b, hq, k.shape[1], sq, k.shape[2], d, q.dtype, q.device, tile, mask_heads)
+    kernel = "triton" if score_terms_rule_applies(terms) else None
+    return decode_plan(b, hq, k.shape[1], sq, k.shape[2], d, q.dtype, q.device, tile, mask_heads, kernel=kernel)
 
 
 def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=None, use_tma=None,
                        deterministic: bool = True, fused_config=None, dq_transposed=None, dq_tma=None,
-                       kernel: str | None = None):
+                       kernel: str | None = None, terms=None, dsinks=None):
     """Gradients (dq, dk, dv) of `attention_forward`; dlse (or None) is the gradient of the LSE.
 
     deterministic=True runs the two-pass path (dK/dV, then dQ; bitwise reproducible);
@@ -127,15 +152,23 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     `configs` ((dK/dV, dQ) LaunchConfigs), `fused_config`, `dq_transposed` (the fused kernel's
     dQ product as (K^T dS^T)^T), `dq_tma` (its dQ added by TMA bulk reductions rather than
     per-element atomics) and `use_tma` override the defaults (tuning, tests). `kernel`
-    ("hopper", "fused" or "two-pass") overrides backward_path."""
+    ("hopper", "fused" or "two-pass") overrides backward_path. `terms` (common.score_terms.
+    ScoreTerms or None): the forward's score terms; with sinks, their gradient is written into
+    `dsinks` ((Hq,) fp32)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     block_d = max(16, next_pow2(d))
     chosen = kernel is None
     if chosen:
-        kernel = "fused" if fused_config is not None else backward_path(q, cm, deterministic)
+        kernel = "fused" if fused_config is not None else backward_path(q, cm, deterministic, terms)
     if kernel not in ("hopper", "fused", "two-pass"):
         raise ValueError(f"kernel must be 'hopper', 'fused', 'two-pass' or None, got {kernel!r}")
+    if kernel == "hopper" and score_terms_rule_applies(terms):
+        raise ValueError("kernel='hopper' does not implement the score terms (softcap, alibi_slopes, sinks); "
+                         "use kernel='fused', 'two-pass' or None")
+    sinks = terms.sinks if terms is not None else None
+    if sinks is not None and dsinks is None:
+        raise ValueError("terms with sinks need a dsinks buffer ((Hq,) float32) for their gradient")
     if kernel == "hopper":
         from .backward import hopper as backward_hopper  # Gluon: imported only where it can run
 
@@ -149,7 +182,8 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     cfg_fused = None
     if kernel == "fused":
         cfg_fused = fused_config or backward_fused_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
-    stats, dq_acc = two_pass.preprocess(o, do, dlse, lse, block_d, accumulate_dq=cfg_fused is not None or kernel == "hopper")
+    stats, dq_acc = two_pass.preprocess(o, do, dlse, lse, block_d, accumulate_dq=cfg_fused is not None or kernel == "hopper",
+                                        sinks=sinks, dsinks=dsinks)
 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -178,23 +212,23 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         if dq_tma:
             prepare_tma(q.device)
         fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale, cfg_fused, tma, (mb, mdiv, mh),
-                       precision, common, dq_transposed, dq_tma)
+                       precision, common, dq_transposed, dq_tma, terms=terms)
         return dq, dk, dv
     cfg_kv, cfg_q = configs or backward_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
     kv_per_bh = cdiv(sk, cfg_kv.block_n)
-    if configs is None and two_pass_dkdv_path(q, cm) == "hopper":
+    if configs is None and two_pass_dkdv_path(q, cm, terms) == "hopper":
         from .backward import hopper as backward_hopper
 
         if backward_hopper.supports(q, k, v, cm):  # dK/dV by the Hopper kernel, no dQ in it
             backward_hopper.backward_hopper(q, k, v, do, stats, None, dk, dv, cm, scale, (mb, mdiv, mh))
             kv_per_bh = 0
     if kv_per_bh:
-        two_pass.launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale, cfg_kv, kv_per_bh, (mb, mdiv, mh), common)
-    if configs is None and two_pass_dq_path(q, cm) == "hopper":
+        two_pass.launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale, cfg_kv, kv_per_bh, (mb, mdiv, mh), common, terms)
+    if configs is None and two_pass_dq_path(q, cm, terms) == "hopper":
         from .backward import hopper as backward_hopper, hopper_dq as backward_hopper_dq
 
         if backward_hopper.supports(q, k, v, cm):  # dQ per q-block by the Hopper kernel
             backward_hopper_dq.dq_hopper(q, k, v, do, stats, dq, cm, scale, (mb, mdiv, mh))
             return dq, dk, dv
-    two_pass.launch_dq(q, k, v, do, stats, dq, cm, scale, cfg_q, (mb, mdiv, mh), common)
+    two_pass.launch_dq(q, k, v, do, stats, dq, cm, scale, cfg_q, (mb, mdiv, mh), common, terms)
     return dq, dk, dv

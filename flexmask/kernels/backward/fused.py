@@ -25,6 +25,7 @@ import triton.language as tl
 from ..common.launcher import FastLaunch
 from ..common.intmath import cdiv
 from ..common.masking import block_source, column_intervals, load_block, mask_row, masked_elements_t, row_stats
+from ..common.score_terms import kernel_args as score_kernel_args, log2_scores
 
 
 @triton.jit
@@ -33,9 +34,11 @@ def _fused_tiles(
     q_src, do_src, stride_qm, stride_dom, p_stats, dq_dst,
     p_blocks, t_lo, t_hi,
     o_n, p_intv, Sq, Sk, qk_scale,
+    tanh_scale, softcap2, slope2, alibi_shift,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, DQ_T: tl.constexpr, DQ_TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     o_bm = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
@@ -52,12 +55,20 @@ def _fused_tiles(
             b_do = load_block(do_src, start_m, Sq, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA, not EVEN_M)  # [BLOCK_M, BLOCK_D]
             b_lse2, b_delta = row_stats(p_stats, o_m, Sq, not EVEN_M)  # [BLOCK_M] each
             b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
-            b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
+            if SOFTCAP or HAS_ALIBI:
+                b_st, b_tt = log2_scores(b_st, o_m, o_n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                                         SOFTCAP, HAS_ALIBI, True)  # [BLOCK_N, BLOCK_M] in log2 units
+                b_pt = tl.math.exp2(b_st - b_lse2[None, :])
+            else:
+                b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
             if MASKED:
                 b_pt = tl.where(masked_elements_t(lts, l_width, uts, u_width, o_m), 0.0, b_pt)
             dv = tl.dot(b_pt.to(b_do.dtype), b_do, dv, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
             b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
-            b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(b_q.dtype)  # [BLOCK_N, BLOCK_M]
+            if SOFTCAP:  # d softcap * tanh(x) / dx = 1 - tanh(x)^2
+                b_dst = (b_pt * (b_dpt - b_delta[None, :]) * (1.0 - b_tt * b_tt)).to(b_q.dtype)  # [BLOCK_N, BLOCK_M]
+            else:
+                b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(b_q.dtype)  # [BLOCK_N, BLOCK_M]
             dk = tl.dot(b_dst, b_q, dk, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
             # the buffer is [Sq, BLOCK_D] per (batch, query head), contiguous
             if DQ_T:  # dQ^T = K^T dS^T: K^T is a view of K in shared memory, dS^T its B operand
@@ -75,7 +86,7 @@ def _fused_tiles(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "NKB", "PROGRAMS_PER_BH"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "NKB", "PROGRAMS_PER_BH", "alibi_shift"])
 def _fused_kernel(
     Q, K, V, DO, STATS, DQ_ACC, DK, DV,
     INTV, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS,
@@ -88,11 +99,12 @@ def _fused_kernel(
     Sq, Sk, NKB, HQ, HKV, GROUP,
     MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     qk_scale, sm_scale, PROGRAMS_PER_BH,
+    tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, DQ_T: tl.constexpr,
-    DQ_TMA: tl.constexpr,
+    DQ_TMA: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """dK, dV of BLOCK_N kv rows of one (batch, kv head), summed over its query-head group,
     and those rows' contributions to dQ of every query head of the group."""
@@ -137,13 +149,20 @@ def _fused_kernel(
         else:
             dq_dst = p_dq
             dq_dst_masked = p_dq
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(ALIBI + b.to(tl.int64) * alibi_stride_b + h) * 1.4426950408889634
         dk, dv = _fused_tiles(
             dk, dv, b_k, b_v, q_src, do_src, stride_qm, stride_dom, p_stats, dq_dst, BWD_BLOCKS, t_lo, t_mid,
-            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, TILE_M, False, PRECISION, USE_TMA, EVEN_M, NUM_STAGES, DQ_T, DQ_TMA,
+            o_n, p_intv, Sq, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+            HEAD_DIM, BLOCK_D, BLOCK_M, TILE_M, False, PRECISION, USE_TMA, EVEN_M, NUM_STAGES, DQ_T, DQ_TMA,
+            SOFTCAP, HAS_ALIBI,
         )
         dk, dv = _fused_tiles(
             dk, dv, b_k, b_v, q_src_masked, do_src_masked, stride_qm, stride_dom, p_stats, dq_dst_masked, BWD_BLOCKS, t_mid, t_hi,
-            o_n, p_intv, Sq, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_M, True, PRECISION, USE_TMA, EVEN_M, MASKED_STAGES, DQ_T, DQ_TMA,
+            o_n, p_intv, Sq, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+            HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_M, True, PRECISION, USE_TMA, EVEN_M, MASKED_STAGES, DQ_T, DQ_TMA,
+            SOFTCAP, HAS_ALIBI,
         )
 
     dk *= sm_scale
@@ -174,12 +193,14 @@ def _convert_dq_kernel(
 
 def fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale: float, cfg, tma: bool,
                    mask_args: tuple, precision: str, common: dict, dq_transposed: bool = False,
-                   dq_tma: bool = False) -> None:
+                   dq_tma: bool = False, terms=None) -> None:
     """Launch the fused kernel then the dQ conversion. `stats` and the zeroed fp32 `dq_acc`
-    come from the preprocess; `cfg` is the LaunchConfig of configs.backward_fused_config."""
+    come from the preprocess; `cfg` is the LaunchConfig of configs.backward_fused_config;
+    `terms` the score terms (common/score_terms.ScoreTerms) or None."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     kv_per_bh = cdiv(sk, cfg.block_n)
+    score_args, score_flags = score_kernel_args(terms, scale, sq, sk, stats)
     _FUSED_LAUNCH((kv_per_bh * batch * hkv,),
         q, k, v, do, stats, dq_acc, dk, dv,
         cm.kernel_intervals, cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
@@ -191,10 +212,10 @@ def fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale: float, cfg
         dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, cm.num_kv_blocks, hq, hkv, hq // hkv,
         *mask_args,
-        scale * 1.4426950408889634, scale, kv_per_bh,
+        scale * 1.4426950408889634, scale, kv_per_bh, *score_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         MASKED_BLOCK=min(cfg.step_masked or cfg.block_m, cfg.block_m), MASKED_STAGES=cfg.stages_masked,
-        DQ_T=dq_transposed, DQ_TMA=dq_tma, **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DQ_T=dq_transposed, DQ_TMA=dq_tma, **common, **score_flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     convert_dq(dq_acc, dq, scale, common["BLOCK_D"])
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 import triton
@@ -41,6 +42,7 @@ from . import configs
 from .configs import DecodePlan, decode_plan
 from ..common.masking import LOG2E, mask_broadcast, precision_for
 from ..common.masking import block_source, column_intervals, load_block, mask_row, masked_elements
+from ..common.score_terms import ScoreTerms, any_terms, kernel_args as score_kernel_args, log2_scores
 from ..common.tma import prepare_tma, tma_enabled
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -52,11 +54,13 @@ def _walk_tiles(
     k_src, v_src, stride_kn, stride_vn,
     p_blocks, t_lo, t_hi,
     o_m, p_intv, Sk, qk_scale,
+    tanh_scale, softcap2, slope2, alibi_shift,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
-    """Online softmax over the kv tiles listed at p_blocks[t_lo:t_hi] (scores in log2 units)."""
+    """Online softmax over the kv tiles listed at p_blocks[t_lo:t_hi] (scores in log2 units).
+    slope2: the ALiBi slopes of the rows as a [BLOCK_M, 1] block (rows of several heads)."""
     o_bn = tl.arange(0, BLOCK_N)
     for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
         n = tl.load(p_blocks + t)
@@ -71,14 +75,26 @@ def _walk_tiles(
                 b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
                 b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-            if MASKED:
-                b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
-                m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-                m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while nothing seen
+            if SOFTCAP or HAS_ALIBI:  # score terms: the scores in log2 units first, then the mask
+                b_s, _ = log2_scores(b_s, o_m, start_n + o_bn, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                                     SOFTCAP, HAS_ALIBI, False)
+                if MASKED:
+                    b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
+                    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+                    m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while nothing seen
+                else:
+                    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+                    m_pivot = m_new
+                b_p = tl.math.exp2(b_s - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
             else:
-                m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
-                m_pivot = m_new
-            b_p = tl.math.exp2(b_s * qk_scale - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
+                if MASKED:
+                    b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
+                    m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+                    m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while nothing seen
+                else:
+                    m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
+                    m_pivot = m_new
+                b_p = tl.math.exp2(b_s * qk_scale - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
             alpha = tl.math.exp2(m_i - m_pivot)  # [BLOCK_M]
             l_i = l_i * alpha + tl.sum(b_p, 1)
             acc = acc * alpha[:, None]
@@ -153,7 +169,7 @@ def _merge_last_arrival(
         tl.store(p_sem, 0)
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "ROWS"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "ROWS", "alibi_shift"])
 def _split_kv_kernel(
     Q, K, V, O, LSE, O_PART, LSE_PART, SEMAPHORES,
     INTV, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS,
@@ -164,12 +180,14 @@ def _split_kv_kernel(
     Sq, Sk, NQB, ROWS,
     MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     qk_scale,
+    tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
     HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED_BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr, DIRECT: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     FUSED: tl.constexpr, MERGE_Q: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # grid: (split, q sub-block of BLOCK_Q rows, batch x KV head x head block of BLOCK_H heads)
     if PDL:  # the merge launch may place its programs now; they wait for this grid to finish
@@ -209,23 +227,32 @@ def _split_kv_kernel(
     p_k = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     p_v = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # only the first share starts from the sink (logit sinks[h], value 0): the merge counts it once
+        sink2 = tl.load(SINKS + h_r, mask=g_r < GROUP, other=0.0) * 1.4426950408889634  # [BLOCK_M]
+        m_i = tl.where(pid_s == 0, sink2, float("-inf"))
+        l_i = tl.where(pid_s == 0, 1.0, 0.0) + tl.zeros([BLOCK_M], tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + b.to(tl.int64) * alibi_stride_b + h_r, mask=g_r < GROUP, other=0.0)[:, None] * 1.4426950408889634
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _walk_tiles(
         acc, l_i, m_i, b_q,
         block_source(p_k, Sk, stride_kn, HEAD_DIM, MASKED_BLOCK_N, BLOCK_D, USE_TMA),
         block_source(p_v, Sk, stride_vn, HEAD_DIM, MASKED_BLOCK_N, BLOCK_D, USE_TMA),
         stride_kn, stride_vn, FWD_BLOCKS, tl.maximum(c_lo, t_mid), c_hi,
-        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, MASKED_BLOCK_N, TILE_N, True, PRECISION, USE_TMA, EVEN_N,
-        MASKED_STAGES,
+        o_m, p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+        HEAD_DIM, BLOCK_D, MASKED_BLOCK_N, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES, SOFTCAP, HAS_ALIBI,
     )
     acc, l_i, m_i = _walk_tiles(
         acc, l_i, m_i, b_q,
         block_source(p_k, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA),
         block_source(p_v, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA),
         stride_kn, stride_vn, FWD_BLOCKS, c_lo, tl.minimum(c_hi, t_mid),
-        o_m, p_intv, Sk, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES,
+        o_m, p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+        HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES, SOFTCAP, HAS_ALIBI,
     )
 
     empty = l_i == 0.0
@@ -340,19 +367,23 @@ def merge_counters(device: torch.device, n: int) -> Tensor:
 
 
 def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = None, num_splits: int | None = None,
-                     merge: str | None = None):
+                     merge: str | None = None, terms=None):
     """Split-KV forward. q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), last dim contiguous; cm a
     CompiledMask for (Sq, Sk) on q's device. Returns (o in q's dtype and layout, lse (B, Hq, Sq)
     float32), like forward.attention_forward. `plan` (a configs.DecodePlan), `num_splits` and
     `merge` ("fused" or "two_launch", see configs.decode_merge) override the choice of
-    configs.decode_plan (tests force every path through these)."""
+    configs.decode_plan (tests force every path through these). `terms` (common.score_terms.
+    ScoreTerms or None): the score terms, which only the Triton kernel implements."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
     mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
     if plan is None:
         plan = decode_plan(batch, hq, hkv, sq, sk, d, q.dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
-                           force=True)
+                           force=True, kernel="triton" if any_terms(terms) else None)
+    if plan.kernel == "hopper" and any_terms(terms):
+        raise ValueError("the Hopper decode kernel does not implement the score terms (softcap, alibi_slopes, sinks); "
+                         "pass a plan with kernel='triton'")
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
@@ -397,6 +428,7 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
     if tma:
         prepare_tma(q.device)
     semaphores = merge_counters(q.device, grid[1] * grid[2]) if fused else lse  # one per row group
+    score_args, score_flags = score_kernel_args(terms, scale, sq, sk, lse)
     _SPLIT_KV_LAUNCH(grid,
         q, k, v, o, lse, o_part, lse_part, semaphores,
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
@@ -406,7 +438,7 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         o.stride(0), o.stride(1), o.stride(2),
         sq, sk, cm.num_q_blocks, rows,
         mb, mdiv, mh,
-        scale * LOG2E,
+        scale * LOG2E, *score_args,
         HQ=hq, HKV=hkv, GROUP=group, HEAD_BLOCKS=head_blocks,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=plan.block_h, BLOCK_Q=plan.block_q,
         BLOCK_N=min(plan.block_n, cm.block_n), MASKED_BLOCK_N=min(plan.masked_block_n, cm.block_n),
@@ -415,7 +447,7 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         NUM_STAGES=plan.num_stages, MASKED_STAGES=plan.masked_stages,
         FUSED=fused, MERGE_Q=merge_q, PDL=pdl,
         MERGE_CHUNK=configs.decode_merge_chunk(plan.block_h * merge_q, block_d, plan.num_warps, plan.num_splits),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **score_flags, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if not direct and not fused:
         _merge(o_part, lse_part, o, lse, sq, rows, hq, d, block_d, plan.num_splits, pdl)
@@ -447,12 +479,14 @@ def decode_forward(
     q: Tensor, k: Tensor, v: Tensor,
     intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
     mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, scale: float, plan: DecodePlan | None = None,
+    softcap: float = 0.0, alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """attention_decode on the mask tables as flexmask.attention passes them (with the plan it
-    already made, in eager mode)."""
+    already made, in eager mode), and the score terms."""
     cm = _mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n,
                     q.shape[2], k.shape[2])
-    return attention_decode(q, k, v, cm, scale, plan=plan)
+    terms = ScoreTerms(softcap, alibi_slopes, sinks)
+    return attention_decode(q, k, v, cm, scale, plan=plan, terms=terms if terms.active else None)
 
 
 @torch.library.custom_op("flexmask::decode_fwd", mutates_args=())
@@ -460,16 +494,18 @@ def decode_fwd(
     q: Tensor, k: Tensor, v: Tensor,
     intervals: Tensor, fwd_offsets: Tensor, fwd_num_full: Tensor, fwd_blocks: Tensor,
     mask_batch: int, mask_heads: int, tile_m: int, tile_n: int, scale: float,
+    softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """decode_forward as a custom op, so that torch.compile sees one opaque call (eager mode calls
     decode_forward directly: a decode step is short enough for the op's dispatch to show). It
     has no autograd formula: flexmask.attention calls it only when no gradient is needed."""
     return decode_forward(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads,
-                          tile_m, tile_n, scale)
+                          tile_m, tile_n, scale, None, softcap, alibi_slopes, sinks)
 
 
 @decode_fwd.register_fake
-def _(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n, scale):
+def _(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n, scale,
+      softcap=0.0, alibi_slopes=None, sinks=None):
     b, h, s, d = q.shape
     return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
 

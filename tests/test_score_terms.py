@@ -1,0 +1,365 @@
+"""The score terms of DESIGN.md section 1 (issue #42): logit soft-capping, ALiBi and attention
+sinks, alone and together, against the float64 reference under the DESIGN.md section 4 rule:
+forward (out, LSE) and backward (dq, dk, dv and the sinks' gradient) on the deterministic and the
+fused paths, split-KV decoding (the sink counted once by the merge of the shares), varlen,
+torch.compile, the dispatch rule that keeps these inputs off the Gluon Hopper kernels, and the
+errors for bad values.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import flexmask
+from flexmask import masks, reference
+from flexmask.kernels import dispatch
+from flexmask.kernels.common import device as device_caps
+from flexmask.kernels.common import tiles
+from flexmask.kernels.common.score_terms import ScoreTerms
+from flexmask.kernels.decode.split_kv import attention_decode
+
+from conftest import assert_close_to_reference, case_id, default_floor, make_mask, make_qkv
+
+BF16, FP32 = torch.bfloat16, torch.float32
+TERMS = ("softcap", "alibi", "sinks", "all")
+
+
+def alibi_slopes(hq: int, batch: int | None = None) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes 2^(-8 (h + 1) / Hq); (B, Hq) rows scaled apart."""
+    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / hq) for h in range(hq)])
+    if batch is None:
+        return slopes
+    return torch.stack([slopes * (1.0 + 0.5 * b) for b in range(batch)])
+
+
+def make_terms(which: str, batch: int, hq: int, per_batch_slopes: bool = False, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed + 101)
+    out = {}
+    if which in ("softcap", "all"):
+        out["softcap"] = 2.0  # scores of unit-variance inputs reach it: tanh bends them
+    if which in ("alibi", "all"):
+        out["alibi_slopes"] = alibi_slopes(hq, batch if per_batch_slopes else None)
+    if which in ("sinks", "all"):
+        out["sinks"] = torch.randn(hq, generator=gen)
+    return out
+
+
+def reference_run(q, k, v, mask, do, dlse, terms: dict, dtype):
+    """(out, lse, dq, dk, dv, dsinks or None) by autograd through reference.attention in `dtype`."""
+    qr, kr, vr = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    kw = dict(terms)
+    inputs = [qr, kr, vr]
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].detach().to(dtype).requires_grad_(True)
+        inputs.append(kw["sinks"])
+    out, lse = reference.attention(qr, kr, vr, mask, dtype=dtype, **kw)
+    loss = (out * do.to(dtype)).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse.to(dtype)).sum()
+    grads = torch.autograd.grad(loss, inputs)
+    return (out.detach(), lse.detach(), *grads) + ((None,) if "sinks" not in kw else ())
+
+
+def kernel_run(q, k, v, mask, do, dlse, terms: dict, deterministic: bool):
+    """The same through flexmask.attention (gradients to the sinks too)."""
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    kw = dict(terms)
+    inputs = [qg, kg, vg]
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].detach().clone().requires_grad_(True)
+        inputs.append(kw["sinks"])
+    out, lse = flexmask.attention(qg, kg, vg, mask, return_lse=True, deterministic=deterministic, **kw)
+    loss = (out.float() * do.float()).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse).sum()
+    grads = torch.autograd.grad(loss, inputs)
+    return (out.detach(), lse.detach(), *grads) + ((None,) if "sinks" not in kw else ())
+
+
+def check_all(got, ref64, lowp, dtype, names=("out", "lse", "dq", "dk", "dv", "dsinks")):
+    for name, g, r, lp in zip(names, got, ref64, lowp):
+        if r is None:
+            assert g is None
+            continue
+        gradient = name.startswith("d")
+        assert_close_to_reference(g, r, lp, default_floor(dtype, gradient=gradient), name=name)
+
+
+# (family, B, Hq, Hkv, Sq, Sk, D, dtype, deterministic): GQA, Sq != Sk, odd lengths, both
+# backward paths; "causal" with Sq > Sk leaves its first Sq - Sk rows with no key at all
+CASES = [
+    ("causal", 1, 4, 2, 63, 63, 32, FP32, True),
+    ("sliding_window", 2, 2, 1, 63, 97, 16, BF16, False),
+    ("document", 1, 2, 2, 97, 97, 16, FP32, False),
+    ("causal", 1, 2, 1, 97, 63, 16, BF16, True),
+]
+
+
+@pytest.mark.parametrize("which", TERMS)
+@pytest.mark.parametrize(
+    "family, b, hq, hkv, sq, sk, d, dtype, det", CASES,
+    ids=[case_id(c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[0], "det" if c[8] else "fused") for c in CASES])
+def test_forward_backward_match_reference(family, b, hq, hkv, sq, sk, d, dtype, det, which):
+    mask = make_mask(family, sq, sk, batch=b, heads=hq)
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=32, block_n=32)
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=sq + sk + d)
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(q.shape, generator=gen).to(dtype)
+    dlse = torch.randn(b, hq, sq, generator=gen)
+    terms = make_terms(which, b, hq, per_batch_slopes=b > 1)
+    got = kernel_run(q, k, v, cm, do, dlse, terms, det)
+    ref64 = reference_run(q, k, v, mask, do, dlse, terms, torch.float64)
+    lowp = reference_run(q, k, v, mask, do, dlse, terms, dtype)
+    check_all(got, ref64, lowp, dtype)
+
+
+def test_rows_that_see_no_key_give_the_sink():
+    """A row that sees no key outputs exactly 0; its LSE is sinks[h] (the sink alone in the
+    denominator), -inf without sinks; no NaN anywhere, gradients included."""
+    b, hq, hkv, sq, sk, d = 1, 2, 1, 40, 24, 16
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, FP32, seed=3)
+    sinks = torch.tensor([0.5, -1.25])
+    empty = sq - sk  # causal with Sq > Sk: rows 0 .. Sq - Sk - 1 see nothing
+    for kw in (dict(sinks=sinks), dict(softcap=3.0, alibi_slopes=alibi_slopes(hq), sinks=sinks), {}):
+        out, lse = flexmask.attention(q, k, v, masks.causal(), return_lse=True, **kw)
+        assert torch.equal(out[:, :, :empty], torch.zeros_like(out[:, :, :empty]))
+        want = sinks.view(1, hq, 1).expand(b, hq, empty) if "sinks" in kw else torch.full((b, hq, empty), float("-inf"))
+        if "sinks" in kw:
+            assert torch.allclose(lse[:, :, :empty], want, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(lse[:, :, :empty], want)
+    # no key at all (Sk = 0): the same, and the sinks' gradient is that of the LSE alone
+    sg = sinks.clone().requires_grad_(True)
+    out, lse = flexmask.attention(q, k[:, :, :0], v[:, :, :0], return_lse=True, sinks=sg)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, sinks.view(1, hq, 1).expand(b, hq, sq))
+    (lse.sum() + out.sum()).backward()
+    assert torch.equal(sg.grad, torch.full((hq,), float(b * sq)))
+
+
+def test_sink_gradient_closed_form():
+    """The sink is a key of value 0: d loss / d sinks[h] = -sum over (b, i) of exp(sinks[h] - LSE_i) D_i
+    with D_i = rowsum(dO_i * O_i) - dLSE_i (what the preprocess computes), checked against
+    autograd through the float64 reference."""
+    b, hq, hkv, sq, sk, d = 2, 3, 1, 13, 17, 8
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, torch.float64, seed=4)
+    sinks = torch.randn(hq, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    do = torch.randn(b, hq, sq, d, dtype=torch.float64)
+    dlse = torch.randn(b, hq, sq, dtype=torch.float64)
+    mask = masks.sliding_window(4)
+    out, lse = reference.attention(q, k, v, mask, sinks=sinks, softcap=1.5, alibi_slopes=alibi_slopes(hq))
+    (auto,) = torch.autograd.grad((out * do).sum() + (lse * dlse).sum(), sinks)
+    delta = (do * out.detach()).sum(-1) - dlse
+    closed = -(torch.exp(sinks.detach().view(1, hq, 1) - lse.detach()) * delta).sum((0, 2))
+    assert torch.allclose(auto, closed, rtol=1e-12, atol=1e-12)
+
+
+# --- decoding: split-KV -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("splits, merge", [(1, "fused"), (4, "fused"), (4, "two_launch")])
+@pytest.mark.parametrize("family", ["causal", "sliding_window"])
+def test_split_kv_decode(family, splits, merge):
+    """Sq = 1 (and 3) against a longer cache on the split-KV kernel: with several shares only the
+    first starts from the sink, so the merge counts it once; the rows of one program belong to
+    several query heads (GQA 4), each with its own slope and sink."""
+    b, hq, hkv, sk, d = 2, 4, 1, 150, 16
+    for sq in (1, 3):
+        mask = make_mask(family, sq, sk)
+        cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=16, block_n=16)
+        q, k, v = make_qkv(b, hq, hkv, sq, sk, d, BF16, seed=sq)
+        terms = make_terms("all", b, hq, per_batch_slopes=True)
+        got = attention_decode(q, k, v, cm, d ** -0.5, num_splits=splits, merge=merge,
+                               terms=ScoreTerms(terms["softcap"], terms["alibi_slopes"], terms["sinks"]))
+        ref64 = reference.attention(q, k, v, mask, **terms)
+        lowp = reference.attention(q, k, v, mask, dtype=BF16, **terms)
+        for name, g, r, lp in zip(("out", "lse"), got, ref64, lowp):
+            assert_close_to_reference(g, r, lp, default_floor(BF16), name=f"{name} Sq{sq}")
+
+
+def test_attention_takes_the_split_kv_path_with_terms(monkeypatch):
+    """flexmask.attention picks split-KV for a decode step with score terms (no gradient), with
+    the Triton kernel's plan, and gives the reference's result; with a sink that needs a
+    gradient the q-block path runs instead."""
+    from flexmask import api
+
+    plans = []
+    real = api.split_kv_plan
+    monkeypatch.setattr(api, "split_kv_plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    b, hq, hkv, sq, sk, d = 1, 4, 2, 1, 97, 16
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, FP32, seed=8)
+    terms = make_terms("all", b, hq)
+    mask = masks.kv_cache(torch.tensor([70]), causal=True)
+    out, lse = flexmask.attention(q, k, v, mask, return_lse=True, **terms)
+    assert plans and plans[-1] is not None and plans[-1].kernel == "triton"
+    ref64 = reference.attention(q, k, v, mask, **terms)
+    lowp = reference.attention(q, k, v, mask, dtype=FP32, **terms)
+    for name, g, r, lp in zip(("out", "lse"), (out, lse), ref64, lowp):
+        assert_close_to_reference(g, r, lp, default_floor(FP32), name=name)
+    plans.clear()
+    sinks = terms["sinks"].clone().requires_grad_(True)
+    flexmask.attention(q, k, v, mask, softcap=2.0, sinks=sinks)
+    assert not plans, "a sink that needs a gradient must take the q-block path"
+
+
+# --- varlen, torch.compile ----------------------------------------------------------------------
+
+
+def test_varlen_attention():
+    """Packed sequences with every term (ALiBi positions per sequence: cu_seqlens equal), forward
+    and gradients (sinks included), against the reference on the equivalent document mask."""
+    hq, hkv, d = 2, 1, 16
+    seqlens = [30, 1, 49]
+    total = sum(seqlens)
+    cu = torch.tensor([0, 30, 31, 80], dtype=torch.int32)
+    q, k, v = (t[0].transpose(0, 1) for t in make_qkv(1, hq, hkv, total, total, d, FP32, seed=11, layout="bshd"))
+    terms = make_terms("all", 1, hq)
+    gen = torch.Generator().manual_seed(12)
+    do = torch.randn(total, hq, d, generator=gen)
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    sinks = terms["sinks"].clone().requires_grad_(True)
+    out, lse = flexmask.varlen_attention(qg, kg, vg, cu, cu, causal=True, return_lse=True, softcap=terms["softcap"],
+                                         alibi_slopes=terms["alibi_slopes"], sinks=sinks)
+    grads = torch.autograd.grad((out * do).sum(), (qg, kg, vg, sinks))
+    to4 = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+    mask = masks.document(seqlens, causal=True)
+    got = (to4(out), lse.unsqueeze(0), *(to4(g) for g in grads[:3]), grads[3])
+    dlse = torch.zeros(1, hq, total)
+    ref64 = reference_run(to4(q), to4(k), to4(v), mask, to4(do), dlse, terms, torch.float64)
+    lowp = reference_run(to4(q), to4(k), to4(v), mask, to4(do), dlse, terms, FP32)
+    check_all(got, ref64, lowp, FP32)
+
+
+def test_varlen_alibi_needs_aligned_sequence_ends():
+    q = torch.randn(10, 2, 16)
+    k = torch.randn(12, 2, 16)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 12], dtype=torch.int32)  # first sequence: Lk - Lq = 0, the batch: 2
+    with pytest.raises(ValueError, match=r"alibi_slopes with varlen_attention.*sequence 0 has 0"):
+        flexmask.varlen_attention(q, k, k, cu_q, cu_k, alibi_slopes=alibi_slopes(2))
+
+
+def test_torch_compile_with_sinks():
+    """torch.compile(fullgraph=True, backend="aot_eager") with every term: no graph break, and
+    the loss and the gradients of q, k, v and the sinks equal eager mode bitwise."""
+    torch._dynamo.reset()
+    b, hq, hkv, sq, sk, d = 1, 2, 1, 40, 56, 16
+    cm = flexmask.compile_mask(make_mask("causal", sq, sk), sq, sk, device="cpu", block_m=32, block_n=32)
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, FP32, seed=13)
+    terms = make_terms("all", b, hq)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(14))
+
+    def fn(q, k, v, sinks):
+        out, lse = flexmask.attention(q, k, v, mask=cm, return_lse=True, softcap=terms["softcap"],
+                                      alibi_slopes=terms["alibi_slopes"], sinks=sinks)
+        return (out * do).sum() + lse.sum()
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    results = []
+    for f in (fn, compiled):
+        inputs = [t.detach().clone().requires_grad_(True) for t in (q, k, v, terms["sinks"])]
+        loss = f(*inputs)
+        results.append((loss.detach(), *torch.autograd.grad(loss, inputs)))
+    for name, a, c in zip(("loss", "dq", "dk", "dv", "dsinks"), *results):
+        assert torch.equal(a, c), f"{name}: compiled differs from eager"
+
+
+def test_torch_compile_decode_step():
+    """A decode step with every term under torch.compile(fullgraph=True): the split-KV op with
+    the terms in its schema, equal to eager mode bitwise."""
+    torch._dynamo.reset()
+    b, hq, hkv, sk, d = 1, 4, 2, 80, 16
+    q, k, v = make_qkv(b, hq, hkv, 1, sk, d, FP32, seed=15)
+    terms = make_terms("all", b, hq)
+    cm = flexmask.compile_mask(masks.causal(), 1, sk, device="cpu", block_m=16, block_n=16)
+
+    def fn(q, k, v):
+        return flexmask.attention(q, k, v, mask=cm, return_lse=True, **terms)
+
+    eager = fn(q, k, v)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
+    for name, a, c in zip(("out", "lse"), eager, compiled):
+        assert torch.equal(a, c), f"{name}: compiled differs from eager"
+
+
+# --- dispatch ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+    """A CUDA sm_90 device as the dispatch functions see it (no GPU needed: only device, dtype and
+    shape of q are read, and the capability and SM count are given)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(dispatch, "gluon_hopper_available", lambda: True)
+    monkeypatch.setitem(device_caps._SM_COUNTS, 0, 132)
+    monkeypatch.setitem(device_caps._CAPABILITIES, 0, (9, 0))
+
+    def q_like(b, h, s, d):
+        return SimpleNamespace(device=torch.device("cuda:0"), dtype=BF16, shape=(b, h, s, d))
+
+    return q_like
+
+
+@pytest.mark.parametrize("which", TERMS)
+def test_dispatch_sends_score_terms_to_the_portable_kernels(fake_hopper, which):
+    """The rule of kernels/dispatch.py: inputs the Gluon Hopper kernels take without terms take
+    the portable kernels with any term (forward, both backward paths and their passes, decode)."""
+    cm = flexmask.compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
+    q = fake_hopper(1, 8, 256, 128)
+    terms = ScoreTerms(**{"softcap": dict(softcap=30.0), "alibi": dict(alibi_slopes=alibi_slopes(8)),
+                          "sinks": dict(sinks=torch.zeros(8)),
+                          "all": dict(softcap=30.0, alibi_slopes=alibi_slopes(8), sinks=torch.zeros(8))}[which])
+    assert dispatch.forward_path(q, cm) == "hopper"
+    assert dispatch.forward_path(q, cm, terms) == "portable"
+    assert dispatch.backward_path(q, cm, deterministic=False) == "hopper"
+    assert dispatch.backward_path(q, cm, deterministic=False, terms=terms) == "fused"
+    assert dispatch.backward_path(q, cm, deterministic=True, terms=terms) == "two-pass"
+    assert dispatch.two_pass_dkdv_path(q, cm) == "hopper" and dispatch.two_pass_dq_path(q, cm) == "hopper"
+    assert dispatch.two_pass_dkdv_path(q, cm, terms) == "portable"
+    assert dispatch.two_pass_dq_path(q, cm, terms) == "portable"
+    k = fake_hopper(1, 2, 32768, 128)
+    q1 = fake_hopper(1, 8, 1, 128)
+    assert dispatch.split_kv_plan(q1, k, tiles.GPU_TILE, 1).kernel == "hopper"
+    assert dispatch.split_kv_plan(q1, k, tiles.GPU_TILE, 1, terms).kernel == "triton"
+    assert dispatch.score_terms_rule_applies(terms) and not dispatch.score_terms_rule_applies(ScoreTerms())
+
+
+def test_hopper_kernels_refuse_score_terms():
+    """Asking for a Gluon kernel explicitly with a term is an error, never a silent drop."""
+    s, d = 64, 16
+    q, k, v = make_qkv(1, 2, 2, s, s, d, FP32)
+    cm = flexmask.compile_mask(masks.causal(), s, s, device="cpu", block_m=32, block_n=32)
+    terms = ScoreTerms(softcap=5.0)
+    with pytest.raises(ValueError, match="kernel='hopper' does not implement the score terms"):
+        dispatch.attention_forward(q, k, v, cm, 0.25, kernel="hopper", terms=terms)
+    o, lse = dispatch.attention_forward(q, k, v, cm, 0.25, terms=terms)
+    with pytest.raises(ValueError, match="kernel='hopper' does not implement the score terms"):
+        dispatch.attention_backward(q, None, q, k, v, o, lse, cm, 0.25, kernel="hopper", terms=terms)
+
+
+# --- bad values -------------------------------------------------------------------------------
+
+
+def _bad(b=2, hq=4):
+    return [
+        (dict(softcap=-1.0), ValueError, r"softcap must be a finite float >= 0 .*got -1\.0"),
+        (dict(softcap=float("inf")), ValueError, r"softcap must be a finite float"),
+        (dict(softcap="30"), TypeError, r"softcap must be a float"),
+        (dict(alibi_slopes=torch.ones(hq + 1)), ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\).*got \(5,\)"),
+        (dict(alibi_slopes=torch.ones(b, hq, 1)), ValueError, r"alibi_slopes must have shape .*got \(2, 4, 1\)"),
+        (dict(alibi_slopes=torch.ones(3, hq)), ValueError, r"alibi_slopes must have shape .*got \(3, 4\)"),
+        (dict(alibi_slopes=torch.ones(hq, dtype=torch.float64)), ValueError, r"alibi_slopes must be float32, got torch\.float64"),
+        (dict(alibi_slopes=[0.5] * hq), ValueError, r"alibi_slopes must be a float32 tensor .*got list"),
+        (dict(sinks=torch.zeros(b, hq)), ValueError, r"sinks must have shape \(4,\) .*got \(2, 4\)"),
+        (dict(sinks=torch.zeros(hq, dtype=BF16)), ValueError, r"sinks must be float32, got torch\.bfloat16"),
+        (dict(sinks=torch.zeros(hq, device="meta")), ValueError, r"sinks must be on the device of q \(cpu\), got meta"),
+        (dict(alibi_slopes=torch.zeros(hq, device="meta")), ValueError, r"alibi_slopes must be on the device of q"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", _bad(), ids=lambda x: None)
+def test_bad_values(kwargs, exc, pattern):
+    q, k, v = make_qkv(2, 4, 2, 8, 8, 16, FP32)
+    with pytest.raises(exc, match=pattern):
+        flexmask.attention(q, k, v, masks.causal(), **kwargs)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    if "alibi_slopes" in kwargs and getattr(kwargs["alibi_slopes"], "shape", None) == (3, 4):
+        return  # (B, Hq) slopes: B is 1 in varlen, so this shape is wrong there for another reason
+    with pytest.raises(exc, match=pattern.replace(r"\(2, 4\)", r"\(1, 4\)") if "or" in pattern else pattern):
+        flexmask.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, **kwargs)
