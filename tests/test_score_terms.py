@@ -363,3 +363,50 @@ def test_bad_values(kwargs, exc, pattern):
         return  # (B, Hq) slopes: B is 1 in varlen, so this shape is wrong there for another reason
     with pytest.raises(exc, match=pattern.replace(r"\(2, 4\)", r"\(1, 4\)") if "or" in pattern else pattern):
         flexmask.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, **kwargs)
+
+
+# On the GPU: the real kernels (no interpreter) at sizes with several tiles per row, default tile
+# sizes, D = 64 and 128, both backward paths, and a decode step through flexmask.attention.
+GPU_CASES = [
+    ("causal", 2, 8, 2, 517, 517, 128, BF16, False),
+    ("sliding_window", 1, 4, 4, 700, 1031, 64, BF16, True),
+    ("document", 2, 4, 1, 1029, 1029, 128, torch.float16, False),
+    ("causal", 1, 4, 2, 900, 611, 64, BF16, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", TERMS)
+@pytest.mark.parametrize(
+    "family, b, hq, hkv, sq, sk, d, dtype, det", GPU_CASES,
+    ids=[case_id(c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[0], "det" if c[8] else "fused") for c in GPU_CASES])
+def test_gpu_forward_backward_match_reference(family, b, hq, hkv, sq, sk, d, dtype, det, which):
+    mask = make_mask(family, sq, sk, batch=b, heads=hq)
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=sq + d))
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(q.shape, generator=gen).to(dtype).cuda()
+    dlse = torch.randn(b, hq, sq, generator=gen).cuda()
+    terms = {key: (val.cuda() if torch.is_tensor(val) else val)
+             for key, val in make_terms(which, b, hq, per_batch_slopes=b > 1).items()}
+    got = kernel_run(q, k, v, mask, do, dlse, terms, det)
+    ref64 = reference_run(q, k, v, mask, do, dlse, terms, torch.float64)
+    lowp = reference_run(q, k, v, mask, do, dlse, terms, dtype)
+    for g in got:
+        assert g is None or not torch.isnan(g).any()
+    check_all(got, ref64, lowp, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", TERMS)
+def test_gpu_decode_step_matches_reference(which):
+    b, hq, hkv, sk, d = 2, 8, 2, 3001, 128
+    mask = masks.causal()
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, 1, sk, d, BF16, seed=11))
+    terms = {key: (val.cuda() if torch.is_tensor(val) else val)
+             for key, val in make_terms(which, b, hq, per_batch_slopes=True).items()}
+    with torch.no_grad():
+        out, lse = flexmask.attention(q, k, v, mask, return_lse=True, **terms)
+    ref64 = reference.attention(q.double(), k.double(), v.double(), mask, dtype=torch.float64, **terms)
+    lowp = reference.attention(q, k, v, mask, dtype=BF16, **terms)
+    assert_close_to_reference(out, ref64[0], lowp[0], default_floor(BF16), name="out")
+    assert_close_to_reference(lse, ref64[1], lowp[1], default_floor(BF16), name="lse")

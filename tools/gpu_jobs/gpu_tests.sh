@@ -19,7 +19,7 @@ tests() {  # tests NAME PYTEST-ARGS...
 }
 others=(tests/test_decode.py tests/test_decode_fused.py tests/test_varlen.py tests/test_readme.py
         tests/test_train_smoke.py tests/test_transformers_integration.py tests/test_cuda_graph.py
-        tests/test_no_sync.py tests/test_compiler.py tests/test_distributed.py)
+        tests/test_no_sync.py tests/test_compiler.py tests/test_distributed.py tests/test_score_terms.py)
 tests hopper tests/test_gpu_hopper.py &
 tests hopper_backward tests/test_gpu_hopper_backward.py tests/test_gpu_scheduler.py -x &
 tests families tests/test_gpu.py -k family_matches_reference &
