@@ -19,7 +19,7 @@ tests() {  # tests NAME PYTEST-ARGS...
 }
 others=(tests/test_decode.py tests/test_decode_fused.py tests/test_varlen.py tests/test_readme.py
         tests/test_train_smoke.py tests/test_transformers_integration.py tests/test_cuda_graph.py
-        tests/test_no_sync.py tests/test_compiler.py tests/test_distributed.py tests/test_score_terms.py)
+        tests/test_no_sync.py tests/test_compiler.py tests/test_distributed.py)
 tests hopper tests/test_gpu_hopper.py &
 tests hopper_backward tests/test_gpu_hopper_backward.py tests/test_gpu_scheduler.py -x &
 tests families tests/test_gpu.py -k family_matches_reference &
@@ -27,6 +27,7 @@ tests families tests/test_gpu.py -k family_matches_reference &
 tests dtypes tests/test_gpu.py -k dtypes_and_head_dims &
 tests gpu_rest tests/test_gpu.py -k "not family_matches_reference and not dtypes_and_head_dims" &
 tests others "${others[@]}" &
+tests score_terms tests/test_score_terms.py &
 wait
 for f in "$logs"/tests_*.log; do echo "#### $f"; tail -n 25 "$f"; done > "$OUT/gpu_tests_log.txt"
 grep -h "^== \|passed\|failed" "$logs"/tests_*.log
