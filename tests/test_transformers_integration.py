@@ -2,7 +2,10 @@
 installed): a tiny Llama from a config (random weights, no download) whose logits and parameter
 gradients through flexmask match "sdpa" given the same batch. The float64 SDPA model is the
 truth and the float32 SDPA model the same math in the input dtype (the DESIGN.md section 4 rule,
-applied to the whole model), on CPU under the interpreter and in bf16 on the GPU.
+applied to the whole model), on CPU under the interpreter and in bf16 on the GPU. Models with
+score terms (Gemma 2's softcap, gpt-oss's sinks, both with alternating sliding-window layers)
+are checked the same way against transformers' own "eager" attention, which applies the terms
+(SDPA does not).
 """
 
 import copy
@@ -26,13 +29,16 @@ def tiny_llama_config(**overrides):
     return transformers.LlamaConfig(**cfg)
 
 
-def models(cfg, dtype, device, oracle_dtype=torch.float64):
-    """(oracle SDPA, SDPA in dtype, flexmask in dtype): one set of weights. Each model gets its own
-    copy of the config: from_config writes the attention implementation into the config."""
+def models(cfg, dtype, device, oracle_dtype=torch.float64, reference="sdpa", init=None):
+    """(oracle `reference`, `reference` in dtype, flexmask in dtype): one set of weights, `init(model)`
+    applied to them first when given. Each model gets its own copy of the config: from_config
+    writes the attention implementation into the config."""
     torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+    base = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=reference)
+    if init is not None:
+        init(base)
     out = []
-    for impl, dt in (("sdpa", oracle_dtype), ("sdpa", dtype), ("flexmask", dtype)):
+    for impl, dt in ((reference, oracle_dtype), (reference, dtype), ("flexmask", dtype)):
         m = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl)
         m.load_state_dict(base.state_dict())
         out.append(m.to(device=device, dtype=dt))
@@ -49,9 +55,9 @@ def logits_and_grads(model, batch, valid, targets):
     return logits.detach()[valid], grads
 
 
-def check_parity(cfg, batch, valid, dtype=FP32, device="cpu"):
+def check_parity(cfg, batch, valid, dtype=FP32, device="cpu", reference="sdpa", init=None):
     """flexmask's logits (at the real tokens) and every parameter gradient against the oracle."""
-    oracle, sdpa, flex = models(cfg, dtype, device)
+    oracle, sdpa, flex = models(cfg, dtype, device, reference=reference, init=init)
     gen = torch.Generator().manual_seed(1)
     targets = torch.randint(0, cfg.vocab_size, valid.shape, generator=gen).to(device)
     ref64 = logits_and_grads(oracle, batch, valid, targets)
@@ -133,13 +139,147 @@ def test_kv_cache_decode_and_4d_mask():
     assert_close_to_reference(got, ref64, lowp, default_floor(FP32), name="4-D mask logits")
 
 
+ALTERNATING = ["sliding_attention", "full_attention"]  # Gemma 2's and gpt-oss's layer pattern
+
+
+def tiny_gemma2_config(**overrides):
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=128,
+               max_position_embeddings=512, initializer_range=0.2, sliding_window=16, layer_types=ALTERNATING,
+               attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    cfg.update(overrides)
+    return transformers.Gemma2Config(**cfg)
+
+
+def tiny_gpt_oss_config(**overrides):
+    cfg = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+               max_position_embeddings=512, initializer_range=0.2, sliding_window=16, layer_types=ALTERNATING,
+               experts_implementation="eager")  # the grouped-matmul experts take no float64
+    cfg.update(overrides)
+    return transformers.GptOssConfig(**cfg)
+
+
+@torch.no_grad()
+def large_sinks(model):
+    """Sinks of a few units, per head (gpt-oss initialises them near 0, where they barely matter)."""
+    gen = torch.Generator().manual_seed(6)
+    for layer in model.model.layers:
+        sinks = layer.self_attn.sinks
+        sinks.copy_(torch.randn(sinks.shape, generator=gen) * 2 + 1)
+
+
+def padded_batch(cfg, seed=3, s=64):
+    """Right padding, of different lengths per row. (Not left padding: transformers' float64 eager
+    attention turns the padded rows' fully masked scores into NaN, which reach the real rows.)"""
+    ids = torch.randint(0, cfg.vocab_size, (2, s), generator=torch.Generator().manual_seed(seed))
+    attention_mask = torch.ones(2, s, dtype=torch.long)
+    attention_mask[0, 58:] = 0
+    attention_mask[1, 50:] = 0
+    return {"input_ids": ids, "attention_mask": attention_mask}, attention_mask.bool()
+
+
+def eager_logits(cfg, batch, valid, init=None):
+    oracle = models(cfg, FP32, "cpu", reference="eager", init=init)[0]
+    return oracle(**batch, use_cache=False).logits.detach()[valid]
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_gemma2_softcap_and_windows_match_eager(kind):
+    """Gemma 2: logit soft-capping (transformers passes config.attn_logit_softcapping as softcap=)
+    on alternating 16-token sliding-window and full layers; logits and every gradient against
+    transformers' eager attention."""
+    cfg = tiny_gemma2_config()
+    if kind == "padded":
+        batch, valid = padded_batch(cfg)
+    else:
+        position_ids = packed_position_ids([[20, 44], [64]])
+        ids = torch.randint(0, cfg.vocab_size, position_ids.shape, generator=torch.Generator().manual_seed(7))
+        batch, valid = {"input_ids": ids, "position_ids": position_ids}, torch.ones_like(ids, dtype=torch.bool)
+    _, ref64 = check_parity(cfg, batch, valid, reference="eager")
+    # the test can fail: the cap and the window each change the logits well beyond the tolerance
+    for change in ({"attn_logit_softcapping": None}, {"layer_types": ["full_attention"] * 2}):
+        assert (eager_logits(tiny_gemma2_config(**change), batch, valid) - ref64[0].float()).abs().max() > 1e-2, change
+
+
+def per_document(model, ids, rows, targets):
+    """What packing means: the logits and summed-loss gradients of a packed batch computed one
+    document at a time (batch 1, positions from 0), in the packed batch's token order."""
+    model.zero_grad()
+    logits, start = [], 0
+    for b, lens in enumerate(rows):
+        start = 0
+        for n in lens:
+            part = model(input_ids=ids[b:b + 1, start:start + n], use_cache=False).logits[0]
+            torch.nn.functional.cross_entropy(part.double(), targets[b, start:start + n], reduction="sum").backward()
+            logits.append(part.detach())
+            start += n
+    return torch.cat(logits), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_gpt_oss_sinks_and_windows_match_eager():
+    """gpt-oss: a learnable sink per head (the attention module's `sinks`, passed as s_aux=) on
+    alternating 16-token sliding-window and full layers, in a padded batch; logits and every
+    gradient, the sinks' included, against transformers' eager attention."""
+    cfg = tiny_gpt_oss_config()
+    batch, valid = padded_batch(cfg)
+    oracle, ref64 = check_parity(cfg, batch, valid, reference="eager", init=large_sinks)
+    sink_grads = [g for n, g in ref64[1].items() if n.endswith("sinks")]
+    assert len(sink_grads) == cfg.num_hidden_layers and all(float(g.abs().max()) > 0 for g in sink_grads)
+    # the test can fail: without the sinks (all -inf: they take no mass) the logits move
+    with torch.no_grad():
+        for layer in oracle.model.layers:
+            layer.self_attn.sinks.fill_(-float("inf"))
+    no_sinks = oracle(**batch, use_cache=False).logits.detach()[valid]
+    assert (no_sinks - ref64[0]).abs().max() > 1e-2
+
+
+def test_gpt_oss_packed_matches_documents_alone():
+    """gpt-oss on packed documents (position_ids resets, as FlashAttention's path reads them),
+    sinks and windows included, against eager attention run on each document alone. (transformers'
+    gpt-oss hands its eager/SDPA mask code no position_ids, so eager on the packed batch would
+    attend across documents: the documents alone are the truth.)"""
+    cfg = tiny_gpt_oss_config()
+    rows = [[1, 30, 33], [64]]
+    position_ids = packed_position_ids(rows)
+    ids = torch.randint(0, cfg.vocab_size, position_ids.shape, generator=torch.Generator().manual_seed(8))
+    targets = torch.randint(0, cfg.vocab_size, ids.shape, generator=torch.Generator().manual_seed(1))
+    oracle, low, flex = models(cfg, FP32, "cpu", reference="eager", init=large_sinks)
+    ref64, lowp = per_document(oracle, ids, rows, targets), per_document(low, ids, rows, targets)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    got = logits_and_grads(flex, {"input_ids": ids, "position_ids": position_ids}, valid, targets)
+    floor = default_floor(FP32)
+    assert_close_to_reference(got[0], ref64[0], lowp[0], floor, name="logits")
+    for name in ref64[1]:
+        assert_close_to_reference(got[1][name], ref64[1][name], lowp[1][name], floor, name=f"grad {name}")
+
+
+def test_gpt_oss_decode_with_sinks_matches_eager():
+    """Decoding with a KV cache through gpt-oss's sliding and full layers, sinks included."""
+    cfg = tiny_gpt_oss_config(num_hidden_layers=2)
+    oracle, low, flex = models(cfg, FP32, "cpu", reference="eager", init=large_sinks)
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(9))
+
+    def decode(model):
+        prefill = model(input_ids=ids[:, :37], use_cache=True)
+        return model(input_ids=ids[:, 37:], past_key_values=prefill.past_key_values, use_cache=True).logits.detach()
+
+    ref64, lowp, got = (decode(m) for m in (oracle, low, flex))
+    assert_close_to_reference(got, ref64, lowp, default_floor(FP32), name="decode logits")
+
+
 def test_unsupported_options_raise():
     module = torch.nn.Module()
     q = torch.zeros(1, 2, 4, 16)
     with pytest.raises(ValueError, match="no dropout; got dropout=0.1"):
         fm_transformers.flexmask_attention_forward(module, q, q, q, None, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="soft-capping"):
-        fm_transformers.flexmask_attention_forward(module, q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match=r"s_aux \(attention sinks\) must be a floating tensor of shape \(Hq=2,\)"):
+        fm_transformers.flexmask_attention_forward(module, q, q, q, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):
+        fm_transformers.flexmask_attention_forward(module, q, q, q, None, softcap=-1.0)
+    for name in ("position_bias", "sinks", "head_mask"):  # terms flexmask cannot apply: never dropped silently
+        with pytest.raises(ValueError, match=f"cannot apply {name}="):
+            fm_transformers.flexmask_attention_forward(module, q, q, q, None, **{name: torch.zeros(1, 2, 4, 4)})
     with pytest.raises(ValueError, match=r"attention_mask must be 2-D \(B, kv_len\) or 4-D"):
         fm_transformers.flexmask_attention_forward(module, q, q, q, torch.ones(1, 1, 4, dtype=torch.bool))
     allowed = torch.ones(1, 1, 7, 2, dtype=torch.bool)

@@ -16,12 +16,21 @@ Which tokens attend which is decided here, per call, in this order:
      data collator `DataCollatorWithFlattening` makes them): a token attends only within its own
      sequence, the way transformers' flash-attention and SDPA paths read position_ids;
   4. neither: plain causal (or full) attention.
-On top come the module's causality (`is_causal`) and the model's `sliding_window`. Query rows
-sit bottom-right (a decode step with a KV cache is the last row). The column intervals of 1-3
+On top come the module's causality (`is_causal`) and the layer's `sliding_window` (so Gemma's
+and gpt-oss's alternating full / sliding layers each get their own mask). Query rows sit
+bottom-right (a decode step with a KV cache is the last row). The column intervals of 1-3
 are built on the device, compiled once per mask / position_ids tensor and reused by every layer.
 
+Score terms pass through to `flexmask.attention` (DESIGN.md section 1, "Score terms"):
+  - `softcap`: Gemma 2's `config.attn_logit_softcapping` (transformers hands it to the attention
+    function as `softcap=`; Gemma 3 has no attention cap, and transformers passes none);
+  - `s_aux`: gpt-oss's learnable per-head sinks (the attention module's `sinks` parameter), given
+    to flexmask as float32 `sinks` (a differentiable cast: the gradient reaches the parameter in
+    the model's dtype).
 Under autocast, float32 queries/keys/values are cast to the autocast dtype (as SDPA is).
-Not supported (a clear error): attention dropout > 0, logit soft-capping, attention sinks.
+Not supported (a ValueError, never dropped silently): attention dropout > 0, and the additive
+score terms some models hand the attention function (`position_bias`: T5's relative bias and
+MPT's ALiBi; a `sinks` keyword other than gpt-oss's `s_aux`; `head_mask`).
 Attention weights are never returned (as with FlashAttention). Under torch.compile, the table
 lookup of cases 1-3 runs outside the graph (a graph break per layer); case 4 needs none.
 """
@@ -52,6 +61,12 @@ NAME = "flexmask"
 _PLANS = PlanCache(size=8)
 # specs for calls with no mask at all: module-level, so their compiled tables stay cached on them
 _CAUSAL, _FULL = masks.causal(), masks.full()
+# keywords some models pass that change the scores in ways flexmask does not express
+_UNSUPPORTED_TERMS = {
+    "position_bias": "an additive position bias (T5's relative bias, MPT's ALiBi)",
+    "sinks": "sinks under the keyword `sinks` (flexmask reads gpt-oss's learnable sinks from `s_aux`)",
+    "head_mask": "a per-head mask of the attention weights",
+}
 
 
 @functools.lru_cache(maxsize=16)
@@ -220,10 +235,10 @@ def flexmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     (B, Hkv, Sk, D) (GQA by indexing: no repeat of K/V). Returns ((B, Sq, Hq, D), None)."""
     if dropout:
         raise ValueError(f"flexmask attention has no dropout; got dropout={dropout} (set attention_dropout=0)")
-    if softcap is not None:
-        raise NotImplementedError(f"flexmask attention has no logit soft-capping; got softcap={softcap}")
-    if s_aux is not None:
-        raise NotImplementedError("flexmask attention has no attention sinks (s_aux)")
+    for name, what in _UNSUPPORTED_TERMS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"flexmask attention cannot apply {name}= ({what}); got a {type(kwargs[name]).__name__}. "
+                             f"Use another attn_implementation for this model")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                        or sliding_window < 1):
@@ -245,9 +260,23 @@ def flexmask_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         mask = _plan(query, attention_mask, position_ids if packed else None, q_len, kv_len, causal, sliding_window)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     query, key, value = _autocast_inputs(query, key, value)
-    # transformers passes `deterministic` to FlashAttention (TrainingArguments / FA kwargs); honour it
-    out = api.attention(query, key, value, mask, scale=scale, deterministic=kwargs.get("deterministic"))
+    # transformers passes `deterministic` to FlashAttention (TrainingArguments / FA kwargs); honour it.
+    # softcap None: the model has no cap (flexmask's 0 = off); flexmask.attention validates the terms
+    out = api.attention(query, key, value, mask, scale=scale, deterministic=kwargs.get("deterministic"),
+                        softcap=0.0 if softcap is None else softcap, sinks=_sinks(s_aux, query.shape[1]))
     return out.transpose(1, 2), None
+
+
+def _sinks(s_aux, heads: int):
+    """gpt-oss's sinks parameter (Hq,) in the model's dtype -> flexmask's float32 sinks. `.float()`
+    is differentiable, so the gradient flows back to the parameter."""
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, torch.Tensor) or tuple(s_aux.shape) != (heads,) or not s_aux.is_floating_point():
+        got = f"shape {tuple(s_aux.shape)} {s_aux.dtype}" if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__
+        raise ValueError(f"s_aux (attention sinks) must be a floating tensor of shape (Hq={heads},), one logit per "
+                         f"query head, got {got}")
+    return s_aux.float()
 
 
 def _autocast_inputs(query, key, value):
