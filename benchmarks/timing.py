@@ -45,8 +45,10 @@ def _direction_fns(attn: Callable, q, k, v, dout) -> dict[str, tuple[Callable, l
     return {"fwd": (fwd, None), "bwd": (bwd, [q, k, v]), "fwd_bwd": (fwd_bwd, [q, k, v])}
 
 
-def bench_gpu(attn: Callable, q, k, v, dout, directions, warmup: int, rep: int) -> dict[str, Timing]:
-    """`triton.testing.do_bench` per direction ("fwd", "bwd", "fwd_bwd")."""
+def bench_gpu(attn: Callable, q, k, v, dout, directions, warmup: int, rep: int,
+              params: tuple = ()) -> dict[str, Timing]:
+    """`triton.testing.do_bench` per direction ("fwd", "bwd", "fwd_bwd"). `params`: other leaves
+    `attn` differentiates (learnable sinks), whose .grad is reset like q's, k's and v's."""
     from triton.testing import do_bench
 
     fns = _direction_fns(attn, q, k, v, dout)
@@ -55,9 +57,10 @@ def bench_gpu(attn: Callable, q, k, v, dout, directions, warmup: int, rep: int) 
         fn, grads = fns[direction]
         if direction == "bwd":
             fn()  # build the retained graph outside the timed region
+        grads = None if grads is None else [*grads, *params]
         med, p20, p80 = do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grads, quantiles=list(QUANTILES))
         out[direction] = Timing(med, p20, p80)
-    for t in (q, k, v):
+    for t in (q, k, v, *params):
         t.grad = None
     return out
 

@@ -62,3 +62,104 @@ def test_table_ratios(tmp_path):
     assert peers.main(["--table", str(path), "--readme", str(readme), "--full", str(full)]) == 0
     assert "qk_sparse" not in readme.read_text() and "| 64 |" not in readme.read_text()  # the summary: FA4's masks, D=128
     assert "qk_sparse" in full.read_text() and "old" not in full.read_text()
+
+
+# -- the score_terms suite ----------------------------------------------------------------------------
+@pytest.mark.parametrize("family", peers.SCORE_FAMILIES)
+def test_score_case_states_one_mask_and_term_for_every_provider(family):
+    """flexmask's spec, FA4's window_size and FlexAttention's natural mask_mod agree; the window
+    holds N keys per query (itself included); the case carries its model's term and shape."""
+    from benchmarks.flex_masks import native_mask_mod
+
+    s = 4200  # longer than the longest window
+    case = peers.score_case(family, s, 1)
+    dense = case.mask.to_dense(s, s)
+    q, kv = torch.arange(s).view(-1, 1), torch.arange(s).view(1, -1)
+    assert torch.equal(native_mask_mod(case.mask, s, "cpu")(0, 0, q, kv), dense)
+    left, right = case.fa4.get("window_size", (s, 0))
+    fa4_dense = (kv <= q) & (q - kv <= left) & (kv - q <= right)
+    assert case.fa4["causal"] and torch.equal(fa4_dense, dense)
+    if "window" in family:
+        assert int(dense[-1].sum()) == int(family.rpartition("window")[2])
+    assert case.sinks == family.startswith("gpt_oss") and case.softcap == (50.0 if "softcap50" in family else 0.0)
+    assert peers.score_shape(family) == ((64, (64, 8)) if family.startswith("gpt_oss") else (128, (16, 8)))
+
+
+def test_score_case_rejects_unknown_family():
+    with pytest.raises(ValueError, match=r"family must be one of .*gpt_oss_sinks_window128.*, got 'gemma_sinks'"):
+        peers.score_case("gemma_sinks", 64, 1)
+
+
+def test_flex_score_terms_match_the_reference():
+    """What the flex providers run for the terms (softcap as a score_mod, sinks by the LSE rescale),
+    on eager FlexAttention on the CPU with a windowed block mask and GQA: the output, and the
+    sinks' gradient, against the float64 reference. (FlexAttention has no backward on the CPU; the
+    sinks' gradient needs none from it: the LSE is a constant to the sinks.)"""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from benchmarks.flex_masks import native_mask_mod
+    from flexmask import masks, reference
+
+    gen = torch.Generator().manual_seed(0)
+    s, hq, hkv, d = 128, 4, 2, 16
+    q = torch.randn(1, hq, s, d, generator=gen)
+    k, v = (torch.randn(1, hkv, s, d, generator=gen) for _ in range(2))
+    sinks = (torch.randn(hq, generator=gen) * 2).requires_grad_()
+    mask = masks.sliding_window(31)  # shorter than the sequence, so the block mask matters
+    block_mask = create_block_mask(native_mask_mod(mask, s, "cpu"), None, None, s, s, device="cpu")
+    dout = torch.randn(1, hq, s, d, generator=gen)
+    for softcap, with_sinks in ((3.0, False), (0.0, True), (3.0, True)):
+        kwargs = {"block_mask": block_mask, "enable_gqa": True}
+        if softcap:
+            kwargs["score_mod"] = peers.softcap_score_mod(softcap)
+        if with_sinks:
+            out = peers.flex_with_sinks(flex_attention, peers.flex_lse_request(), q, k, v, sinks, **kwargs)
+        else:
+            out = flex_attention(q, k, v, **kwargs)
+        ref, _ = reference.attention(q, k, v, mask, softcap=softcap, sinks=sinks if with_sinks else None)
+        assert (out.double() - ref).abs().max() < 1e-5, (softcap, with_sinks)
+        if with_sinks:
+            (got,), (want,) = (torch.autograd.grad(o, sinks, g) for o, g in ((out, dout), (ref, dout.double())))
+            assert (got.double() - want).abs().max() < 1e-4 * max(1.0, float(want.abs().max())), softcap
+    # the test can fail: without the rescale the output is not the sinks' output
+    plain = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    ref, _ = reference.attention(q, k, v, mask, sinks=sinks)
+    assert (plain.double() - ref).abs().max() > 1e-2
+
+
+def test_score_terms_plan_shapes_and_providers():
+    plan = list(peers.score_terms_plan((8192, 131072), ["flexmask", "flexmask_no_term", "fa4", "sdpa_cudnn"]))
+    assert len(plan) == 2 * len(peers.SCORE_FAMILIES)
+    for make_case, heads, head_dim, chosen in plan:
+        case = make_case()
+        assert (head_dim, heads) == peers.score_shape(case.family)
+        assert case.batch * case.seq_len == peers.TOKENS or case.batch == 1
+        assert chosen == ["flexmask", "flexmask_no_term", "fa4"]  # SDPA takes no score terms
+
+
+def test_score_table_term_cost_and_blocks(tmp_path):
+    """The score-terms table: the term's cost (flexmask / flexmask_no_term per direction) next to the
+    peer ratios; --table over two CSVs (a peers run and a score_terms run) writes each block from
+    its own rows, and a run of one suite leaves the other suite's block alone."""
+    fam = "gpt_oss_sinks_causal"
+    scores = [row(fam, "flexmask", "2.1", "5.2", "500", "400", d=64, hq=64, hkv=8),
+              row(fam, "flexmask_no_term", "2.0", "5.0", "520", "410", d=64, hq=64, hkv=8),
+              row(fam, "fa4", "2.2", "5.72", "480", "360", d=64, hq=64, hkv=8),
+              row(fam, "flex", "4.2", "10.4", "250", "200", d=64, hq=64, hkv=8)]
+    line = next(x for x in peers.score_table(scores).splitlines() if x.startswith(f"| {fam} |"))
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    assert cells[1:] == ["32K", "64", "64/8", "500 / 400", "1.05, 1.04", "480 / 360", "1.05, 1.10", "-", "2.00"]
+    peer_csv, score_csv = tmp_path / "peers.csv", tmp_path / "scores.csv"
+    for path, rows in ((peer_csv, [row("causal", "flexmask", "2.0", "5.0", "600", "500")]), (score_csv, scores)):
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=peers.COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{peers.START}\nold peers\n{peers.END}\n{peers.SCORE_START}\nold scores\n{peers.SCORE_END}\n")
+    assert peers.main(["--table", str(score_csv), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old peers" in text and "old scores" not in text and "term cost" in text
+    assert peers.main(["--table", str(peer_csv), str(score_csv), "--readme", str(readme)]) == 0
+    peer_block = readme.read_text().split(peers.END)[0]
+    assert "| causal | 32K | 128 |" in peer_block and fam not in peer_block
