@@ -21,10 +21,9 @@ Suite "score_terms" (issue 42): the score terms of today's models, on the masks 
 gpt-oss: a learnable sink per head with a 128-token sliding window (gpt_oss_sinks_window128) and
 with causal (gpt_oss_sinks_causal), at gpt-oss's attention shape, D = 64 and heads 64/8. Gemma:
 softcap 50 with a 4096-token window (gemma_softcap50_window4096) and with causal
-(gemma_softcap50_causal), at D = 128 and heads 16/8 (Gemma 2's D is 256, which FA4's Hopper path
-and flexmask's fast path do not take; 128 is where every provider runs its fast kernels and
-matches the peers suite). One shape per model rather than the D x heads grid: the question is the
-term's cost on the shape that carries it. Providers: flexmask with the term; flexmask_no_term, the
+(gemma_softcap50_causal), at D = 128 and heads 16/8 (Gemma 2 itself uses D = 256; 128 is the
+peers suite's head dim, so these rows sit next to its causal and window rows). One shape per
+model rather than the D x heads grid: the question is the term's cost on the shape that carries it. Providers: flexmask with the term; flexmask_no_term, the
 same mask without it (the term's cost, target <= 5%); fa4 (`softcap=`, `learnable_sink=`,
 `window_size=`); flex_flash and flex with the mask's natural mask_mod (`q >= kv`, the window),
 softcap as a `score_mod` and sinks by rescaling the output with the LSE, out * sigmoid(lse -
@@ -39,9 +38,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import os
 import time
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
