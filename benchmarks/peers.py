@@ -30,7 +30,7 @@ softcap as a `score_mod` and sinks by rescaling the output with the LSE, out * s
 sink), the way transformers' FlexAttention path adds them (a score_mod cannot add to the softmax's
 denominator). The sinks are float32 leaves with requires_grad, so every backward timed computes
 their gradient too. 8K, 32K, 128K tokens (32K per batch), bf16. "all" runs both suites.
-The score-terms table goes between the score-terms markers of --readme; --append adds the rows
+The score-terms table goes between the score-terms markers of --full; --append adds the rows
 to an existing peers.csv (one CSV for both suites, measured in separate runs).
 """
 
@@ -411,7 +411,7 @@ def table(rows: Sequence[dict], families: Sequence[str] | None = None, head_dims
 
 
 def score_table(rows: Sequence[dict]) -> str:
-    """The score_terms suite's table (README, between the score-terms markers)."""
+    """The score_terms suite's table (docs/results.md, between the score-terms markers)."""
     return table([r for r in rows if r["family"] in SCORE_FAMILIES], SCORE_FAMILIES, term_cost=True)
 
 
@@ -422,10 +422,10 @@ def write_tables(rows, readme: str | None, full: str | None) -> None:
     has_scores = len(peer_rows) < len(rows)
     if readme and peer_rows:  # the README: what FA4 expresses, D = 128, 16/16 heads
         write_marked_block(readme, table(peer_rows, PEER_FAMILIES, (128,), ("16/16",)), START, END)
-    if readme and has_scores:
-        write_marked_block(readme, score_table(rows), SCORE_START, SCORE_END)
     if full and peer_rows:
         write_marked_block(full, table(peer_rows), FULL_START, FULL_END)
+    if full and has_scores:  # twelve rows: docs/results.md, the README links to it
+        write_marked_block(full, score_table(rows), SCORE_START, SCORE_END)
     if peer_rows or not has_scores:
         print(table(peer_rows))
     if has_scores:
@@ -470,8 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", default="peers,all", help="peers suite: 'peers' (what FA4 expresses), 'all' "
                                                             "(families.py), or names")
     p.add_argument("--time-budget-s", type=float, default=None, help="start no configuration after this")
-    p.add_argument("--readme", help="write the summary between the peers markers of this file (README.md), "
-                                    "and the score-terms table between its markers")
+    p.add_argument("--readme", help="write the summary between the peers markers of this file (README.md)")
     p.add_argument("--full", help="write the full table between the peers-full markers of this file")
     p.add_argument("--table", metavar="CSV", nargs="+", help="measure nothing: the tables of these CSVs' rows")
     args = p.parse_args(argv)

@@ -155,11 +155,11 @@ def test_score_table_term_cost_and_blocks(tmp_path):
             writer = csv.DictWriter(f, fieldnames=peers.COLUMNS)
             writer.writeheader()
             writer.writerows(rows)
-    readme = tmp_path / "README.md"
-    readme.write_text(f"{peers.START}\nold peers\n{peers.END}\n{peers.SCORE_START}\nold scores\n{peers.SCORE_END}\n")
-    assert peers.main(["--table", str(score_csv), "--readme", str(readme)]) == 0
+    readme = tmp_path / "results.md"  # --full: the full peers table and the score-terms table
+    readme.write_text(f"{peers.FULL_START}\nold peers\n{peers.FULL_END}\n{peers.SCORE_START}\nold scores\n{peers.SCORE_END}\n")
+    assert peers.main(["--table", str(score_csv), "--full", str(readme)]) == 0
     text = readme.read_text()
     assert "old peers" in text and "old scores" not in text and "term cost" in text
-    assert peers.main(["--table", str(peer_csv), str(score_csv), "--readme", str(readme)]) == 0
-    peer_block = readme.read_text().split(peers.END)[0]
+    assert peers.main(["--table", str(peer_csv), str(score_csv), "--full", str(readme)]) == 0
+    peer_block = readme.read_text().split(peers.FULL_END)[0]
     assert "| causal | 32K | 128 |" in peer_block and fam not in peer_block
