@@ -23,6 +23,7 @@ import torch
 from . import run_bounds
 from .geometry import (_Geometry, cache_lengths, doc_lengths, geometry, host_doc_rows, is_device_lengths,
                        last_doc_start, share_question_lengths, to_device)
+from .run_builders import RUN_BUILDERS
 
 _EMPTY = 0
 
@@ -547,7 +548,7 @@ def _canonical_from_runs(runs: torch.Tensor, q_len: int) -> torch.Tensor:
 # runs any column holds. Alone, a mask must fit the two intervals of the canonical form; in a
 # composition only the final result must (`_compose_runs` takes the runs as they are).
 
-_RUN_KINDS = ("column_runs", "mask_mod")
+_RUN_KINDS = ("column_runs", "mask_mod", *RUN_BUILDERS)
 
 # One mask_mod call sees at most this many (q_idx, kv_idx) pairs: with the int64 temporaries of
 # the run scan, some 100 MB of transient memory, whatever q_len x kv_len is.
@@ -563,7 +564,25 @@ def _holds_run_kinds(m) -> bool:
 
 def _given_runs(m, g: _Geometry) -> torch.Tensor:
     """Runs [B|1, H|1, Sk, K, 2] of a mask of `_RUN_KINDS`, K the most runs a column holds."""
-    return _column_runs(m, g) if m.kind == "column_runs" else _mask_mod_runs(m, g)
+    if m.kind == "column_runs":
+        return _column_runs(m, g)
+    if m.kind == "mask_mod":
+        return _mask_mod_runs(m, g)
+    return _built_runs(m, g)
+
+
+def _built_runs(m, g: _Geometry) -> torch.Tensor:
+    """Runs of a k-run builder (`run_builders`), merged. Next to a kv_cache mask its positions
+    follow the cache, as `_operand_intervals` does for the other families: built for
+    q_len + kv_len virtual rows, then shifted by each batch row's length and clamped."""
+    build = RUN_BUILDERS[m.kind]
+    if g.cache_lengths is None:
+        raw = build(m.params(), g)
+        return _normalize_runs(raw, g.q_len, raw.shape[-2])
+    virtual = _Geometry(g.q_len + g.kv_len, g.kv_len, g.device, g.on_device)
+    raw = build(m.params(), virtual)
+    shifted = _normalize_runs(raw, virtual.q_len, raw.shape[-2]) - g.cache_lengths.view(-1, 1, 1, 1, 1)
+    return _normalize_runs(shifted, g.q_len, shifted.shape[-2])
 
 
 def _column_runs(m, g: _Geometry) -> torch.Tensor:
@@ -708,6 +727,7 @@ _BUILDERS = {
     "kv_cache": _kv_cache,
     "column_runs": _from_runs,
     "mask_mod": _from_runs,
+    **{kind: _from_runs for kind in RUN_BUILDERS},
     "and": _combined,
     "or": _combined,
 }

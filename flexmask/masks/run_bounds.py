@@ -84,7 +84,28 @@ def _leaf_runs(mask) -> _Runs:
         return _leaf(*[(M, X)] * p["starts"].shape[-1])
     if kind == "mask_mod":  # a function: up to max_runs runs anywhere (more raise when it is built)
         return _leaf(*[(M, X)] * p["max_runs"])
+    if kind in _K_RUN_BUILDERS:  # the k-run builders: a bound from their parameters
+        return _leaf(*[(M, X)] * _K_RUN_BUILDERS[kind](p))
     return _leaf((M, X), (M, X))  # unknown: any two intervals
+
+
+def _natten_bound(p) -> int:
+    """Attending query frames x rows x column runs of one key, plus one: an axis of n coordinates
+    and kernel k has at most min(n, k + k // 2) attending coordinates (a window clamped at the
+    border reaches k // 2 further), one run of columns unless the columns are dilated."""
+    def attenders(n, k):
+        return min(n, k + k // 2)
+
+    cols = 1 if p["dilation"][1] == 1 else attenders(p["width"], p["kernel"][1])
+    return attenders(p["frames"], p["time_kernel"]) * attenders(p["height"], p["kernel"][0]) * cols + 1
+
+
+_K_RUN_BUILDERS = {
+    "natten": _natten_bound,
+    "global_tokens": lambda p: len(set(p["positions"])) + 1,
+    "dilated_sliding_window": lambda p: max(p["left"] // d for d in (
+        p["dilation"] if isinstance(p["dilation"], list) else [p["dilation"]])) + 2,
+}
 
 
 def _merge(classes) -> tuple:
