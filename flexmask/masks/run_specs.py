@@ -31,7 +31,9 @@ def natten(height: int, width: int, kernel, dilation=1, *, frames: int = 1, time
     around it. As in NATTEN, the window is clamped at the borders (a query near an edge keeps a
     whole window, shifted inwards) and ``dilation`` d spaces its keys d apart (the axis splits
     into d interleaved grids, each with its own clamped windows). ``kernel`` and ``dilation`` may
-    be pairs (rows, columns); ``kernel x dilation`` must fit each axis, as in NATTEN.
+    be pairs (rows, columns); ``kernel x dilation`` must fit each axis, as in NATTEN. Within a
+    sub-grid of m coordinates the window of coordinate b starts at clamp(b - kernel // 2, 0,
+    m - kernel) (NATTEN's rule for odd kernels; an even kernel reaches one further back).
     kv_len must be frames x height x width; with q_len < kv_len the queries are the last tokens.
     ::
         natten(4, 4, kernel=3): 16 tokens; query (0, 0) = token 0 sees rows 0-2, columns 0-2
