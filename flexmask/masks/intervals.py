@@ -542,11 +542,12 @@ def _canonical_from_runs(runs: torch.Tensor, q_len: int) -> torch.Tensor:
     return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32)
 
 
-# --- masks given as runs of masked rows: column_runs, from_mask_mod ------------------------
+# --- masks given as runs of masked rows: column_runs, from_mask_mod, the k-run builders ---------
 #
-# Both are built as runs [B|1, H|1, Sk, K, 2] (the composition's form above), K being the most
-# runs any column holds. Alone, a mask must fit the two intervals of the canonical form; in a
-# composition only the final result must (`_compose_runs` takes the runs as they are).
+# All are built as runs [B|1, H|1, Sk, K, 2] (the composition's form above), K being the most
+# runs any column holds. Alone, a mask becomes the canonical form where it fits two runs per
+# column, else the k-run form (up to MAX_RUNS_LIMIT runs); in a composition only the final result
+# must fit (`_compose_runs` takes the runs as they are).
 
 _RUN_KINDS = ("column_runs", "mask_mod", *RUN_BUILDERS)
 

@@ -1,9 +1,9 @@
 """How many masked row intervals a column of a mask may need, from the mask's kinds alone.
 
 A composition (`a & b`, `a | b`) is computed as runs of masked rows per column; the canonical
-form holds two. Checking the result against that limit reads the data (a host sync on a GPU),
-so the compiler first asks `max_runs(mask)`: when the kinds of the operands prove that no
-column needs more than two runs, there is nothing to check.
+form holds two, the k-run form up to MAX_RUNS_LIMIT. Counting the runs of the result reads the
+data (a host sync on a GPU), so the compiler first asks `max_runs(mask)`: when the kinds of the
+operands prove that no column needs more than two runs, the result is canonical with no count.
 
 Each masked interval of a leaf is described by its shape and its side of the diagonal (row
 r_j of column j is the query at key j's own position, DESIGN.md 2.3):
