@@ -293,3 +293,28 @@ def test_two_interval_masks_keep_their_form():
                  masks.from_mask_mod(lambda b, h, q, kv: kv <= q)):
         cm = flexmask.compile_mask(mask, 9, 9, device="cpu", block_m=16, block_n=16)
         assert cm.runs == 2 and cm.kernel_intervals.shape == (1, 4, 9), mask
+
+
+# --- context parallel: the plan reads k runs ------------------------------------------------------
+
+
+def test_context_plan_and_sub_masks_read_k_runs():
+    """The chunk pairs, the per-chunk work and each (query chunk, key chunks) sub-mask of context
+    parallelism equal the dense mask's, for a mask of k runs per column."""
+    from flexmask import distributed as fmd
+    from flexmask.distributed.plan import _sub_mask
+
+    mask = masks.sliding_window(3, 3) | masks.global_tokens([13, 40])
+    s, world = 48, 2
+    dense = mask.to_dense(s, s)
+    c = s // (2 * world)
+    blocks = dense.view(2 * world, c, 2 * world, c)
+    plan = fmd.context_plan(mask, s, world)
+    assert torch.equal(plan.pairs, blocks.any(-1).any(1))
+    assert fmd.chunk_work(mask, s, world) == [int(blocks[i].sum()) for i in range(2 * world)]
+    iv = mask.intervals(s, s)
+    assert iv.shape[-1] > 4
+    sub = _sub_mask(iv, 1, [0, 3], c, "cpu")
+    want = torch.cat([dense[c:2 * c, :c], dense[c:2 * c, 3 * c:]], 1)
+    from flexmask.masks.intervals import intervals_to_dense
+    assert torch.equal(intervals_to_dense(sub.intervals, c)[0, 0], want)
