@@ -301,7 +301,7 @@ def _split_kv_plan(q, k, v, tables, terms=None):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
         return None
-    return split_kv_plan(q, k, (tables[9], tables[10]), tables[8], terms)
+    return split_kv_plan(q, k, (tables[9], tables[10]), tables[8], terms, runs=tables[0].shape[-2] // 2)
 
 
 def flashmask_attention(query, key, value, startend_row_indices=None, *, causal: bool = False,

@@ -244,8 +244,9 @@ def test_composition_takes_more_runs_midway():
     want = dense_of_runs(starts, ends, sq) | dense_of_mod(late, sq, sk)[0, 0]
     assert torch.equal(kept.to_dense(sq, sk), want)
     assert masked_runs(want[:, 0]) == [(0, 3), (5, 8)]
-    with pytest.raises(ValueError, match=r"the composed mask needs 3 intervals in key column 0"):
-        (masks.column_runs(starts, ends) | masks.from_mask_mod(lambda b, h, q, kv: q >= 15)).to_dense(sq, sk)
+    three = masks.column_runs(starts, ends) | masks.from_mask_mod(lambda b, h, q, kv: q >= 15)  # k runs
+    want = dense_of_runs(starts, ends, sq) | dense_of_mod(lambda b, h, q, kv: q >= 15, sq, sk)[0, 0]
+    assert torch.equal(three.to_dense(sq, sk), want) and three.intervals(sq, sk).shape[-1] == 8
 
 
 def test_composition_with_kv_cache_keeps_rows():
@@ -257,23 +258,21 @@ def test_composition_with_kv_cache_keeps_rows():
     assert torch.equal(mask.to_dense(sq, sk), want)
 
 
-# --- more runs than the kernels take, more than max_runs ------------------------------------------
+# --- k runs per column, more than max_runs ------------------------------------------------------
 
 
-def test_three_runs_raise_naming_the_column():
-    sq = sk = 9
-    dense = dense_of_mod(dilated, sq, sk)[0, 0]
-    with pytest.raises(ValueError) as err:
-        masks.from_mask_mod(dilated).intervals(sq, sk)
-    msg = str(err.value)
-    found = re.search(r"key column (\d+) needs (\d+) masked runs \(max_runs=8 allows it\): query rows (.*), but "
-                      r"the kernels take two masked intervals per column today", msg)
-    assert found, msg
-    j, n = int(found.group(1)), int(found.group(2))
-    first = next(c for c in range(sk) if len(masked_runs(dense[:, c])) > 2)
-    assert j == first and n == len(masked_runs(dense[:, j]))
-    assert found.group(3) == ", ".join(f"[{s}, {e})" for s, e in masked_runs(dense[:, j]))
-    assert "max_runs" in msg and "planned" in msg
+def test_three_runs_take_the_k_run_form():
+    """Columns of three and more runs (DESIGN.md 2.1): intervals of K = 4, 8 or 16 (start, end)
+    pairs per column, sorted, empty pairs (0, 0) last; the same dense mask."""
+    for sq, k in ((5, 4), (9, 8), (13, 8), (30, 16)):
+        dense = dense_of_mod(dilated, sq, sq)[0, 0]
+        mask = masks.from_mask_mod(dilated, max_runs=16)
+        iv = mask.intervals(sq, sq)
+        assert iv.shape == (1, 1, sq, 2 * k), sq
+        for j in range(sq):
+            runs = masked_runs(dense[:, j])
+            assert iv[0, 0, j].tolist() == [x for r in runs for x in r] + [0, 0] * (k - len(runs))
+        assert torch.equal(mask.to_dense(sq, sq), dense)
 
 
 def test_per_head_column_names_its_head():
@@ -282,8 +281,10 @@ def test_per_head_column_names_its_head():
     def mod(b, h, q, kv):
         return (kv <= q) & ((h == 0) | ((q - kv) % 2 == 0))
 
-    with pytest.raises(ValueError, match=r"key column 0 \(head 1\) needs 4 masked runs"):
-        masks.from_mask_mod(mod, heads=2).to_dense(8, 8)
+    assert torch.equal(masks.from_mask_mod(mod, heads=2).to_dense(8, 8), dense_of_mod(mod, 8, 8, heads=2))
+    with pytest.raises(ValueError, match=r"key column 0 \(head 1\) has 4 masked runs of query rows, "
+                                         r"more than max_runs=3"):
+        masks.from_mask_mod(mod, heads=2, max_runs=3).to_dense(8, 8)
     with pytest.raises(ValueError, match=r"key column 0 \(batch 0, head 1\) has 4 masked runs of query rows, "
                                          r"more than max_runs=3"):
         masks.from_mask_mod(mod, batch=1, heads=2, max_runs=3).to_dense(8, 8)
@@ -368,7 +369,8 @@ def test_bad_arguments():
 def test_repr_and_picture():
     mask = masks.from_mask_mod(dilated, heads=2)
     assert repr(mask) == "masks.from_mask_mod(dilated, batch=None, heads=2, max_runs=8)"
-    assert "no picture" in str(mask) and "ValueError" in str(mask)  # three runs at length 16
+    assert str(mask).endswith(masks.from_mask_mod(dilated).show(16, 16, 32))  # eight runs at length 16 fit
+    assert "no picture" in str(masks.from_mask_mod(dilated, max_runs=3))  # more than max_runs at length 16
     assert str(masks.from_mask_mod(lambda b, h, q, kv: kv <= q)).endswith(masks.causal().show(16, 16, 32))
     assert masks.from_mask_mod(lambda b, h, q, kv: kv <= q).density(4, 4) == 10 / 16
 
@@ -420,18 +422,21 @@ def test_column_runs_tile_classes_and_compile():
     assert_same_tables(cm, got)
 
 
-def test_column_runs_more_than_two_raise():
+def test_column_runs_more_than_two_take_k_runs():
     starts = torch.tensor([[0, 9, 5], [0, 0, 0], [4, 1, 5]], dtype=torch.int32)  # column 2: [1, 3), [4, 9)
     ends = torch.tensor([[2, 10, 6], [0, 0, 0], [6, 3, 9]], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"key column 0 needs 3 masked runs once overlapping runs are merged: "
-                                         r"query rows \[0, 2\), \[5, 6\), \[9, 10\), but the kernels take two"):
-        masks.column_runs(starts, ends).to_dense(10, 3)
+    iv = masks.column_runs(starts, ends).intervals(10, 3)
+    assert iv[0, 0].tolist() == [[0, 2, 5, 6, 9, 10, 0, 0], [0] * 8, [1, 3, 4, 9, 0, 0, 0, 0]]
+    assert torch.equal(masks.column_runs(starts, ends).to_dense(10, 3), dense_of_runs(starts, ends, 10))
     fixed = ends.clone()
-    fixed[0, 0] = 5  # [0, 5) touches [5, 6): two runs
+    fixed[0, 0] = 5  # [0, 5) touches [5, 6): two runs, the canonical form
+    assert masks.column_runs(starts, fixed).intervals(10, 3).shape[-1] == 4
     assert torch.equal(masks.column_runs(starts, fixed).to_dense(10, 3), dense_of_runs(starts, fixed, 10))
-    per_head = torch.stack([starts, starts.clamp(max=0)])  # head 0 fails, head 1 is empty
-    with pytest.raises(ValueError, match=r"key column 0 \(batch 0, head 0\) needs 3 masked runs"):
-        masks.column_runs(per_head, torch.stack([ends, ends])).to_dense(10, 3)
+    many_s = torch.arange(0, 34, 2).view(1, 17).expand(3, 17).contiguous()  # 17 runs of one row in every column
+    per_head = torch.stack([many_s.clamp(max=0), many_s])  # head 0 is empty, head 1 fails
+    with pytest.raises(ValueError, match=r"key column 0 \(batch 0, head 1\) needs 17 masked runs .*"
+                                         r"more than max_runs=16"):
+        masks.column_runs(per_head, per_head + 1).to_dense(40, 3)
 
 
 def test_column_runs_bad_arguments():
@@ -464,5 +469,4 @@ def test_docstring_pictures():
     window = masks.from_mask_mod(lambda b, h, q, kv: (kv <= q) & (q - kv < 3))
     assert window.show(6, 6) == "#.....\n##....\n###...\n.###..\n..###.\n...###"
     assert torch.equal(dense_of_mod(dilated, 6, 6)[0, 0, :, 0], torch.tensor([True, False] * 3))
-    with pytest.raises(ValueError, match=r"query rows \[1, 2\), \[3, 4\), \[5, 6\)"):
-        masks.from_mask_mod(dilated).show(6, 6)
+    assert masks.from_mask_mod(dilated).show(6, 6) == "#.....\n.#....\n#.#...\n.#.#..\n#.#.#.\n.#.#.#"

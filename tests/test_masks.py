@@ -6,7 +6,9 @@ with `Mask.to_dense`. Lengths 1, 63, 197 and 1000 (dense checks are cheap), and 
 both ways.
 """
 
+import functools
 import itertools
+import operator
 
 import pytest
 import torch
@@ -419,26 +421,45 @@ def one_column_mask(sq, sk, col, intervals):
     return masks.column_intervals(lts, lte, uts, ute)
 
 
-def test_and_needing_three_intervals_names_the_column():
+def test_and_needing_three_intervals_takes_k_runs():
+    """A composition that needs three runs in a column is held as k runs (DESIGN.md 2.1): the
+    intervals widen to four (start, end) pairs per column, and say what the dense rule says."""
     sq, sk = 63, 40
     m1 = one_column_mask(sq, sk, 29, [(2, 5), (10, 12)])
     m2 = one_column_mask(sq, sk, 29, [(20, 30), (0, 0)])
-    with pytest.raises(ValueError, match=r"column 29\b"):
-        (m1 & m2).to_dense(sq, sk)
-    # touching or overlapping pieces merge, so this one fits
+    iv = (m1 & m2).intervals(sq, sk)
+    assert iv.shape == (1, 1, sk, 8)
+    assert iv[0, 0, 29].tolist() == [2, 5, 10, 12, 20, 30, 0, 0]
+    assert torch.equal((m1 & m2).to_dense(sq, sk), m1.to_dense(sq, sk) & m2.to_dense(sq, sk))
+    # touching or overlapping pieces merge, so this one fits the canonical two
     m3 = one_column_mask(sq, sk, 29, [(5, 10), (0, 0)])
+    assert (m1 & m3).intervals(sq, sk).shape[-1] == 4
     assert torch.equal((m1 & m3).to_dense(sq, sk), m1.to_dense(sq, sk) & m3.to_dense(sq, sk))
 
 
-def test_or_needing_three_intervals_names_the_column():
+def test_or_needing_three_intervals_takes_k_runs():
     sq, sk = 63, 40
     m1 = one_column_mask(sq, sk, 7, [(0, 3), (5, 12)])
     m2 = one_column_mask(sq, sk, 7, [(1, 7), (9, 11)])
     # masked where both mask: [1, 3) ∪ [5, 7) ∪ [9, 11)
-    with pytest.raises(ValueError, match=r"column 7\b"):
-        (m1 | m2).intervals(sq, sk)
-    with pytest.raises(ValueError, match=r"column 7\b"):
-        flexmask.compile_mask(m1 | m2, sq, sk, device="cpu")
+    assert (m1 | m2).intervals(sq, sk)[0, 0, 7].tolist() == [1, 3, 5, 7, 9, 11, 0, 0]
+    cm = flexmask.compile_mask(m1 | m2, sq, sk, device="cpu")
+    assert cm.runs == 4 and cm.kernel_intervals.shape == (1, 8, sk)
+    assert torch.equal((m1 | m2).to_dense(sq, sk), m1.to_dense(sq, sk) | m2.to_dense(sq, sk))
+
+
+def test_composition_beyond_max_runs_names_the_column():
+    """More than 16 runs in a column: a ValueError naming the column, its run count and max_runs."""
+    sq, sk = 63, 40
+    many = functools.reduce(operator.and_, [one_column_mask(sq, sk, 29, [(3 * i, 3 * i + 1), (0, 0)])
+                                            for i in range(17)])
+    with pytest.raises(ValueError, match=r"key column 29 needs 17 masked runs .*more than max_runs=16"):
+        many.intervals(sq, sk)
+    with pytest.raises(ValueError, match=r"key column 29 needs 17 masked runs"):
+        flexmask.compile_mask(many, sq, sk, device="cpu")
+    fits = functools.reduce(operator.and_, [one_column_mask(sq, sk, 29, [(3 * i, 3 * i + 1), (0, 0)])
+                                            for i in range(16)])
+    assert fits.intervals(sq, sk).shape[-1] == 32
 
 
 # --- intervals, to_dense, pictures, density ------------------------------------------------

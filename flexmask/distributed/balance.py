@@ -22,7 +22,7 @@ def chunk_work(mask, seq_len: int, world: int) -> list[int]:
     work = []
     for i in range(n):
         a, b = i * c, (i + 1) * c
-        masked = sum((iv[..., e].clamp(max=b) - iv[..., s].clamp(min=a)).clamp_min(0) for s, e in ((0, 1), (2, 3)))
+        masked = (iv[..., 1::2].clamp(max=b) - iv[..., 0::2].clamp(min=a)).clamp_min(0).sum(-1)  # every (start, end)
         work.append(int((c - masked).sum()))
     return work
 

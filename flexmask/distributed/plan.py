@@ -66,15 +66,15 @@ def _covers(lo: torch.Tensor, hi: torch.Tensor, row_lo: int, row_hi: int) -> tor
 
 def _chunk_pairs(intervals: torch.Tensor, seq_len: int, world_size: int) -> torch.Tensor:
     """bool [2W, 2W]: query chunk i needs key chunk j. A column leaves rows [a, b) empty iff
-    one of its two masked intervals covers them (canonical intervals are disjoint and do not
-    touch, so their union covers a row range only if one of them does)."""
+    one of its masked intervals covers them (two canonical ones, or k runs: disjoint and not
+    touching either way, so their union covers a row range only if one of them does)."""
     n = 2 * world_size
     c = seq_len // n
-    lts, lte, uts, ute = intervals.unbind(-1)  # [Bm, Hm, S] each
+    starts, ends = intervals[..., 0::2], intervals[..., 1::2]  # [Bm, Hm, S, pairs] each
     rows = []
     for i in range(n):
         a, b = i * c, (i + 1) * c
-        empty = _covers(lts, lte, a, b) | _covers(uts, ute, a, b)  # [Bm, Hm, S]
+        empty = _covers(starts, ends, a, b).any(-1)  # [Bm, Hm, S]
         rows.append(~empty.reshape(-1, n, c).all(-1).all(0))  # [2W]
     return torch.stack(rows).cpu()
 
@@ -131,7 +131,10 @@ def _sub_mask(intervals: torch.Tensor, q_chunk: int, key_chunks: list[int], c: i
     explicit row intervals, shifted and clamped to the chunk, so no alignment rule applies."""
     cols = torch.cat([intervals[:, :, k * c:(k + 1) * c] for k in key_chunks], dim=2)
     rows = (cols.to(torch.int64) - q_chunk * c).clamp(0, c).to(torch.int32)
-    return compile_mask(specs.column_intervals(rows), c, len(key_chunks) * c, device=device)
+    if rows.shape[-1] == 4:
+        return compile_mask(specs.column_intervals(rows), c, len(key_chunks) * c, device=device)
+    # k runs per column: the runs stay disjoint when clipped to the chunk
+    return compile_mask(specs.column_runs(rows[..., 0::2], rows[..., 1::2]), c, len(key_chunks) * c, device=device)
 
 
 def _build_rank_plan(intervals: torch.Tensor, seq_len: int, world: int, rank: int, device, layout: Layout) -> RankPlan:

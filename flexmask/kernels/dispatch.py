@@ -9,6 +9,12 @@ device: the forward the portable kernel, the backward the fused path (two-pass w
 asked), both two-pass passes the portable kernels, and decoding the Triton split-KV kernel, never
 the Gluon Hopper kernels (which would silently drop the terms). Asking for a Hopper kernel
 explicitly with terms is a ValueError. `score_terms_rule_applies` is that rule.
+
+Masks of k runs per column (DESIGN.md 2.1: more than FlashMask's two intervals in some column,
+`common.masking.mask_runs(cm) > 2`): likewise only the portable kernels read them (NUM_RUNS runs per
+column in their partial tiles); the Gluon Hopper kernels hold two intervals and would drop the
+others. Such masks take the portable kernels on every device, by the same paths as score terms;
+asking for a Hopper kernel explicitly with one is a ValueError. `k_runs_rule_applies` is that rule.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from .backward.configs import (backward_config, backward_fused_config, backward_
 from .backward.fused import convert_dq, fused_backward
 from .common.device import gluon_hopper_available
 from .common.intmath import cdiv, next_pow2
-from .common.masking import mask_broadcast, precision_for
+from .common.masking import mask_broadcast, mask_runs, precision_for
 from .common.score_terms import any_terms
 from .common.tma import prepare_tma, tma_enabled
 from .decode.configs import decode_plan
@@ -34,14 +40,31 @@ def score_terms_rule_applies(terms) -> bool:
     return any_terms(terms)
 
 
+def k_runs_rule_applies(cm) -> bool:
+    """True when the mask holds more than two masked runs in some column, which only the portable
+    kernels read (see the module docstring): every path choice below then returns the portable kernel."""
+    return mask_runs(cm) > 2
+
+
+def _portable_only(cm, terms) -> bool:
+    return score_terms_rule_applies(terms) or k_runs_rule_applies(cm)
+
+
+def _k_runs_error(kernel: str, cm, portable: str) -> ValueError:
+    return ValueError(f"kernel={kernel!r} holds two masked intervals per key column; this mask has up to "
+                      f"{mask_runs(cm)} runs in a column (k runs per column are read by the portable kernels only); "
+                      f"use {portable} or None")
+
+
 def forward_path(q: torch.Tensor, cm, terms=None) -> str:
     """Which forward kernel runs: "hopper" (forward_hopper.py: Gluon, persistent, warp-specialised)
     on sm_90 GPUs for fp16/bf16 at head dim 64 or 128 with the default 128 x 128 tables and
     inputs the copy engine can read (16-byte aligned, (B, H, S, D) or (B, S, H, D) memory
     order); "portable" (forward.py) everywhere else: the CPU interpreter (Gluon kernels do not
     run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles, and
-    inputs with score terms (`terms`, score_terms_rule_applies)."""
-    if score_terms_rule_applies(terms):
+    inputs with score terms (`terms`, score_terms_rule_applies) and masks of k runs per column
+    (k_runs_rule_applies)."""
+    if _portable_only(cm, terms):
         return "portable"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9 or not gluon_hopper_available():
         return "portable"
@@ -62,10 +85,11 @@ def backward_path(q: torch.Tensor, cm, deterministic: bool, terms=None) -> str:
     reproducible); otherwise "hopper" (backward_hopper.py: Gluon, persistent, warp-specialised)
     where the head dim is in HOPPER_BACKWARD_HEAD_DIMS and the inputs suit it (sm_90, fp16/bf16,
     128 x 128 tables, layouts the copy engine reads), else "fused" (backward_fused.py) where backward_fused_config offers a
-    config, else "two-pass". Inputs with score terms never take "hopper" (score_terms_rule_applies)."""
+    config, else "two-pass". Inputs with score terms or masks of k runs per column never take "hopper"
+    (score_terms_rule_applies, k_runs_rule_applies)."""
     if deterministic:
         return "two-pass"
-    if (not score_terms_rule_applies(terms) and q.shape[-1] in HOPPER_BACKWARD_HEAD_DIMS and q.device.type == "cuda" and gluon_hopper_available()
+    if (not _portable_only(cm, terms) and q.shape[-1] in HOPPER_BACKWARD_HEAD_DIMS and q.device.type == "cuda" and gluon_hopper_available()
             and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in (torch.float16, torch.bfloat16)
             and (cm.block_m, cm.block_n) == (128, 128)):
         return "hopper"
@@ -122,6 +146,8 @@ def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, k
     if kernel == "hopper" and score_terms_rule_applies(terms):
         raise ValueError("kernel='hopper' does not implement the score terms (softcap, alibi_slopes, sinks); "
                          "use kernel='portable' or None")
+    if kernel == "hopper" and k_runs_rule_applies(cm):
+        raise _k_runs_error(kernel, cm, "kernel='portable'")
     if kernel == "hopper":
         from .forward import hopper  # Gluon: imported only where it can run
 
@@ -132,12 +158,13 @@ def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, k
     return forward_portable(q, k, v, cm, scale, config=config, use_tma=use_tma, terms=terms)
 
 
-def split_kv_plan(q, k, tile: tuple[int, int], mask_heads: int, terms=None):
+def split_kv_plan(q, k, tile: tuple[int, int], mask_heads: int, terms=None, runs: int = 2):
     """The split-KV (Flash-Decoding) plan for these inputs, or None when the q-block forward
     serves them: few queries against a long cache, forward only (decode/configs.decode_plan).
-    With score terms the plan is the Triton kernel's, never the Hopper one's."""
+    With score terms or a mask of k runs per column (`runs`: its runs per column, 2 for
+    FlashMask's intervals) the plan is the Triton kernel's, never the Hopper one's."""
     b, hq, sq, d = q.shape
-    kernel = "triton" if score_terms_rule_applies(terms) else None
+    kernel = "triton" if score_terms_rule_applies(terms) or runs > 2 else None
     return decode_plan(b, hq, k.shape[1], sq, k.shape[2], d, q.dtype, q.device, tile, mask_heads, kernel=kernel)
 
 
@@ -166,6 +193,8 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     if kernel == "hopper" and score_terms_rule_applies(terms):
         raise ValueError("kernel='hopper' does not implement the score terms (softcap, alibi_slopes, sinks); "
                          "use kernel='fused', 'two-pass' or None")
+    if kernel == "hopper" and k_runs_rule_applies(cm):
+        raise _k_runs_error(kernel, cm, "kernel='fused', 'two-pass'")
     sinks = terms.sinks if terms is not None else None
     if sinks is not None and dsinks is None:
         raise ValueError("terms with sinks need a dsinks buffer ((Hq,) float32) for their gradient")

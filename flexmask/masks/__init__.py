@@ -20,6 +20,7 @@ from .specs import (
     share_question,
     sliding_window,
 )
+from .run_specs import dilated_sliding_window, global_tokens, natten
 
 __all__ = [
     "Mask",
@@ -43,4 +44,7 @@ __all__ = [
     "from_startend_row_indices",
     "from_mask_mod",
     "kv_cache",
+    "natten",
+    "global_tokens",
+    "dilated_sliding_window",
 ]

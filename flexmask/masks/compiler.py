@@ -5,10 +5,11 @@ For a tile (q-block m, kv-block n) of BLOCK_M x BLOCK_N the class is exact:
   FULL    no element masked: computed with no mask arithmetic;
   PARTIAL the rest: masked elementwise from the interval vectors of its columns.
 
-How it is computed without a dense pass. For one key column j the canonical masked set is at
-most two disjoint, non-touching row intervals. Over the q-blocks, the blocks that lie entirely
-inside one of them ("covered") form at most two ranges, and the blocks that contain at least
-one masked row ("touched") at most two more. Each range is a +1/-1 pair of events at (kv-block
+How it is computed without a dense pass. For one key column j the masked set is K disjoint,
+non-touching row intervals (K = 2 in the canonical form, up to 16 for masks of k runs per column:
+`intervals.py`). Over the q-blocks, the blocks that lie entirely inside one of them ("covered")
+form at most K ranges, and the blocks that contain at least one masked row ("touched") at most K
+more (a block inside the union lies inside one run, as the runs do not touch). Each range is a +1/-1 pair of events at (kv-block
 of j, q-block). Sorting the O(kv_len) events and taking a running sum gives, for every
 kv-block, the q-block runs on which the number of covering and touching columns is
 constant: a run is SKIP when every column of the kv-block covers it, FULL when none touches
@@ -24,7 +25,9 @@ the exact classification.
 
 Two implementations build the same tables. On the CPU the torch ops below (exact sizes). On a
 GPU the Triton kernels of `masks/compiler_kernels.py` (two launches, no host sync; transient
-memory: a 2-bit tile grid, Sq*Sk/65536 bytes with 128 x 128 tiles, plus O(q-blocks + kv-blocks)),
+memory: a 2-bit tile grid, Sq*Sk/65536 bytes with 128 x 128 tiles, plus O(q-blocks + kv-blocks)) for
+the two-interval masks; masks of k runs per column take the torch ops on every device (the Triton
+compile kernels read two intervals),
 with the lists sized by a bound that the host knows from the mask's parameters
 (`tile_bounds.py`): they hold `len(fwd_blocks) >= offsets[-1]` entries, of which the first
 `offsets[-1]` are the tables. A mask given only as tensors is bounded by every tile; where that
@@ -57,8 +60,8 @@ class CompiledMask:
     kv_len: int
     block_m: int
     block_n: int
-    intervals: torch.Tensor  # int32 [Bm, Hm, kv_len, 4] canonical (LTS, LTE, UTS, UTE)
-    kernel_intervals: torch.Tensor  # int32 [Bm*Hm, 4, kv_len] planar, for coalesced loads
+    intervals: torch.Tensor  # int32 [Bm, Hm, kv_len, 4] canonical (LTS, LTE, UTS, UTE), or [.., 2K] k runs
+    kernel_intervals: torch.Tensor  # int32 [Bm*Hm, 4 or 2K, kv_len] planar, for coalesced loads
     fwd_offsets: torch.Tensor  # int32 [Bm*Hm*NQB + 1]
     fwd_num_full: torch.Tensor  # int32 [Bm*Hm*NQB]
     fwd_blocks: torch.Tensor  # int32 [T] kv-block indices
@@ -79,6 +82,11 @@ class CompiledMask:
     @property
     def heads(self) -> int:
         return self.intervals.shape[1]
+
+    @property
+    def runs(self) -> int:
+        """(start, end) pairs per column: 2 (LTS/LTE, UTS/UTE) unless the mask needs k runs."""
+        return self.intervals.shape[-1] // 2
 
     @property
     def device(self) -> torch.device:
@@ -152,17 +160,19 @@ def classify_runs(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int
     dev = intervals.device
     n_rows = intervals.shape[0] * intervals.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
-    iv = intervals.reshape(n_rows, kv_len, 4).long()
+    width = intervals.shape[-1]  # 4, or 2K for K runs per column
+    k = width // 2
+    iv = intervals.reshape(n_rows, kv_len, width).long()
     col = torch.arange(kv_len, device=dev)
     seg = torch.arange(n_rows, device=dev)[:, None] * n_kb + col // block_n  # [rows, Sk]
 
-    # both intervals at once: [rows, Sk, 2] starts and ends
+    # every interval at once: [rows, Sk, K] starts and ends
     (cov_lo, cov_hi), (touch_lo, touch_hi) = _block_ranges(iv[..., 0::2], iv[..., 1::2], q_len, block_m, n_qb)
     # events: (segment, q-block) keys with (d_cover, d_touch) packed into one int64 delta
-    ev_m = torch.cat([cov_lo, cov_hi, touch_lo, touch_hi], -1)  # [rows, Sk, 8]
+    ev_m = torch.cat([cov_lo, cov_hi, touch_lo, touch_hi], -1)  # [rows, Sk, 4K]
     key = (seg[..., None] * (n_qb + 1) + ev_m).reshape(-1)
     one_cover, one_touch = 1 << 32, 1
-    delta = torch.tensor([one_cover, one_cover, -one_cover, -one_cover, one_touch, one_touch, -one_touch, -one_touch],
+    delta = torch.tensor([one_cover] * k + [-one_cover] * k + [one_touch] * k + [-one_touch] * k,
                          device=dev).repeat(n_rows * kv_len)
     # every segment starts a run at q-block 0 (zero delta)
     key = torch.cat([torch.arange(n_rows * n_kb, device=dev) * (n_qb + 1), key])
@@ -207,6 +217,8 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
         return build_tables(build_intervals(mask, q_len, kv_len, device), q_len, kv_len, block_m, block_n,
                             source=mask, on_device=False)
     plan = device_plan(mask, q_len, kv_len, device, block_m, block_n)  # kept on the mask where it may be
+    if plan.intervals is not None and plan.intervals.shape[-1] > 4:  # k runs per column: the torch ops
+        return build_tables(plan.intervals, q_len, kv_len, block_m, block_n, source=mask, on_device=False)
     rows = plan.shape[0] * plan.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
     per_row = min(n_qb * n_kb, plan.tiles_per_row)
@@ -233,10 +245,11 @@ MAX_UNCOUNTED_LIST_BYTES = 512 * 2**20
 
 def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int, block_n: int, source=None,
                  on_device: bool | None = None) -> CompiledMask:
-    """Compile canonical intervals [Bm, Hm, kv_len, 4] into a CompiledMask. On a GPU (or with
-    on_device=True) by the Triton kernels with one host sync (the tiles are counted to size the
-    lists: `compile_spec` avoids it with a bound); else by torch ops, with two host syncs."""
-    if intervals.is_cuda if on_device is None else on_device:
+    """Compile intervals [Bm, Hm, kv_len, 4] (canonical) or [.., 2K] (k runs) into a CompiledMask.
+    Two intervals on a GPU (or with on_device=True): by the Triton kernels with one host sync (the
+    tiles are counted to size the lists: `compile_spec` avoids it with a bound); else by torch
+    ops, with two host syncs."""
+    if (intervals.is_cuda if on_device is None else on_device) and intervals.shape[-1] == 4:
         rows = intervals.shape[0] * intervals.shape[1]
         tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, None, intervals=intervals.contiguous())
         return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n,
@@ -280,7 +293,7 @@ def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int,
         block_m=block_m,
         block_n=block_n,
         intervals=intervals,
-        kernel_intervals=intervals.reshape(n_rows, kv_len, 4).permute(0, 2, 1).contiguous(),
+        kernel_intervals=intervals.reshape(n_rows, kv_len, intervals.shape[-1]).permute(0, 2, 1).contiguous(),
         fwd_offsets=fwd_offsets,
         fwd_num_full=fwd_num_full,
         fwd_blocks=blocks(n[fwd_order]),

@@ -7,6 +7,13 @@ which exists for tests and pictures).
 
 Canonical means: both intervals lie in [0, q_len]; an empty interval is (0, 0); when both are
 non-empty they are disjoint, do not touch, and the lower-row one sits in the (UTS, UTE) slot.
+
+A mask with more than two masked runs in some column (DESIGN.md 2.1: `column_runs`,
+`from_mask_mod`, the k-run builders, compositions) comes as ``[B|1, H|1, kv_len, 2 * K]`` instead:
+K (start, end) pairs per column, K = `run_slots(most runs of a column)` (4, 8 or 16), the runs
+sorted, disjoint and not touching, empty slots (0, 0) last. The canonical form is its case K = 2
+(the pairs (LTS, LTE) and (UTS, UTE)); every view below reads both. A mask that fits two runs
+per column always comes in the canonical form.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 from . import run_bounds
 from .geometry import (_Geometry, cache_lengths, doc_lengths, geometry, host_doc_rows, is_device_lengths,
                        last_doc_start, share_question_lengths, to_device)
+from .run_builders import RUN_BUILDERS
 
 _EMPTY = 0
 
@@ -431,6 +439,39 @@ def _compose_runs(m, g: _Geometry) -> torch.Tensor:
     return _normalize_runs(torch.stack([start, end], dim=-1).flatten(-3, -2), g.q_len, ka + kb - 1)
 
 
+def run_slots(most: int) -> int:
+    """Pairs per column of the intervals of a mask whose columns hold at most `most` runs: 2 (the
+    canonical form) up to two, else the next power of two (4, 8, 16), so that masks of nearby run
+    counts share one kernel specialisation (NUM_RUNS is a constexpr of the kernels)."""
+    return 2 if most <= 2 else 1 << (most - 1).bit_length()
+
+
+def runs_to_intervals(runs: torch.Tensor, q_len: int, most: int) -> torch.Tensor:
+    """Runs [B, H, Sk, K, 2] (sorted, disjoint, empty slots (q_len + 1, q_len + 1) last) whose
+    columns hold at most `most` runs (the caller counted them) -> intervals: the canonical int32
+    [B, H, Sk, 4] when most <= 2, else [B, H, Sk, 2 * run_slots(most)] (module docstring)."""
+    if most <= 2:
+        return _canonical_from_runs(runs, q_len)
+    k = run_slots(most)
+    runs = runs[..., :most, :]
+    if k > most:
+        pad = torch.full((*runs.shape[:-2], k - most, 2), q_len + 1, dtype=runs.dtype, device=runs.device)
+        runs = torch.cat([runs, pad], dim=-2)
+    runs = torch.where(runs[..., :1] > q_len, 0, runs)  # empty slots: (0, 0)
+    return runs.flatten(-2).to(torch.int32)
+
+
+def _too_many_runs(m, runs: torch.Tensor, count: torch.Tensor, limit: int, where=None) -> ValueError:
+    b, h, j = (count > limit).nonzero()[0].tolist()
+    n = int(count[b, h, j])
+    where = where(b, h) if where is not None else (f" (batch {b}, head {h})" if runs.shape[0] * runs.shape[1] > 1
+                                                   else "")
+    return ValueError(
+        f"{m!r}: key column {j}{where} needs {n} masked runs of query rows (rows {_format_runs(runs[b, h, j, :n])}), "
+        f"more than max_runs={limit}, the most a column holds (DESIGN.md 2.1)"
+    )
+
+
 def _format_runs(runs: torch.Tensor) -> str:
     return ", ".join(f"[{s}, {e})" for s, e in runs.tolist())
 
@@ -471,21 +512,18 @@ def _combined(m, g):
         if composed is not None:
             return composed
     runs = _compose_runs(m, g)
-    # A result that may need more than two intervals per column has to be looked at (a host
-    # sync on a GPU): DESIGN.md promises a ValueError naming the column. `run_bounds` proves from
-    # the operands' kinds alone that most compositions fit (causal & window, documents & window,
-    # kv_cache & any family, ...): those skip the look.
+    # A result that may need more than two intervals per column has to be counted (a host sync on
+    # a GPU): its most runs per column choose the form of its intervals (module docstring), and
+    # more than MAX_RUNS_LIMIT is a ValueError naming the column. `run_bounds` proves from the
+    # operands' kinds alone that most compositions fit two (causal & window, documents & window,
+    # kv_cache & any family, ...): those skip the count.
+    if runs.shape[-2] <= 2 or run_bounds.max_runs(m) <= 2:
+        return _canonical_from_runs(runs, g.q_len)
     count = (runs[..., 0] <= g.q_len).sum(-1)
-    if runs.shape[-2] > 2 and run_bounds.max_runs(m) > 2 and bool((count > 2).any()):
-        b, h, j = (count > 2).nonzero()[0].tolist()
-        n = int(count[b, h, j])
-        raise ValueError(
-            f"the composed mask needs {n} intervals in key column {j} (batch {b}, head {h}): it masks "
-            f"query rows {_format_runs(runs[b, h, j, :n])} there, but a column holds at most 2 masked "
-            f"row intervals ([LTS, LTE) and [UTS, UTE)) in the kernels today (k per column are planned, "
-            f"issue #41)"
-        )
-    return _canonical_from_runs(runs, g.q_len)
+    most = int(count.max()) if count.numel() else 0
+    if most > run_bounds.MAX_RUNS_LIMIT:
+        raise _too_many_runs(m, runs, count, run_bounds.MAX_RUNS_LIMIT)
+    return runs_to_intervals(runs, g.q_len, most)
 
 
 def _canonical_from_runs(runs: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -504,13 +542,14 @@ def _canonical_from_runs(runs: torch.Tensor, q_len: int) -> torch.Tensor:
     return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32)
 
 
-# --- masks given as runs of masked rows: column_runs, from_mask_mod ------------------------
+# --- masks given as runs of masked rows: column_runs, from_mask_mod, the k-run builders ---------
 #
-# Both are built as runs [B|1, H|1, Sk, K, 2] (the composition's form above), K being the most
-# runs any column holds. Alone, a mask must fit the two intervals of the canonical form; in a
-# composition only the final result must (`_compose_runs` takes the runs as they are).
+# All are built as runs [B|1, H|1, Sk, K, 2] (the composition's form above), K being the most
+# runs any column holds. Alone, a mask becomes the canonical form where it fits two runs per
+# column, else the k-run form (up to MAX_RUNS_LIMIT runs); in a composition only the final result
+# must fit (`_compose_runs` takes the runs as they are).
 
-_RUN_KINDS = ("column_runs", "mask_mod")
+_RUN_KINDS = ("column_runs", "mask_mod", *RUN_BUILDERS)
 
 # One mask_mod call sees at most this many (q_idx, kv_idx) pairs: with the int64 temporaries of
 # the run scan, some 100 MB of transient memory, whatever q_len x kv_len is.
@@ -526,7 +565,25 @@ def _holds_run_kinds(m) -> bool:
 
 def _given_runs(m, g: _Geometry) -> torch.Tensor:
     """Runs [B|1, H|1, Sk, K, 2] of a mask of `_RUN_KINDS`, K the most runs a column holds."""
-    return _column_runs(m, g) if m.kind == "column_runs" else _mask_mod_runs(m, g)
+    if m.kind == "column_runs":
+        return _column_runs(m, g)
+    if m.kind == "mask_mod":
+        return _mask_mod_runs(m, g)
+    return _built_runs(m, g)
+
+
+def _built_runs(m, g: _Geometry) -> torch.Tensor:
+    """Runs of a k-run builder (`run_builders`), merged. Next to a kv_cache mask its positions
+    follow the cache, as `_operand_intervals` does for the other families: built for
+    q_len + kv_len virtual rows, then shifted by each batch row's length and clamped."""
+    build = RUN_BUILDERS[m.kind]
+    if g.cache_lengths is None:
+        raw = build(m.params(), g)
+        return _normalize_runs(raw, g.q_len, raw.shape[-2])
+    virtual = _Geometry(g.q_len + g.kv_len, g.kv_len, g.device, g.on_device)
+    raw = build(m.params(), virtual)
+    shifted = _normalize_runs(raw, virtual.q_len, raw.shape[-2]) - g.cache_lengths.view(-1, 1, 1, 1, 1)
+    return _normalize_runs(shifted, g.q_len, shifted.shape[-2])
 
 
 def _column_runs(m, g: _Geometry) -> torch.Tensor:
@@ -642,26 +699,16 @@ def _where(m, b: int, h: int) -> str:
 
 
 def _from_runs(m, g: _Geometry) -> torch.Tensor:
-    """Canonical intervals of a mask given as runs alone: a column of more than two runs raises
-    (the kernels hold two today)."""
+    """Intervals of a mask given as runs alone: canonical where every column fits two runs, else
+    the k-run form (a mask_mod's own max_runs was checked while it was evaluated)."""
     runs = _given_runs(m, g)
-    if runs.shape[-2] > 2:
-        count = (runs[..., 0] <= g.q_len).sum(-1)
-        if bool((count > 2).any()):
-            b, h, j = (count > 2).nonzero()[0].tolist()
-            n = int(count[b, h, j])
-            if m.kind == "mask_mod":
-                where, merged = _where(m, b, h), f" (max_runs={m.params()['max_runs']} allows it)"
-            else:
-                where = f" (batch {b}, head {h})" if runs.shape[0] * runs.shape[1] > 1 else ""
-                merged = " once overlapping runs are merged"
-            raise ValueError(
-                f"{m!r}: key column {j}{where} needs {n} masked runs{merged}: query rows "
-                f"{_format_runs(runs[b, h, j, :n])}, but the kernels take two masked intervals per column today "
-                f"(k runs per column, up to max_runs, are planned: issue #41). Until then a mask must have at most "
-                f"two masked runs per column, alone or as the result of a composition (& / |)"
-            )
-    return _canonical_from_runs(runs, g.q_len)
+    if runs.shape[-2] <= 2:
+        return _canonical_from_runs(runs, g.q_len)
+    count = (runs[..., 0] <= g.q_len).sum(-1)
+    most = int(count.max()) if count.numel() else 0
+    if most > run_bounds.MAX_RUNS_LIMIT:
+        raise _too_many_runs(m, runs, count, run_bounds.MAX_RUNS_LIMIT)
+    return runs_to_intervals(runs, g.q_len, most)
 
 
 _BUILDERS = {
@@ -681,6 +728,7 @@ _BUILDERS = {
     "kv_cache": _kv_cache,
     "column_runs": _from_runs,
     "mask_mod": _from_runs,
+    **{kind: _from_runs for kind in RUN_BUILDERS},
     "and": _combined,
     "or": _combined,
 }
@@ -709,14 +757,16 @@ def build_intervals(mask, q_len: int, kv_len: int, device=None, on_device: bool 
 def intervals_to_dense(iv: torch.Tensor, q_len: int) -> torch.Tensor:
     """Boolean [B, H, q_len, kv_len], True = attend. O(q_len * kv_len): tests and pictures only."""
     rows = torch.arange(q_len, device=iv.device).view(1, 1, q_len, 1)
-    lts, lte, uts, ute = (iv[..., i].unsqueeze(-2) for i in range(4))
-    masked = ((rows >= lts) & (rows < lte)) | ((rows >= uts) & (rows < ute))
+    masked = torch.zeros((*iv.shape[:2], q_len, iv.shape[2]), dtype=torch.bool, device=iv.device)
+    for r in range(iv.shape[-1] // 2):  # each (start, end) pair: (LTS, LTE), (UTS, UTE), or run r
+        start, end = iv[..., 2 * r].unsqueeze(-2), iv[..., 2 * r + 1].unsqueeze(-2)
+        masked |= (rows >= start) & (rows < end)
     return ~masked
 
 
 def unmasked_count(iv: torch.Tensor, q_len: int) -> torch.Tensor:
     """Number of attending (query, key) pairs per [B, H], in O(kv_len)."""
-    masked = (iv[..., 1] - iv[..., 0]) + (iv[..., 3] - iv[..., 2])  # canonical: disjoint
+    masked = (iv[..., 1::2] - iv[..., 0::2]).sum(-1)  # canonical or k-run form: disjoint
     return (q_len - masked.long()).sum(-1)
 
 
@@ -734,9 +784,7 @@ def picture(iv: torch.Tensor, q_len: int, max_size: int = 64) -> str:
     one = iv[0, 0].long()
     for cq in range(cells_q):
         r0, r1 = cq * step_q, min((cq + 1) * step_q, q_len)
-        overlap = (one[:, 1].clamp(r0, r1) - one[:, 0].clamp(r0, r1)) + (
-            one[:, 3].clamp(r0, r1) - one[:, 2].clamp(r0, r1)
-        )
+        overlap = (one[:, 1::2].clamp(r0, r1) - one[:, 0::2].clamp(r0, r1)).sum(-1)
         attend = (r1 - r0) - overlap
         total = torch.zeros(cells_k, dtype=torch.long).index_add_(0, cols_cell, attend)
         size = torch.zeros(cells_k, dtype=torch.long).index_add_(0, cols_cell, torch.full_like(attend, r1 - r0))

@@ -1,9 +1,9 @@
 """How many masked row intervals a column of a mask may need, from the mask's kinds alone.
 
 A composition (`a & b`, `a | b`) is computed as runs of masked rows per column; the canonical
-form holds two. Checking the result against that limit reads the data (a host sync on a GPU),
-so the compiler first asks `max_runs(mask)`: when the kinds of the operands prove that no
-column needs more than two runs, there is nothing to check.
+form holds two, the k-run form up to MAX_RUNS_LIMIT. Counting the runs of the result reads the
+data (a host sync on a GPU), so the compiler first asks `max_runs(mask)`: when the kinds of the
+operands prove that no column needs more than two runs, the result is canonical with no count.
 
 Each masked interval of a leaf is described by its shape and its side of the diagonal (row
 r_j of column j is the query at key j's own position, DESIGN.md 2.3):
@@ -84,7 +84,28 @@ def _leaf_runs(mask) -> _Runs:
         return _leaf(*[(M, X)] * p["starts"].shape[-1])
     if kind == "mask_mod":  # a function: up to max_runs runs anywhere (more raise when it is built)
         return _leaf(*[(M, X)] * p["max_runs"])
+    if kind in _K_RUN_BUILDERS:  # the k-run builders: a bound from their parameters
+        return _leaf(*[(M, X)] * _K_RUN_BUILDERS[kind](p))
     return _leaf((M, X), (M, X))  # unknown: any two intervals
+
+
+def _natten_bound(p) -> int:
+    """Attending query frames x rows x column runs of one key, plus one: an axis of n coordinates
+    and kernel k has at most min(n, k + k // 2) attending coordinates (a window clamped at the
+    border reaches k // 2 further), one run of columns unless the columns are dilated."""
+    def attenders(n, k):
+        return min(n, k + k // 2)
+
+    cols = 1 if p["dilation"][1] == 1 else attenders(p["width"], p["kernel"][1])
+    return attenders(p["frames"], p["time_kernel"]) * attenders(p["height"], p["kernel"][0]) * cols + 1
+
+
+_K_RUN_BUILDERS = {
+    "natten": _natten_bound,
+    "global_tokens": lambda p: len(set(p["positions"])) + 1,
+    "dilated_sliding_window": lambda p: max(p["left"] // d for d in (
+        p["dilation"] if isinstance(p["dilation"], list) else [p["dilation"]])) + 2,
+}
 
 
 def _merge(classes) -> tuple:

@@ -497,11 +497,11 @@ def column_runs(starts, ends) -> Mask:
                                                                            ..#
                                                                            .##
 
-    The kernels hold two masked intervals per column today: a column whose merged runs number
-    more than two raises a ValueError naming the column and its runs (k runs per column through
-    every kernel are planned, issue #41). In a composition (``&``, ``|``) only the final mask
-    must fit. Tensors on a GPU are used there: their rows are clamped to [0, q_len] instead of
-    checked (the run count is still checked, one host sync).
+    A column may hold up to 16 merged runs (DESIGN.md 2.1): more raise a ValueError naming the
+    column and its runs; in a composition (``&``, ``|``) only the final mask must fit. Masks of
+    more than two runs in some column run on the portable kernels (the Hopper kernels hold two).
+    Tensors on a GPU are used there: their rows are clamped to [0, q_len] instead of checked (the
+    run count is still read, one host sync).
     """
     tensors = {}
     for name, value in (("starts", starts), ("ends", ends)):
@@ -612,14 +612,13 @@ def from_mask_mod(mask_mod, batch: int | None = None, heads: int | None = None, 
     it broadcasts); an int B / H evaluates every b < B / h < H (H may equal Hq or Hkv).
 
     ``max_runs`` (1..16, default 8) bounds the masked runs of one column: a column with more
-    raises a ValueError naming it, its run count and max_runs. The kernels hold two masked
-    intervals per column today, so a column of 3..max_runs runs raises a ValueError too, saying
-    so (k runs per column through every kernel are planned, issue #41); in a composition only
-    the final mask must fit two. A dilated pattern needs one run per gap::
+    raises a ValueError naming it, its run count and max_runs (in a composition only the final
+    mask must fit, in 16 runs). A mask of more than two runs in some column runs on the portable
+    kernels (the Hopper kernels hold two). A dilated pattern needs one run per gap::
 
         (kv_idx <= q_idx) & ((q_idx - kv_idx) % 2 == 0)     #.....   column 0 masks rows
-                                                             .#....   1, 3 and 5: three runs,
-                                                             #.#...   a ValueError today
+                                                             .#....   1, 3 and 5: three runs
+                                                             #.#...
                                                              .#.#..
                                                              #.#.#.
                                                              .#.#.#

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU-marked test on one H100/H200, in six processes side by side, under 5 minutes. From the
+# Every GPU-marked test on one H100/H200, in eight processes side by side, under 5 minutes. From the
 # repository root:
 #     OUT=/some/dir bash tools/gpu_jobs/gpu_tests.sh
 # Each group's log goes to /tmp/gpu_tests_logs; their tails are gathered into
@@ -28,6 +28,7 @@ tests dtypes tests/test_gpu.py -k dtypes_and_head_dims &
 tests gpu_rest tests/test_gpu.py -k "not family_matches_reference and not dtypes_and_head_dims" &
 tests others "${others[@]}" &
 tests score_terms tests/test_score_terms.py &
+tests k_runs tests/test_gpu_k_runs.py &
 wait
 for f in "$logs"/tests_*.log; do echo "#### $f"; tail -n 25 "$f"; done > "$OUT/gpu_tests_log.txt"
 grep -h "^== \|passed\|failed" "$logs"/tests_*.log

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..common.launcher import FastLaunch
 from ..common.intmath import cdiv
-from ..common.masking import block_source, column_intervals, load_block, mask_row, masked_elements_t, row_stats
+from ..common.masking import block_source, column_masks, load_block, mask_row, mask_runs, masked_tile_t, row_stats
 from ..common.score_terms import kernel_args as score_kernel_args, log2_scores
 
 
@@ -38,12 +38,12 @@ def _fused_tiles(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, DQ_T: tl.constexpr, DQ_TMA: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     o_bm = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     if MASKED:
-        lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)  # this program's columns, once
+        lts, l_width, uts, u_width = column_masks(p_intv, o_n, Sk, NUM_RUNS)  # this program's columns, once
     # a flat loop over the BLOCK_M steps (one set of pipeline buffers instead of one per step)
     # measured 10-15% slower on an H200 (docs/performance.md, section 3)
     for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
@@ -62,7 +62,7 @@ def _fused_tiles(
             else:
                 b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
             if MASKED:
-                b_pt = tl.where(masked_elements_t(lts, l_width, uts, u_width, o_m), 0.0, b_pt)
+                b_pt = tl.where(masked_tile_t(lts, l_width, uts, u_width, o_m, NUM_RUNS), 0.0, b_pt)
             dv = tl.dot(b_pt.to(b_do.dtype), b_do, dv, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
             b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
             if SOFTCAP:  # d softcap * tanh(x) / dx = 1 - tanh(x)^2
@@ -105,6 +105,7 @@ def _fused_kernel(
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, DQ_T: tl.constexpr,
     DQ_TMA: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    NUM_RUNS: tl.constexpr,
 ):
     """dK, dV of BLOCK_N kv rows of one (batch, kv head), summed over its query-head group,
     and those rows' contributions to dQ of every query head of the group."""
@@ -132,7 +133,7 @@ def _fused_kernel(
         t_lo = tl.load(BWD_OFFSETS + seg)
         t_mid = t_lo + tl.load(BWD_NUM_FULL + seg)
         t_hi = tl.load(BWD_OFFSETS + seg + 1)
-        p_intv = INTV + row.to(tl.int64) * 4 * Sk
+        p_intv = INTV + row.to(tl.int64) * (2 * NUM_RUNS) * Sk
         p_q = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         p_do = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
         q_src = block_source(p_q, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
@@ -156,13 +157,13 @@ def _fused_kernel(
             dk, dv, b_k, b_v, q_src, do_src, stride_qm, stride_dom, p_stats, dq_dst, BWD_BLOCKS, t_lo, t_mid,
             o_n, p_intv, Sq, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
             HEAD_DIM, BLOCK_D, BLOCK_M, TILE_M, False, PRECISION, USE_TMA, EVEN_M, NUM_STAGES, DQ_T, DQ_TMA,
-            SOFTCAP, HAS_ALIBI,
+            SOFTCAP, HAS_ALIBI, NUM_RUNS,
         )
         dk, dv = _fused_tiles(
             dk, dv, b_k, b_v, q_src_masked, do_src_masked, stride_qm, stride_dom, p_stats, dq_dst_masked, BWD_BLOCKS, t_mid, t_hi,
             o_n, p_intv, Sq, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
             HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_M, True, PRECISION, USE_TMA, EVEN_M, MASKED_STAGES, DQ_T, DQ_TMA,
-            SOFTCAP, HAS_ALIBI,
+            SOFTCAP, HAS_ALIBI, NUM_RUNS,
         )
 
     dk *= sm_scale
@@ -215,7 +216,7 @@ def fused_backward(q, k, v, do, stats, dq_acc, dq, dk, dv, cm, scale: float, cfg
         scale * 1.4426950408889634, scale, kv_per_bh, *score_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         MASKED_BLOCK=min(cfg.step_masked or cfg.block_m, cfg.block_m), MASKED_STAGES=cfg.stages_masked,
-        DQ_T=dq_transposed, DQ_TMA=dq_tma, **common, **score_flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DQ_T=dq_transposed, DQ_TMA=dq_tma, **common, **score_flags, NUM_RUNS=mask_runs(cm), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     convert_dq(dq_acc, dq, scale, common["BLOCK_D"])
 

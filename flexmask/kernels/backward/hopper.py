@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..common.launcher import FastLaunch
+from ..common.masking import mask_runs
 from ..common import scheduler
 from . import configs
 from ..forward.hopper import (
@@ -389,7 +390,7 @@ def supports(q, k, v, cm) -> bool:
     tables, q/k/v in layouts the copy engine reads, k and v in the same one (dO is copied into
     q's layout when it is not)."""
     if not (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
-            and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS):
+            and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS and mask_runs(cm) == 2):
         return False
     q_view, k_view, v_view = _tma_view(q), _tma_view(k), _tma_view(v)
     return q_view is not None and k_view is not None and v_view is not None and k_view[2] == v_view[2]

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from ..common.launcher import FastLaunch
 from ..common.intmath import cdiv
-from ..common.masking import (LOG2E, block_source, column_intervals, load_block, mask_row, masked_elements,
-                              masked_elements_t, row_stats)
+from ..common.masking import (LOG2E, block_source, column_masks, load_block, mask_row, mask_runs, masked_tile,
+                              masked_tile_t, row_stats)
 from ..common.score_terms import kernel_args as score_kernel_args, log2_scores
 from ..common.tiles import flat_steps
 
@@ -71,7 +71,7 @@ def _dkdv_step(
     tanh_scale, softcap2, slope2, alibi_shift,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     """dK/dV += the products of one BLOCK_M-row step of query rows from start_m."""
     o_m = start_m + o_bm
@@ -86,7 +86,7 @@ def _dkdv_step(
     else:
         b_pt = tl.math.exp2(b_st * qk_scale - b_lse2[None, :])
     if MASKED:
-        b_pt = tl.where(masked_elements_t(lts, l_width, uts, u_width, o_m), 0.0, b_pt)
+        b_pt = tl.where(masked_tile_t(lts, l_width, uts, u_width, o_m, NUM_RUNS), 0.0, b_pt)
     dv = tl.dot(b_pt.to(b_do.dtype), b_do, dv, input_precision=PRECISION)  # [BLOCK_N, BLOCK_D]
     b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
     b_dst = b_pt * (b_dpt - b_delta[None, :])
@@ -106,11 +106,12 @@ def _dkdv_tiles(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    NUM_RUNS: tl.constexpr,
 ):
     o_bm = tl.arange(0, BLOCK_M)
     lts, l_width, uts, u_width = o_n, o_n, o_n, o_n  # unused on FULL tiles
     if MASKED:
-        lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)  # this program's columns, once
+        lts, l_width, uts, u_width = column_masks(p_intv, o_n, Sk, NUM_RUNS)  # this program's columns, once
     STEPS: tl.constexpr = TILE_M // BLOCK_M
     if FLAT:  # one loop over the steps (configs.flat_steps: fp32, whose unrolled steps compile for minutes)
         for s in tl.range(t_lo * STEPS, t_hi * STEPS, num_stages=NUM_STAGES):
@@ -118,7 +119,7 @@ def _dkdv_tiles(
             dk, dv = _dkdv_step(dk, dv, b_k, b_v, start_m, o_bm, o_n, lts, l_width, uts, u_width, q_src, do_src,
                                 stride_qm, stride_dom, p_stats, Sq, qk_scale, tanh_scale, softcap2, slope2,
                                 alibi_shift, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED, PRECISION, USE_TMA, EVEN_M, SOFTCAP,
-                                HAS_ALIBI)
+                                HAS_ALIBI, NUM_RUNS)
     else:
         # a flat loop over the BLOCK_M steps (one set of pipeline buffers instead of one per step)
         # measured 10-15% slower on an H200 (docs/performance.md, section 3)
@@ -128,7 +129,7 @@ def _dkdv_tiles(
                 dk, dv = _dkdv_step(dk, dv, b_k, b_v, m * TILE_M + i * BLOCK_M, o_bm, o_n, lts, l_width, uts,
                                     u_width, q_src, do_src, stride_qm, stride_dom, p_stats, Sq, qk_scale, tanh_scale,
                                     softcap2, slope2, alibi_shift, HEAD_DIM, BLOCK_D, BLOCK_M, MASKED, PRECISION,
-                                    USE_TMA, EVEN_M, SOFTCAP, HAS_ALIBI)
+                                    USE_TMA, EVEN_M, SOFTCAP, HAS_ALIBI, NUM_RUNS)
     return dk, dv
 
 
@@ -151,7 +152,7 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, FLAT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     """dK, dV of BLOCK_N kv rows of one (batch, kv head), summed over its query-head group."""
     # kv-blocks in order within a (batch, kv head): under causal-like masks the first ones see
@@ -177,7 +178,7 @@ def _dkdv_program(
         t_lo = tl.load(BWD_OFFSETS + seg)
         t_mid = t_lo + tl.load(BWD_NUM_FULL + seg)
         t_hi = tl.load(BWD_OFFSETS + seg + 1)
-        p_intv = INTV + row.to(tl.int64) * 4 * Sk
+        p_intv = INTV + row.to(tl.int64) * (2 * NUM_RUNS) * Sk
         p_q = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         p_do = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
         q_src = block_source(p_q, Sq, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
@@ -192,11 +193,13 @@ def _dkdv_program(
             dk, dv, b_k, b_v, q_src, do_src, stride_qm, stride_dom, p_stats, BWD_BLOCKS, t_lo, t_mid,
             o_n, p_intv, Sq, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
             HEAD_DIM, BLOCK_D, BLOCK_M, TILE_M, False, PRECISION, USE_TMA, EVEN_M, NUM_STAGES, FLAT, SOFTCAP, HAS_ALIBI,
+            NUM_RUNS,
         )
         dk, dv = _dkdv_tiles(
             dk, dv, b_k, b_v, q_src_masked, do_src_masked, stride_qm, stride_dom, p_stats, BWD_BLOCKS, t_mid, t_hi,
             o_n, p_intv, Sq, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
             HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_M, True, PRECISION, USE_TMA, EVEN_M, MASKED_STAGES, FLAT, SOFTCAP, HAS_ALIBI,
+            NUM_RUNS,
         )
 
     dk *= sm_scale
@@ -214,12 +217,12 @@ def _dq_step(
     tanh_scale, softcap2, slope2, alibi_shift,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     """dQ += the products of one BLOCK_N-column step of kv columns from start_n."""
     o_n = start_n + o_bn
     if MASKED:  # FULL tiles lie inside [0, Sk)
-        lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)
+        lts, l_width, uts, u_width = column_masks(p_intv, o_n, Sk, NUM_RUNS)
         b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
         b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
     else:
@@ -233,7 +236,7 @@ def _dq_step(
     else:
         b_p = tl.math.exp2(b_s * qk_scale - b_lse2[:, None])
     if MASKED:
-        b_p = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), 0.0, b_p)
+        b_p = tl.where(masked_tile(lts, l_width, uts, u_width, o_m, NUM_RUNS), 0.0, b_p)
     b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     b_ds = b_p * (b_dp - b_delta[:, None])
     if SOFTCAP:  # d softcap * tanh(x) / dx = 1 - tanh(x)^2
@@ -252,6 +255,7 @@ def _dq_tiles(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    NUM_RUNS: tl.constexpr,
 ):
     o_bn = tl.arange(0, BLOCK_N)
     STEPS: tl.constexpr = TILE_N // BLOCK_N
@@ -260,7 +264,7 @@ def _dq_tiles(
             start_n = tl.load(p_blocks + s // STEPS) * TILE_N + (s % STEPS) * BLOCK_N
             dq = _dq_step(dq, b_q, b_do, b_lse2, b_delta, start_n, o_bn, k_src, v_src, stride_kn, stride_vn, o_m,
                           p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, HEAD_DIM, BLOCK_D, BLOCK_N,
-                          MASKED, PRECISION, USE_TMA, EVEN_N, SOFTCAP, HAS_ALIBI)
+                          MASKED, PRECISION, USE_TMA, EVEN_N, SOFTCAP, HAS_ALIBI, NUM_RUNS)
     else:
         for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
             n = tl.load(p_blocks + t)
@@ -268,7 +272,7 @@ def _dq_tiles(
                 dq = _dq_step(dq, b_q, b_do, b_lse2, b_delta, n * TILE_N + j * BLOCK_N, o_bn, k_src, v_src,
                               stride_kn, stride_vn, o_m, p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2,
                               alibi_shift, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, PRECISION, USE_TMA, EVEN_N, SOFTCAP,
-                              HAS_ALIBI)
+                              HAS_ALIBI, NUM_RUNS)
     return dq
 
 
@@ -290,7 +294,7 @@ def _dq_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, FLAT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     """dQ of BLOCK_M query rows of one (batch, query head)."""
     # q-blocks in reverse: the last rows of causal-like masks are the heaviest, so they start first
@@ -308,7 +312,7 @@ def _dq_program(
     t_lo = tl.load(FWD_OFFSETS + seg)
     t_mid = t_lo + tl.load(FWD_NUM_FULL + seg)
     t_hi = tl.load(FWD_OFFSETS + seg + 1)
-    p_intv = INTV + row.to(tl.int64) * 4 * Sk
+    p_intv = INTV + row.to(tl.int64) * (2 * NUM_RUNS) * Sk
 
     p_q = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     p_do = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
@@ -330,11 +334,13 @@ def _dq_program(
         dq, b_q, b_do, b_lse2, b_delta, k_src, v_src, stride_kn, stride_vn, FWD_BLOCKS, t_lo, t_mid,
         o_m, p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
         HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES, FLAT, SOFTCAP, HAS_ALIBI,
+        NUM_RUNS,
     )
     dq = _dq_tiles(
         dq, b_q, b_do, b_lse2, b_delta, k_src_masked, v_src_masked, stride_kn, stride_vn, FWD_BLOCKS, t_mid, t_hi,
         o_m, p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
         HEAD_DIM, BLOCK_D, MASKED_BLOCK, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES, FLAT, SOFTCAP, HAS_ALIBI,
+        NUM_RUNS,
     )
     dq *= sm_scale
     m_md = in_q[:, None] & (o_d[None, :] < HEAD_DIM)
@@ -360,7 +366,7 @@ def _dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, FLAT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     _dkdv_program(
         tl.program_id(0), PROGRAMS_PER_BH,
@@ -370,7 +376,7 @@ def _dkdv_kernel(
         Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
         tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, TILE_M, TILE_N, PRECISION, USE_TMA, EVEN_M, EVEN_N,
-        NUM_STAGES, MASKED_BLOCK, MASKED_STAGES, FLAT, SOFTCAP, HAS_ALIBI,
+        NUM_STAGES, MASKED_BLOCK, MASKED_STAGES, FLAT, SOFTCAP, HAS_ALIBI, NUM_RUNS,
     )
 
 
@@ -391,7 +397,7 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_BLOCK: tl.constexpr, MASKED_STAGES: tl.constexpr, FLAT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     _dq_program(
         tl.program_id(0), PROGRAMS_PER_BH,
@@ -401,7 +407,7 @@ def _dq_kernel(
         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
         tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, TILE_M, TILE_N, PRECISION, USE_TMA, EVEN_M, EVEN_N,
-        NUM_STAGES, MASKED_BLOCK, MASKED_STAGES, FLAT, SOFTCAP, HAS_ALIBI,
+        NUM_STAGES, MASKED_BLOCK, MASKED_STAGES, FLAT, SOFTCAP, HAS_ALIBI, NUM_RUNS,
     )
 
 
@@ -428,7 +434,7 @@ def launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale: float, cfg_kv, kv_per_bh:
         BLOCK_M=cfg_kv.block_m, BLOCK_N=cfg_kv.block_n, NUM_STAGES=cfg_kv.num_stages,
         MASKED_BLOCK=min(cfg_kv.step_masked or cfg_kv.block_m, cfg_kv.block_m), MASKED_STAGES=cfg_kv.stages_masked,
         FLAT=flat_steps(q.dtype, cm.num_tiles_visited, cm.block_m // min(cfg_kv.step_masked or cfg_kv.block_m, cfg_kv.block_m)),
-        **common, **score_flags, num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
+        **common, **score_flags, NUM_RUNS=mask_runs(cm), num_warps=cfg_kv.num_warps, num_stages=cfg_kv.num_stages,
     )
 
 
@@ -483,7 +489,7 @@ def launch_dq(q, k, v, do, stats, dq, cm, scale: float, cfg_q, mask_map: tuple[i
         BLOCK_M=cfg_q.block_m, BLOCK_N=cfg_q.block_n, NUM_STAGES=cfg_q.num_stages,
         MASKED_BLOCK=min(cfg_q.step_masked or cfg_q.block_n, cfg_q.block_n), MASKED_STAGES=cfg_q.stages_masked,
         FLAT=flat_steps(q.dtype, cm.num_tiles_visited, cm.block_n // min(cfg_q.step_masked or cfg_q.block_n, cfg_q.block_n)),
-        **common, **score_flags, num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
+        **common, **score_flags, NUM_RUNS=mask_runs(cm), num_warps=cfg_q.num_warps, num_stages=cfg_q.num_stages,
     )
 
 

@@ -70,6 +70,64 @@ def masked_elements_t(lts, l_width, uts, u_width, o_m):
     return lower | upper
 
 
+# --- masks of k runs per column (NUM_RUNS > 2) ----------------------------------------------
+#
+# A mask whose columns need more than the two intervals above comes as NUM_RUNS planar (start,
+# end) pairs per column, [2 * NUM_RUNS, Sk] per mask row (the two-interval layout is its case
+# NUM_RUNS = 2). The kernels take NUM_RUNS as a constexpr: at 2 they compile exactly the code
+# above; above 2 a partial tile reads its columns' runs where it is masked (`masked_tile`).
+
+
+@triton.jit
+def column_masks(p_intv, o_n, Sk, NUM_RUNS: tl.constexpr):
+    """What `masked_tile` needs for columns o_n: at NUM_RUNS = 2 the two intervals of
+    `column_intervals`, loaded now; above 2 the pointer and columns, the runs being read where
+    the tile is masked (they do not fit in registers beside the tile)."""
+    if NUM_RUNS == 2:
+        return column_intervals(p_intv, o_n, Sk)
+    else:
+        return p_intv, o_n, Sk, o_n
+
+
+@triton.jit
+def masked_tile(a, b, c, d, o_m, NUM_RUNS: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] True where masked or out of bounds, from `column_masks`' values."""
+    if NUM_RUNS == 2:
+        return masked_elements(a, b, c, d, o_m)
+    else:
+        return _masked_runs(a, b, c, o_m, NUM_RUNS, False)
+
+
+@triton.jit
+def masked_tile_t(a, b, c, d, o_m, NUM_RUNS: tl.constexpr):
+    """Transposed `masked_tile`: [BLOCK_N, BLOCK_M] for the dK/dV kernels."""
+    if NUM_RUNS == 2:
+        return masked_elements_t(a, b, c, d, o_m)
+    else:
+        return _masked_runs(a, b, c, o_m, NUM_RUNS, True)
+
+
+@triton.jit
+def _masked_runs(p_intv, o_n, Sk, o_m, NUM_RUNS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Rows o_m x columns o_n masked by any of the NUM_RUNS (start, end) runs of the columns, one
+    unsigned compare per run (as `masked_elements`); a column past Sk is masked on every row."""
+    in_k = o_n < Sk
+    o_c = tl.arange(0, 2)
+    if TRANSPOSED:
+        masked = (o_n[:, None] >= Sk) | (o_m[None, :] < 0)  # [BLOCK_N, BLOCK_M]
+    else:
+        masked = (o_m[:, None] < 0) | (o_n[None, :] >= Sk)  # [BLOCK_M, BLOCK_N]
+    for r in tl.static_range(NUM_RUNS):
+        x = tl.load(p_intv + (2 * r + o_c[:, None]) * Sk + o_n[None, :], mask=in_k[None, :], other=0)  # [2, BLOCK_N]
+        start, end = tl.split(tl.trans(x))  # [BLOCK_N] each
+        width = (end - start).to(tl.uint32, bitcast=True)
+        if TRANSPOSED:
+            masked = masked | ((o_m[None, :] - start[:, None]).to(tl.uint32, bitcast=True) < width[:, None])
+        else:
+            masked = masked | ((o_m[:, None] - start[None, :]).to(tl.uint32, bitcast=True) < width[None, :])
+    return masked
+
+
 @triton.jit
 def block_source(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
@@ -119,6 +177,12 @@ def mask_broadcast(cm, batch: int, q_heads: int, kv_heads: int) -> tuple[int, in
     if hm == q_heads:
         return b_stride, 1, 1
     return b_stride, q_heads // kv_heads, 1  # one mask per KV head
+
+
+def mask_runs(cm) -> int:
+    """NUM_RUNS of a compiled mask: the (start, end) pairs per column of its kernel intervals
+    ([rows, 2 * NUM_RUNS, Sk]); 2 for every mask that fits FlashMask's two intervals."""
+    return cm.kernel_intervals.shape[-2] // 2
 
 
 def precision_for(dtype: torch.dtype) -> str:

@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..common.launcher import FastLaunch
+from ..common.masking import mask_runs
 from ..forward.hopper import _descriptor, _tma_view, shared_layout
 
 ROWS = gl.constexpr(64)  # one warpgroup's wgmma rows: the GQA group's heads x the query rows, padded
@@ -325,7 +326,7 @@ def supports(q, k, v, cm, block_h: int, block_q: int) -> bool:
     batch, hq, sq, d = q.shape
     group = hq // k.shape[1]
     return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
-            and d in (64, 128) and cm.block_n == TILE and block_h == group and sq <= block_q
+            and d in (64, 128) and cm.block_n == TILE and mask_runs(cm) == 2 and block_h == group and sq <= block_q
             and block_h * block_q <= ROWS.value and _tma_view(k) is not None and _tma_view(v) is not None)
 
 

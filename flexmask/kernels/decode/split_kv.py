@@ -41,7 +41,7 @@ from ..common.intmath import cdiv, next_pow2
 from . import configs
 from .configs import DecodePlan, decode_plan
 from ..common.masking import LOG2E, mask_broadcast, precision_for
-from ..common.masking import block_source, column_intervals, load_block, mask_row, masked_elements
+from ..common.masking import block_source, column_masks, load_block, mask_row, mask_runs, masked_tile
 from ..common.score_terms import ScoreTerms, any_terms, kernel_args as score_kernel_args, log2_scores
 from ..common.tma import prepare_tma, tma_enabled
 
@@ -57,7 +57,7 @@ def _walk_tiles(
     tanh_scale, softcap2, slope2, alibi_shift,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     """Online softmax over the kv tiles listed at p_blocks[t_lo:t_hi] (scores in log2 units).
     slope2: the ALiBi slopes of the rows as a [BLOCK_M, 1] block (rows of several heads)."""
@@ -68,7 +68,7 @@ def _walk_tiles(
             start_n = n * TILE_N + j * BLOCK_N
             # FULL tiles lie inside [0, Sk): the ragged last column tile is always PARTIAL
             if MASKED:
-                lts, l_width, uts, u_width = column_intervals(p_intv, start_n + o_bn, Sk)  # [BLOCK_N] each
+                lts, l_width, uts, u_width = column_masks(p_intv, start_n + o_bn, Sk, NUM_RUNS)  # [BLOCK_N] each
                 b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
                 b_v = load_block(v_src, start_n, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)
             else:
@@ -79,7 +79,7 @@ def _walk_tiles(
                 b_s, _ = log2_scores(b_s, o_m, start_n + o_bn, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                                      SOFTCAP, HAS_ALIBI, False)
                 if MASKED:
-                    b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
+                    b_s = tl.where(masked_tile(lts, l_width, uts, u_width, o_m, NUM_RUNS), float("-inf"), b_s)
                     m_new = tl.maximum(m_i, tl.max(b_s, 1))
                     m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while nothing seen
                 else:
@@ -88,7 +88,7 @@ def _walk_tiles(
                 b_p = tl.math.exp2(b_s - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
             else:
                 if MASKED:
-                    b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
+                    b_s = tl.where(masked_tile(lts, l_width, uts, u_width, o_m, NUM_RUNS), float("-inf"), b_s)
                     m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
                     m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while nothing seen
                 else:
@@ -187,7 +187,7 @@ def _split_kv_kernel(
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr, DIRECT: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     FUSED: tl.constexpr, MERGE_Q: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     # grid: (split, q sub-block of BLOCK_Q rows, batch x KV head x head block of BLOCK_H heads)
     if PDL:  # the merge launch may place its programs now; they wait for this grid to finish
@@ -219,7 +219,7 @@ def _split_kv_kernel(
     share = tl.cdiv(t_hi - t_lo, tl.num_programs(0))
     c_lo = t_lo + pid_s * share
     c_hi = tl.minimum(c_lo + share, t_hi)
-    p_intv = INTV + row.to(tl.int64) * 4 * Sk
+    p_intv = INTV + row.to(tl.int64) * (2 * NUM_RUNS) * Sk
 
     p_q = (Q + b.to(tl.int64) * stride_qb + h_r.to(tl.int64)[:, None] * stride_qh
            + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :])
@@ -244,7 +244,7 @@ def _split_kv_kernel(
         block_source(p_v, Sk, stride_vn, HEAD_DIM, MASKED_BLOCK_N, BLOCK_D, USE_TMA),
         stride_kn, stride_vn, FWD_BLOCKS, tl.maximum(c_lo, t_mid), c_hi,
         o_m, p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
-        HEAD_DIM, BLOCK_D, MASKED_BLOCK_N, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES, SOFTCAP, HAS_ALIBI,
+        HEAD_DIM, BLOCK_D, MASKED_BLOCK_N, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS,
     )
     acc, l_i, m_i = _walk_tiles(
         acc, l_i, m_i, b_q,
@@ -252,7 +252,7 @@ def _split_kv_kernel(
         block_source(p_v, Sk, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA),
         stride_kn, stride_vn, FWD_BLOCKS, c_lo, tl.minimum(c_hi, t_mid),
         o_m, p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
-        HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES, SOFTCAP, HAS_ALIBI,
+        HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS,
     )
 
     empty = l_i == 0.0
@@ -380,10 +380,13 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
     mb, mdiv, mh = mask_broadcast(cm, batch, hq, hkv)
     if plan is None:
         plan = decode_plan(batch, hq, hkv, sq, sk, d, q.dtype, q.device, (cm.block_m, cm.block_n), cm.heads,
-                           force=True, kernel="triton" if any_terms(terms) else None)
+                           force=True, kernel="triton" if any_terms(terms) or mask_runs(cm) > 2 else None)
     if plan.kernel == "hopper" and any_terms(terms):
         raise ValueError("the Hopper decode kernel does not implement the score terms (softcap, alibi_slopes, sinks); "
                          "pass a plan with kernel='triton'")
+    if plan.kernel == "hopper" and mask_runs(cm) > 2:
+        raise ValueError(f"the Hopper decode kernel holds two masked intervals per key column; this mask has "
+                         f"{mask_runs(cm)} runs per column: pass a plan with kernel='triton'")
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
@@ -447,7 +450,7 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         NUM_STAGES=plan.num_stages, MASKED_STAGES=plan.masked_stages,
         FUSED=fused, MERGE_Q=merge_q, PDL=pdl,
         MERGE_CHUNK=configs.decode_merge_chunk(plan.block_h * merge_q, block_d, plan.num_warps, plan.num_splits),
-        **score_flags, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **score_flags, NUM_RUNS=mask_runs(cm), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if not direct and not fused:
         _merge(o_part, lse_part, o, lse, sq, rows, hq, d, block_d, plan.num_splits, pdl)

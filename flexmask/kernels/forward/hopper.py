@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..common.launcher import FastLaunch
+from ..common.masking import mask_runs
 from ..common import scheduler
 from . import configs
 
@@ -734,7 +735,7 @@ def supports(q, k, v, cm) -> bool:
     tiles with K's coordinates)."""
     d = q.shape[-1]
     if not (q.dtype in (torch.float16, torch.bfloat16) and d in (64, 128)
-            and cm.block_m == HOPPER_BLOCK and cm.block_n == HOPPER_BLOCK):
+            and cm.block_m == HOPPER_BLOCK and cm.block_n == HOPPER_BLOCK and mask_runs(cm) == 2):
         return False
     q_view, k_view, v_view = _tma_view(q), _tma_view(k), _tma_view(v)
     return q_view is not None and k_view is not None and v_view is not None and k_view[2] == v_view[2]

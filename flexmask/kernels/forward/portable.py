@@ -15,8 +15,8 @@ import triton.language as tl
 
 from ..common.launcher import FastLaunch
 from ..common.intmath import cdiv, next_pow2
-from ..common.masking import (LOG2E, block_source, column_intervals, load_block, mask_broadcast, mask_row,
-                              masked_elements, precision_for)
+from ..common.masking import (LOG2E, block_source, column_masks, load_block, mask_broadcast, mask_row, mask_runs,
+                              masked_tile, precision_for)
 from ..common.score_terms import kernel_args as score_kernel_args, log2_scores
 from ..common.tiles import flat_steps
 from ..common.tma import prepare_tma, tma_enabled
@@ -30,13 +30,13 @@ def _attend_step(
     tanh_scale, softcap2, slope2, alibi_shift,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     """Online softmax over the BLOCK_N kv columns from start_n."""
     o_n = start_n + o_bn
     # FULL tiles lie inside [0, Sk): the ragged last column tile is always PARTIAL
     if MASKED:
-        lts, l_width, uts, u_width = column_intervals(p_intv, o_n, Sk)
+        lts, l_width, uts, u_width = column_masks(p_intv, o_n, Sk, NUM_RUNS)
         b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, not EVEN_N)  # [BLOCK_N, BLOCK_D]
     else:
         b_k = load_block(k_src, start_n, Sk, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA, False)
@@ -45,7 +45,7 @@ def _attend_step(
         b_s, _ = log2_scores(b_s, o_m, o_n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, SOFTCAP, HAS_ALIBI,
                              False)
         if MASKED:
-            b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
+            b_s = tl.where(masked_tile(lts, l_width, uts, u_width, o_m, NUM_RUNS), float("-inf"), b_s)
             m_new = tl.maximum(m_i, tl.max(b_s, 1))
             m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while nothing seen
         else:
@@ -54,7 +54,7 @@ def _attend_step(
         b_p = tl.math.exp2(b_s - m_pivot[:, None])  # [BLOCK_M, BLOCK_N]
     else:
         if MASKED:
-            b_s = tl.where(masked_elements(lts, l_width, uts, u_width, o_m), float("-inf"), b_s)
+            b_s = tl.where(masked_tile(lts, l_width, uts, u_width, o_m, NUM_RUNS), float("-inf"), b_s)
             m_new = tl.maximum(m_i, tl.max(b_s, 1) * qk_scale)
             m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite while nothing seen
         else:
@@ -82,6 +82,7 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, FLAT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    NUM_RUNS: tl.constexpr,
 ):
     o_bn = tl.arange(0, BLOCK_N)
     STEPS: tl.constexpr = TILE_N // BLOCK_N
@@ -90,7 +91,8 @@ def _attend_tiles(
             start_n = tl.load(p_blocks + s // STEPS) * TILE_N + (s % STEPS) * BLOCK_N
             acc, l_i, m_i = _attend_step(acc, l_i, m_i, b_q, start_n, o_bn, k_src, v_src, stride_kn, stride_vn, o_m,
                                          p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, HEAD_DIM,
-                                         BLOCK_D, BLOCK_N, MASKED, PRECISION, USE_TMA, EVEN_N, SOFTCAP, HAS_ALIBI)
+                                         BLOCK_D, BLOCK_N, MASKED, PRECISION, USE_TMA, EVEN_N, SOFTCAP, HAS_ALIBI,
+                                         NUM_RUNS)
     else:
         for t in tl.range(t_lo, t_hi, num_stages=NUM_STAGES):
             n = tl.load(p_blocks + t)
@@ -98,7 +100,7 @@ def _attend_tiles(
                 acc, l_i, m_i = _attend_step(acc, l_i, m_i, b_q, n * TILE_N + j * BLOCK_N, o_bn, k_src, v_src,
                                              stride_kn, stride_vn, o_m, p_intv, Sk, qk_scale, tanh_scale, softcap2,
                                              slope2, alibi_shift, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, PRECISION,
-                                             USE_TMA, EVEN_N, SOFTCAP, HAS_ALIBI)
+                                             USE_TMA, EVEN_N, SOFTCAP, HAS_ALIBI, NUM_RUNS)
     return acc, l_i, m_i
 
 
@@ -118,7 +120,7 @@ def _forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     MASKED_BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, FLAT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, NUM_RUNS: tl.constexpr,
 ):
     # heaviest q-blocks (last rows of causal-like masks) are scheduled first
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -134,7 +136,7 @@ def _forward_kernel(
     t_lo = tl.load(FWD_OFFSETS + seg)
     t_mid = t_lo + tl.load(FWD_NUM_FULL + seg)
     t_hi = tl.load(FWD_OFFSETS + seg + 1)
-    p_intv = INTV + row.to(tl.int64) * 4 * Sk
+    p_intv = INTV + row.to(tl.int64) * (2 * NUM_RUNS) * Sk  # [2 * NUM_RUNS, Sk] planar runs
 
     p_q = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     p_k = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
@@ -161,11 +163,12 @@ def _forward_kernel(
         acc, l_i, m_i, b_q, k_src_masked, v_src_masked, stride_kn, stride_vn, FWD_BLOCKS, t_mid, t_hi,
         o_m, p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
         HEAD_DIM, BLOCK_D, MASKED_BLOCK_N, TILE_N, True, PRECISION, USE_TMA, EVEN_N, MASKED_STAGES, FLAT, SOFTCAP, HAS_ALIBI,
+        NUM_RUNS,
     )
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, b_q, k_src, v_src, stride_kn, stride_vn, FWD_BLOCKS, t_lo, t_mid,
         o_m, p_intv, Sk, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
-        HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES, FLAT, SOFTCAP, HAS_ALIBI,
+        HEAD_DIM, BLOCK_D, BLOCK_N, TILE_N, False, PRECISION, USE_TMA, EVEN_N, NUM_STAGES, FLAT, SOFTCAP, HAS_ALIBI, NUM_RUNS,
     )
 
     empty = l_i == 0.0
@@ -211,7 +214,7 @@ def forward_portable(q, k, v, cm, scale: float, *, config=None, use_tma=None, te
         PRECISION=precision_for(q.dtype), USE_TMA=tma,
         FLAT=flat_steps(q.dtype, cm.num_tiles_visited, cm.block_n // min(cfg.step_masked or cfg.block_n, cfg.block_n)),
         EVEN_M=sq % cm.block_m == 0, EVEN_N=sk % cm.block_n == 0,  # whole tiles: no bounds checks
-        **score_flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **score_flags, NUM_RUNS=mask_runs(cm), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse
 

@@ -1,0 +1,132 @@
+"""Builders of masks whose key columns need more than FlashMask's two masked intervals (k runs per
+column, DESIGN.md 2.1): 2-D / 3-D neighbourhood attention, global tokens anywhere in the sequence,
+dilated windows per head (attention-gym's mask examples). Their runs are computed from the
+parameters in O(runs x kv_len) by `run_builders.py`; the kernels read them in partial tiles only.
+
+Pictures: rows are queries, columns are keys, ``#`` attends, ``.`` is masked.
+"""
+
+from __future__ import annotations
+
+from .run_bounds import MAX_RUNS_LIMIT
+from .specs import Mask, _check_int, _check_lengths, _Simple
+
+__all__ = ["natten", "global_tokens", "dilated_sliding_window"]
+
+
+def _pair(name: str, value) -> list:
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{name} must be an int or a pair (rows, columns), got {value!r}")
+        return [_check_int(f"{name}[0]", value[0], 1), _check_int(f"{name}[1]", value[1], 1)]
+    v = _check_int(name, value, 1)
+    return [v, v]
+
+
+def natten(height: int, width: int, kernel, dilation=1, *, frames: int = 1, time_kernel: int = 1,
+           time_dilation: int = 1) -> Mask:
+    """Neighbourhood attention (NATTEN) over an image of height x width tokens in row-major order
+    (token = row * width + column), or a video of ``frames`` such images (token = (frame * height
+    + row) * width + column): query (f, r, c) attends the ``time_kernel x kernel x kernel`` keys
+    around it. As in NATTEN, the window is clamped at the borders (a query near an edge keeps a
+    whole window, shifted inwards) and ``dilation`` d spaces its keys d apart (the axis splits
+    into d interleaved grids, each with its own clamped windows). ``kernel`` and ``dilation`` may
+    be pairs (rows, columns); ``kernel x dilation`` must fit each axis, as in NATTEN. Within a
+    sub-grid of m coordinates the window of coordinate b starts at clamp(b - kernel // 2, 0,
+    m - kernel) (NATTEN's rule for odd kernels; an even kernel reaches one further back).
+    kv_len must be frames x height x width; with q_len < kv_len the queries are the last tokens.
+    ::
+        natten(4, 4, kernel=3): 16 tokens; query (0, 0) = token 0 sees rows 0-2, columns 0-2
+        ###.###.###.....
+        ###.###.###.....
+        .###.###.###....
+        .###.###.###....
+        ###.###.###.....
+        ###.###.###.....
+        .###.###.###....
+        .###.###.###....
+        ....###.###.###.
+        ....###.###.###.
+        .....###.###.###
+        .....###.###.###
+        ....###.###.###.
+        ....###.###.###.
+        .....###.###.###
+        .....###.###.###
+
+    Runs: key (f, r, c) is attended by up to min(frames, tk + tk // 2) x min(height, k + k // 2)
+    runs of query tokens (tk = time_kernel, k = kernel; one per attending frame and row, and one
+    per attending column too when the columns are dilated), so its column masks one run more. A
+    column holds at most 16 masked runs: a 2-D kernel up to 9 fits any image; larger kernels, and
+    video windows of several frames, fit only small grids (a ValueError names the column).
+    """
+    h = _check_int("height", height, 1)
+    w = _check_int("width", width, 1)
+    k, d = _pair("kernel", kernel), _pair("dilation", dilation)
+    t = _check_int("frames", frames, 1)
+    tk = _check_int("time_kernel", time_kernel, 1)
+    td = _check_int("time_dilation", time_dilation, 1)
+    for axis, n, kk, dd in (("height", h, k[0], d[0]), ("width", w, k[1], d[1]), ("frames", t, tk, td)):
+        if kk * dd > n:
+            raise ValueError(f"natten: kernel x dilation = {kk} x {dd} does not fit {axis}={n}")
+    return _Simple("natten", height=h, width=w, kernel=k, dilation=d, frames=t, time_kernel=tk, time_dilation=td)
+
+
+def global_tokens(positions) -> Mask:
+    """Global tokens anywhere in the sequence (Longformer, BigBird): the tokens at ``positions``
+    attend every key and are attended by every query; the others attend only the global keys.
+    Compose it with a local pattern by ``|``: ``sliding_window(w, w) | global_tokens([...])``.
+    Positions are absolute (DESIGN.md 2.3: query row i sits at i + kv_len - q_len), each < kv_len.
+    ::
+        sliding_window(1, 1) | global_tokens([3]), q_len = kv_len = 7
+        ##.#...
+        ####...
+        .###...
+        #######
+        ...###.
+        ...####
+        ...#.##
+
+    Runs: a key column that is not global is masked on every row but those of the global tokens
+    (and, composed, its window), so it needs one masked run more than there are global tokens
+    around it: up to 15 global tokens (14 beside a window) fit a column's 16 runs.
+    """
+    pos = _check_lengths("positions", positions, 0)
+    if isinstance(pos[0], list):
+        raise TypeError(f"positions must be a list of ints (one set for every batch row), got {positions!r}")
+    if len(set(pos)) >= MAX_RUNS_LIMIT:
+        raise ValueError(f"global_tokens: {len(set(pos))} global tokens need {len(set(pos)) + 1} masked runs in a key "
+                         f"column, more than max_runs={MAX_RUNS_LIMIT}")
+    return _Simple("global_tokens", positions=sorted(set(pos)))
+
+
+def dilated_sliding_window(left: int, dilation) -> Mask:
+    """A causal window of ``left`` positions that keeps every d-th key (attention-gym's dilated
+    sliding window): the query at position p attends key j iff ``0 <= p - j <= left`` and
+    ``(p - j) % d == 0``. ``dilation`` is one int, or a list with one d per head (a strided
+    pattern per head: H must then be Hq or Hkv at the call).
+    ::
+        left=4, dilation=2                      dilation=[1, 3] (two heads)
+        #.....                                  head 0    head 1
+        .#....                                  #.....    #.....
+        #.#...                                  ##....    .#....
+        .#.#..                                  ###...    ..#...
+        #.#.#.                                  ####..    #..#..
+        .#.#.#                                  #####.    .#..#.
+                                                .#####    ..#..#
+
+    Runs: a key column is attended by left // d + 1 rows, so it masks up to left // d + 2 runs
+    (at most 16: left // d <= 14).
+    """
+    left = _check_int("left", left, 0)
+    if isinstance(dilation, (list, tuple)):
+        d = [_check_int(f"dilation[{h}]", v, 1) for h, v in enumerate(dilation)]
+        if not d:
+            raise ValueError("dilation must be an int or a non-empty list of ints, one per head")
+    else:
+        d = _check_int("dilation", dilation, 1)
+    most = max(left // v for v in (d if isinstance(d, list) else [d])) + 2
+    if most > MAX_RUNS_LIMIT:
+        raise ValueError(f"dilated_sliding_window(left={left}, dilation={dilation}) needs up to {most} masked runs in a "
+                         f"key column, more than max_runs={MAX_RUNS_LIMIT}: keep left // dilation <= {MAX_RUNS_LIMIT - 2}")
+    return _Simple("dilated_sliding_window", left=left, dilation=d)

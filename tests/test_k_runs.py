@@ -1,0 +1,320 @@
+"""Masks of k masked runs per key column (DESIGN.md 2.1; more than FlashMask's two intervals)
+through the whole pipeline on the CPU: the k-run builders against independent dense formulas
+(NATTEN's own window rule), tile tables equal to a brute-force classification, the portable
+forward, both backwards (deterministic two-pass and fused) and split-KV decoding against the
+float64 reference, the dispatch rule (k runs never reach a Hopper kernel), storage O(k x Sk)
+and the ValueError past max_runs.
+"""
+
+import pytest
+import torch
+
+import flexmask
+from flexmask import masks
+from flexmask.kernels import dispatch
+from flexmask.kernels.decode.split_kv import attention_decode
+from flexmask.masks.compiler import compile_spec
+
+from conftest import assert_close_to_reference, case_id, default_floor, make_qkv, references
+from test_backward import kernel_grads, random_do
+from conftest import reference_grads
+from test_compiler import brute_force_classes, check_lists
+
+FP32, BF16 = torch.float32, torch.bfloat16
+
+
+# --- independent dense oracles ---------------------------------------------------------------------
+
+
+def natten_window_start(index: int, length: int, kernel: int, dilation: int) -> int:
+    """NATTEN's `get_window_start` (natten/functional, the reference implementation), transcribed."""
+    nb = kernel // 2
+    if dilation <= 1:
+        return max(index - nb, 0) + (index + nb >= length) * (length - index - nb - 1)
+    ni = index - nb * dilation
+    if ni < 0:
+        return index % dilation
+    if index + nb * dilation >= length:
+        imodd = index % dilation
+        a = (length // dilation) * dilation
+        b = length - a
+        if imodd < b:
+            return length - b + imodd - 2 * nb * dilation
+        return a + imodd - kernel * dilation
+    return ni
+
+
+def natten_axis(length: int, kernel: int, dilation: int) -> torch.Tensor:
+    """bool [queries, keys] of one axis: key x in the window of query y."""
+    out = torch.zeros(length, length, dtype=torch.bool)
+    for y in range(length):
+        start = natten_window_start(y, length, kernel, dilation)
+        for m in range(kernel):
+            out[y, start + m * dilation] = True
+    return out
+
+
+def natten_dense(height, width, kernel, dilation=(1, 1), frames=1, time_kernel=1, time_dilation=1, q_len=None):
+    t = natten_axis(frames, time_kernel, time_dilation)
+    i = natten_axis(height, kernel[0], dilation[0])
+    j = natten_axis(width, kernel[1], dilation[1])
+    dense = (t[:, None, None, :, None, None] & i[None, :, None, None, :, None] & j[None, None, :, None, None, :])
+    n = frames * height * width
+    dense = dense.reshape(n, n)
+    return dense if q_len is None else dense[n - q_len:]
+
+
+def positions(sq, sk):
+    return torch.arange(sq).view(-1, 1) + (sk - sq), torch.arange(sk).view(1, -1)
+
+
+def dilated_dense(sq, sk, left, d):
+    p, j = positions(sq, sk)
+    return (p - j >= 0) & (p - j <= left) & ((p - j) % d == 0)
+
+
+def global_window_dense(sq, sk, left, right, glob):
+    p, j = positions(sq, sk)
+    g = torch.zeros(sk, dtype=torch.bool)
+    g[glob] = True
+    return ((j >= p - left) & (j <= p + right)) | g.view(1, -1) | g[p.clamp(0, sk - 1)] & (p >= 0)
+
+
+# --- builders ------------------------------------------------------------------------------------
+
+NATTEN_CASES = [
+    # (height, width, kernel, dilation, frames, time_kernel, time_dilation)
+    (5, 7, (3, 3), (1, 1), 1, 1, 1),
+    (6, 5, (3, 5), (1, 1), 1, 1, 1),
+    (7, 9, (3, 3), (2, 1), 1, 1, 1),
+    (3, 8, (1, 3), (1, 2), 1, 1, 1),
+    (8, 6, (5, 3), (1, 1), 1, 1, 1),
+    (4, 5, (3, 3), (1, 1), 3, 3, 1),
+    (3, 4, (3, 1), (1, 1), 5, 3, 1),
+]
+
+
+@pytest.mark.parametrize("h, w, k, d, f, tk, td", NATTEN_CASES, ids=[f"{c[0]}x{c[1]}-k{c[2]}-d{c[3]}-f{c[4]}"
+                                                                  for c in NATTEN_CASES])
+def test_natten_is_natten(h, w, k, d, f, tk, td):
+    """Every (query, key) pair equals NATTEN's window rule (odd kernels, as NATTEN's reference
+    formula is written for them), at q_len = kv_len and for the last rows."""
+    n = f * h * w
+    mask = masks.natten(h, w, k, d, frames=f, time_kernel=tk, time_dilation=td)
+    want = natten_dense(h, w, k, d, f, tk, td)
+    assert torch.equal(mask.to_dense(n, n), want)
+    assert torch.equal(mask.to_dense(3, n), want[n - 3:])
+
+
+def test_global_tokens_and_dilated_windows():
+    for sq, sk in ((23, 23), (9, 23), (23, 9)):
+        glob = [s for s in (0, 4, sk // 2, sk - 1)]
+        mask = masks.sliding_window(2, 1) | masks.global_tokens(glob)
+        assert torch.equal(mask.to_dense(sq, sk), global_window_dense(sq, sk, 2, 1, glob)), (sq, sk)
+        for d in (1, 2, 3):
+            assert torch.equal(masks.dilated_sliding_window(9, d).to_dense(sq, sk), dilated_dense(sq, sk, 9, d))
+        per_head = masks.dilated_sliding_window(8, [1, 2, 4]).to_dense(sq, sk)
+        assert per_head.shape == (1, 3, sq, sk)
+        for h, d in enumerate((1, 2, 4)):
+            assert torch.equal(per_head[0, h], dilated_dense(sq, sk, 8, d))
+
+
+def test_builder_errors():
+    with pytest.raises(ValueError, match="kernel x dilation = 5 x 2 does not fit height=7"):
+        masks.natten(7, 12, 5, dilation=2)
+    with pytest.raises(ValueError, match="needs kv_len=20"):
+        masks.natten(4, 5, 3).to_dense(20, 21)
+    with pytest.raises(ValueError, match=r"key column \d+ needs 17 masked runs .*more than max_runs=16"):
+        masks.natten(16, 16, 7, frames=4, time_kernel=2).intervals(1024, 1024)
+    with pytest.raises(ValueError, match="more than max_runs=16"):
+        masks.global_tokens(list(range(0, 64, 4)))
+    with pytest.raises(ValueError, match="left // dilation <= 14"):
+        masks.dilated_sliding_window(30, 2)
+    with pytest.raises(ValueError, match="positions must be < kv_len=8"):
+        masks.global_tokens([3, 8]).to_dense(8, 8)
+
+
+def test_storage_is_k_times_kv_len():
+    """O(k x Sk) per mask row: the tables hold 2K ints per column (K = 4, 8 or 16), no Sq x Sk."""
+    mask = masks.natten(32, 32, 7)
+    cm = flexmask.compile_mask(mask, 1024, 1024, device="cpu", block_m=64, block_n=64)
+    assert cm.runs == 16 and cm.kernel_intervals.shape == (1, 32, 1024)
+    assert cm.summary()["table_bytes"] < 4 * 1024 * (2 * 32 + 8)
+
+
+# --- tile tables ---------------------------------------------------------------------------------
+
+
+def random_runs(shape, q_len, k, gen):
+    """k random (start, end) runs per column, in any order, some empty, some overlapping."""
+    starts = torch.randint(0, q_len + 1, (*shape, k), generator=gen)
+    lengths = torch.randint(0, max(2, q_len // k), (*shape, k), generator=gen)
+    lengths = torch.where(torch.rand((*shape, k), generator=gen) < 0.2, 0, lengths)
+    return starts.int(), (starts + lengths).clamp(max=q_len).int()
+
+
+@pytest.mark.parametrize("sq, sk, bm, bn, k, lead", [
+    (37, 53, 16, 16, 3, ()),
+    (61, 29, 16, 8, 6, (2, 1)),
+    (45, 45, 8, 16, 12, (1, 3)),
+    (100, 70, 32, 32, 16, (2, 2)),
+])
+def test_tile_tables_equal_brute_force(sq, sk, bm, bn, k, lead):
+    gen = torch.Generator().manual_seed(sq * 7 + k)
+    starts, ends = random_runs((*lead, sk), sq, k, gen)
+    mask = masks.column_runs(starts, ends)
+    dense = mask.to_dense(sq, sk)
+    dense = dense.view(1, 1, sq, sk) if dense.dim() == 2 else dense
+    classes = brute_force_classes(dense, bm, bn)
+    for on_device in (False, True):  # the device path hands k runs to the torch ops
+        cm = compile_spec(mask, sq, sk, torch.device("cpu"), bm, bn, on_device=on_device)
+        assert cm.runs > 2
+        assert torch.equal(cm.tile_classes(), classes)
+        check_lists(cm, classes)
+
+
+@pytest.mark.parametrize("name", ["natten", "global", "dilated_per_head", "natten_video"])
+def test_builder_tile_tables_equal_brute_force(name):
+    mask, sq, sk = {
+        "natten": (masks.natten(9, 11, 5), 99, 99),
+        "global": (masks.sliding_window(4, 4) | masks.global_tokens([0, 30, 61, 62]), 70, 90),
+        "dilated_per_head": (masks.dilated_sliding_window(12, [1, 2, 3, 4]), 77, 77),
+        "natten_video": (masks.natten(4, 6, 3, frames=3, time_kernel=3), 50, 72),
+    }[name]
+    dense = mask.to_dense(sq, sk)
+    dense = dense.view(1, 1, sq, sk) if dense.dim() == 2 else dense
+    for bm, bn in ((16, 16), (32, 16)):
+        cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=bm, block_n=bn)
+        classes = brute_force_classes(dense, bm, bn)
+        assert torch.equal(cm.tile_classes(), classes)
+        check_lists(cm, classes)
+
+
+# --- attention against the float64 reference ------------------------------------------------------
+
+
+def per_batch_mod(b, h, q, kv):  # batch row 0: dilation 2, row 1: dilation 3; both causal
+    return (kv <= q) & ((q - kv) % (b + 2) == 0)
+
+
+def per_head_mod(b, h, q, kv):  # head h: queries whose index is h modulo 3 see everything; the diagonal
+    return (q % 3 == h) | (kv == q)
+
+
+CASES = {
+    # name: (mask, B, Hq, Hkv, Sq, Sk)
+    "natten": (masks.natten(7, 9, 3), 1, 2, 1, 63, 63),
+    "natten_dilated": (masks.natten(6, 8, 3, dilation=(2, 1)), 1, 2, 2, 48, 48),
+    "natten_decode_rows": (masks.natten(7, 9, 3), 1, 2, 1, 40, 63),
+    "global_mid": (masks.sliding_window(3, 3) | masks.global_tokens([20, 41]), 1, 2, 1, 61, 61),
+    "dilated_per_head_gqa": (masks.dilated_sliding_window(10, [1, 3]), 1, 4, 2, 53, 53),
+    "per_head_mod": (masks.from_mask_mod(per_head_mod, heads=3, max_runs=16), 1, 3, 3, 29, 37),
+    "per_batch_mod": (masks.from_mask_mod(per_batch_mod, batch=2, max_runs=16), 2, 2, 1, 23, 19),
+    "empty_rows": (masks.column_runs(torch.tensor([[0, 5, 9]] * 33), torch.tensor([[3, 7, 33]] * 33)), 1, 2, 1, 33, 33),
+}
+
+
+def _case(name):
+    mask, b, hq, hkv, sq, sk = CASES[name]
+    return mask, b, hq, hkv, sq, sk
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_and_backward(name, dtype):
+    """Forward, LSE and both backwards (two-pass, fused) of the portable kernels."""
+    mask, b, hq, hkv, sq, sk = _case(name)
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, 16, dtype, seed=len(name))
+    do = random_do(b, hq, sq, 16, dtype, seed=len(name))
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=16, block_n=16)
+    assert cm.runs > 2, name
+    ref64 = reference_grads(q, k, v, mask, do)
+    lowp = reference_grads(q, k, v, mask, do, dtype=dtype)
+    floor = default_floor(dtype)
+    for deterministic in (True, False):
+        got = kernel_grads(q, k, v, mask, do, 16, 16, deterministic=deterministic)
+        for g_name, g, r, lp in zip(("out", "lse", "dq", "dk", "dv"), got, ref64, lowp):
+            assert_close_to_reference(g, r, lp, floor, name=f"{name} {g_name} deterministic={deterministic}")
+
+
+def test_empty_rows_give_zeros():
+    """Rows whose every key is masked (rows 9..32 of the empty_rows case): output 0, LSE -inf."""
+    mask, b, hq, hkv, sq, sk = _case("empty_rows")
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, 16, FP32)
+    out, lse = flexmask.attention(q, k, v, mask=flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=16,
+                                                                     block_n=16), return_lse=True)
+    assert bool((out[:, :, 9:] == 0).all()) and bool(torch.isneginf(lse[:, :, 9:]).all())
+
+
+@pytest.mark.parametrize("name", ["natten_decode_rows", "global_mid", "dilated_per_head_gqa", "per_head_mod"])
+def test_split_kv_decode(name):
+    """The split-KV kernel with k runs, a few query rows against the whole cache, shares merged."""
+    mask, b, hq, hkv, _, sk = _case(name)
+    sq = 3
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, 16, FP32, seed=3)
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=16, block_n=16)
+    scale = 16 ** -0.5
+    (r64, l64), (rl, ll) = references(q, k, v, mask)
+    for splits in (1, 3):
+        out, lse = attention_decode(q, k, v, cm, scale, num_splits=splits)
+        assert_close_to_reference(out, r64, rl, default_floor(FP32), name=f"out splits={splits}")
+        assert_close_to_reference(lse, l64, ll, default_floor(FP32), name=f"lse splits={splits}")
+    out = flexmask.attention(q, k, v, mask=mask)  # the automatic path (split-KV on the CPU at Sq <= 4)
+    assert_close_to_reference(out, r64, rl, default_floor(FP32))
+
+
+# --- dispatch -------------------------------------------------------------------------------------
+
+
+def test_dispatch_routes_k_runs_to_portable():
+    """k runs per column never reach a Hopper kernel: chosen paths are portable, an explicit
+    request is a ValueError (DESIGN.md 2.1; the same rule as the score terms)."""
+    mask = masks.natten(4, 4, 3)
+    cm = flexmask.compile_mask(mask, 16, 16, device="cpu", block_m=16, block_n=16)
+    two = flexmask.compile_mask(masks.causal(), 16, 16, device="cpu", block_m=16, block_n=16)
+    assert dispatch.k_runs_rule_applies(cm) and not dispatch.k_runs_rule_applies(two)
+    q, k, v = make_qkv(1, 2, 1, 16, 16, 16, FP32)
+    assert dispatch.forward_path(q, cm) == "portable"
+    assert dispatch.backward_path(q, cm, deterministic=False) != "hopper"
+    with pytest.raises(ValueError, match=r"kernel='hopper' holds two masked intervals per key column; this mask has "
+                                         r"up to 4 runs"):
+        dispatch.attention_forward(q, k, v, cm, 0.25, kernel="hopper")
+    out, lse = dispatch.attention_forward(q, k, v, cm, 0.25)
+    do = torch.randn_like(out)
+    with pytest.raises(ValueError, match="kernel='hopper' holds two masked intervals"):
+        dispatch.attention_backward(do, None, q, k, v, out, lse, cm, 0.25, kernel="hopper")
+    assert dispatch.split_kv_plan(q[:, :, :1], k, (16, 16), 1, runs=4) is None or \
+        dispatch.split_kv_plan(q[:, :, :1], k, (16, 16), 1, runs=4).kernel == "triton"
+
+
+def test_two_interval_masks_keep_their_form():
+    """Masks that fit two intervals keep the canonical [.., 4] form, so their kernels run NUM_RUNS = 2."""
+    for mask in (masks.causal(), masks.sliding_window(3), masks.natten(3, 3, 3),
+                 masks.from_mask_mod(lambda b, h, q, kv: kv <= q)):
+        cm = flexmask.compile_mask(mask, 9, 9, device="cpu", block_m=16, block_n=16)
+        assert cm.runs == 2 and cm.kernel_intervals.shape == (1, 4, 9), mask
+
+
+# --- context parallel: the plan reads k runs ------------------------------------------------------
+
+
+def test_context_plan_and_sub_masks_read_k_runs():
+    """The chunk pairs, the per-chunk work and each (query chunk, key chunks) sub-mask of context
+    parallelism equal the dense mask's, for a mask of k runs per column."""
+    from flexmask import distributed as fmd
+    from flexmask.distributed.plan import _sub_mask
+
+    mask = masks.sliding_window(3, 3) | masks.global_tokens([13, 40])
+    s, world = 48, 2
+    dense = mask.to_dense(s, s)
+    c = s // (2 * world)
+    blocks = dense.view(2 * world, c, 2 * world, c)
+    plan = fmd.context_plan(mask, s, world)
+    assert torch.equal(plan.pairs, blocks.any(-1).any(1))
+    assert fmd.chunk_work(mask, s, world) == [int(blocks[i].sum()) for i in range(2 * world)]
+    iv = mask.intervals(s, s)
+    assert iv.shape[-1] > 4
+    sub = _sub_mask(iv, 1, [0, 3], c, "cpu")
+    want = torch.cat([dense[c:2 * c, :c], dense[c:2 * c, 3 * c:]], 1)
+    from flexmask.masks.intervals import intervals_to_dense
+    assert torch.equal(intervals_to_dense(sub.intervals, c)[0, 0], want)
