@@ -181,7 +181,7 @@ def test_attention_takes_the_split_kv_path_with_terms(monkeypatch):
 
     plans = []
     real = api.split_kv_plan
-    monkeypatch.setattr(api, "split_kv_plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    monkeypatch.setattr(api, "split_kv_plan", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
     b, hq, hkv, sq, sk, d = 1, 4, 2, 1, 97, 16
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, FP32, seed=8)
     terms = make_terms("all", b, hq)
