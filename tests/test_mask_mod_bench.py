@@ -1,0 +1,149 @@
+"""benchmarks.mask_mod without a GPU: each family's one mask_mod (FlexAttention's and
+from_mask_mod's) is the builder's mask, the shapes fit a column's 16 runs where they should (and
+kernel 13 says by how much it does not), and the table follows the rows."""
+
+import csv
+
+import pytest
+import torch
+
+from benchmarks import mask_mod as bench
+from flexmask import masks
+
+ENV = {"date": "2026-01-01", "gpu": "GPU", "torch": "2", "triton": "3", "command": "python -m benchmarks.mask_mod"}
+
+
+def dense_of_mod(fn, s: int, heads: int | None) -> torch.Tensor:
+    """Boolean [H|1, s, s]: the mask_mod on the whole grid, head by head."""
+    q, kv = torch.arange(s).view(-1, 1), torch.arange(s).view(1, -1)
+    b = torch.tensor(0)
+    return torch.stack([fn(b, torch.tensor(h), q, kv).expand(s, s) for h in range(heads or 1)])
+
+
+def builder_dense(mask, s: int) -> torch.Tensor:
+    dense = mask.to_dense(s, s)
+    return dense.view(-1, s, s) if dense.dim() == 4 else dense[None]
+
+
+# small shapes of each family: a NATTEN family at (frames, height, width) of a few hundred tokens,
+# the others at a length that is not a tile multiple
+SMALL = [
+    pytest.param(lambda: bench.natten_case("natten2d_k9", 1, 20, 23), id="natten2d_k9-20x23"),
+    pytest.param(lambda: bench.natten_case("natten2d_k13", 1, 14, 17), id="natten2d_k13-14x17"),
+    pytest.param(lambda: bench.natten_case("natten3d_t2_k3", 4, 6, 7), id="natten3d_t2_k3-4x6x7"),
+    pytest.param(lambda: bench.make_case("global14_window1024", "32K", seq_len=2900), id="global14_window1024-S2900"),
+    pytest.param(lambda: bench.make_case("dilated_per_head", "32K", seq_len=1100), id="dilated_per_head-S1100"),
+]
+
+
+@pytest.mark.parametrize("make", SMALL)
+def test_mask_mod_is_the_builders_mask(make):
+    """The one mask_mod every peer takes equals the builder's dense mask, through from_mask_mod
+    and through FlexAttention's create_mask too, and the FLOP count's attending pairs are the
+    dense mask's."""
+    case = make()
+    s = case.seq_len
+    want = builder_dense(case.build(), s)
+    fn = case.mask_mod("cpu")
+    got = dense_of_mod(fn, s, case.heads)
+    assert torch.equal(got, want.expand_as(got))
+    via = builder_dense(masks.from_mask_mod(fn, heads=case.heads, max_runs=bench.MAX_RUNS), s)
+    assert torch.equal(via, got)
+    assert case.pairs("cpu") == int(got.sum()) * (bench.HEADS // got.shape[0])
+    from torch.nn.attention.flex_attention import create_mask  # FlexAttention's own (vmap) evaluation
+
+    assert torch.equal(create_mask(fn, 1, case.heads or 1, s, s, device="cpu")[0], got)
+
+
+def test_family_shapes_fit_sixteen_runs_and_kernel_13_does_not():
+    """At the benchmark's own shapes: kernel 9 and the 2 x 3 x 3 video window fit a column's 16
+    runs; kernel 13 needs 20 (k + k // 2 = 19 attending rows near a border), the 3 x 3 x 3 video
+    window 17; the status rows say so."""
+    for family in ("natten2d_k9", "natten3d_t2_k3", "natten2d_k13"):
+        for size in bench.SIZES:
+            frames, h, w = bench.NATTEN_SHAPES[family.split("_")[0]][size]
+            assert frames * h * w == bench.make_case(family, size).seq_len
+    assert bench.natten_runs_needed(128, 128, 9) <= bench.MAX_RUNS
+    assert bench.natten_runs_needed(256, 512, 9) <= bench.MAX_RUNS
+    assert bench.natten_runs_needed(64, 64, 3, frames=8, time_kernel=2) <= bench.MAX_RUNS
+    assert bench.natten_runs_needed(128, 128, 13) == 20
+    assert bench.natten_runs_needed(64, 64, 3, frames=8, time_kernel=3) == 17
+    with pytest.raises(ValueError, match="more than max_runs=16"):
+        masks.natten(128, 128, 13).intervals(128 * 128, 128 * 128)
+    assert bench.global_positions(32768) == [i * 32768 // 15 for i in range(1, 15)]
+    assert bench.head_dilations()[:5] == [64, 128, 192, 256, 64]
+
+
+def test_global_and_dilated_fit_at_full_size():
+    """The builders of the non-NATTEN families compile to at most 16 runs at 32K (on the CPU)."""
+    for family in ("global14_window1024", "dilated_per_head"):
+        case = bench.make_case(family, "32K")
+        assert case.build().intervals(case.seq_len, case.seq_len, "cpu").shape[-1] <= 2 * bench.MAX_RUNS
+
+
+def test_plan_measures_kernel_13_last():
+    order = list(bench.plan(bench.FAMILIES, bench.SIZES))
+    assert order[:4] == [(f, "32K") for f in bench.FAMILIES if f != "natten2d_k13"]
+    assert order[-2:] == [("natten2d_k13", "32K"), ("natten2d_k13", "128K")]
+
+
+def row(family, provider, s, fwd="", bwd="", ftf="", btf="", compile_ms="", mask_bytes="", status="ok"):
+    return {**ENV, "family": family, "seq_len": s, "batch": 1, "heads_q": 16, "heads_kv": 16, "head_dim": 128,
+            "provider": provider, "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": ftf, "bwd_tflops": btf,
+            "compile_ms": compile_ms, "mask_bytes": mask_bytes, "status": status}
+
+
+ROWS = [
+    row("natten2d_k9", "flexmask", 16384, "1.0", "3.0", "100", "90", "0.25", 2**20),
+    row("natten2d_k9", "flexmask_mod", 16384, "1.0", "3.2", "100", "85", "12.5", 2**20),
+    row("natten2d_k9", "flex_flash", 16384, "2.0", "4.0", "50", "60", "3.5", 2**21),
+    row("natten2d_k9", "flex", 16384, "3.0", "5.0", "33", "50", "3.5", 2**21),
+    row("natten2d_k13", "flexmask", 16384, status="needs 20 runs > 16"),
+    row("natten2d_k13", "flexmask_mod", 16384, status="needs 20 runs > 16"),
+    row("natten2d_k13", "flex_flash", 16384, "2.0", "4.0", "80", "90", "3.6", 2**21),
+]
+
+
+def test_table_from_rows():
+    lines = bench.table(ROWS).splitlines()
+    k9 = next(x for x in lines if x.startswith("| NATTEN 128x128 image, 9x9 |"))
+    cells = [c.strip() for c in k9.split("|")[1:-1]]
+    assert cells[1:] == ["16K", "100 / 90", "1.50", "2.00", "1.05", "0.25, 12.5, 3.5", "1, 2"]
+    k13 = next(x for x in lines if x.startswith("| NATTEN 128x128 image, 13x13 |"))
+    cells = [c.strip() for c in k13.split("|")[1:-1]]
+    assert cells[2:6] == ["needs 20 runs > 16", "-", "-", "-"]
+    assert "`python -m benchmarks.mask_mod`" in lines[-1] and "20 masked runs" in lines[-1]
+    assert bench.table([]) == "(no rows)"
+
+
+def test_table_mode_writes_the_marked_block(tmp_path):
+    path = tmp_path / "mask_mod.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=bench.COLUMNS)
+        writer.writeheader()
+        writer.writerows(ROWS)
+    full = tmp_path / "results.md"
+    full.write_text(f"# Results\n\n{bench.START}\nstale rows\n{bench.END}\nafter\n")
+    assert bench.main(["--table", str(path), "--full", str(full)]) == 0
+    text = full.read_text()
+    assert "stale rows" not in text and text.endswith(f"{bench.END}\nafter\n")
+    assert "| NATTEN 128x128 image, 9x9 | 16K | 100 / 90 |" in text
+    assert text.index(bench.START) < text.index("generated by `python -m benchmarks.mask_mod --table`")
+
+
+def test_measuring_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        bench.main(["--sizes", "32K"])
+    with pytest.raises(SystemExit, match="--family must be among"):
+        bench.main(["--families", "natten2d_k7"])
+
+
+def test_results_doc_holds_the_markers_and_the_readme_links_there():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "results.md").read_text(encoding="utf-8")
+    assert 0 <= doc.index(bench.START) < doc.index(bench.END)
+    assert "## Masks beyond two intervals" in doc
+    assert "docs/results.md#masks-beyond-two-intervals" in (root / "README.md").read_text(encoding="utf-8")
