@@ -587,8 +587,13 @@ def _forward_hopper_kernel(
     bias_bufs = gl.allocate_shared_memory(dtype, [4 if TC_BIAS else 1, BLOCK_N, 16], ab_layout)
     tc_bufs = (ones_smem, bias_bufs)
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose products go next
-    mbarrier.init(turns.index(0), count=1)
-    mbarrier.init(turns.index(1), count=1)
+    if PINGPONG:
+        # Only when used: unused, the barriers are dead after their init and Triton gives their bytes
+        # to the first consumer's layout-conversion scratch (the PARTIAL tiles' row words) while they
+        # are still valid mbarriers, never invalidated, which PTX leaves undefined. Suspected cause of
+        # the rare wrong q-block on a time-sliced GPU (docs/performance.md, section 5).
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
     fence_async_shared()
     if PINGPONG:
         mbarrier.arrive(turns.index(0), count=1)  # warpgroup 0 takes the first turn
