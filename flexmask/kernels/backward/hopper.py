@@ -317,8 +317,13 @@ def _backward_hopper_kernel(
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(kv_empty, count=2)  # both consumer warpgroups release K/V
-    mbarrier.init(ds_ready, count=2)  # both halves of dS written
-    mbarrier.init(ds_free, count=DQ_READERS)  # every warpgroup that took a dQ product has read dS
+    if WITH_DQ:
+        # Only when used: without dQ the two barriers are dead after their init and Triton gives their
+        # bytes to the first consumer's layout-conversion scratch (the PARTIAL steps' row words) while
+        # they are still valid mbarriers, never invalidated, which PTX leaves undefined. Suspected cause
+        # of the rare wrong kv-block on a time-sliced GPU (docs/performance.md, section 5).
+        mbarrier.init(ds_ready, count=2)  # both halves of dS written
+        mbarrier.init(ds_free, count=DQ_READERS)  # every warpgroup that took a dQ product has read dS
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
