@@ -47,7 +47,6 @@ families at 32K first, then 128K, then the kernel-13 rows, so a time budget lose
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import os
 import statistics
@@ -57,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .report import environment, write_marked_block
+from .report import CsvWriter, environment, read_csv, write_marked_block
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "family", "seq_len", "batch", "heads_q", "heads_kv",
            "head_dim", "provider", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "compile_ms", "mask_bytes",
@@ -468,10 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", metavar="CSV", nargs="+", help="measure nothing: the table of these CSVs' rows")
     args = p.parse_args(argv)
     if args.table:
-        rows = []
-        for path in args.table:
-            with open(path, newline="") as f:
-                rows += list(csv.DictReader(f))
+        rows = [row for path in args.table for row in read_csv(path)]
         write_table(rows, args.full)
         return 0
     families = args.families.split(",")
@@ -500,18 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "mask_mod.csv")
     rows: list[dict] = []
-    fresh = not (args.append and os.path.exists(path) and os.path.getsize(path) > 0)
-    if not fresh:
-        with open(path, newline="") as f:
-            rows += list(csv.DictReader(f))  # the table covers both calls
-    with open(path, "w" if fresh else "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        if fresh:
-            writer.writeheader()
+    with CsvWriter(path, append=args.append, columns=COLUMNS) as writer:
+        if writer.appending:
+            rows += read_csv(path)  # the table covers both calls
 
         def write(row):
-            writer.writerow(row)
-            f.flush()
+            writer.write([row])
             rows.append(row)
 
         t0 = time.time()

@@ -37,7 +37,6 @@ to an existing peers.csv (one CSV for both suites, measured in separate runs).
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import os
 import time
@@ -46,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .report import environment, write_marked_block
+from .report import CsvWriter, environment, read_csv, write_marked_block
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "family", "seq_len", "batch", "heads_q", "heads_kv",
            "head_dim", "provider", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "status")
@@ -475,10 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", metavar="CSV", nargs="+", help="measure nothing: the tables of these CSVs' rows")
     args = p.parse_args(argv)
     if args.table:
-        rows = []
-        for path in args.table:
-            with open(path, newline="") as f:
-                rows += list(csv.DictReader(f))
+        rows = [row for path in args.table for row in read_csv(path)]
         write_tables(rows, args.readme, args.full)
         return 0
     if not torch.cuda.is_available():
@@ -515,15 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(args.out, "peers.csv")
     os.makedirs(args.out, exist_ok=True)
     rows: list[dict] = []
-    fresh = not (args.append and os.path.exists(path) and os.path.getsize(path) > 0)
-    with open(path, "w" if fresh else "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        if fresh:
-            writer.writeheader()
+    with CsvWriter(path, append=args.append, columns=COLUMNS) as writer:
 
         def write(row):
-            writer.writerow(row)
-            f.flush()
+            writer.write([row])
             rows.append(row)
 
         t0 = time.time()

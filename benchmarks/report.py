@@ -78,32 +78,41 @@ def write_rows(out_dir: str, name: str, rows: Sequence[dict]) -> str:
 
 
 class CsvWriter:
-    """Writes rows as they are produced (a run cut short still leaves its results)."""
+    """Writes rows as they are produced (a run cut short still leaves its results), under
+    `columns` (default: benchmarks.run's); with `append`, after the rows already in the file,
+    which must have the same columns. Also a context manager that closes the file."""
 
-    def __init__(self, path: str, append: bool = False) -> None:
+    def __init__(self, path: str, append: bool = False, columns: Sequence[str] = COLUMNS) -> None:
         self.path = path
+        self.columns = tuple(columns)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        exists = append and os.path.exists(path) and os.path.getsize(path) > 0
-        if exists:
+        self.appending = append and os.path.exists(path) and os.path.getsize(path) > 0
+        if self.appending:
             with open(path, newline="") as f:
                 header = next(csv.reader(f), [])
-            if tuple(header) != COLUMNS:
+            if tuple(header) != self.columns:
                 raise ValueError(f"{path} has different columns; write to a new file or drop --append")
-        self._file = open(path, "a" if exists else "w", newline="")  # noqa: SIM115 (closed by close())
-        self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
-        if not exists:
+        self._file = open(path, "a" if self.appending else "w", newline="")  # noqa: SIM115 (closed by close())
+        self._writer = csv.DictWriter(self._file, fieldnames=self.columns)
+        if not self.appending:
             self._writer.writeheader()
 
     def write(self, rows: Iterable[dict]) -> None:
         for row in rows:
-            unknown = set(row) - set(COLUMNS)
+            unknown = set(row) - set(self.columns)
             if unknown:
                 raise KeyError(f"unknown result columns {sorted(unknown)}")
-            self._writer.writerow({k: _cell(row.get(k)) for k in COLUMNS})
+            self._writer.writerow({k: _cell(row.get(k)) for k in self.columns})
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+    def __enter__(self) -> CsvWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def read_csv(path: str) -> list[dict]:

@@ -519,11 +519,17 @@ def _combined(m, g):
     # kv_cache & any family, ...): those skip the count.
     if runs.shape[-2] <= 2 or run_bounds.max_runs(m) <= 2:
         return _canonical_from_runs(runs, g.q_len)
-    count = (runs[..., 0] <= g.q_len).sum(-1)
+    return _counted_runs_to_intervals(m, runs, g.q_len)
+
+
+def _counted_runs_to_intervals(m, runs: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Runs [B, H, Sk, K, 2] of `m` -> intervals in the form their most runs per column choose
+    (a count: a host sync on a GPU); more than MAX_RUNS_LIMIT is a ValueError naming the column."""
+    count = (runs[..., 0] <= q_len).sum(-1)
     most = int(count.max()) if count.numel() else 0
     if most > run_bounds.MAX_RUNS_LIMIT:
         raise _too_many_runs(m, runs, count, run_bounds.MAX_RUNS_LIMIT)
-    return runs_to_intervals(runs, g.q_len, most)
+    return runs_to_intervals(runs, q_len, most)
 
 
 def _canonical_from_runs(runs: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -704,11 +710,7 @@ def _from_runs(m, g: _Geometry) -> torch.Tensor:
     runs = _given_runs(m, g)
     if runs.shape[-2] <= 2:
         return _canonical_from_runs(runs, g.q_len)
-    count = (runs[..., 0] <= g.q_len).sum(-1)
-    most = int(count.max()) if count.numel() else 0
-    if most > run_bounds.MAX_RUNS_LIMIT:
-        raise _too_many_runs(m, runs, count, run_bounds.MAX_RUNS_LIMIT)
-    return runs_to_intervals(runs, g.q_len, most)
+    return _counted_runs_to_intervals(m, runs, g.q_len)
 
 
 _BUILDERS = {
