@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import math
+from typing import Optional
 
 import torch
+from torch import Tensor
 
-from .autograd import attention_eager, attention_fwd
+from .autograd import _backward_impl, _forward_impl, attention_eager, attention_fwd
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.common.tiles import default_tile, is_valid_tile
 from .kernels.decode.split_kv import decode_forward, decode_fwd
@@ -127,12 +131,12 @@ def _check_score_terms(softcap, alibi_slopes, sinks, batch: int, hq: int, device
         softcap = 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0 = off), got {type(softcap).__name__} {softcap!r}")
-    if not math.isfinite(softcap) or softcap < 0:
+    if softcap < 0 or not softcap < math.inf:  # negative, inf or NaN (comparisons: traceable by dynamo)
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
     for name, t, shapes in (("alibi_slopes", alibi_slopes, ((hq,), (batch, hq))), ("sinks", sinks, ((hq,),))):
         if t is None:
             continue
-        want = " or ".join(str(s) for s in shapes)
+        want = _shapes_text(shapes) if not isinstance(t, torch.Tensor) or tuple(t.shape) not in shapes else ""
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a float32 tensor of shape {want}, got {type(t).__name__}")
         if tuple(t.shape) not in shapes:
@@ -143,6 +147,10 @@ def _check_score_terms(softcap, alibi_slopes, sinks, batch: int, hq: int, device
         if t.device != device:
             raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
     return float(softcap)
+
+
+def _shapes_text(shapes) -> str:  # only for an error: dynamo does not trace str() of a tuple
+    return " or ".join(str(s) for s in shapes)
 
 
 def _interpreting() -> bool:
@@ -178,10 +186,99 @@ def _key_table_args(key: tuple, q_len: int, kv_len: int, device: torch.device) -
     """`_spec_table_args` for a spec written inside the compiled region, by its structural key:
     dynamo hands such an object over without the attributes it set while tracing, so the spec is
     rebuilt from the key (or found in the cache by it)."""
+    return _table_args(_compiled_by_key(key, q_len, kv_len, device))
+
+
+def _compiled_by_key(key: tuple | None, q_len: int, kv_len: int, device: torch.device) -> CompiledMask:
+    """The shared CompiledMask of the spec a traceable key describes (None: full attention)."""
+    if key is None:
+        return _resolve_mask(None, q_len, kv_len, device)
     shape_key = (q_len, kv_len, device.type, device.index)
-    compiled = COMPILED.get_by_key(key, shape_key,
-                                   lambda: compile_mask(spec_from_key(key), q_len, kv_len, device=device))
-    return _table_args(compiled)
+    return COMPILED.get_by_key(key, shape_key, lambda: compile_mask(spec_from_key(key), q_len, kv_len, device=device))
+
+
+# --- Masks written inside torch.compile, by key: one graph for every length ---------------------
+# A spec whose key holds plain values (causal, a window, documents of fixed lengths) enters the
+# graph as a string, and the op compiles (or finds) its tables for the lengths it is called with,
+# at run time: the graph holds no tables, so a new sequence length reuses it (dynamic shapes)
+# instead of compiling another graph with other constant tables.
+
+
+@torch.compiler.assume_constant_result
+def _key_string(key: tuple) -> str:
+    return repr(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_key(mask_key: str):
+    return ast.literal_eval(mask_key)
+
+
+def _is_literal(key) -> bool:
+    """Whether a traceable key holds plain values only (no symbolic size: a mask that depends
+    on the length, such as documents cut from it, is a different mask at each length)."""
+    if isinstance(key, tuple):
+        return all(_is_literal(x) for x in key)
+    return key is None or type(key) in (bool, int, float, str)
+
+
+@torch.library.custom_op("flexmask::attention_by_key", mutates_args=())
+def attention_by_key(q: Tensor, k: Tensor, v: Tensor, mask_key: str, scale: float, deterministic: int,
+                     split_kv: int, softcap: float, alibi_slopes: Optional[Tensor],
+                     sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the mask `mask_key` names (`_key_string`; "None": full attention), its tables
+    resolved for these lengths when the op runs; `split_kv` allows the split-KV path (no gradient
+    will be asked)."""
+    tables = _table_args(_compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device))
+    _check_mask_heads(tables[7], tables[8], q.shape[0], q.shape[1], k.shape[1])
+    if split_kv:
+        terms = ScoreTerms(softcap, alibi_slopes, sinks)
+        plan = _split_kv_plan(q, k, v, tables, terms if terms.active else None)
+        if plan is not None:
+            return decode_forward(q, k, v, *tables[:4], *tables[7:11], scale, plan, softcap, alibi_slopes, sinks)
+    return _forward_impl(q, k, v, *tables, scale, deterministic, softcap, alibi_slopes, sinks)
+
+
+@attention_by_key.register_fake
+def _(q, k, v, mask_key, scale, deterministic, split_kv, softcap, alibi_slopes, sinks):
+    b, h, s, _ = q.shape
+    return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
+
+
+@torch.library.custom_op("flexmask::attention_by_key_bwd", mutates_args=())
+def attention_by_key_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
+                         lse: Tensor, mask_key: str, scale: float, deterministic: int, softcap: float,
+                         alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks) of `attention_by_key`; dsinks is empty without sinks."""
+    tables = _table_args(_compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device))
+    return _backward_impl(do, dlse, q, k, v, o, lse, *tables, scale, deterministic, softcap, alibi_slopes, sinks)
+
+
+@attention_by_key_bwd.register_fake
+def _(do, dlse, q, k, v, o, lse, mask_key, scale, deterministic, softcap, alibi_slopes, sinks):
+    dsinks = q.new_empty(q.shape[1] if sinks is not None else 0, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+
+
+def _by_key_setup(ctx, inputs, output):
+    q, k, v, mask_key, scale, deterministic, _, softcap, alibi_slopes, sinks = inputs
+    ctx.save_for_backward(q, k, v, *output, alibi_slopes, sinks)
+    ctx.consts = (mask_key, scale, deterministic, softcap)
+
+
+def _by_key_backward(ctx, do, dlse):
+    q, k, v, o, lse, alibi_slopes, sinks = ctx.saved_tensors
+    mask_key, scale, deterministic, softcap = ctx.consts
+    if do is None:  # only the LSE was used
+        do = torch.zeros_like(o)
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    dq, dk, dv, dsinks = attention_by_key_bwd(do, dlse, q, k, v, o, lse, mask_key, scale, deterministic, softcap,
+                                              alibi_slopes, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, (dsinks if sinks is not None else None)
+
+
+attention_by_key.register_autograd(_by_key_backward, setup_context=_by_key_setup)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -265,9 +362,18 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     terms = ScoreTerms(softcap, alibi_slopes, sinks)
     terms = terms if terms.active else None
 
+    if torch.compiler.is_compiling() and not isinstance(mask, CompiledMask):
+        key = None if mask is None else traceable_key(mask)
+        if mask is None or (key is not None and _is_literal(key)):  # by key: no tables in the graph
+            q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+            split_kv = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                         or (sinks is not None and sinks.requires_grad)))
+            out, lse = attention_by_key(q, k, v, "None" if key is None else _key_string(key), float(scale),
+                                        int(deterministic), int(split_kv), softcap, alibi_slopes, sinks)
+            return (out, lse) if return_lse else out
     if isinstance(mask, CompiledMask) or not torch.compiler.is_compiling():
         tables = _table_args(_resolve_mask(mask, sq, sk, q.device))
-    else:  # a spec (or None) inside torch.compile: its tables are constants of the graph
+    else:  # a spec holding a tensor or a symbolic size, inside torch.compile: tables as constants
         # the tables are constants of one length: a symbolic length (dynamic shapes, after a new
         # length) is specialised, which dynamo does for len(range(n)) (int(n) would stay symbolic)
         key, lengths = None if mask is None else traceable_key(mask), (len(range(sq)), len(range(sk)))

@@ -136,6 +136,56 @@ def test_masks_written_inside_torch_compile():
         assert counter.frame_count == (1 if s == 64 else 2), f"step {step}: {counter.frame_count} compiles"
 
 
+def test_inline_masks_compile_once_for_every_length():
+    """A mask that does not depend on the length (causal & a window; None), written in the call
+    under torch.compile(fullgraph=True, dynamic=True), compiles one graph for every sequence length:
+    the graph names the mask by its key and the op finds its tables for the lengths it meets.
+    Results and gradients equal eager at each length."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def layer(q, k, v):
+        return (flexmask.attention(q, k, v, mask=masks.causal() & masks.sliding_window(16))
+                + flexmask.attention(q, k, v))
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
+    for step, s in enumerate((48, 80, 80, 67)):
+        q, k, v = make_qkv(1, 2, 1, s, s, 16, torch.float32, seed=step, requires_grad=True)
+        out = compiled(q, k, v)
+        out.sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        want = layer(q, k, v)
+        want.sum().backward()
+        assert torch.equal(out, want) and all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
+        first = counter.frame_count if step == 0 else first  # (dynamic=True traces an empty frame too)
+        assert counter.frame_count == first, f"step {step} (S={s}): {counter.frame_count - first} recompiles"
+    assert first <= 2 and any("attention_by_key" in g.code for g in counter.graphs)
+
+
+def test_inline_mask_by_key_decodes_and_checks_heads():
+    """The keyed op under torch.compile: a decode step (one query, no gradient) equals eager, with
+    sinks; a per-head mask with the wrong head count is the same ValueError as in eager."""
+    def step(q, k, v, sinks):
+        return flexmask.attention(q, k, v, mask=masks.causal(), sinks=sinks, return_lse=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    sinks = torch.tensor([0.5, -1.0, 0.25, 2.0])
+    with torch.no_grad():
+        for sk in (70, 131):
+            q, k, v = make_qkv(2, 4, 2, 1, sk, 16, torch.float32, seed=sk)
+            got, want = compiled(q, k, v, sinks), step(q, k, v, sinks)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    bad = torch.compile(lambda q, k, v: flexmask.attention(q, k, v, mask=masks.dilated_sliding_window(4, [1, 2, 1])),
+                        fullgraph=True, backend="aot_eager")
+    q, k, v = make_qkv(1, 4, 2, 9, 9, 16, torch.float32)
+    with pytest.raises(ValueError, match="mask has 3 heads"):
+        bad(q, k, v)
+
+
 def test_the_cache_is_bounded_by_table_bytes(monkeypatch):
     """Long masks have large tables: the cache keeps at most max_bytes of them (the most recent
     entry stays whatever its size)."""

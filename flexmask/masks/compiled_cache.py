@@ -43,7 +43,9 @@ def traceable_key(mask) -> tuple | None:
         a, b = traceable_key(mask.a), traceable_key(mask.b)
         return None if a is None or b is None else (kind, a, b)
     items = []
-    for name, value in sorted(mask.params().items()):
+    # sorted by name alone: a value may be a symbolic size, which dynamo cannot compare
+    for name, value in sorted(mask.params().items(), key=lambda item: item[0]):
+        value = _static(value)
         if value is None or isinstance(value, (bool, int, float, str)):
             items.append((name, (type(value).__name__, value)))
         elif isinstance(value, (list, tuple)) and all(v.__class__ is int for v in value):
@@ -54,6 +56,19 @@ def traceable_key(mask) -> tuple | None:
         else:
             return None
     return (kind, tuple(items))
+
+
+def _static(value):
+    """`value` with its ints made constants: a length computed from a tensor's shape under
+    dynamic shapes is symbolic, and dynamo specialises len(range(n)) (int(n) would stay
+    symbolic); on a plain int it is the int. Such a mask is another mask at another length."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return len(range(value)) if value >= 0 else -len(range(-value))
+    if isinstance(value, (list, tuple)):
+        return [_static(v) for v in value]
+    return value
 
 
 def spec_from_key(key: tuple):
