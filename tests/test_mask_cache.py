@@ -108,6 +108,19 @@ def test_inline_mask_output_equals_compiled_mask():
     assert torch.equal(inline, flexmask.attention(q, k, v, mask=cm))
 
 
+def _assert_compiled_equals_eager(compiled, layer, s: int, seed: int) -> None:
+    """Output and gradients of the compiled layer equal eager's, bitwise, at length s."""
+    q, k, v = make_qkv(1, 2, 1, s, s, 16, torch.float32, seed=seed, requires_grad=True)
+    out = compiled(q, k, v)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want = layer(q, k, v)
+    want.sum().backward()
+    assert torch.equal(out, want) and all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
+
+
 def test_masks_written_inside_torch_compile():
     """A model that writes its masks in the call, under torch.compile(fullgraph=True): no graph
     break, no recompile from one step to the next, results equal to eager; a new length compiles
@@ -124,15 +137,7 @@ def test_masks_written_inside_torch_compile():
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(layer, fullgraph=True, backend=counter)
     for step, s in enumerate((64, 64, 80)):
-        q, k, v = make_qkv(1, 2, 1, s, s, 16, torch.float32, seed=step, requires_grad=True)
-        out = compiled(q, k, v)
-        out.sum().backward()
-        grads = [t.grad.clone() for t in (q, k, v)]
-        for t in (q, k, v):
-            t.grad = None
-        want = layer(q, k, v)
-        want.sum().backward()
-        assert torch.equal(out, want) and all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
+        _assert_compiled_equals_eager(compiled, layer, s, seed=step)
         assert counter.frame_count == (1 if s == 64 else 2), f"step {step}: {counter.frame_count} compiles"
 
 
@@ -151,15 +156,7 @@ def test_inline_masks_compile_once_for_every_length():
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counter)
     for step, s in enumerate((48, 80, 80, 67)):
-        q, k, v = make_qkv(1, 2, 1, s, s, 16, torch.float32, seed=step, requires_grad=True)
-        out = compiled(q, k, v)
-        out.sum().backward()
-        grads = [t.grad.clone() for t in (q, k, v)]
-        for t in (q, k, v):
-            t.grad = None
-        want = layer(q, k, v)
-        want.sum().backward()
-        assert torch.equal(out, want) and all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
+        _assert_compiled_equals_eager(compiled, layer, s, seed=step)
         first = counter.frame_count if step == 0 else first  # (dynamic=True traces an empty frame too)
         assert counter.frame_count == first, f"step {step} (S={s}): {counter.frame_count - first} recompiles"
     assert first <= 2 and any("attention_by_key" in g.code for g in counter.graphs)
