@@ -81,12 +81,11 @@ def test_descriptors_are_keyed_by_tritons_own_specialisation():
     assert KEY(_args(flag=desc(a.half(), 128))) != KEY(_args(flag=desc(a, 128)))
 
 
-def test_launch_binds_parameters_by_name_and_keys_launch_options(monkeypatch):
-    """Parameters given by name run in the kernel's order; a launch option (maxnreg) is part of
-    the key; a parameter left to its default goes through Triton's path, which binds it."""
+def _recording_launch(monkeypatch, kernel, calls: list) -> FastLaunch:
+    """FastLaunch(kernel) with Triton's launch and the compiled kernel's run replaced by fakes that
+    record into `calls`: ("triton", args, kwargs) for Triton's path, ("fast", params) for the
+    fast one (no GPU needed)."""
     from flexmask.kernels.common import launcher
-
-    calls = []
 
     class Compiled:
         function, packed_metadata = "f", "m"
@@ -95,7 +94,7 @@ def test_launch_binds_parameters_by_name_and_keys_launch_options(monkeypatch):
             calls.append(("fast", args[9:]))
 
     class Jit:
-        params = KERNEL.params
+        params = kernel.params
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
@@ -105,8 +104,16 @@ def test_launch_binds_parameters_by_name_and_keys_launch_options(monkeypatch):
 
     monkeypatch.setattr(launcher.torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # a CPU build has none
     monkeypatch.setattr(launcher.torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
-    fast = FastLaunch(KERNEL)
+    fast = FastLaunch(kernel)
     fast.fn = Jit()
+    return fast
+
+
+def test_launch_binds_parameters_by_name_and_keys_launch_options(monkeypatch):
+    """Parameters given by name run in the kernel's order; a launch option (maxnreg) is part of
+    the key; a parameter left to its default goes through Triton's path, which binds it."""
+    calls = []
+    fast = _recording_launch(monkeypatch, KERNEL, calls)
     x = torch.zeros(64, dtype=torch.int32)
     fast((1,), x, x, n=32, m=5, flag=None, BLOCK=128, maxnreg=168)
     fast((1,), x, x, n=32, m=6, flag=None, BLOCK=128, maxnreg=168)
@@ -120,32 +127,12 @@ def test_launch_binds_parameters_by_name_and_keys_launch_options(monkeypatch):
 def test_launch_passes_num_warps_to_a_kernel_that_takes_it(monkeypatch):
     """Gluon kernels take `num_warps` as a constexpr parameter: the fast path passes it in its place
     (a regression: such launches always fell back to Triton's path)."""
-    from flexmask.kernels.common import launcher
 
     def _gluon_like(X, n, BLOCK: tl.constexpr, num_warps: tl.constexpr):
         pass
 
     calls = []
-
-    class Compiled:
-        function, packed_metadata = "f", "m"
-
-        def run(self, *args):
-            calls.append(("fast", args[9:]))
-
-    class Jit:
-        params = JITFunction(_gluon_like).params
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                calls.append(("triton", args, kwargs))
-                return Compiled()
-            return launch
-
-    monkeypatch.setattr(launcher.torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(launcher.torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
-    fast = FastLaunch(JITFunction(_gluon_like))
-    fast.fn = Jit()
+    fast = _recording_launch(monkeypatch, JITFunction(_gluon_like), calls)
     x = torch.zeros(64, dtype=torch.int32)
     for _ in range(2):
         fast((1,), x, 32, BLOCK=64, num_warps=4, maxnreg=168)

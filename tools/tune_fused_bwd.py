@@ -10,7 +10,6 @@ is timed. The winners become the defaults in flexmask/kernels/configs.py.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ import flexmask
 from flexmask.kernels import dispatch
 from flexmask.kernels.common.tiles import LaunchConfig
 
+from benchmarks.report import write_rows
 from benchmarks.speed_check import families
 
 # (block_m, block_n, num_warps, num_stages, masked_block, masked_stages), dq_transposed, tma, dq_tma
@@ -101,12 +101,7 @@ def main(argv=None):
                     print(f"    failed {label}: {row['note']}", flush=True)
                 rows.append(row)
             print(f"  [{time.time() - t0:.0f} s]", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"tune_fused_bwd_S{s}.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    path = write_rows(args.out, f"tune_fused_bwd_S{s}.csv", rows)
     print("wrote", path)
 
 

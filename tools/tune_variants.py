@@ -10,7 +10,6 @@ flexmask/kernels/configs.py (written there as code, not as measured figures).
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import os
 import time
@@ -23,6 +22,7 @@ from flexmask.kernels import dispatch
 from flexmask.kernels.common.tiles import LaunchConfig
 
 from benchmarks.cuda_guard import require_cuda
+from benchmarks.report import write_rows
 from benchmarks.speed_check import families
 
 # (block_m, block_n, num_warps, num_stages, masked_block, masked_stages); see LaunchConfig
@@ -102,12 +102,7 @@ def main(argv=None):
                              "note": r[2] if isinstance(r[2], str) else "", "gpu": torch.cuda.get_device_name(),
                              "torch": torch.__version__, "triton": triton.__version__})
             print(f"  [{time.time() - t0:.0f} s]", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"tune_variants_D{'_'.join(map(str, args.head_dims))}.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    path = write_rows(args.out, f"tune_variants_D{'_'.join(map(str, args.head_dims))}.csv", rows)
     print("wrote", path)
 
 
