@@ -287,6 +287,19 @@ def test_dispatch_routes_k_runs_to_portable():
         dispatch.split_kv_plan(q[:, :, :1], k, (16, 16), 1, runs=4).kernel == "triton"
 
 
+def test_fused_backward_config_leaves_k_runs_at_head_dim_128_to_two_pass():
+    """On a GPU the fused backward with k runs at head dim 128 needs more shared memory than an
+    H100 has (tests/test_gpu_k_runs.py hit it), so no fused config is offered there: the two-pass
+    path runs. Head dim 64 and two-interval masks keep theirs; the CPU interpreter keeps its own."""
+    from flexmask.kernels.backward.configs import backward_fused_config
+
+    bf16 = torch.bfloat16
+    assert backward_fused_config(128, bf16, (128, 128), "cuda", runs=16) is None
+    assert backward_fused_config(128, bf16, (128, 128), "cuda", runs=2) is not None
+    assert backward_fused_config(64, bf16, (128, 128), "cuda", runs=16) is not None
+    assert backward_fused_config(128, bf16, (64, 64), "cpu", runs=16) is not None
+
+
 def test_two_interval_masks_keep_their_form():
     """Masks that fit two intervals keep the canonical [.., 4] form, so their kernels run NUM_RUNS = 2."""
     for mask in (masks.causal(), masks.sliding_window(3), masks.natten(3, 3, 3),

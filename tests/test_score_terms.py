@@ -2,8 +2,10 @@
 sinks, alone and together, against the float64 reference under the DESIGN.md section 4 rule:
 forward (out, LSE) and backward (dq, dk, dv and the sinks' gradient) on the deterministic and the
 fused paths, split-KV decoding (the sink counted once by the merge of the shares), varlen,
-torch.compile, the dispatch rule that keeps these inputs off the Gluon Hopper kernels, and the
-errors for bad values.
+torch.compile, the dispatch rule (inputs with terms take the Gluon Hopper kernels where inputs
+without would, except the Hopper decode kernel), the Hopper launchers' plumbing and an offline
+sm_90 compile of their term variants, the errors for bad values, and on the GPU the Hopper
+kernels with terms against the float64 reference.
 """
 
 from types import SimpleNamespace
@@ -296,41 +298,185 @@ def fake_hopper(monkeypatch):
     return q_like
 
 
+def score_terms(which: str, hq: int = 8) -> ScoreTerms:
+    return ScoreTerms(**{"softcap": dict(softcap=30.0), "alibi": dict(alibi_slopes=alibi_slopes(hq)),
+                         "sinks": dict(sinks=torch.zeros(hq)),
+                         "all": dict(softcap=30.0, alibi_slopes=alibi_slopes(hq), sinks=torch.zeros(hq))}[which])
+
+
 @pytest.mark.parametrize("which", TERMS)
-def test_dispatch_sends_score_terms_to_the_portable_kernels(fake_hopper, which):
+def test_dispatch_takes_the_hopper_kernels_with_score_terms(fake_hopper, which):
     """The rule of kernels/dispatch.py: inputs the Gluon Hopper kernels take without terms take
-    the portable kernels with any term (forward, both backward paths and their passes, decode)."""
+    them with any term too (forward, backward and the deterministic path's two passes), except
+    split-KV decoding, which runs the Triton kernel with a term; masks of k runs per column stay
+    on the portable kernels with or without terms."""
     cm = flexmask.compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
     q = fake_hopper(1, 8, 256, 128)
-    terms = ScoreTerms(**{"softcap": dict(softcap=30.0), "alibi": dict(alibi_slopes=alibi_slopes(8)),
-                          "sinks": dict(sinks=torch.zeros(8)),
-                          "all": dict(softcap=30.0, alibi_slopes=alibi_slopes(8), sinks=torch.zeros(8))}[which])
-    assert dispatch.forward_path(q, cm) == "hopper"
-    assert dispatch.forward_path(q, cm, terms) == "portable"
-    assert dispatch.backward_path(q, cm, deterministic=False) == "hopper"
-    assert dispatch.backward_path(q, cm, deterministic=False, terms=terms) == "fused"
-    assert dispatch.backward_path(q, cm, deterministic=True, terms=terms) == "two-pass"
-    assert dispatch.two_pass_dkdv_path(q, cm) == "hopper" and dispatch.two_pass_dq_path(q, cm) == "hopper"
-    assert dispatch.two_pass_dkdv_path(q, cm, terms) == "portable"
-    assert dispatch.two_pass_dq_path(q, cm, terms) == "portable"
+    terms = score_terms(which)
+    for t in (None, terms):
+        assert dispatch.forward_path(q, cm, t) == "hopper"
+        assert dispatch.backward_path(q, cm, deterministic=False, terms=t) == "hopper"
+        assert dispatch.backward_path(q, cm, deterministic=True, terms=t) == "two-pass"
+        assert dispatch.two_pass_dkdv_path(q, cm, t) == "hopper" and dispatch.two_pass_dq_path(q, cm, t) == "hopper"
     k = fake_hopper(1, 2, 32768, 128)
     q1 = fake_hopper(1, 8, 1, 128)
     assert dispatch.split_kv_plan(q1, k, tiles.GPU_TILE, 1).kernel == "hopper"
     assert dispatch.split_kv_plan(q1, k, tiles.GPU_TILE, 1, terms).kernel == "triton"
     assert dispatch.score_terms_rule_applies(terms) and not dispatch.score_terms_rule_applies(ScoreTerms())
+    cm_runs = flexmask.compile_mask(masks.natten(16, 16, 3), 256, 256, device="cpu", block_m=128, block_n=128)
+    assert dispatch.k_runs_rule_applies(cm_runs)
+    assert dispatch.forward_path(q, cm_runs, terms) == "portable"
+    assert dispatch.backward_path(q, cm_runs, deterministic=False, terms=terms) != "hopper"
 
 
-def test_hopper_kernels_refuse_score_terms():
-    """Asking for a Gluon kernel explicitly with a term is an error, never a silent drop."""
+def test_hopper_kernel_by_name_with_terms_off_hopper_runs_the_portable_kernel():
+    """kernel='hopper' with terms is no longer refused: where the Gluon kernel cannot take the inputs
+    (here the CPU interpreter, fp32) the forward runs the portable kernel with the terms, and the
+    backward by name says what it needs."""
     s, d = 64, 16
     q, k, v = make_qkv(1, 2, 2, s, s, d, FP32)
     cm = flexmask.compile_mask(masks.causal(), s, s, device="cpu", block_m=32, block_n=32)
     terms = ScoreTerms(softcap=5.0)
-    with pytest.raises(ValueError, match="kernel='hopper' does not implement the score terms"):
-        dispatch.attention_forward(q, k, v, cm, 0.25, kernel="hopper", terms=terms)
-    o, lse = dispatch.attention_forward(q, k, v, cm, 0.25, terms=terms)
-    with pytest.raises(ValueError, match="kernel='hopper' does not implement the score terms"):
+    o, lse = dispatch.attention_forward(q, k, v, cm, 0.25, kernel="hopper", terms=terms)
+    o_p, lse_p = dispatch.attention_forward(q, k, v, cm, 0.25, kernel="portable", terms=terms)
+    assert torch.equal(o, o_p) and torch.equal(lse, lse_p)
+    with pytest.raises(ValueError, match="kernel='hopper' takes fp16/bf16 inputs on an sm_90 GPU"):
         dispatch.attention_backward(q, None, q, k, v, o, lse, cm, 0.25, kernel="hopper", terms=terms)
+
+
+# --- the Hopper launchers' plumbing (no GPU: the launch is recorded, not run) -----------------------
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid, *args, **kwargs):
+        self.calls.append((args, kwargs))
+
+
+@pytest.fixture
+def hopper_launches(monkeypatch):
+    """The three Gluon launchers with their launches recorded, on CPU tensors."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flexmask.kernels.backward import hopper as backward_hopper
+    from flexmask.kernels.backward import hopper_dq as backward_hopper_dq
+    from flexmask.kernels.common import scheduler
+    from flexmask.kernels.forward import hopper as forward_hopper
+
+    rec = SimpleNamespace(forward=_Recorder(), backward=_Recorder(), dq=_Recorder())
+    monkeypatch.setattr(forward_hopper, "_FORWARD_HOPPER_LAUNCH", rec.forward)
+    monkeypatch.setattr(backward_hopper, "_BACKWARD_HOPPER_LAUNCH", rec.backward)
+    monkeypatch.setattr(backward_hopper_dq, "_DQ_HOPPER_LAUNCH", rec.dq)
+    for module in (forward_hopper, backward_hopper, backward_hopper_dq):
+        monkeypatch.setattr(module, "_num_sms", lambda index: 4)
+    monkeypatch.setattr(scheduler, "counters", lambda device: torch.zeros(2, dtype=torch.int32))
+    return rec, forward_hopper, backward_hopper, backward_hopper_dq
+
+
+@pytest.mark.parametrize("which", TERMS + ("none",))
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_launchers_pass_the_terms(hopper_launches, which, d):
+    """attention_forward_hopper, backward_hopper and dq_hopper hand the kernels the terms'
+    switches and values (common/score_terms.gluon_kernel_args): log2 units, the ALiBi shift Sk - Sq;
+    without terms every switch off and the ALiBi integers 0 (one compiled kernel for all shapes).
+    The backward kernels take no sinks (the LSE counts them). A softcap turns the tensor cores'
+    column bias off."""
+    from flexmask.kernels.common.score_terms import LOG2E
+
+    rec, forward_hopper, backward_hopper, backward_hopper_dq = hopper_launches
+    b, hq, hkv, sq, sk = 2, 4, 2, 200, 300
+    q = torch.randn(b, hq, sq, d, dtype=BF16)
+    k = torch.randn(b, hkv, sk, d, dtype=BF16)
+    mask = masks.random_eviction(64, seed=1)  # column-cut: the column bias (and at D = 64 tc_bias) by default
+    cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=128, block_n=128)
+    terms = None if which == "none" else score_terms(which, hq)
+    if terms is not None and terms.alibi_slopes is not None:
+        terms = ScoreTerms(terms.softcap, alibi_slopes(hq, b), terms.sinks)  # (B, Hq) slopes: stride Hq
+    scale = d ** -0.5
+    mask_map = (0, 1, 0)
+    forward_hopper.attention_forward_hopper(q, k, k, cm, scale, mask_map, q_buffers=1, terms=terms)
+    stats = torch.zeros(b * hq, 2, sq)
+    backward_hopper.backward_hopper(q, k, k, q, stats, torch.zeros(b * hq, sq, d), torch.empty_like(k),
+                                    torch.empty_like(k), cm, scale, mask_map, terms=terms)
+    backward_hopper_dq.dq_hopper(q, k, k, q, stats, torch.empty_like(q), cm, scale, mask_map, terms=terms)
+    softcap = terms is not None and terms.softcap > 0
+    alibi = terms is not None and terms.alibi_slopes is not None
+    sinks = terms is not None and terms.sinks is not None
+    for name, launch in (("forward", rec.forward), ("backward", rec.backward), ("dq", rec.dq)):
+        (args, kwargs), = launch.calls
+        assert kwargs["SOFTCAP"] is softcap and kwargs["HAS_ALIBI"] is alibi, name
+        tail = args[-6:] if name == "forward" else args[-5:]  # the backward kernels: qk_scale, sm_scale, terms
+        assert args[-7] == pytest.approx(scale * LOG2E), name
+        tanh_scale, softcap2, slopes, stride_b, shift = tail[:5]
+        if softcap:
+            assert tanh_scale == pytest.approx(scale / 30.0) and softcap2 == pytest.approx(30.0 * LOG2E), name
+        if alibi:
+            assert slopes is terms.alibi_slopes and stride_b == hq and shift == sk - sq, name
+        else:
+            assert stride_b == 0 and shift == 0, name
+        if name == "forward":
+            assert kwargs["HAS_SINKS"] is sinks
+            assert (tail[5] is terms.sinks) if sinks else True
+            assert kwargs["TC_BIAS"] is (d == 64 and not softcap)
+        else:
+            assert "HAS_SINKS" not in kwargs
+
+
+def test_hopper_forward_refuses_tc_bias_with_a_softcap():
+    """The tensor cores add the column bias (-inf) to the raw scores, which the softcap would bend to
+    -softcap: asked for with a softcap, tc_bias is an error (before any device work)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flexmask.kernels.forward import hopper as forward_hopper
+
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    cm = flexmask.compile_mask(masks.causal(), 128, 128, device="cpu", block_m=128, block_n=128)
+    with pytest.raises(ValueError, match=r"tc_bias .*softcap would bend .*got tc_bias=True with softcap=30\.0"):
+        forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), column_bias=True, tc_bias=True,
+                                                terms=ScoreTerms(softcap=30.0))
+
+
+_COMPILE_TERMS = """
+import json
+from tools import offline_compile as oc
+
+cases = [("forward", 64, "alibi", lambda: oc._hopper_forward(64, 2, 1, terms="alibi")),  # tc_bias
+         ("forward", 64, "all", lambda: oc._hopper_forward(64, 2, 1, column_bias=False, terms="all")),
+         ("forward", 128, "all", lambda: oc._hopper_forward(128, 2, 1, terms="all")),
+         ("forward", 64, "sinks-qb2", lambda: oc._hopper_forward(64, 2, 2, terms="sinks")),
+         ("backward", 128, "all", lambda: oc._hopper_backward(2, 128, True, terms="all")),
+         ("backward", 64, "all", lambda: oc._hopper_backward(2, 64, True, terms="all")),
+         ("backward", 128, "all-nodq", lambda: oc._hopper_backward(2, 128, False, terms="all")),
+         ("dq", 128, "all", lambda: oc._hopper_dq(2, 128, terms="all")),
+         ("dq", 64, "all", lambda: oc._hopper_dq(2, 64, terms="all"))]
+for name, d, variant, build in cases:
+    kernel = build()
+    print(json.dumps({"name": name, "d": d, "variant": variant, "shared": kernel.metadata.shared,
+                      "report": oc.report(name, kernel)}))
+"""
+
+
+def test_hopper_kernels_with_terms_compile_for_sm90():
+    """The Gluon kernels' score-term variants go through Triton and ptxas for sm_90 on this machine
+    and fit in one SM's shared memory (tests/test_hopper_backward_host.py compiles the ones without
+    terms; tools.offline_compile reports their registers and spills)."""
+    pytest.importorskip("triton.experimental.gluon")
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _COMPILE_TERMS], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 9, done.stdout
+    for r in results:
+        assert r["shared"] <= 227 * 1024, r  # one sm_90 SM's shared memory per block
 
 
 # --- bad values -------------------------------------------------------------------------------
@@ -410,3 +556,110 @@ def test_gpu_decode_step_matches_reference(which):
     lowp = reference.attention(q, k, v, mask, dtype=BF16, **terms)
     assert_close_to_reference(out, ref64[0], lowp[0], default_floor(BF16), name="out")
     assert_close_to_reference(lse, ref64[1], lowp[1], default_floor(BF16), name="lse")
+
+
+# The Gluon Hopper kernels with each term, asked for by name (the dispatch tests above say they are
+# also the default there): the forward, the backward with its dQ product (kernel="hopper") and the
+# deterministic path, whose dK/dV and dQ passes are the Hopper ones (kernel="two-pass"). D = 64 runs
+# the two loops, D = 128 the one loop; random_eviction's column-cut tiles take the column bias, on
+# the tensor cores at D = 64 where no softcap turns it off. Causal with Sq > Sk leaves its first
+# rows with no key (LSE = the sink, or -inf without one).
+HOPPER_CASES = [
+    ("causal", 2, 8, 2, 517, 517, 128, BF16),
+    ("sliding_window", 1, 4, 4, 700, 1031, 64, BF16),
+    ("document", 2, 4, 1, 1029, 1029, 64, torch.float16),
+    ("causal", 1, 4, 2, 900, 611, 128, BF16),
+    ("random_eviction", 1, 4, 2, 640, 777, 64, BF16),
+    ("full", 1, 2, 2, 300, 1500, 128, torch.float16),
+]
+
+
+def _hopper_inputs(family, b, hq, hkv, sq, sk, d, dtype, which, seed=0):
+    mask = make_mask(family, sq, sk, batch=b, heads=hq)
+    cm = flexmask.compile_mask(mask, sq, sk, device="cuda", block_m=128, block_n=128)
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=sq + d + seed))
+    gen = torch.Generator().manual_seed(9 + seed)
+    do = torch.randn(q.shape, generator=gen).to(dtype).cuda()
+    dlse = torch.randn(b, hq, sq, generator=gen).cuda()
+    kw = {key: (val.cuda() if torch.is_tensor(val) else val)
+          for key, val in make_terms(which, b, hq, per_batch_slopes=b > 1, seed=seed).items()}
+    terms = ScoreTerms(float(kw.get("softcap", 0.0)), kw.get("alibi_slopes"), kw.get("sinks"))
+    return mask, cm, q, k, v, do, dlse, kw, terms
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", TERMS)
+@pytest.mark.parametrize(
+    "family, b, hq, hkv, sq, sk, d, dtype", HOPPER_CASES,
+    ids=[case_id(c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[0]) for c in HOPPER_CASES])
+def test_gpu_hopper_kernels_with_terms_match_reference(family, b, hq, hkv, sq, sk, d, dtype, which):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon Hopper kernels need sm_90")
+    mask, cm, q, k, v, do, dlse, kw, terms = _hopper_inputs(family, b, hq, hkv, sq, sk, d, dtype, which)
+    assert dispatch.forward_path(q, cm, terms) == "hopper"
+    assert dispatch.backward_path(q, cm, deterministic=False, terms=terms) == "hopper"
+    assert dispatch.two_pass_dkdv_path(q, cm, terms) == "hopper" and dispatch.two_pass_dq_path(q, cm, terms) == "hopper"
+    scale = d ** -0.5
+    out, lse = dispatch.attention_forward(q, k, v, cm, scale, kernel="hopper", terms=terms)
+    ref64 = reference_run(q, k, v, mask, do, dlse, kw, torch.float64)
+    lowp = reference_run(q, k, v, mask, do, dlse, kw, dtype)
+    for backward in ("hopper", "two-pass"):
+        dsinks = torch.empty(hq, device="cuda") if terms.sinks is not None else None
+        grads = dispatch.attention_backward(do, dlse, q, k, v, out, lse, cm, scale, kernel=backward, terms=terms,
+                                            dsinks=dsinks)
+        got = (out, lse, *grads, dsinks)
+        for g in got:
+            assert g is None or not torch.isnan(g).any(), backward
+        check_all(got, ref64, lowp, dtype, names=("out", "lse", f"dq {backward}", f"dk {backward}",
+                                                   f"dv {backward}", f"dsinks {backward}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ("alibi", "sinks", "all"))
+@pytest.mark.parametrize("schedule", ("tc_bias", "column_bias", "q_buffers2", "pingpong3"))
+def test_gpu_hopper_forward_schedules_with_terms(which, schedule):
+    """The Hopper forward's other schedules with terms, at D = 64 on a column-cut mask: the column
+    bias on the tensor cores (not with a softcap: "all" then takes the softmax's bias) or in the
+    softmax, two Q buffers, three stages with ping-pong."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon Hopper kernels need sm_90")
+    from flexmask.kernels.common.masking import mask_broadcast
+    from flexmask.kernels.forward import hopper as forward_hopper
+
+    b, hq, hkv, sq, sk, d = 2, 4, 2, 700, 901, 64
+    mask, cm, q, k, v, do, dlse, kw, terms = _hopper_inputs("random_eviction", b, hq, hkv, sq, sk, d, BF16, which)
+    options = {"tc_bias": dict(column_bias=True, tc_bias=terms.softcap == 0, q_buffers=1),
+               "column_bias": dict(column_bias=True, tc_bias=False),
+               "q_buffers2": dict(q_buffers=2),
+               "pingpong3": dict(stages=3, pingpong=True)}[schedule]
+    out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, d ** -0.5, mask_broadcast(cm, b, hq, hkv),
+                                                       terms=terms, **options)
+    ref64 = reference.attention(q.double(), k.double(), v.double(), mask, dtype=torch.float64, **kw)
+    lowp = reference.attention(q, k, v, mask, dtype=BF16, **kw)
+    assert_close_to_reference(out, ref64[0], lowp[0], default_floor(BF16), name="out")
+    assert_close_to_reference(lse, ref64[1], lowp[1], default_floor(BF16), name="lse")
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_rows_that_see_no_key_give_the_sink():
+    """On the Hopper forward, rows that see no key output 0 with LSE = sinks[h] (bottom-right causal
+    with Sq > Sk), and their LSE is -inf without sinks; the Hopper backward gives them zero dQ."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon Hopper kernels need sm_90")
+    b, hq, hkv, sq, sk, d = 1, 4, 2, 400, 150, 128
+    cm = flexmask.compile_mask(masks.causal(), sq, sk, device="cuda", block_m=128, block_n=128)
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, BF16, seed=3))
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(4)).cuda()
+    empty = sq - sk  # rows 0 .. Sq - Sk - 1 see no key
+    for terms in (ScoreTerms(sinks=sinks), ScoreTerms(softcap=5.0, alibi_slopes=alibi_slopes(hq).cuda(), sinks=sinks),
+                  ScoreTerms(softcap=5.0)):
+        out, lse = dispatch.attention_forward(q, k, v, cm, d ** -0.5, kernel="hopper", terms=terms)
+        assert torch.equal(out[:, :, :empty], torch.zeros_like(out[:, :, :empty]))
+        want = sinks[None, :, None].expand(b, hq, empty) if terms.sinks is not None else torch.full(
+            (b, hq, empty), float("-inf"), device="cuda")
+        assert torch.allclose(lse[:, :, :empty], want, atol=1e-5, rtol=0), terms
+        do = torch.randn_like(q)
+        dsinks = torch.empty(hq, device="cuda") if terms.sinks is not None else None
+        dq, _, _ = dispatch.attention_backward(do, None, q, k, v, out, lse, cm, d ** -0.5, kernel="hopper",
+                                               terms=terms, dsinks=dsinks)
+        assert torch.equal(dq[:, :, :empty], torch.zeros_like(dq[:, :, :empty]))

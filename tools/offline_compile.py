@@ -46,8 +46,23 @@ def report(name: str, kernel) -> str:
     return f"{name}: shared={kernel.metadata.shared} B; " + " | ".join(lines)
 
 
+SCORE_TERMS = ("softcap", "alibi", "sinks", "all")
+
+
+def _score_terms(terms: str | None, tensor) -> tuple[dict, dict]:
+    """(runtime arguments, constexprs) of the score terms for an offline compile: `terms` None (off),
+    "softcap", "alibi", "sinks" or "all"; `tensor` stands in for the slope and sink tensors."""
+    if terms not in (None,) + SCORE_TERMS:
+        raise ValueError(f"terms must be None or one of {SCORE_TERMS}, got {terms!r}")
+    softcap = terms in ("softcap", "all")
+    alibi = terms in ("alibi", "all")
+    args = dict(tanh_scale=0.01, softcap2=43.0, ALIBI=tensor, alibi_stride_b=7 if alibi else 0,
+                alibi_shift=5 if alibi else 0, SINKS=tensor)  # as launched (score_terms.gluon_kernel_args)
+    return args, dict(SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_SINKS=terms in ("sinks", "all"))
+
+
 def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
-                    column_bias: bool | None = None, tc_bias: bool | None = None):
+                    column_bias: bool | None = None, tc_bias: bool | None = None, terms: str | None = None):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.forward import hopper as fh
 
@@ -60,20 +75,23 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
                 FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_ob=7, stride_oh=7, stride_om=7,
                 Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5)  # as launched
+    term_args, term_consts = _score_terms(terms, torch.empty(8))
+    args.update(term_args)
     from flexmask.kernels.forward import configs as forward_configs
 
     if column_bias is None:
         column_bias = forward_configs.hopper_forward_column_bias(head_dim)
-    if tc_bias is None:
-        tc_bias = forward_configs.hopper_forward_tc_bias(head_dim, q_buffers) and column_bias
+    if tc_bias is None:  # as attention_forward_hopper chooses it: never with a softcap
+        tc_bias = (forward_configs.hopper_forward_tc_bias(head_dim, q_buffers) and column_bias
+                   and not term_consts["SOFTCAP"])
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
                   COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim),
-                  TC_BIAS=bool(tc_bias), num_warps=4)
+                  TC_BIAS=bool(tc_bias), **term_consts, num_warps=4)
     return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
 
-def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True):
+def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper as bh
     from flexmask.kernels.forward import hopper as fh
@@ -89,12 +107,21 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True):
                 stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
                 Sq=1000, Sk=1000, NKB=7, HQ=4, HKV=2, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
-    consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, num_warps=4)
+    term_args, term_consts = _backward_terms(terms)
+    args.update(term_args)
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, **term_consts, num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
 
-def _hopper_dq(stages: int, head_dim: int = 128):
+def _backward_terms(terms: str | None) -> tuple[dict, dict]:
+    """_score_terms for the backward kernels, which take no sinks (the LSE counts them)."""
+    args, consts = _score_terms(terms, torch.empty(8))
+    del args["SINKS"], consts["HAS_SINKS"]
+    return args, consts
+
+
+def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None):
     """The deterministic path's Hopper dQ pass (backward_hopper_dq.py)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper_dq as bq
@@ -110,7 +137,9 @@ def _hopper_dq(stages: int, head_dim: int = 128):
                 stride_dqm=7, Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1,
                 MASK_H_STRIDE=0, Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5,
                 sm_scale=0.3)  # as launched
-    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, num_warps=4)
+    term_args, term_consts = _backward_terms(terms)
+    args.update(term_args)
+    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, **term_consts, num_warps=4)
     return compile_offline(bq._dq_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

@@ -2,19 +2,19 @@
 (Hopper or portable), the backward (Hopper, fused or two-pass, and the two-pass path's kernels) and
 split-KV decoding. Callers never branch on flags; they call the entry points here.
 
-Score terms (softcap, ALiBi, attention sinks; DESIGN.md section 1, common/score_terms.py): only
-the portable Triton kernels implement them (forward.portable, backward.two_pass and
-backward.fused, decode.split_kv). Inputs with any term therefore take those kernels on every
-device: the forward the portable kernel, the backward the fused path (two-pass when determinism is
-asked), both two-pass passes the portable kernels, and decoding the Triton split-KV kernel, never
-the Gluon Hopper kernels (which would silently drop the terms). Asking for a Hopper kernel
-explicitly with terms is a ValueError. `score_terms_rule_applies` is that rule.
+Score terms (softcap, ALiBi, attention sinks; DESIGN.md section 1, common/score_terms.py): every
+attention kernel implements them (the portable ones and the Gluon Hopper forward, backward and dQ
+pass, behind compile-time switches), so inputs with terms take the path they would take without,
+except decoding: the Gluon Hopper decode kernel does not implement them, so split-KV decoding with
+a term runs the Triton split-KV kernel (decode.split_kv). `score_terms_rule_applies` is that rule.
 
 Masks of k runs per column (DESIGN.md 2.1: more than FlashMask's two intervals in some column,
 `common.masking.mask_runs(cm) > 2`): likewise only the portable kernels read them (NUM_RUNS runs per
 column in their partial tiles); the Gluon Hopper kernels hold two intervals and would drop the
-others. Such masks take the portable kernels on every device, by the same paths as score terms;
-asking for a Hopper kernel explicitly with one is a ValueError. `k_runs_rule_applies` is that rule.
+others. Such masks take the portable kernels on every device (the forward the portable kernel, the
+backward the fused path, two-pass when determinism is asked, with both passes portable, decoding the
+Triton split-KV kernel); asking for a Hopper kernel explicitly with one is a ValueError.
+`k_runs_rule_applies` is that rule.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from .forward.portable import forward_portable
 
 
 def score_terms_rule_applies(terms) -> bool:
-    """True when the inputs carry a score term, which only the portable kernels implement (see
-    the module docstring): every path choice below then returns the portable kernel."""
+    """True when the inputs carry a score term, which the Gluon Hopper decode kernel does not
+    implement (see the module docstring): split-KV decoding then runs the Triton kernel."""
     return any_terms(terms)
 
 
@@ -44,10 +44,6 @@ def k_runs_rule_applies(cm) -> bool:
     """True when the mask holds more than two masked runs in some column, which only the portable
     kernels read (see the module docstring): every path choice below then returns the portable kernel."""
     return mask_runs(cm) > 2
-
-
-def _portable_only(cm, terms) -> bool:
-    return score_terms_rule_applies(terms) or k_runs_rule_applies(cm)
 
 
 def _k_runs_error(kernel: str, cm, portable: str) -> ValueError:
@@ -62,9 +58,9 @@ def forward_path(q: torch.Tensor, cm, terms=None) -> str:
     inputs the copy engine can read (16-byte aligned, (B, H, S, D) or (B, S, H, D) memory
     order); "portable" (forward.py) everywhere else: the CPU interpreter (Gluon kernels do not
     run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles, and
-    inputs with score terms (`terms`, score_terms_rule_applies) and masks of k runs per column
-    (k_runs_rule_applies)."""
-    if _portable_only(cm, terms):
+    masks of k runs per column (k_runs_rule_applies). Score terms (`terms`) do not change the
+    choice: both kernels implement them."""
+    if k_runs_rule_applies(cm):
         return "portable"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9 or not gluon_hopper_available():
         return "portable"
@@ -85,15 +81,16 @@ def backward_path(q: torch.Tensor, cm, deterministic: bool, terms=None) -> str:
     reproducible); otherwise "hopper" (backward_hopper.py: Gluon, persistent, warp-specialised)
     where the head dim is in HOPPER_BACKWARD_HEAD_DIMS and the inputs suit it (sm_90, fp16/bf16,
     128 x 128 tables, layouts the copy engine reads), else "fused" (backward_fused.py) where backward_fused_config offers a
-    config, else "two-pass". Inputs with score terms or masks of k runs per column never take "hopper"
-    (score_terms_rule_applies, k_runs_rule_applies)."""
+    config, else "two-pass". Masks of k runs per column never take "hopper" (k_runs_rule_applies);
+    score terms (`terms`) do not change the choice: every backward kernel implements them."""
     if deterministic:
         return "two-pass"
-    if (not _portable_only(cm, terms) and q.shape[-1] in HOPPER_BACKWARD_HEAD_DIMS and q.device.type == "cuda" and gluon_hopper_available()
+    if (not k_runs_rule_applies(cm) and q.shape[-1] in HOPPER_BACKWARD_HEAD_DIMS and q.device.type == "cuda" and gluon_hopper_available()
             and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in (torch.float16, torch.bfloat16)
             and (cm.block_m, cm.block_n) == (128, 128)):
         return "hopper"
-    return "fused" if backward_fused_config(q.shape[-1], q.dtype, (cm.block_m, cm.block_n), q.device) else "two-pass"
+    fused = backward_fused_config(q.shape[-1], q.dtype, (cm.block_m, cm.block_n), q.device, runs=mask_runs(cm))
+    return "fused" if fused else "two-pass"
 
 
 # Head dims where the Hopper backward (backward_hopper.py) is the default. On an H200 at 32K
@@ -139,20 +136,18 @@ def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, k
     (Sq, Sk) on q's device. Returns (o (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) float32).
     `kernel` ("hopper" or "portable") overrides `forward_path`; `config` (a LaunchConfig) and
     `use_tma` override the portable kernel's defaults (tuning and tests). `terms` (a
-    common.score_terms.ScoreTerms or None) adds the score terms (portable kernel only)."""
+    common.score_terms.ScoreTerms or None) adds the score terms (both kernels)."""
     batch, hq = q.shape[:2]
     if kernel is None:
         kernel = "portable" if config is not None or use_tma is not None else forward_path(q, cm, terms)
-    if kernel == "hopper" and score_terms_rule_applies(terms):
-        raise ValueError("kernel='hopper' does not implement the score terms (softcap, alibi_slopes, sinks); "
-                         "use kernel='portable' or None")
     if kernel == "hopper" and k_runs_rule_applies(cm):
         raise _k_runs_error(kernel, cm, "kernel='portable'")
     if kernel == "hopper":
         from .forward import hopper  # Gluon: imported only where it can run
 
         if hopper.supports(q, k, v, cm):
-            return hopper.attention_forward_hopper(q, k, v, cm, scale, mask_broadcast(cm, batch, hq, k.shape[1]))
+            return hopper.attention_forward_hopper(q, k, v, cm, scale, mask_broadcast(cm, batch, hq, k.shape[1]),
+                                                   terms=terms)
     elif kernel != "portable":
         raise ValueError(f"kernel must be 'hopper', 'portable' or None, got {kernel!r}")
     return forward_portable(q, k, v, cm, scale, config=config, use_tma=use_tma, terms=terms)
@@ -190,9 +185,6 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         kernel = "fused" if fused_config is not None else backward_path(q, cm, deterministic, terms)
     if kernel not in ("hopper", "fused", "two-pass"):
         raise ValueError(f"kernel must be 'hopper', 'fused', 'two-pass' or None, got {kernel!r}")
-    if kernel == "hopper" and score_terms_rule_applies(terms):
-        raise ValueError("kernel='hopper' does not implement the score terms (softcap, alibi_slopes, sinks); "
-                         "use kernel='fused', 'two-pass' or None")
     if kernel == "hopper" and k_runs_rule_applies(cm):
         raise _k_runs_error(kernel, cm, "kernel='fused', 'two-pass'")
     sinks = terms.sinks if terms is not None else None
@@ -210,7 +202,8 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
                              f"tables {cm.block_m} x {cm.block_n}")
     cfg_fused = None
     if kernel == "fused":
-        cfg_fused = fused_config or backward_fused_config(d, q.dtype, (cm.block_m, cm.block_n), q.device)
+        cfg_fused = fused_config or backward_fused_config(d, q.dtype, (cm.block_m, cm.block_n), q.device,
+                                                          runs=mask_runs(cm))
     stats, dq_acc = two_pass.preprocess(o, do, dlse, lse, block_d, accumulate_dq=cfg_fused is not None or kernel == "hopper",
                                         sinks=sinks, dsinks=dsinks)
 
@@ -219,7 +212,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     dv = torch.empty_like(v)
     if kernel == "hopper":
         backward_hopper.backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale,
-                                        mask_broadcast(cm, batch, hq, hkv))
+                                        mask_broadcast(cm, batch, hq, hkv), terms=terms)
         convert_dq(dq_acc, dq, scale, block_d)
         return dq, dk, dv
     if use_tma is None:
@@ -249,7 +242,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         from .backward import hopper as backward_hopper
 
         if backward_hopper.supports(q, k, v, cm):  # dK/dV by the Hopper kernel, no dQ in it
-            backward_hopper.backward_hopper(q, k, v, do, stats, None, dk, dv, cm, scale, (mb, mdiv, mh))
+            backward_hopper.backward_hopper(q, k, v, do, stats, None, dk, dv, cm, scale, (mb, mdiv, mh), terms=terms)
             kv_per_bh = 0
     if kv_per_bh:
         two_pass.launch_dkdv(q, k, v, do, stats, dk, dv, cm, scale, cfg_kv, kv_per_bh, (mb, mdiv, mh), common, terms)
@@ -257,7 +250,7 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         from .backward import hopper as backward_hopper, hopper_dq as backward_hopper_dq
 
         if backward_hopper.supports(q, k, v, cm):  # dQ per q-block by the Hopper kernel
-            backward_hopper_dq.dq_hopper(q, k, v, do, stats, dq, cm, scale, (mb, mdiv, mh))
+            backward_hopper_dq.dq_hopper(q, k, v, do, stats, dq, cm, scale, (mb, mdiv, mh), terms=terms)
             return dq, dk, dv
     two_pass.launch_dq(q, k, v, do, stats, dq, cm, scale, cfg_q, (mb, mdiv, mh), common, terms)
     return dq, dk, dv

@@ -37,16 +37,23 @@ def backward_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], de
 #                                 an fp32 buffer by TMA bulk reductions on sm_90+, by atomics
 #                                 elsewhere) wherever backward_fused_config returns a config:
 #                                 - CPU interpreter: every dtype and head dim (the tests cover it);
-#                                 - CUDA: fp16/bf16 with head dim <= 128.
+#                                 - CUDA: fp16/bf16 with head dim <= 128 (<= 64 for masks
+#                                   of k runs per column).
 #                                 Elsewhere (CUDA fp32, head dims above 128) the two-pass path runs.
-def backward_fused_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], device) -> LaunchConfig | None:
+def backward_fused_config(head_dim: int, dtype: torch.dtype, tile: tuple[int, int], device,
+                          runs: int = 2) -> LaunchConfig | None:
     """Config of the fused backward kernel (block_n kv rows per program, block_m q rows per
-    step), or None where the two-pass path runs instead (see the table above)."""
+    step), or None where the two-pass path runs instead (see the table above). `runs`: the
+    mask's runs per column (common.masking.mask_runs)."""
     tile_m, tile_n = tile
     if torch.device(device).type != "cuda":
         return clip_config(LaunchConfig(64, 64, 4, 1, masked_block=32), tile_m, tile_n, step=tile_m)
     block_d = head_block(head_dim)
     if dtype == torch.float32 or block_d > 128:
+        return None
+    # k runs per column at head dim 128: the fused kernel asks for 287 744 bytes of shared memory
+    # (16 runs, an H100; the limit is 232 448), so those masks take the two-pass path
+    if runs > 2 and block_d > 64:
         return None
     # measured on an H200 with `python -m tools.tune_fused_bwd` (bf16, 32K, causal / sliding window
     # 1024 / causal document; tune_fused_bwd_S32768_run2.csv, docs/performance.md): 128 kv rows

@@ -23,6 +23,11 @@ matrix products with the tensor cores idle. Here, as in the Hopper forward:
 Masks come from the same column intervals, turned into one word of masked rows per key as in
 the Hopper forward (`forward_hopper._row_words`).
 Rows that attend nothing have LSE = +inf in the statistics, so P = 0 and their gradients are 0.
+Score terms (DESIGN.md section 1), behind compile-time switches that inputs without terms leave
+off: with softcap or ALiBi, S becomes the scores in log2 units (forward_hopper._term_scores) on
+every step, FULL ones included, before the mask and P = exp2(S - lse); the softcap multiplies dS
+by 1 - tanh^2 (its derivative; tanh recomputed from the raw product). Sinks need nothing here:
+the LSE already counts them, and their gradient comes from the preprocess (two_pass.preprocess).
 The dQ sums run in whatever order the reductions land: not bitwise reproducible, like the
 portable fused path; `deterministic=True` keeps the two-pass path.
 
@@ -48,8 +53,10 @@ from ..common.launcher import FastLaunch
 from ..common.masking import mask_runs
 from ..common import scheduler
 from . import configs
+from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
-    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_words, _tma_view, heaviest_first, shared_layout,
+    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_words, _term_scores, _tma_view, heaviest_first,
+    shared_layout,
 )
 
 LOG2E = 1.4426950408889634
@@ -158,10 +165,13 @@ def _consumer(
     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+    tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
-    WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass)."""
+    WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SOFTCAP,
+    HAS_ALIBI: the score terms (module docstring)."""
     kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
@@ -181,6 +191,7 @@ def _consumer(
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, DQ_N, 16])
     query_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per query (row of S)
+    TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI  # S through _term_scores before the mask
     dq_col = WG * DQ_N if SPLIT_DQ else 0
 
     step = 0
@@ -203,6 +214,9 @@ def _consumer(
                                                     MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
             bh = b * HQ + h
             p_stats = STATS + bh.to(gl.int64) * 2 * Sq
+            slope2 = 0.0
+            if HAS_ALIBI:
+                slope2 = gl.load(ALIBI + b.to(gl.int64) * alibi_stride_b + h) * 1.4426950408889634
             n_steps = 2 * (t_hi - t_lo)
             # this warpgroup's keys' interval ends, once per walk (the PARTIAL steps' masks)
             lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi)
@@ -233,10 +247,19 @@ def _consumer(
                 dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
                 words = _row_words(lts, lte, uts, ute, start_m, Q_STEP // 2)  # while the products run
                 qk = warpgroup_mma_wait(1, deps=(qk,))
-                if t >= t_mid:  # PARTIAL tile: -inf where masked or past Sk
-                    qk = _apply_row_words(qk, words, Q_STEP, ROWS)
-                p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
+                if TERMS:  # every step, FULL ones too: the scores in log2 units, then the mask
+                    qk, th = _term_scores(qk, start_m, n * KV_BLOCK + WG * ROWS, qk_scale, tanh_scale, softcap2,
+                                          slope2, alibi_shift, Q_STEP, ROWS, s_layout, SOFTCAP, HAS_ALIBI)
+                    if t >= t_mid:  # PARTIAL tile: -inf where masked or past Sk
+                        qk = _apply_row_words(qk, words, Q_STEP, ROWS)
+                    p = gl.exp2(qk - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
+                else:
+                    if t >= t_mid:  # PARTIAL tile: -inf where masked or past Sk
+                        qk = _apply_row_words(qk, words, Q_STEP, ROWS)
+                    p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
                 p_cols.store(p.to(dtype))
+                if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2; P itself is stored already
+                    p = p * (1.0 - th * th)
                 dp = warpgroup_mma_wait(0, deps=(dp,))
                 ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)  # [Q_STEP, ROWS]
                 # dS to shared memory, once the other warpgroup has read the last one
@@ -296,7 +319,9 @@ def _backward_hopper_kernel(
     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale, sm_scale,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, num_warps: gl.constexpr,
+    tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     dtype: gl.constexpr = q_desc.dtype
@@ -317,8 +342,13 @@ def _backward_hopper_kernel(
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(kv_empty, count=2)  # both consumer warpgroups release K/V
-    mbarrier.init(ds_ready, count=2)  # both halves of dS written
-    mbarrier.init(ds_free, count=DQ_READERS)  # every warpgroup that took a dQ product has read dS
+    if WITH_DQ:
+        # Only when used: without dQ the two barriers are dead after their init and Triton gives their
+        # bytes to the first consumer's layout-conversion scratch (the PARTIAL steps' row words) while
+        # they are still valid mbarriers, never invalidated, which PTX leaves undefined. Suspected cause
+        # of the rare wrong kv-block on a time-sliced GPU (docs/performance.md, section 5).
+        mbarrier.init(ds_ready, count=2)  # both halves of dS written
+        mbarrier.init(ds_free, count=DQ_READERS)  # every warpgroup that took a dQ product has read dS
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
@@ -331,12 +361,14 @@ def _backward_hopper_kernel(
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
-                     HEAD_DIM, STAGES, WITH_DQ)),
+                     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
+                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
-                     HEAD_DIM, STAGES, WITH_DQ)),
+                     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
+                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -416,11 +448,13 @@ def _dq_descriptor(dq_acc: torch.Tensor):
 
 
 def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_map: tuple[int, int, int],
-                    stages: int = 2) -> None:
+                    stages: int = 2, terms=None) -> None:
     """dK, dV into `dk`, `dv` and scaled-free dQ sums into the zeroed fp32 `dq_acc`
     [B * Hq, Sq, D] (backward.py's preprocess made `stats` and zeroed it; its conversion kernel
     scales and casts it); `dq_acc=None` leaves dQ out, and dK/dV are then bitwise reproducible
-    (each work item sums its own rows in walk order). Call only when `supports` says yes."""
+    (each work item sums its own rows in walk order). Call only when `supports` says yes. `terms`:
+    the forward's score terms (common.score_terms.ScoreTerms) or None; the sinks' gradient is the
+    preprocess's."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     q_desc, (qxb, qxh, qch) = _descriptor(q, Q_ROWS)
@@ -436,14 +470,16 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     with_dq = dq_acc is not None
     if not with_dq:  # the kernel still takes a descriptor: one over a single box, never used
         dq_acc = torch.empty(1, Q_ROWS, 32, dtype=torch.float32, device=q.device)
+    score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, stats)
     _BACKWARD_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, do_desc, _dq_descriptor(dq_acc), stats, dk, dv,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, cm.num_kv_blocks, hq, hkv, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
-        scale * LOG2E, scale,
-        HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, num_warps=4, maxnreg=168,
+        scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
+        HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
+        num_warps=4, maxnreg=168,
     )
 
 

@@ -14,7 +14,9 @@ Per 64-key half of a tile each warpgroup computes
     dQ += dS K     [64 q, D]         (dS from registers)
 
 with queries on the rows, so LSE and delta are two registers per thread. The walk order is
-fixed by the table, so dQ is bitwise reproducible.
+fixed by the table, so dQ is bitwise reproducible. Score terms as in backward_hopper.py: softcap
+and ALiBi behind compile-time switches (S in log2 units by forward_hopper._term_scores on every
+step, dS times 1 - tanh^2 with a softcap); the sinks are in the LSE.
 
 Default on Hopper (`dispatch.HOPPER_DQ_IN_TWO_PASS`): its GPU tests pass and the speed check
 measures the deterministic backward faster with it than with the portable dQ pass.
@@ -30,9 +32,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .hopper import LOG2E, _like_q
 from ..common.launcher import FastLaunch
+from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
-    CONSUMER_REGS, HOPPER_BLOCK, PRODUCER_REGS, _descriptor, _masked_scores, _num_sms, _tile_of, _walk_bounds,
-    _work_item, work_list,
+    CONSUMER_REGS, HOPPER_BLOCK, PRODUCER_REGS, _descriptor, _masked_scores, _num_sms, _term_scores, _tile_of,
+    _walk_bounds, _work_item, work_list,
 )
 
 
@@ -80,9 +83,12 @@ def _consumer(
     DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     stride_dqb, stride_dqh, stride_dqm,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+    tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
 ):
-    """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block."""
+    """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
+    SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -95,6 +101,7 @@ def _consumer(
                                                          instr_shape=[16, HEAD_DIM, 16])
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI  # S through _term_scores before the mask
     q_view = q_smem.index(WG).reshape([ROWS, HEAD_DIM])
     do_view = do_smem.index(WG).reshape([ROWS, HEAD_DIM])
 
@@ -109,6 +116,9 @@ def _consumer(
         p_stats = STATS + (b * HQ + h).to(gl.int64) * 2 * Sq
         lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
         delta = gl.load(p_stats + Sq + o_m, mask=o_m < Sq, other=0.0)
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = gl.load(ALIBI + b.to(gl.int64) * alibi_stride_b + h) * 1.4426950408889634
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
         mbarrier.wait(q_ready.index(WG), item_count & 1)
         for i in range(t_hi - t_lo):
@@ -126,9 +136,18 @@ def _consumer(
                 qk = warpgroup_mma(q_view, k_half.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
                 dp = warpgroup_mma(do_view, v_half.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
                 qk = warpgroup_mma_wait(1, deps=(qk,))
-                if is_partial:  # -inf where masked or past Sk
-                    qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps)
-                p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))
+                if TERMS:  # every step, FULL ones too: the scores in log2 units, then the mask
+                    qk, th = _term_scores(qk, row0, n * BLOCK_N + half * HALF, qk_scale, tanh_scale, softcap2, slope2,
+                                          alibi_shift, ROWS, HALF, s_layout, SOFTCAP, HAS_ALIBI)
+                    if is_partial:  # -inf where masked or past Sk
+                        qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps)
+                    p = gl.exp2(qk - gl.expand_dims(lse2, 1))
+                    if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2
+                        p = p * (1.0 - th * th)
+                else:
+                    if is_partial:  # -inf where masked or past Sk
+                        qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps)
+                    p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))
                 dp = warpgroup_mma_wait(0, deps=(dp,))
                 ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), ds_layout)
                 acc = warpgroup_mma(ds, k_half, acc, is_async=True)
@@ -155,8 +174,9 @@ def _dq_hopper_kernel(
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale, sm_scale,
+    tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # [2, 1, BLOCK_M / 2, HEAD_DIM]
@@ -185,12 +205,14 @@ def _dq_hopper_kernel(
                      DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_dqb, stride_dqh, stride_dqm,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI)),
         (_consumer, (1, q_smem, do_smem, k_bufs, v_bufs, bars,
                      DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_dqb, stride_dqh, stride_dqm,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_bufs, v_bufs, bars,
                      WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -199,10 +221,11 @@ def _dq_hopper_kernel(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2) -> None:
+def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2,
+              terms=None) -> None:
     """dQ of the deterministic path into `dq` (q's shape and dtype), from backward.py's
     preprocess statistics `stats` [B * Hq, 2, Sq] (LSE in log2, delta). Takes what
-    backward_hopper.supports takes."""
+    backward_hopper.supports takes. `terms`: the forward's score terms or None."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     q_desc, (qxb, qxh, qch) = _descriptor(q, HOPPER_BLOCK // 2)
@@ -213,14 +236,16 @@ def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int
     n_items = work.numel()
     grid = (min(n_items, _num_sms(q.device.index or 0)),)
     mb, mdiv, mh = mask_map
+    score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, stats)
     _DQ_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, do_desc, dq, stats,
         cm.kernel_intervals, work, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
         dq.stride(0), dq.stride(1), dq.stride(2),
         sq, sk, cm.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
-        scale * LOG2E, scale,
-        BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, num_warps=4, maxnreg=168,
+        scale * LOG2E, scale, *score_args[:5],  # the sinks are in the LSE
+        BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages,
+        SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"], num_warps=4, maxnreg=168,
     )
 
 

@@ -1,5 +1,6 @@
 """The score terms of DESIGN.md section 1 (soft-capping, ALiBi, attention sinks) as the portable
-kernels compute them, and the host-side values their launchers pass.
+kernels compute them (the Gluon Hopper kernels do the same math: forward/hopper._term_scores), and
+the host-side values their launchers pass.
 
 Every kernel takes the terms behind three compile-time switches, SOFTCAP, HAS_ALIBI and HAS_SINKS:
 with all three off the kernels trace exactly the code they traced before the terms existed (the
@@ -99,4 +100,14 @@ def kernel_args(terms: ScoreTerms | None, scale: float, q_len: int, kv_len: int,
         dummy if sinks is None else sinks,
     )
     flags = dict(SOFTCAP=cap > 0, HAS_ALIBI=slopes is not None, HAS_SINKS=sinks is not None)
+    return args, flags
+
+
+def gluon_kernel_args(terms: ScoreTerms | None, scale: float, q_len: int, kv_len: int, dummy: torch.Tensor):
+    """kernel_args for the Gluon Hopper kernels, which specialise their integer arguments (on 1 and
+    on multiples of 16, as Triton does): without slopes the ALiBi stride and shift are passed as 0,
+    so that calls without ALiBi share one compiled kernel whatever Sk - Sq is."""
+    args, flags = kernel_args(terms, scale, q_len, kv_len, dummy)
+    if not flags["HAS_ALIBI"]:
+        args = args[:3] + (0, 0) + args[5:]
     return args, flags

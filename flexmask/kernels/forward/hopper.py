@@ -16,6 +16,15 @@ the mask is a bias row that the tensor cores add to S in one more k-step (D = 64
 softmax adds it); where a column changes inside the rows, a bit test and a select per score.
 Rows that attend nothing give O = 0 and LSE = -inf.
 
+Score terms (DESIGN.md section 1; the math of common/score_terms.py, as the portable kernels do
+it): behind the compile-time switches SOFTCAP, HAS_ALIBI and HAS_SINKS, all off for inputs
+without terms, which then compile the kernel they always did. With softcap or ALiBi each tile's
+S becomes the scores in log2 units (`_term_scores`, on FULL tiles as on PARTIAL ones) before the
+mask and the softmax, which then takes them unscaled (`_scaled_softmax_step`); the sink starts
+each row's online softmax as a first key of logit sinks[h] and value 0 (m = sink, l = 1), so a
+row that sees no key gives O = 0 and LSE = sinks[h]. The tensor cores' column bias (TC_BIAS) adds
+-inf to the raw S, which the softcap would bend to -softcap: with a softcap it is off.
+
 Gluon kernels do not run under the CPU interpreter: `kernels/dispatch.forward_path` sends the
 interpreter, pre-Hopper GPUs, fp32 and other head dims to the portable kernel, and the GPU
 tests compare the two.
@@ -37,6 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..common.launcher import FastLaunch
 from ..common.masking import mask_runs
 from ..common import scheduler
+from ..common.score_terms import gluon_kernel_args
 from . import configs
 
 LOG2E = 1.4426950408889634
@@ -324,10 +334,11 @@ def _any_column(flags, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
 @gluon.jit
 def _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
                          ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                         COLUMN_BIAS: gl.constexpr):
+                         COLUMN_BIAS: gl.constexpr, TERMS: gl.constexpr = False):
     """_softmax_step of any tile: FULL tiles as they are; PARTIAL ones with the row words, or
     (COLUMN_BIAS) with the column bias where no column of this warpgroup's rows is mixed (one
-    decision for the warpgroup)."""
+    decision for the warpgroup). With TERMS, s are already the scores in log2 units
+    (`_term_scores`): masked as they are, then not scaled again."""
     any_mixed = 1
     if COLUMN_BIAS and is_partial:
         any_mixed = _any_column(mixed, BLOCK_N, 4)
@@ -335,9 +346,15 @@ def _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
         s = _apply_row_words(s, words, ROWS, BLOCK_N)
     if is_partial & (any_mixed == 0):
         bias_cols = gl.convert_layout(bias, gl.SliceLayout(0, s_layout))
-        p, m_new, l_new, alpha = _scaled_softmax_step(s * qk_scale + gl.expand_dims(bias_cols, 0), m_i, l_i)
+        if TERMS:
+            p, m_new, l_new, alpha = _scaled_softmax_step(s + gl.expand_dims(bias_cols, 0), m_i, l_i)
+        else:
+            p, m_new, l_new, alpha = _scaled_softmax_step(s * qk_scale + gl.expand_dims(bias_cols, 0), m_i, l_i)
     else:
-        p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+        if TERMS:
+            p, m_new, l_new, alpha = _scaled_softmax_step(s, m_i, l_i)
+        else:
+            p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale)
     return p, m_new, l_new, alpha
 
 
@@ -348,16 +365,27 @@ def _kept_here(x):
 
 
 @gluon.jit
-def _biased_softmax_step(s, words, mixed, m_i, l_i, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+def _biased_softmax_step(s, words, mixed, m_i, l_i, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                         TERMS: gl.constexpr = False):
     """_softmax_step of a PARTIAL tile whose column bias the tensor cores added to S: the row
     words on top where a column of this warpgroup's rows is mixed. Two softmax copies, so that
     the wait for the previous O += P V stays in their merge block, below them, as on the
     register-bias path (waiting above the mask work made PARTIAL tiles slower there:
-    docs/performance.md, section 4.5)."""
+    docs/performance.md, section 4.5). With TERMS, s are the biased scores in log2 units."""
     if _any_column(mixed, BLOCK_N, 4) != 0:
         s = _apply_row_words(s, words, ROWS, BLOCK_N)
-        p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+        p, m_new, l_new, alpha = _term_softmax_step(s, m_i, l_i, qk_scale, TERMS)
         l_new = _kept_here(l_new)
+    else:
+        p, m_new, l_new, alpha = _term_softmax_step(s, m_i, l_i, qk_scale, TERMS)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _term_softmax_step(s, m_i, l_i, qk_scale, TERMS: gl.constexpr):
+    """_softmax_step of raw products, or with TERMS of scores already in log2 units."""
+    if TERMS:
+        p, m_new, l_new, alpha = _scaled_softmax_step(s, m_i, l_i)
     else:
         p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale)
     return p, m_new, l_new, alpha
@@ -393,18 +421,53 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _tanh(x):
+    """tanh in fp32 from exp2, finite for every finite or infinite x: sign(x) (1 - e) / (1 + e) with
+    e = exp(-2|x|) in (0, 1] (common/score_terms.tanh, the portable kernels' formula)."""
+    e = gl.exp2(-2.8853900817779268 * gl.abs(x))  # exp(-2|x|)
+    y = (1.0 - e) / (1.0 + e)
+    return gl.where(x < 0, -y, y)
+
+
+@gluon.jit
+def _term_scores(s, row0, col0, qk_scale, tanh_scale, softcap2, slope2, shift,
+                 ROWS: gl.constexpr, COLS: gl.constexpr, s_layout: gl.constexpr,
+                 SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """The raw products s = q.k of query rows [row0, row0 + ROWS) and key columns [col0, col0 +
+    COLS) (a [ROWS, COLS] block in s_layout) as scores in log2 units with the score terms, before
+    the mask (common/score_terms.log2_scores): softcap2 * tanh(s * tanh_scale) or s * qk_scale, then
+    - slope2 * |i + shift - j|. Returns (scores, tanh), tanh being what the softcap's gradient needs
+    (1 - tanh^2), s itself without SOFTCAP. The distance is taken in fp32, exact for positions
+    below 2^24."""
+    if SOFTCAP:
+        th = _tanh(s * tanh_scale)
+        t = th * softcap2
+    else:
+        th = s
+        t = s * qk_scale
+    if HAS_ALIBI:
+        rows = (row0 + shift + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))).to(gl.float32)
+        cols = (col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, s_layout))).to(gl.float32)
+        t = t - slope2 * gl.abs(gl.expand_dims(rows, 1) - gl.expand_dims(cols, 0))  # [ROWS, COLS]
+    return t, th
+
+
+@gluon.jit
 def _consumer(
     WG: gl.constexpr, q_smem, k_bufs, v_bufs, bars, tc_bufs,
     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     stride_ob, stride_oh, stride_om,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+    tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
-    TC_BIAS: gl.constexpr,
+    TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     The two warpgroups share the K/V stages (released when both have read them) but never
-    wait for each other, so one's softmax runs while the other's matrix products do."""
+    wait for each other, so one's softmax runs while the other's matrix products do.
+    With SOFTCAP or HAS_ALIBI (TERMS) every tile's S goes through `_term_scores` (the kv-block
+    of each step then known to the consumer too); HAS_SINKS changes only each row's start."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns = bars
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -419,6 +482,7 @@ def _consumer(
 
     HALF: gl.constexpr = ROWS // 2
     P_F32: gl.constexpr = SPLIT_LOOPS  # how P is carried to the next step (_p_carried)
+    TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI  # S through _term_scores before the mask
     ones_smem, bias_bufs = tc_bufs
     if TC_BIAS:
         _ones_column(ones_smem.index(WG), ROWS)
@@ -432,8 +496,15 @@ def _consumer(
         row = seg // NQB
         row0 = m * BLOCK_M + WG * ROWS
         o_m = row0 + gl.arange(0, ROWS, layout=row_layout)
-        m_i = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=row_layout)
-        l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+        if HAS_SINKS:  # the sink: a first key of logit sinks[h] and value 0 (common/score_terms.py)
+            m_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout) + gl.load(SINKS + h) * 1.4426950408889634
+            l_i = gl.full([ROWS], 1.0, gl.float32, layout=row_layout)
+        else:
+            m_i = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=row_layout)
+            l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = gl.load(ALIBI + b.to(gl.int64) * alibi_stride_b + h) * 1.4426950408889634
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         n_tiles = t_hi - t_lo
         q_idx = (item_count % Q_BUFS) * 2 + WG
@@ -454,8 +525,11 @@ def _consumer(
             bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s_idx), count=1)
+            if TERMS:
+                s = _term_scores(s, row0, n * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                                 ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
             p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
-                                                      ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
+                                                      ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
             p_prev = _p_carried(p, dtype, p_layout, P_F32)
             prev_idx = s_idx
             prev_phase = (kv_count // STAGES) & 1
@@ -471,6 +545,10 @@ def _consumer(
                     bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
                     _store_bias_row(bias, bias_bufs.index(WG * 2 + 1), BLOCK_N)
                 for i in range(1, n_partial):
+                    if HAS_ALIBI:
+                        n_cur = n_next  # this tile's kv-block, loaded one tile ahead
+                    else:
+                        n_cur = 0
                     s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
                                                     prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
                                                     s_layout, p_layout, ones_smem.index(WG),
@@ -484,11 +562,15 @@ def _consumer(
                     lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, has_next)
                     s = warpgroup_mma_wait(1, deps=(s,))
                     mbarrier.arrive(k_empty.index(s_idx), count=1)
+                    if TERMS:
+                        s = _term_scores(s, row0, n_cur * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2,
+                                         alibi_shift, ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
                     if TC_BIAS:
-                        p, m_i, l_i, alpha = _biased_softmax_step(s, words, mixed, m_i, l_i, qk_scale, ROWS, BLOCK_N)
+                        p, m_i, l_i, alpha = _biased_softmax_step(s, words, mixed, m_i, l_i, qk_scale, ROWS, BLOCK_N,
+                                                                  TERMS)
                     else:
                         p, m_i, l_i, alpha = _masked_softmax_step(s, True, words, bias, mixed, m_i, l_i, qk_scale,
-                                                                  ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
+                                                                  ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
                     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
                                                                   P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
@@ -496,13 +578,20 @@ def _consumer(
                         bias, _ = _column_bias(lts, lte, uts, ute, row0, ROWS)
                         _store_bias_row(bias, bias_bufs.index(WG * 2 + (i + 1) % 2), BLOCK_N)
                 for i in range(gl.maximum(n_partial, 1), n_tiles):
+                    if HAS_ALIBI:
+                        n_cur = gl.load(FWD_BLOCKS + t_lo + i - n_partial)  # this FULL tile's kv-block
+                    else:
+                        n_cur = 0
                     s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
                                                     prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
                                                     s_layout, p_layout)
                     issued += 1
                     s = warpgroup_mma_wait(1, deps=(s,))
                     mbarrier.arrive(k_empty.index(s_idx), count=1)
-                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+                    if TERMS:  # FULL tiles too: the terms apply everywhere, only the mask is PARTIAL's
+                        s = _term_scores(s, row0, n_cur * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2,
+                                         alibi_shift, ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
+                    p, m_i, l_i, alpha = _term_softmax_step(s, m_i, l_i, qk_scale, TERMS)
                     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
                                                                   P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
@@ -518,8 +607,11 @@ def _consumer(
                     bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
                     s = warpgroup_mma_wait(1, deps=(s,))
                     mbarrier.arrive(k_empty.index(s_idx), count=1)
+                    if TERMS:
+                        s = _term_scores(s, row0, n * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                                         ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
                     p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
-                                                              ROWS, BLOCK_N, s_layout, COLUMN_BIAS)
+                                                              ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
                     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
                                                                   P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
@@ -556,9 +648,10 @@ def _forward_hopper_kernel(
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale,
+    tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
-    TC_BIAS: gl.constexpr,
+    TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
@@ -587,8 +680,13 @@ def _forward_hopper_kernel(
     bias_bufs = gl.allocate_shared_memory(dtype, [4 if TC_BIAS else 1, BLOCK_N, 16], ab_layout)
     tc_bufs = (ones_smem, bias_bufs)
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose products go next
-    mbarrier.init(turns.index(0), count=1)
-    mbarrier.init(turns.index(1), count=1)
+    if PINGPONG:
+        # Only when used: unused, the barriers are dead after their init and Triton gives their bytes
+        # to the first consumer's layout-conversion scratch (the PARTIAL tiles' row words) while they
+        # are still valid mbarriers, never invalidated, which PTX leaves undefined. Suspected cause of
+        # the rare wrong q-block on a time-sliced GPU (docs/performance.md, section 5).
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
     fence_async_shared()
     if PINGPONG:
         mbarrier.arrive(turns.index(0), count=1)  # warpgroup 0 takes the first turn
@@ -599,14 +697,16 @@ def _forward_hopper_kernel(
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                     TC_BIAS)),
+                     TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS)),
         (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                     TC_BIAS)),
+                     TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                      WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -743,7 +843,7 @@ def supports(q, k, v, cm) -> bool:
 
 def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int | None = None,
                              order: str = "chunked", q_buffers: int | None = None, pingpong: bool | None = None,
-                             column_bias: bool | None = None, tc_bias: bool | None = None):
+                             column_bias: bool | None = None, tc_bias: bool | None = None, terms=None):
     """Same contract as forward.attention_forward; call only when `supports` says yes.
     `stages`: K/V tiles in flight. `q_buffers=2` double-buffers Q across work items (the next
     item's Q loads while this one's walk ends: pays on short walks). `pingpong`: the two consumer
@@ -752,7 +852,8 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     `tc_bias`: with the column bias and two loops (D = 64), the tensor cores add it to S in one
     more k-step (`_store_bias_row`) instead of the softmax adding it per score.
     None takes `configs.hopper_forward_schedule` / `configs.hopper_forward_column_bias` /
-    `configs.hopper_forward_tc_bias`."""
+    `configs.hopper_forward_tc_bias` (never with a softcap, which would bend the tensor cores' -inf
+    bias to -softcap). `terms`: the score terms (common.score_terms.ScoreTerms) or None."""
     d = q.shape[-1]
     default_stages, default_pingpong = configs.hopper_forward_schedule(d)
     stages = default_stages if stages is None else stages
@@ -763,8 +864,12 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     if tc_bias not in (None, False, True):
         raise ValueError(f"tc_bias must be None, False or True, got {tc_bias!r}")
     split_loops = configs.hopper_forward_split_loops(d)
+    softcap = terms is not None and terms.softcap > 0
     if tc_bias is None:
-        tc_bias = configs.hopper_forward_tc_bias(d, q_buffers) and column_bias
+        tc_bias = configs.hopper_forward_tc_bias(d, q_buffers) and column_bias and not softcap
+    if tc_bias and softcap:
+        raise ValueError("tc_bias adds the mask to the raw scores, which the softcap would bend to -softcap; "
+                         f"got tc_bias=True with softcap={terms.softcap!r}")
     if tc_bias and not (column_bias and split_loops):
         raise ValueError(f"tc_bias needs column_bias and the two loops of head dim 64, got column_bias={column_bias!r}, "
                          f"head dim {d}")
@@ -785,16 +890,17 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     n_items = work.numel()
     grid = (min(n_items, programs),)
     mb, mdiv, mh = mask_map
+    score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, lse)
     _FORWARD_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, o, lse,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
         o.stride(0), o.stride(1), o.stride(2),
         sq, sk, cm.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
-        scale * LOG2E,
+        scale * LOG2E, *score_args,
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
-        TC_BIAS=bool(tc_bias),
+        TC_BIAS=bool(tc_bias), **score_flags,
         num_warps=4, maxnreg=168,
     )
     return o, lse
