@@ -6,6 +6,7 @@ overflows before any device time is spent.
     python -m tools.offline_compile backward   # the Hopper backward, D=128 and 64 (and dK/dV only; the dQ pass)
     python -m tools.offline_compile compiler   # the mask compiler's classify kernel (four families), shift kernel,
                                                     # random_eviction kernels
+    python -m tools.offline_compile portable   # the portable forward with 2 and 16 runs per column, D=64 and 128
 """
 
 from __future__ import annotations
@@ -21,15 +22,22 @@ from triton.runtime.jit import mangle_type
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_offline(fn, args: dict, constexprs: dict, options: dict, source_cls=None):
-    """`args`: name -> example value (tensors may live on the CPU; descriptors too)."""
+def compile_offline(fn, args: dict, constexprs: dict, options: dict, source_cls=None, aligned=()):
+    """`args`: name -> example value (tensors may live on the CPU; descriptors too); `aligned`:
+    names of the arguments to take as multiples of 16 (pointers, strides), as the launcher's
+    specialisation does on the GPU."""
     signature = {name: mangle_type(value) for name, value in args.items()}
     for name in constexprs:
         signature[name] = "constexpr"
     ordered = {name: signature[name] for name in fn.arg_names if name in signature}
     if source_cls is None:
         source_cls = triton.compiler.ASTSource
-    src = source_cls(fn=fn, signature=ordered, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    constexprs = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    if aligned:
+        attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned}
+        src = source_cls(fn=fn, signature=ordered, constexprs=constexprs, attrs=attrs)
+    else:
+        src = source_cls(fn=fn, signature=ordered, constexprs=constexprs)
     return triton.compile(src, target=HOPPER, options=options)
 
 
@@ -144,6 +152,35 @@ def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None):
                            source_cls=GluonASTSource)
 
 
+def _portable_forward(head_dim: int, runs: int):
+    """The portable forward (kernels/forward/portable.py) with the GPU's launch config for bf16,
+    128 x 128 tables and `runs` runs per column; returns (kernel, PTX instruction counts of the
+    shared-memory traffic and barriers that layout conversions bring)."""
+    from flexmask.kernels.forward import configs as forward_configs, portable as fp
+
+    cfg = forward_configs.forward_config(head_dim, torch.bfloat16, (128, 128), "cuda")
+    t = torch.empty(8, dtype=torch.bfloat16)
+    i32 = torch.empty(8, dtype=torch.int32)
+    f32 = torch.empty(8)
+    args = dict(Q=t, K=t, V=t, O=t, LSE=f32, INTV=i32, FWD_OFFSETS=i32, FWD_NUM_FULL=i32, FWD_BLOCKS=i32,
+                **{f"stride_{x}{y}": 128 for x in "qkvo" for y in ("b", "h", "m" if x in "qo" else "n")},
+                Sq=1000, Sk=1000, NQB=8, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
+                qk_scale=0.5, tanh_scale=0.01, softcap2=43.0, ALIBI=f32, alibi_stride_b=0, alibi_shift=0,
+                SINKS=f32)  # as launched
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TILE_M=128,
+                  TILE_N=128, PRECISION="tf32", USE_TMA=False, EVEN_M=False, EVEN_N=False,
+                  MASKED_BLOCK_N=min(cfg.step_masked or cfg.block_n, cfg.block_n), NUM_STAGES=cfg.num_stages,
+                  MASKED_STAGES=cfg.stages_masked, FLAT=False, SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False,
+                  NUM_RUNS=runs)
+    aligned = [name for name, value in args.items() if torch.is_tensor(value) or name.startswith("stride_")]
+    aligned = [name for name in aligned if not name.endswith(("_b", "_h"))] + ["stride_qb", "stride_kb", "stride_vb"]
+    kernel = compile_offline(fp._forward_kernel, args, consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+                             aligned=aligned)
+    ptx = kernel.asm["ptx"]
+    counts = {op: ptx.count(op) for op in ("ld.shared", "st.shared", "bar.sync", "ld.global", "cp.async.ca", "cp.async.cg", "ld.local")}
+    return kernel, counts
+
+
 def _classify(family: int):
     """The mask compiler's classify kernel (kernels/compile_kernels.py) for one FAMILY code."""
     from flexmask.masks import compiler_kernels as ck
@@ -184,7 +221,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m tools.offline_compile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="forward", choices=("forward", "backward", "compiler"),
+    ap.add_argument("what", nargs="?", default="forward", choices=("forward", "backward", "compiler", "portable"),
                     help="which kernels to compile (default: the Hopper forward)")
     what = ap.parse_args(argv).what
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
@@ -196,6 +233,12 @@ def main(argv=None) -> int:
         print(report("shift_to_cache", _shift()), flush=True)
         for kernel in ("keys", "merge", "final"):
             print(report(f"random_eviction {kernel}", _eviction(kernel)), flush=True)
+        return 0
+    if what == "portable":
+        for d in (64, 128):
+            for runs in (2, 16):
+                kernel, counts = _portable_forward(d, runs)
+                print(report(f"forward_portable D={d} runs={runs}", kernel), counts, flush=True)
         return 0
     if what == "backward":
         for d in (128, 64):

@@ -557,9 +557,9 @@ def _canonical_from_runs(runs: torch.Tensor, q_len: int) -> torch.Tensor:
 
 _RUN_KINDS = ("column_runs", "mask_mod", *RUN_BUILDERS)
 
-# One mask_mod call sees at most this many (q_idx, kv_idx) pairs: with the int64 temporaries of
+# One mask_mod call sees at most this many (q_idx, kv_idx) pairs: with the int32 temporaries of
 # the run scan, some 100 MB of transient memory, whatever q_len x kv_len is.
-MASK_MOD_BLOCK_ELEMENTS = 1 << 21
+MASK_MOD_BLOCK_ELEMENTS = 1 << 22
 MASK_MOD_BLOCK_COLUMNS = 4096
 
 
@@ -642,18 +642,19 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`: the function evaluated on the device over
     blocks of rows x columns (MASK_MOD_BLOCK_ELEMENTS at most), each column's runs of masked rows
     collected as the row blocks go by: a run opens at a masked row below an attended one (or
-    the first row) and closes at an attended row below a masked one (or at q_len). Run r of a
-    column lands in slot r by a scatter (no host sync per block); runs past max_runs are only
+    the first row) and closes at an attended row below a masked one (or at q_len). One cumulative
+    count of the openings numbers both: the run a row opens or closes is the count so far less
+    one. Run r's start lands in slot 2r of the column, its end in 2r + 1, by one scatter per
+    block (no host sync per block); runs past max_runs go to the spare slots and are only
     counted. One host sync at the end reads the most runs of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
     q_len, kv_len, dev = g.q_len, g.kv_len, g.device
-    spare = max_runs  # the slot that takes the runs past max_runs (and every non-event), dropped
+    spare = max_runs  # the run slot that takes the runs past max_runs (and every non-event), dropped
     empty = q_len + 1
-    starts = torch.full((n_b, n_h, kv_len, max_runs + 1), empty, dtype=torch.int64, device=dev)
-    ends = torch.full_like(starts, empty)
-    count = torch.zeros((n_b, n_h, kv_len), dtype=torch.int64, device=dev)
+    slots = torch.full((n_b, n_h, kv_len, 2 * (max_runs + 1)), empty, dtype=torch.int32, device=dev)
+    count = torch.zeros((n_b, n_h, kv_len), dtype=torch.int32, device=dev)
     cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS))
     rows = max(1, min(q_len, MASK_MOD_BLOCK_ELEMENTS // cols))
     with torch.no_grad():
@@ -664,27 +665,22 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
                 for k0 in range(0, kv_len, cols):
                     kv_idx = torch.arange(k0, min(k0 + cols, kv_len), device=dev).view(1, -1)
                     width = kv_idx.shape[1]
-                    s_buf = torch.full((max_runs + 1, width), empty, dtype=torch.int64, device=dev)
-                    e_buf = torch.full_like(s_buf, empty)
-                    opened = torch.zeros(width, dtype=torch.int64, device=dev)  # runs opened so far
-                    closed = torch.zeros_like(opened)
+                    buf = torch.full((2 * (max_runs + 1), width), empty, dtype=torch.int32, device=dev)
+                    opened = torch.zeros(width, dtype=torch.int32, device=dev)  # runs opened so far
                     above = torch.zeros(width, dtype=torch.bool, device=dev)  # the previous row masked
                     for q0 in range(0, q_len, rows):
                         q_idx = torch.arange(q0, min(q0 + rows, q_len), device=dev).view(-1, 1)
                         masked = ~_mask_mod_block(fn, b_idx, h_idx, q_idx, kv_idx, dev)  # [rows, cols]
-                        before = torch.cat([above[None], masked[:-1]], 0)
-                        row_of = q_idx.expand_as(masked)
-                        for events, done, buf in ((masked & ~before, opened, s_buf), (~masked & before, closed, e_buf)):
-                            rank = torch.cumsum(events, 0) + (done - 1)  # run index of each event
-                            slot = torch.where(events, rank.clamp(max=spare), spare)
-                            buf.scatter_(0, slot, row_of)
-                            done += events.sum(0)
+                        change = masked != torch.cat([above[None], masked[:-1]], 0)  # a run opens or closes
+                        run = torch.cumsum(masked & change, 0, dtype=torch.int32) + (opened - 1)
+                        slot = torch.where(change, 2 * run.clamp(max=spare) + (~masked), 2 * spare)
+                        buf.scatter_(0, slot, q_idx.to(torch.int32).expand_as(slot))
+                        opened = run[-1] + 1
                         above = masked[-1]
-                    if q_len:  # runs still open at the last row end at q_len
-                        e_buf.scatter_(0, torch.where(above, closed.clamp(max=spare), spare)[None],
-                                       torch.full((1, width), q_len, dtype=torch.int64, device=dev))
-                    starts[b, h, k0:k0 + width] = s_buf.T
-                    ends[b, h, k0:k0 + width] = e_buf.T
+                    if q_len:  # a run still open at the last row ends at q_len
+                        last = torch.where(above, 2 * (opened - 1).clamp(max=spare) + 1, 2 * spare)
+                        buf.scatter_(0, last[None], torch.full((1, width), q_len, dtype=torch.int32, device=dev))
+                    slots[b, h, k0:k0 + width] = buf.T
                     count[b, h, k0:k0 + width] = opened
     most = int(count.max()) if count.numel() else 0  # the one host sync
     if most > max_runs:
@@ -693,7 +689,8 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
             f"{m!r}: key column {j}{_where(m, b, h)} has {int(count[b, h, j])} masked runs of query rows, "
             f"more than max_runs={max_runs} (it may be raised up to {run_bounds.MAX_RUNS_LIMIT})"
         )
-    return torch.stack([starts[..., :max(1, most)], ends[..., :max(1, most)]], dim=-1)
+    runs = slots[..., : 2 * max(1, most)].view(n_b, n_h, kv_len, max(1, most), 2)
+    return runs.to(torch.int64)
 
 
 def _where(m, b: int, h: int) -> str:
