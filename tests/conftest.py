@@ -315,3 +315,23 @@ def assert_merges_agree(fused, two_launch, dtype):
     assert (lf[finite] - lt[finite]).abs().max().item() <= 1e-5 * max(1.0, lt[finite].abs().max().item())
     scale = max(1.0, ot.float().abs().max().item())
     assert (of.float() - ot.float()).abs().max().item() <= torch.finfo(dtype).eps * scale
+
+
+def compile_for_sm90(script: str, timeout: int) -> list[dict]:
+    """Run `script` (Python that compiles kernels for sm_90 offline and prints one JSON object a
+    kernel) in a process of its own without TRITON_INTERPRET: under the interpreter flag Triton's
+    own reduction helpers are interpreter functions, which a compile for the GPU cannot call.
+    Returns the printed objects; a failed compile fails the calling test with its stderr."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+

@@ -16,6 +16,8 @@ from flexmask.kernels.dispatch import attention_backward
 from flexmask.kernels.dispatch import attention_forward
 from flexmask.kernels.common.masking import mask_broadcast
 
+from conftest import compile_for_sm90
+
 HOPPER_SHARED_BYTES = 227 * 1024
 
 
@@ -155,24 +157,11 @@ for name, d, variant, build in cases:
 
 def test_hopper_kernels_compile_for_sm90():
     """The Gluon kernels go through Triton and ptxas for sm_90 on this machine and fit in one
-    SM's shared memory; the forward and the dQ pass also without register spills. In a process
-    of its own without TRITON_INTERPRET: under the interpreter flag Triton's own reduction
-    helpers are interpreter functions, which a compile for the GPU cannot call."""
+    SM's shared memory; the forward and the dQ pass also without register spills (compiled in a
+    process of its own: conftest.compile_for_sm90)."""
     pytest.importorskip("triton.experimental.gluon")
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE_ALL], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=1200)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 8, done.stdout
+    results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
+    assert len(results) == 8, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["name"] in ("forward", "dq"):

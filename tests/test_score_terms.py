@@ -21,7 +21,7 @@ from flexmask.kernels.common import tiles
 from flexmask.kernels.common.score_terms import ScoreTerms
 from flexmask.kernels.decode.split_kv import attention_decode
 
-from conftest import assert_close_to_reference, case_id, default_floor, make_mask, make_qkv
+from conftest import assert_close_to_reference, case_id, compile_for_sm90, default_floor, make_mask, make_qkv
 
 BF16, FP32 = torch.bfloat16, torch.float32
 TERMS = ("softcap", "alibi", "sinks", "all")
@@ -461,20 +461,8 @@ def test_hopper_kernels_with_terms_compile_for_sm90():
     and fit in one SM's shared memory (tests/test_hopper_backward_host.py compiles the ones without
     terms; tools.offline_compile reports their registers and spills)."""
     pytest.importorskip("triton.experimental.gluon")
-    import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", _COMPILE_TERMS], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=1800)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 9, done.stdout
+    results = compile_for_sm90(_COMPILE_TERMS, timeout=1800)
+    assert len(results) == 9, results
     for r in results:
         assert r["shared"] <= 227 * 1024, r  # one sm_90 SM's shared memory per block
 
