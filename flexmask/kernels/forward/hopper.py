@@ -422,11 +422,13 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _tanh(x):
-    """tanh in fp32 from exp2, finite for every finite or infinite x: sign(x) (1 - e) / (1 + e) with
-    e = exp(-2|x|) in (0, 1] (common/score_terms.tanh, the portable kernels' formula)."""
-    e = gl.exp2(-2.8853900817779268 * gl.abs(x))  # exp(-2|x|)
-    y = (1.0 - e) / (1.0 + e)
-    return gl.where(x < 0, -y, y)
+    """tanh in fp32 by the MUFU's tanh.approx.f32 (one MUFU result, max relative error 2^-11;
+    +-1 at +-inf). The exp2-and-division formula of the portable kernels (common/score_terms.tanh)
+    takes two MUFU results (ex2, and the division's rcp), which with the softmax's exp2 made the
+    softcap forward MUFU-bound (docs/performance.md, section 11). The forward, backward and dQ
+    kernels all take this one, so the backward recomputes the forward's P."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
