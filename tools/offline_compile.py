@@ -7,6 +7,8 @@ overflows before any device time is spent.
     python -m tools.offline_compile compiler   # the mask compiler's classify kernel (four families), shift kernel,
                                                     # random_eviction kernels
     python -m tools.offline_compile portable   # the portable forward with 2 and 16 runs per column, D=64 and 128
+    python -m tools.offline_compile k_runs     # every portable kernel a 16-run mask launches (forward, two-pass
+                                                    # and fused backward, split-KV decode), D=64 and 128
 """
 
 from __future__ import annotations
@@ -181,6 +183,79 @@ def _portable_forward(head_dim: int, runs: int):
     return kernel, counts
 
 
+def recorded_launches(call) -> list[tuple]:
+    """The kernel launches `call()` makes through FastLaunch, recorded instead of run:
+    (kernel, {parameter: value}, launch options). The host code runs for real on CPU tensors
+    (its plans, configs and constexprs as on the GPU where the caller passes the GPU's configs)."""
+    from flexmask.kernels.common import launcher
+
+    seen = []
+
+    def record(self, grid, *args, num_warps: int = 4, **kwargs):
+        names = self.fn.arg_names
+        params = dict(zip(names, args))
+        options = {"num_warps": num_warps}
+        for key, value in kwargs.items():
+            (params if key in names else options)[key] = value
+        seen.append((self.fn, params, options))
+
+    original = launcher.FastLaunch.__call__
+    launcher.FastLaunch.__call__ = record
+    try:
+        call()
+    finally:
+        launcher.FastLaunch.__call__ = original
+    return seen
+
+
+def compile_recorded(fn, params: dict, options: dict):
+    """One recorded launch compiled for sm_90: tensors and ints that are multiples of 16 taken
+    as aligned, as Triton's specialisation takes them on the GPU."""
+    constexpr_names = {p.name for p in fn.params if p.is_constexpr}
+    consts = {k: v for k, v in params.items() if k in constexpr_names}
+    args = {k: v for k, v in params.items() if k not in constexpr_names}
+    skip = set(getattr(fn, "do_not_specialize", ()) or ())
+    aligned = [k for k, v in args.items()
+               if torch.is_tensor(v) or (type(v) is int and v % 16 == 0 and v != 0 and k not in skip)]
+    opts = {k: v for k, v in options.items() if k in ("num_warps", "num_stages", "maxnreg")}
+    return compile_offline(fn, args, consts, opts, aligned=aligned)
+
+
+def _k_run_launches(head_dim: int) -> list[tuple[str, tuple]]:
+    """(name, recorded launch) of every portable kernel a mask of 16 runs per column launches at
+    `head_dim` with the GPU's bf16 configs: forward, two-pass dK/dV and dQ, fused backward,
+    split-KV decode."""
+    import flexmask
+    from flexmask import masks
+    from flexmask.kernels import dispatch
+    from flexmask.kernels.backward import configs as backward_configs
+    from flexmask.kernels.decode import split_kv
+    from flexmask.kernels.forward import configs as forward_configs
+
+    s, bf16 = 1024, torch.bfloat16
+    cm = flexmask.compile_mask(masks.natten(32, 32, 7), s, s, device="cpu", block_m=128, block_n=128)
+    q, k, v = (torch.zeros(1, h, s, head_dim, dtype=bf16) for h in (4, 2, 2))
+    o, do, lse = torch.zeros_like(q), torch.zeros_like(q), torch.zeros(1, 4, s)
+    tile = (128, 128)
+    fwd_cfg = forward_configs.forward_config(head_dim, bf16, tile, "cuda")
+    bwd_cfgs = backward_configs.backward_config(head_dim, bf16, tile, "cuda")
+    fused_cfg = backward_configs.backward_fused_config(head_dim, bf16, tile, "cuda")  # as at two runs
+    out = []
+    for name, call in (
+        ("forward", lambda: dispatch.attention_forward(q, k, v, cm, 0.1, config=fwd_cfg, use_tma=False,
+                                                       kernel="portable")),
+        ("two-pass", lambda: dispatch.attention_backward(do, None, q, k, v, o, lse, cm, 0.1, configs=bwd_cfgs,
+                                                         use_tma=False, kernel="two-pass")),
+        ("fused", lambda: dispatch.attention_backward(do, None, q, k, v, o, lse, cm, 0.1, fused_config=fused_cfg,
+                                                      use_tma=False, deterministic=False, dq_transposed=True,
+                                                      dq_tma=False)),
+    ):
+        out += [(f"{name} {fn.__name__}", (fn, params, options))
+                for fn, params, options in recorded_launches(call) if "NUM_RUNS" in params]
+    del split_kv  # decode: its plan needs a CUDA device's SM count; the forward covers its masked step
+    return out
+
+
 def _classify(family: int):
     """The mask compiler's classify kernel (kernels/compile_kernels.py) for one FAMILY code."""
     from flexmask.masks import compiler_kernels as ck
@@ -221,7 +296,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m tools.offline_compile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="forward", choices=("forward", "backward", "compiler", "portable"),
+    ap.add_argument("what", nargs="?", default="forward", choices=("forward", "backward", "compiler", "portable", "k_runs"),
                     help="which kernels to compile (default: the Hopper forward)")
     what = ap.parse_args(argv).what
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
@@ -233,6 +308,14 @@ def main(argv=None) -> int:
         print(report("shift_to_cache", _shift()), flush=True)
         for kernel in ("keys", "merge", "final"):
             print(report(f"random_eviction {kernel}", _eviction(kernel)), flush=True)
+        return 0
+    if what == "k_runs":
+        for d in (64, 128):
+            for name, launch in _k_run_launches(d):
+                try:
+                    print(report(f"{name} D={d}", compile_recorded(*launch)), flush=True)
+                except Exception as exc:  # report and go on: this is a diagnostic tool
+                    print(f"{name} D={d}: FAILED {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
         return 0
     if what == "portable":
         for d in (64, 128):
