@@ -8,7 +8,10 @@ overflows before any device time is spent.
                                                     # random_eviction kernels
     python -m tools.offline_compile portable   # the portable forward with 2 and 16 runs per column, D=64 and 128
     python -m tools.offline_compile k_runs     # every portable kernel a 16-run mask launches (forward, two-pass
-                                                    # and fused backward, split-KV decode), D=64 and 128
+                                                    # and fused backward), D=64 and 128
+    python -m tools.offline_compile digest     # the Hopper kernels' instruction streams (count and hash, the
+                                                    # parameter loads left out): run at two commits, equal
+                                                    # digests mean a change compiled to the same code
 """
 
 from __future__ import annotations
@@ -223,13 +226,12 @@ def compile_recorded(fn, params: dict, options: dict):
 
 def _k_run_launches(head_dim: int) -> list[tuple[str, tuple]]:
     """(name, recorded launch) of every portable kernel a mask of 16 runs per column launches at
-    `head_dim` with the GPU's bf16 configs: forward, two-pass dK/dV and dQ, fused backward,
-    split-KV decode."""
+    `head_dim` with the GPU's bf16 configs: forward, two-pass dK/dV and dQ, fused backward (the
+    split-KV decode's plan needs a GPU's SM count; it reads the runs by the same helpers)."""
     import flexmask
     from flexmask import masks
     from flexmask.kernels import dispatch
     from flexmask.kernels.backward import configs as backward_configs
-    from flexmask.kernels.decode import split_kv
     from flexmask.kernels.forward import configs as forward_configs
 
     s, bf16 = 1024, torch.bfloat16
@@ -252,8 +254,26 @@ def _k_run_launches(head_dim: int) -> list[tuple[str, tuple]]:
     ):
         out += [(f"{name} {fn.__name__}", (fn, params, options))
                 for fn, params, options in recorded_launches(call) if "NUM_RUNS" in params]
-    del split_kv  # decode: its plan needs a CUDA device's SM count; the forward covers its masked step
     return out
+
+
+def instruction_digest(kernel) -> str:
+    """Count and hash of a kernel's PTX instructions, without the parameter loads (a new kernel
+    parameter renumbers them) and without declarations, labels and debug lines."""
+    import hashlib
+
+    ops = []
+    for line in kernel.asm["ptx"].splitlines():
+        line = line.strip()
+        if not line or line.startswith((".", "//", "{", "}", ")", "$")) or line.endswith(":"):
+            continue
+        op = line.split()[0]
+        if op.startswith("@"):
+            op = "@" + line.split()[1]
+        if not op.startswith("ld.param"):
+            ops.append(op)
+    digest = hashlib.sha1(" ".join(ops).encode()).hexdigest()[:10]
+    return f"{len(ops)} instructions, sha {digest}, shared {kernel.metadata.shared} B"
 
 
 def _classify(family: int):
@@ -296,7 +316,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m tools.offline_compile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="forward", choices=("forward", "backward", "compiler", "portable", "k_runs"),
+    ap.add_argument("what", nargs="?", default="forward", choices=("forward", "backward", "compiler", "portable", "k_runs", "digest"),
                     help="which kernels to compile (default: the Hopper forward)")
     what = ap.parse_args(argv).what
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
@@ -308,6 +328,14 @@ def main(argv=None) -> int:
         print(report("shift_to_cache", _shift()), flush=True)
         for kernel in ("keys", "merge", "final"):
             print(report(f"random_eviction {kernel}", _eviction(kernel)), flush=True)
+        return 0
+    if what == "digest":
+        for d in (64, 128):
+            print(f"forward_hopper D={d}: {instruction_digest(_hopper_forward(d, 2))}", flush=True)
+            print(f"backward_hopper_dq D={d}: {instruction_digest(_hopper_dq(2, d))}", flush=True)
+            for with_dq in (True, False):
+                print(f"backward_hopper D={d} with_dq={with_dq}: "
+                      f"{instruction_digest(_hopper_backward(2, d, with_dq))}", flush=True)
         return 0
     if what == "k_runs":
         for d in (64, 128):
