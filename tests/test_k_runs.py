@@ -331,3 +331,16 @@ def test_context_plan_and_sub_masks_read_k_runs():
     want = torch.cat([dense[c:2 * c, :c], dense[c:2 * c, 3 * c:]], 1)
     from flexmask.masks.intervals import intervals_to_dense
     assert torch.equal(intervals_to_dense(sub.intervals, c)[0, 0], want)
+
+
+def test_offline_compile_records_every_k_run_launch():
+    """tools.offline_compile k_runs compiles what the host code launches for a 16-run mask with
+    the GPU's configs: the launches are recorded (not run) on CPU tensors, one per kernel."""
+    from tools import offline_compile
+
+    launches = offline_compile._k_run_launches(64)
+    names = sorted(name for name, _ in launches)
+    assert names == ["forward _forward_kernel", "fused _fused_kernel", "two-pass _dkdv_kernel", "two-pass _dq_kernel"]
+    for _, (fn, params, options) in launches:
+        assert params["NUM_RUNS"] == 16 and options["num_warps"] in (4, 8)
+        assert set(fn.arg_names) <= set(params), set(fn.arg_names) - set(params)
