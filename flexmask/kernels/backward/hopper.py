@@ -125,10 +125,12 @@ def _producer(
         x_kv = b * KV_X_B + hk * KV_X_H
         c_kv = hk * KV_C_H
         first_step = step
+        t_lo, t_hi = t_lo0, t_hi0
         for g in range(GROUP):
             h = hk * GROUP + g
-            row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
-                                                MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+            # the next head's walk, loaded ahead as in the consumers
+            _, t_lo_next, _, t_hi_next = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, hk * GROUP + gl.minimum(g + 1, GROUP - 1),
+                                                    n, NKB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
             x_q = b * Q_X_B + h * Q_X_H
             c_q = h * Q_C_H
             for i in range(2 * (t_hi - t_lo)):
@@ -143,6 +145,7 @@ def _producer(
                 if step == first_step:
                     _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv)
                 step += 1
+            t_lo, t_hi = t_lo_next, t_hi_next
         if step == first_step:  # an item with no tiles: its dK/dV are zeros, K/V still handed over
             _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv)
         item_count += 1
@@ -204,14 +207,15 @@ def _consumer(
         dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         mbarrier.wait(kv_ready, item_count & 1)
+        row = b * MASK_B_STRIDE + ((hk * GROUP) // MASK_H_DIV) * MASK_H_STRIDE
+        t_lo, t_mid, t_hi = t_lo0, t_mid0, t_hi0
         for g in range(GROUP):
             h = hk * GROUP + g
-            if g == 0:
-                row = b * MASK_B_STRIDE + (h // MASK_H_DIV) * MASK_H_STRIDE
-                t_lo, t_mid, t_hi = t_lo0, t_mid0, t_hi0
-            else:
-                row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
-                                                    MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+            # the next head's walk (GQA), loaded now: its loads land during this head's steps
+            # instead of stalling both warpgroups between the two walks
+            row_next, t_lo_next, t_mid_next, t_hi_next = _head_walk(
+                BWD_OFFSETS, BWD_NUM_FULL, b, hk * GROUP + gl.minimum(g + 1, GROUP - 1), n, NKB,
+                MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
             bh = b * HQ + h
             p_stats = STATS + bh.to(gl.int64) * 2 * Sq
             slope2 = 0.0
@@ -295,6 +299,7 @@ def _consumer(
                     _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], dq_smem.index(2 * WG + 1))
                 step += 1
                 start_m = start_next
+            row, t_lo, t_mid, t_hi = row_next, t_lo_next, t_mid_next, t_hi_next
         mbarrier.arrive(kv_empty, count=1)
         item_count += 1
 
