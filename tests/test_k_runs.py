@@ -266,19 +266,17 @@ def test_split_kv_decode(name):
 # --- dispatch -------------------------------------------------------------------------------------
 
 
-def test_dispatch_routes_k_runs_to_portable():
-    """k runs per column never reach a Hopper kernel: chosen paths are portable, an explicit
-    request is a ValueError (DESIGN.md 2.1; the same rule as the score terms)."""
+def test_dispatch_keeps_k_runs_off_the_hopper_backward():
+    """k runs per column never reach the Hopper backward (it holds two intervals): the chosen
+    backward is portable and an explicit request is a ValueError; the forward's choice is the
+    one a two-interval mask gets (the Hopper forward reads k runs; on the CPU: portable)."""
     mask = masks.natten(4, 4, 3)
     cm = flexmask.compile_mask(mask, 16, 16, device="cpu", block_m=16, block_n=16)
     two = flexmask.compile_mask(masks.causal(), 16, 16, device="cpu", block_m=16, block_n=16)
     assert dispatch.k_runs_rule_applies(cm) and not dispatch.k_runs_rule_applies(two)
     q, k, v = make_qkv(1, 2, 1, 16, 16, 16, FP32)
-    assert dispatch.forward_path(q, cm) == "portable"
+    assert dispatch.forward_path(q, cm) == dispatch.forward_path(q, two) == "portable"
     assert dispatch.backward_path(q, cm, deterministic=False) != "hopper"
-    with pytest.raises(ValueError, match=r"kernel='hopper' holds two masked intervals per key column; this mask has "
-                                         r"up to 4 runs"):
-        dispatch.attention_forward(q, k, v, cm, 0.25, kernel="hopper")
     out, lse = dispatch.attention_forward(q, k, v, cm, 0.25)
     do = torch.randn_like(out)
     with pytest.raises(ValueError, match="kernel='hopper' holds two masked intervals"):

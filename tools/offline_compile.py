@@ -75,7 +75,8 @@ def _score_terms(terms: str | None, tensor) -> tuple[dict, dict]:
 
 
 def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
-                    column_bias: bool | None = None, tc_bias: bool | None = None, terms: str | None = None):
+                    column_bias: bool | None = None, tc_bias: bool | None = None, terms: str | None = None,
+                    runs: int = 2):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.forward import hopper as fh
 
@@ -99,7 +100,9 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
                    and not term_consts["SOFTCAP"])
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
                   COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim),
-                  TC_BIAS=bool(tc_bias), **term_consts, num_warps=4)
+                  TC_BIAS=bool(tc_bias), **term_consts, NUM_RUNS=runs, num_warps=4)
+    if runs > 2:
+        consts.update(COLUMN_BIAS=False, TC_BIAS=False)
     return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

@@ -9,12 +9,12 @@ except decoding: the Gluon Hopper decode kernel does not implement them, so spli
 a term runs the Triton split-KV kernel (decode.split_kv). `score_terms_rule_applies` is that rule.
 
 Masks of k runs per column (DESIGN.md 2.1: more than FlashMask's two intervals in some column,
-`common.masking.mask_runs(cm) > 2`): likewise only the portable kernels read them (NUM_RUNS runs per
-column in their partial tiles); the Gluon Hopper kernels hold two intervals and would drop the
-others. Such masks take the portable kernels on every device (the forward the portable kernel, the
-backward the fused path, two-pass when determinism is asked, with both passes portable, decoding the
-Triton split-KV kernel); asking for a Hopper kernel explicitly with one is a ValueError.
-`k_runs_rule_applies` is that rule.
+`common.masking.mask_runs(cm) > 2`): the portable kernels read them (NUM_RUNS runs per column in
+their partial tiles), and so does the Gluon Hopper forward (its row words OR-ed over the runs);
+the Hopper backward and dQ pass hold two intervals and would drop the others, so the backward of
+such a mask takes the fused path (two-pass when determinism is asked, with both passes portable)
+and decoding the Triton split-KV kernel; asking for the Hopper backward explicitly with one is a
+ValueError. `k_runs_rule_applies` is that rule.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def score_terms_rule_applies(terms) -> bool:
 
 
 def k_runs_rule_applies(cm) -> bool:
-    """True when the mask holds more than two masked runs in some column, which only the portable
-    kernels read (see the module docstring): every path choice below then returns the portable kernel."""
+    """True when the mask holds more than two masked runs in some column, which the Hopper backward
+    kernels do not read (see the module docstring): the backward choices below then return a portable path."""
     return mask_runs(cm) > 2
 
 
@@ -57,11 +57,9 @@ def forward_path(q: torch.Tensor, cm, terms=None) -> str:
     on sm_90 GPUs for fp16/bf16 at head dim 64 or 128 with the default 128 x 128 tables and
     inputs the copy engine can read (16-byte aligned, (B, H, S, D) or (B, S, H, D) memory
     order); "portable" (forward.py) everywhere else: the CPU interpreter (Gluon kernels do not
-    run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles, and
-    masks of k runs per column (k_runs_rule_applies). Score terms (`terms`) do not change the
-    choice: both kernels implement them."""
-    if k_runs_rule_applies(cm):
-        return "portable"
+    run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles. Masks of
+    k runs per column and score terms (`terms`) do not change the choice: both kernels implement
+    them."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9 or not gluon_hopper_available():
         return "portable"
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
@@ -140,8 +138,6 @@ def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, k
     batch, hq = q.shape[:2]
     if kernel is None:
         kernel = "portable" if config is not None or use_tma is not None else forward_path(q, cm, terms)
-    if kernel == "hopper" and k_runs_rule_applies(cm):
-        raise _k_runs_error(kernel, cm, "kernel='portable'")
     if kernel == "hopper":
         from .forward import hopper  # Gluon: imported only where it can run
 
