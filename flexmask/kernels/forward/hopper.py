@@ -274,11 +274,11 @@ def _store_bias_row(bias, bias_smem, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   num_warps: gl.constexpr, NUM_RUNS: gl.constexpr = 2):
     """-inf where (row, column) of this warpgroup's ROWS x BLOCK_N part of a PARTIAL tile is
     masked or past Sk (the three steps above in one, loads included)."""
-    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, True)
-    return _apply_row_words(s, _row_words(lts, lte, uts, ute, row0, ROWS // 2), ROWS, BLOCK_N)
+    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, True, NUM_RUNS)
+    return _apply_row_words(s, _row_words(lts, lte, uts, ute, row0, ROWS // 2, NUM_RUNS), ROWS, BLOCK_N)
 
 
 @gluon.jit
