@@ -17,7 +17,10 @@ Cases (bf16, D = 128):
                           (compiled)
 A second table, per_call_host.csv, counts the CUDA launches of one call (torch.profiler) and
 the host time of one call when the GPU is not the bottleneck (the issue time of a loop at the
-smallest shape, no synchronize inside).
+smallest shape, no synchronize inside), for fwd, fwd_bwd and a decode step (B = 1, 8K cache, GQA
+32/8); each flexmask row is followed by a `<provider>_python` row: the same loop with flexmask's
+kernel launches replaced by a no-op (common/launcher.FastLaunch), its Python and torch's own
+operations alone (their launches counted), so that the table tells launching from the rest.
 """
 
 from __future__ import annotations
@@ -167,9 +170,48 @@ def measure(calls: int, seq_lens: Sequence[int], env: dict, log=print) -> list[d
     return rows
 
 
+class _LaunchesStubbed:
+    """Within it, flexmask's kernel launches (FastLaunch) do nothing: the host work around them alone."""
+
+    def __enter__(self):
+        from flexmask.kernels.common import launcher
+
+        self._launcher, self._call = launcher, launcher.FastLaunch.__call__
+        launcher.FastLaunch.__call__ = lambda self, grid, *args, **kwargs: None
+        return self
+
+    def __exit__(self, *exc):
+        self._launcher.FastLaunch.__call__ = self._call
+        return False
+
+
+def _launches(fn) -> int:
+    """CUDA launches of one call (torch.profiler), after a warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _issue_time_us(fn, calls: int) -> float:
+    """Median over five loops of the host microseconds per call (no synchronize inside a loop)."""
+    samples = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def host_profile(env: dict, calls: int = 200, log=print) -> list[dict]:
     """Launches per call and host microseconds per call, at a shape too small to keep the GPU
-    busy (B=1, H=16, S=512, D=128), for flexmask's fwd and fwd+bwd with a compiled mask."""
+    busy (B=1, H=16, S=512, D=128), for flexmask's fwd and fwd+bwd with a compiled mask and written
+    inline, and a decode step (B=1, GQA 32/8, 8K cache); each also with its launches stubbed."""
     import flexmask
     from flexmask import masks
 
@@ -185,25 +227,23 @@ def host_profile(env: dict, calls: int = 200, log=print) -> list[dict]:
         ("fwd_bwd", "flexmask_inline"): _step(lambda a, b, c: flexmask.attention(a, b, c, mask=masks.causal()),
                                               q, k, v, do, True),
     }
+    qd = torch.randn(1, 32, 1, d, device="cuda", dtype=torch.bfloat16)
+    kd, vd = (torch.randn(1, 8, 8192, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def decode_step():
+        with torch.no_grad():
+            flexmask.attention(qd, kd, vd)
+
+    cases[("decode", "flexmask")] = decode_step
     rows = []
     for (case, provider), fn in cases.items():
-        fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        samples = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - t0) / calls * 1e6)  # issue time: no sync inside
-        host_us = statistics.median(samples)
-        torch.cuda.synchronize()
-        rows.append({**env, "case": case, "provider": provider, "launches": launches, "host_us": f"{host_us:.1f}"})
-        log(f"host {case:8s} {provider:16s} {launches:3d} launches {host_us:8.1f} us")
+        launches = _launches(fn)
+        host_us = _issue_time_us(fn, calls)
+        with _LaunchesStubbed():
+            python_launches, python_us = _launches(fn), _issue_time_us(fn, calls)
+        for name, count, us in ((provider, launches, host_us), (provider + "_python", python_launches, python_us)):
+            rows.append({**env, "case": case, "provider": name, "launches": count, "host_us": f"{us:.1f}"})
+            log(f"host {case:8s} {name:23s} {count:3d} launches {us:8.1f} us")
     return rows
 
 

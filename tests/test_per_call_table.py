@@ -49,3 +49,22 @@ def test_summary_ratios():
             row("fwd_bwd", 512, "flexmask", "1.5", hq=32, hkv=8), row("fwd_bwd", 512, "sdpa_cudnn", "1.0", hq=32, hkv=8)]
     line = next(x for x in per_call.summary(rows).splitlines() if x.startswith("| 512 |"))
     assert line == "| 512 | 32 | 1.200 / 0.600 | 2.00 | 1.500 / 1.000 | 1.50 | 1.10, - |"
+
+
+def test_launches_stubbed_restores_the_launcher():
+    """per_call's `_python` rows stub flexmask's launches for the loop and put them back after,
+    an exception included."""
+    from benchmarks.per_call import _LaunchesStubbed
+    from flexmask.kernels.common import launcher
+
+    real = launcher.FastLaunch.__call__
+    with _LaunchesStubbed():
+        assert launcher.FastLaunch.__call__ is not real
+        assert launcher.FastLaunch.__call__(object(), (1,), 1, 2, num_warps=4) is None
+    assert launcher.FastLaunch.__call__ is real
+    try:
+        with _LaunchesStubbed():
+            raise RuntimeError("inside")
+    except RuntimeError:
+        pass
+    assert launcher.FastLaunch.__call__ is real
