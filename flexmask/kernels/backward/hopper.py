@@ -21,7 +21,8 @@ matrix products with the tensor cores idle. Here, as in the Hopper forward:
       dQ[:, half]  = dS K[:, half]  [64 q, D / 2]   (at D = 64 one takes all of dQ, in turns)
   and adds it to the fp32 dQ buffer with a TMA bulk reduction (no per-element atomics).
 Masks come from the same column intervals, turned into one word of masked rows per key as in
-the Hopper forward (`forward_hopper._row_words`).
+the Hopper forward (`forward_hopper._row_words`); with k runs per column (NUM_RUNS > 2) the words
+are OR-ed over the runs, read from the tables at every step.
 Rows that attend nothing have LSE = +inf in the statistics, so P = 0 and their gradients are 0.
 Score terms (DESIGN.md section 1), behind compile-time switches that inputs without terms leave
 off: with softcap or ALiBi, S becomes the scores in log2 units (forward_hopper._term_scores) on
@@ -125,10 +126,12 @@ def _producer(
         x_kv = b * KV_X_B + hk * KV_X_H
         c_kv = hk * KV_C_H
         first_step = step
+        t_lo, t_hi = t_lo0, t_hi0
         for g in range(GROUP):
             h = hk * GROUP + g
-            row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
-                                                MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+            # the next head's walk, loaded ahead as in the consumers
+            _, t_lo_next, _, t_hi_next = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, hk * GROUP + gl.minimum(g + 1, GROUP - 1),
+                                                    n, NKB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
             x_q = b * Q_X_B + h * Q_X_H
             c_q = h * Q_C_H
             for i in range(2 * (t_hi - t_lo)):
@@ -143,6 +146,7 @@ def _producer(
                 if step == first_step:
                     _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv)
                 step += 1
+            t_lo, t_hi = t_lo_next, t_hi_next
         if step == first_step:  # an item with no tiles: its dK/dV are zeros, K/V still handed over
             _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv)
         item_count += 1
@@ -167,7 +171,7 @@ def _consumer(
     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SOFTCAP,
@@ -204,14 +208,15 @@ def _consumer(
         dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         mbarrier.wait(kv_ready, item_count & 1)
+        row = b * MASK_B_STRIDE + ((hk * GROUP) // MASK_H_DIV) * MASK_H_STRIDE
+        t_lo, t_mid, t_hi = t_lo0, t_mid0, t_hi0
         for g in range(GROUP):
             h = hk * GROUP + g
-            if g == 0:
-                row = b * MASK_B_STRIDE + (h // MASK_H_DIV) * MASK_H_STRIDE
-                t_lo, t_mid, t_hi = t_lo0, t_mid0, t_hi0
-            else:
-                row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
-                                                    MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+            # the next head's walk (GQA), loaded now: its loads land during this head's steps
+            # instead of stalling both warpgroups between the two walks
+            row_next, t_lo_next, t_mid_next, t_hi_next = _head_walk(
+                BWD_OFFSETS, BWD_NUM_FULL, b, hk * GROUP + gl.minimum(g + 1, GROUP - 1), n, NKB,
+                MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
             bh = b * HQ + h
             p_stats = STATS + bh.to(gl.int64) * 2 * Sq
             slope2 = 0.0
@@ -219,7 +224,7 @@ def _consumer(
                 slope2 = gl.load(ALIBI + b.to(gl.int64) * alibi_stride_b + h) * 1.4426950408889634
             n_steps = 2 * (t_hi - t_lo)
             # this warpgroup's keys' interval ends, once per walk (the PARTIAL steps' masks)
-            lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi)
+            lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi, NUM_RUNS)
             start_m = _step_start(BWD_BLOCKS, t_lo, 0, n_steps)
             for i in range(n_steps):
                 t = t_lo + i // 2
@@ -245,7 +250,7 @@ def _consumer(
                 zeros_s = gl.zeros([Q_STEP, ROWS], gl.float32, layout=s_layout)
                 qk = warpgroup_mma(q_view, k_t, zeros_s, use_acc=False, is_async=True)
                 dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
-                words = _row_words(lts, lte, uts, ute, start_m, Q_STEP // 2)  # while the products run
+                words = _row_words(lts, lte, uts, ute, start_m, Q_STEP // 2, NUM_RUNS)  # while the products run
                 qk = warpgroup_mma_wait(1, deps=(qk,))
                 if TERMS:  # every step, FULL ones too: the scores in log2 units, then the mask
                     qk, th = _term_scores(qk, start_m, n * KV_BLOCK + WG * ROWS, qk_scale, tanh_scale, softcap2,
@@ -295,6 +300,7 @@ def _consumer(
                     _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], dq_smem.index(2 * WG + 1))
                 step += 1
                 start_m = start_next
+            row, t_lo, t_mid, t_hi = row_next, t_lo_next, t_mid_next, t_hi_next
         mbarrier.arrive(kv_empty, count=1)
         item_count += 1
 
@@ -321,7 +327,7 @@ def _backward_hopper_kernel(
     qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, num_warps: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     dtype: gl.constexpr = q_desc.dtype
@@ -362,13 +368,13 @@ def _backward_hopper_kernel(
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI)),
+                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI)),
+                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -422,7 +428,7 @@ def supports(q, k, v, cm) -> bool:
     tables, q/k/v in layouts the copy engine reads, k and v in the same one (dO is copied into
     q's layout when it is not)."""
     if not (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
-            and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS and mask_runs(cm) == 2):
+            and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS):
         return False
     q_view, k_view, v_view = _tma_view(q), _tma_view(k), _tma_view(v)
     return q_view is not None and k_view is not None and v_view is not None and k_view[2] == v_view[2]
@@ -479,7 +485,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        num_warps=4, maxnreg=168,
+        NUM_RUNS=mask_runs(cm), num_warps=4, maxnreg=168,
     )
 
 
