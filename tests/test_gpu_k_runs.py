@@ -1,7 +1,7 @@
 """GPU tests (marked `gpu`; skipped without CUDA) of masks with k runs per key column (DESIGN.md
 2.1) at 1K-4K tokens, bf16, D = 64 and 128: the CUDA compile equals the CPU's tables, the dispatch
-sends them to the portable kernels, and the forward, both backwards (two-pass, fused) and split-KV
-decoding match the dense reference (float32 as the truth, the same math in bf16 as the baseline,
+sends them to the Hopper kernels on sm_90 as it sends two-interval masks, and the Hopper and
+portable forwards and backwards (both paths) and split-KV decoding match the dense reference (float32 as the truth, the same math in bf16 as the baseline,
 DESIGN.md section 4)."""
 
 from __future__ import annotations
@@ -55,9 +55,19 @@ def test_k_runs_forward_backward(name, head_dim):
     # the same tile size on both devices (the CPU's default tile is smaller)
     cpu = flexmask.compile_mask(mask, s, s, device="cpu", block_m=cm.block_m, block_n=cm.block_n)
     assert torch.equal(cm.tile_classes().cpu(), cpu.tile_classes())
-    assert dispatch.forward_path(q, cm) == "portable" and dispatch.backward_path(q, cm, False) != "hopper"
+    on_hopper = torch.cuda.get_device_capability()[0] == 9
+    assert dispatch.forward_path(q, cm) == ("hopper" if on_hopper else "portable")
+    assert dispatch.backward_path(q, cm, False) == ("hopper" if on_hopper else "fused")
     ref = _reference(q, k, v, cm, do, torch.float32)
     low = _reference(q, k, v, cm, do, torch.bfloat16)
+    for kernel in ("portable", "hopper") if on_hopper else ("portable",):  # each forward, by name
+        out, _ = dispatch.attention_forward(q, k, v, cm, head_dim ** -0.5, kernel=kernel)
+        assert_close_by_norm(("out",), (out,), ref[:1], low[:1], label=f"{kernel} forward ")
+    if on_hopper:  # the portable backward by name too (the default there is the Hopper one)
+        out, lse = dispatch.attention_forward(q, k, v, cm, head_dim ** -0.5, kernel="portable")
+        grads = dispatch.attention_backward(do, None, q, k, v, out, lse, cm, head_dim ** -0.5, kernel="fused",
+                                            deterministic=False)
+        assert_close_by_norm(("dq", "dk", "dv"), grads, ref[1:], low[1:], label="portable fused ")
     for deterministic in (True, False):
         qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
         out = flexmask.attention(qg, kg, vg, cm, deterministic=deterministic)
@@ -88,11 +98,3 @@ def test_k_runs_decode(name, head_dim):
         assert_close_by_norm(("out",), (out,), (ref,), (low,), label=f"sq={sq} ")
         ran += 1
     assert ran, "no decode shape held k runs"
-
-
-def test_explicit_hopper_with_k_runs_is_an_error():
-    mask, b, hq, hkv, s = k_run_masks()["natten_32x32_k7"]
-    q, k, v = (torch.randn(b, h, s, 128, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-    cm = flexmask.compile_mask(mask, s, s, device="cuda")
-    with pytest.raises(ValueError, match="kernel='hopper' holds two masked intervals"):
-        dispatch.attention_forward(q, k, v, cm, 128 ** -0.5, kernel="hopper")

@@ -266,23 +266,17 @@ def test_split_kv_decode(name):
 # --- dispatch -------------------------------------------------------------------------------------
 
 
-def test_dispatch_routes_k_runs_to_portable():
-    """k runs per column never reach a Hopper kernel: chosen paths are portable, an explicit
-    request is a ValueError (DESIGN.md 2.1; the same rule as the score terms)."""
+def test_dispatch_takes_k_runs_where_two_intervals_go():
+    """Every kernel reads k runs (DESIGN.md 2.1), so a k-run mask takes the paths a two-interval
+    mask takes (on the CPU: portable), except split-KV decoding, which runs the Triton kernel."""
     mask = masks.natten(4, 4, 3)
     cm = flexmask.compile_mask(mask, 16, 16, device="cpu", block_m=16, block_n=16)
     two = flexmask.compile_mask(masks.causal(), 16, 16, device="cpu", block_m=16, block_n=16)
     assert dispatch.k_runs_rule_applies(cm) and not dispatch.k_runs_rule_applies(two)
     q, k, v = make_qkv(1, 2, 1, 16, 16, 16, FP32)
-    assert dispatch.forward_path(q, cm) == "portable"
-    assert dispatch.backward_path(q, cm, deterministic=False) != "hopper"
-    with pytest.raises(ValueError, match=r"kernel='hopper' holds two masked intervals per key column; this mask has "
-                                         r"up to 4 runs"):
-        dispatch.attention_forward(q, k, v, cm, 0.25, kernel="hopper")
-    out, lse = dispatch.attention_forward(q, k, v, cm, 0.25)
-    do = torch.randn_like(out)
-    with pytest.raises(ValueError, match="kernel='hopper' holds two masked intervals"):
-        dispatch.attention_backward(do, None, q, k, v, out, lse, cm, 0.25, kernel="hopper")
+    assert dispatch.forward_path(q, cm) == dispatch.forward_path(q, two) == "portable"
+    for deterministic in (True, False):
+        assert dispatch.backward_path(q, cm, deterministic) == dispatch.backward_path(q, two, deterministic)
     assert dispatch.split_kv_plan(q[:, :, :1], k, (16, 16), 1, runs=4) is None or \
         dispatch.split_kv_plan(q[:, :, :1], k, (16, 16), 1, runs=4).kernel == "triton"
 

@@ -308,8 +308,8 @@ def score_terms(which: str, hq: int = 8) -> ScoreTerms:
 def test_dispatch_takes_the_hopper_kernels_with_score_terms(fake_hopper, which):
     """The rule of kernels/dispatch.py: inputs the Gluon Hopper kernels take without terms take
     them with any term too (forward, backward and the deterministic path's two passes), except
-    split-KV decoding, which runs the Triton kernel with a term; masks of k runs per column stay
-    on the portable kernels with or without terms."""
+    split-KV decoding, which runs the Triton kernel with a term; masks of k runs per column take
+    them too, with or without terms."""
     cm = flexmask.compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
     q = fake_hopper(1, 8, 256, 128)
     terms = score_terms(which)
@@ -325,8 +325,9 @@ def test_dispatch_takes_the_hopper_kernels_with_score_terms(fake_hopper, which):
     assert dispatch.score_terms_rule_applies(terms) and not dispatch.score_terms_rule_applies(ScoreTerms())
     cm_runs = flexmask.compile_mask(masks.natten(16, 16, 3), 256, 256, device="cpu", block_m=128, block_n=128)
     assert dispatch.k_runs_rule_applies(cm_runs)
-    assert dispatch.forward_path(q, cm_runs, terms) == "portable"
-    assert dispatch.backward_path(q, cm_runs, deterministic=False, terms=terms) != "hopper"
+    assert dispatch.forward_path(q, cm_runs, terms) == "hopper"
+    assert dispatch.backward_path(q, cm_runs, deterministic=False, terms=terms) == "hopper"
+    assert dispatch.two_pass_dkdv_path(q, cm_runs, terms) == "hopper" and dispatch.two_pass_dq_path(q, cm_runs, terms) == "hopper"
 
 
 def test_hopper_kernel_by_name_with_terms_off_hopper_runs_the_portable_kernel():

@@ -75,7 +75,8 @@ def _score_terms(terms: str | None, tensor) -> tuple[dict, dict]:
 
 
 def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
-                    column_bias: bool | None = None, tc_bias: bool | None = None, terms: str | None = None):
+                    column_bias: bool | None = None, tc_bias: bool | None = None, terms: str | None = None,
+                    runs: int = 2):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.forward import hopper as fh
 
@@ -99,12 +100,15 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
                    and not term_consts["SOFTCAP"])
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
                   COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim),
-                  TC_BIAS=bool(tc_bias), **term_consts, num_warps=4)
+                  TC_BIAS=bool(tc_bias), **term_consts, NUM_RUNS=runs, num_warps=4)
+    if runs > 2:
+        consts.update(COLUMN_BIAS=False, TC_BIAS=False)
     return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
 
-def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None):
+def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
+                     runs: int = 2):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper as bh
     from flexmask.kernels.forward import hopper as fh
@@ -122,7 +126,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
     term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
-    consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, **term_consts, num_warps=4)
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, **term_consts, NUM_RUNS=runs, num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
@@ -134,7 +138,7 @@ def _backward_terms(terms: str | None) -> tuple[dict, dict]:
     return args, consts
 
 
-def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None):
+def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2):
     """The deterministic path's Hopper dQ pass (backward_hopper_dq.py)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper_dq as bq
@@ -152,7 +156,8 @@ def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None):
                 sm_scale=0.3)  # as launched
     term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
-    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, **term_consts, num_warps=4)
+    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, **term_consts, NUM_RUNS=runs,
+                  num_warps=4)
     return compile_offline(bq._dq_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

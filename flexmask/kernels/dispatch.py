@@ -9,12 +9,11 @@ except decoding: the Gluon Hopper decode kernel does not implement them, so spli
 a term runs the Triton split-KV kernel (decode.split_kv). `score_terms_rule_applies` is that rule.
 
 Masks of k runs per column (DESIGN.md 2.1: more than FlashMask's two intervals in some column,
-`common.masking.mask_runs(cm) > 2`): likewise only the portable kernels read them (NUM_RUNS runs per
-column in their partial tiles); the Gluon Hopper kernels hold two intervals and would drop the
-others. Such masks take the portable kernels on every device (the forward the portable kernel, the
-backward the fused path, two-pass when determinism is asked, with both passes portable, decoding the
-Triton split-KV kernel); asking for a Hopper kernel explicitly with one is a ValueError.
-`k_runs_rule_applies` is that rule.
+`common.masking.mask_runs(cm) > 2`): every kernel reads them, the portable ones (NUM_RUNS runs per
+column in their partial tiles) and the Gluon Hopper forward, backward and dQ pass (their row
+words OR-ed over the runs), so they take the path a two-interval mask takes, except decoding: the
+Gluon Hopper decode kernel holds two intervals, so split-KV decoding of such a mask runs the Triton
+split-KV kernel, and asking for the Hopper decode kernel with one is a ValueError.
 """
 
 from __future__ import annotations
@@ -41,15 +40,9 @@ def score_terms_rule_applies(terms) -> bool:
 
 
 def k_runs_rule_applies(cm) -> bool:
-    """True when the mask holds more than two masked runs in some column, which only the portable
-    kernels read (see the module docstring): every path choice below then returns the portable kernel."""
+    """True when the mask holds more than two masked runs in some column (see the module
+    docstring): split-KV decoding then runs the Triton kernel."""
     return mask_runs(cm) > 2
-
-
-def _k_runs_error(kernel: str, cm, portable: str) -> ValueError:
-    return ValueError(f"kernel={kernel!r} holds two masked intervals per key column; this mask has up to "
-                      f"{mask_runs(cm)} runs in a column (k runs per column are read by the portable kernels only); "
-                      f"use {portable} or None")
 
 
 def forward_path(q: torch.Tensor, cm, terms=None) -> str:
@@ -57,11 +50,9 @@ def forward_path(q: torch.Tensor, cm, terms=None) -> str:
     on sm_90 GPUs for fp16/bf16 at head dim 64 or 128 with the default 128 x 128 tables and
     inputs the copy engine can read (16-byte aligned, (B, H, S, D) or (B, S, H, D) memory
     order); "portable" (forward.py) everywhere else: the CPU interpreter (Gluon kernels do not
-    run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles, and
-    masks of k runs per column (k_runs_rule_applies). Score terms (`terms`) do not change the
-    choice: both kernels implement them."""
-    if k_runs_rule_applies(cm):
-        return "portable"
+    run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles. Masks of
+    k runs per column and score terms (`terms`) do not change the choice: both kernels implement
+    them."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9 or not gluon_hopper_available():
         return "portable"
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
@@ -81,11 +72,11 @@ def backward_path(q: torch.Tensor, cm, deterministic: bool, terms=None) -> str:
     reproducible); otherwise "hopper" (backward_hopper.py: Gluon, persistent, warp-specialised)
     where the head dim is in HOPPER_BACKWARD_HEAD_DIMS and the inputs suit it (sm_90, fp16/bf16,
     128 x 128 tables, layouts the copy engine reads), else "fused" (backward_fused.py) where backward_fused_config offers a
-    config, else "two-pass". Masks of k runs per column never take "hopper" (k_runs_rule_applies);
-    score terms (`terms`) do not change the choice: every backward kernel implements them."""
+    config, else "two-pass". Masks of k runs per column and score terms (`terms`) do not change the
+    choice: every backward kernel implements them."""
     if deterministic:
         return "two-pass"
-    if (not k_runs_rule_applies(cm) and q.shape[-1] in HOPPER_BACKWARD_HEAD_DIMS and q.device.type == "cuda" and gluon_hopper_available()
+    if (q.shape[-1] in HOPPER_BACKWARD_HEAD_DIMS and q.device.type == "cuda" and gluon_hopper_available()
             and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in (torch.float16, torch.bfloat16)
             and (cm.block_m, cm.block_n) == (128, 128)):
         return "hopper"
@@ -140,8 +131,6 @@ def attention_forward(q, k, v, cm, scale: float, *, config=None, use_tma=None, k
     batch, hq = q.shape[:2]
     if kernel is None:
         kernel = "portable" if config is not None or use_tma is not None else forward_path(q, cm, terms)
-    if kernel == "hopper" and k_runs_rule_applies(cm):
-        raise _k_runs_error(kernel, cm, "kernel='portable'")
     if kernel == "hopper":
         from .forward import hopper  # Gluon: imported only where it can run
 
@@ -185,8 +174,6 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
         kernel = "fused" if fused_config is not None else backward_path(q, cm, deterministic, terms)
     if kernel not in ("hopper", "fused", "two-pass"):
         raise ValueError(f"kernel must be 'hopper', 'fused', 'two-pass' or None, got {kernel!r}")
-    if kernel == "hopper" and k_runs_rule_applies(cm):
-        raise _k_runs_error(kernel, cm, "kernel='fused', 'two-pass'")
     sinks = terms.sinks if terms is not None else None
     if sinks is not None and dsinks is None:
         raise ValueError("terms with sinks need a dsinks buffer ((Hq,) float32) for their gradient")

@@ -21,7 +21,8 @@ matrix products with the tensor cores idle. Here, as in the Hopper forward:
       dQ[:, half]  = dS K[:, half]  [64 q, D / 2]   (at D = 64 one takes all of dQ, in turns)
   and adds it to the fp32 dQ buffer with a TMA bulk reduction (no per-element atomics).
 Masks come from the same column intervals, turned into one word of masked rows per key as in
-the Hopper forward (`forward_hopper._row_words`).
+the Hopper forward (`forward_hopper._row_words`); with k runs per column (NUM_RUNS > 2) the words
+are OR-ed over the runs, read from the tables at every step.
 Rows that attend nothing have LSE = +inf in the statistics, so P = 0 and their gradients are 0.
 Score terms (DESIGN.md section 1), behind compile-time switches that inputs without terms leave
 off: with softcap or ALiBi, S becomes the scores in log2 units (forward_hopper._term_scores) on
@@ -167,7 +168,7 @@ def _consumer(
     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SOFTCAP,
@@ -219,7 +220,7 @@ def _consumer(
                 slope2 = gl.load(ALIBI + b.to(gl.int64) * alibi_stride_b + h) * 1.4426950408889634
             n_steps = 2 * (t_hi - t_lo)
             # this warpgroup's keys' interval ends, once per walk (the PARTIAL steps' masks)
-            lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi)
+            lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi, NUM_RUNS)
             start_m = _step_start(BWD_BLOCKS, t_lo, 0, n_steps)
             for i in range(n_steps):
                 t = t_lo + i // 2
@@ -245,7 +246,7 @@ def _consumer(
                 zeros_s = gl.zeros([Q_STEP, ROWS], gl.float32, layout=s_layout)
                 qk = warpgroup_mma(q_view, k_t, zeros_s, use_acc=False, is_async=True)
                 dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
-                words = _row_words(lts, lte, uts, ute, start_m, Q_STEP // 2)  # while the products run
+                words = _row_words(lts, lte, uts, ute, start_m, Q_STEP // 2, NUM_RUNS)  # while the products run
                 qk = warpgroup_mma_wait(1, deps=(qk,))
                 if TERMS:  # every step, FULL ones too: the scores in log2 units, then the mask
                     qk, th = _term_scores(qk, start_m, n * KV_BLOCK + WG * ROWS, qk_scale, tanh_scale, softcap2,
@@ -321,7 +322,7 @@ def _backward_hopper_kernel(
     qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, num_warps: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     dtype: gl.constexpr = q_desc.dtype
@@ -362,13 +363,13 @@ def _backward_hopper_kernel(
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI)),
+                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI)),
+                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -422,7 +423,7 @@ def supports(q, k, v, cm) -> bool:
     tables, q/k/v in layouts the copy engine reads, k and v in the same one (dO is copied into
     q's layout when it is not)."""
     if not (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
-            and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS and mask_runs(cm) == 2):
+            and cm.block_m == KV_ROWS and cm.block_n == KV_ROWS):
         return False
     q_view, k_view, v_view = _tma_view(q), _tma_view(k), _tma_view(v)
     return q_view is not None and k_view is not None and v_view is not None and k_view[2] == v_view[2]
@@ -479,7 +480,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        num_warps=4, maxnreg=168,
+        NUM_RUNS=mask_runs(cm), num_warps=4, maxnreg=168,
     )
 
 

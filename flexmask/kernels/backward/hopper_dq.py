@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .hopper import LOG2E, _like_q
 from ..common.launcher import FastLaunch
+from ..common.masking import mask_runs
 from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
     CONSUMER_REGS, HOPPER_BLOCK, PRODUCER_REGS, _descriptor, _masked_scores, _num_sms, _term_scores, _tile_of,
@@ -85,7 +86,7 @@ def _consumer(
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
@@ -140,13 +141,13 @@ def _consumer(
                     qk, th = _term_scores(qk, row0, n * BLOCK_N + half * HALF, qk_scale, tanh_scale, softcap2, slope2,
                                           alibi_shift, ROWS, HALF, s_layout, SOFTCAP, HAS_ALIBI)
                     if is_partial:  # -inf where masked or past Sk
-                        qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps)
+                        qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps, NUM_RUNS)
                     p = gl.exp2(qk - gl.expand_dims(lse2, 1))
                     if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2
                         p = p * (1.0 - th * th)
                 else:
                     if is_partial:  # -inf where masked or past Sk
-                        qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps)
+                        qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps, NUM_RUNS)
                     p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))
                 dp = warpgroup_mma_wait(0, deps=(dp,))
                 ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), ds_layout)
@@ -176,7 +177,7 @@ def _dq_hopper_kernel(
     qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, num_warps: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # [2, 1, BLOCK_M / 2, HEAD_DIM]
@@ -206,13 +207,13 @@ def _dq_hopper_kernel(
                      stride_dqb, stride_dqh, stride_dqm,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
         (_consumer, (1, q_smem, do_smem, k_bufs, v_bufs, bars,
                      DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_dqb, stride_dqh, stride_dqm,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_bufs, v_bufs, bars,
                      WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -245,7 +246,8 @@ def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are in the LSE
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages,
-        SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"], num_warps=4, maxnreg=168,
+        SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"], NUM_RUNS=mask_runs(cm), num_warps=4,
+        maxnreg=168,
     )
 
 

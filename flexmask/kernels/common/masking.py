@@ -110,14 +110,19 @@ def masked_tile_t(a, b, c, d, o_m, NUM_RUNS: tl.constexpr):
 @triton.jit
 def _masked_runs(p_intv, o_n, Sk, o_m, NUM_RUNS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Rows o_m x columns o_n masked by any of the NUM_RUNS (start, end) runs of the columns, one
-    unsigned compare per run (as `masked_elements`); a column past Sk is masked on every row."""
+    unsigned compare per run (as `masked_elements`); a column past Sk is masked on every row.
+
+    The runs are a loop at run time, one run's (start, end) in registers at a time: unrolled, the
+    pipeliner hoisted every run's load ahead of the tile's products and the sm_90 forward spilled
+    16 KB per thread at 16 runs and D = 64 (`python -m tools.offline_compile portable`: 8 bytes
+    with the loop; docs/performance.md, section 12)."""
     in_k = o_n < Sk
     o_c = tl.arange(0, 2)
     if TRANSPOSED:
         masked = (o_n[:, None] >= Sk) | (o_m[None, :] < 0)  # [BLOCK_N, BLOCK_M]
     else:
         masked = (o_m[:, None] < 0) | (o_n[None, :] >= Sk)  # [BLOCK_M, BLOCK_N]
-    for r in tl.static_range(NUM_RUNS):
+    for r in tl.range(0, NUM_RUNS, num_stages=1):
         x = tl.load(p_intv + (2 * r + o_c[:, None]) * Sk + o_n[None, :], mask=in_k[None, :], other=0)  # [2, BLOCK_N]
         start, end = tl.split(tl.trans(x))  # [BLOCK_N] each
         width = (end - start).to(tl.uint32, bitcast=True)

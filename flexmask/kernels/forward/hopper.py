@@ -150,29 +150,52 @@ def _row_bits(start, end, base):
 
 
 @gluon.jit
-def _column_intervals(INTV, row, n, Sk, BLOCK_N: gl.constexpr, num_warps: gl.constexpr, pred):
+def _column_intervals(INTV, row, n, Sk, BLOCK_N: gl.constexpr, num_warps: gl.constexpr, pred,
+                      NUM_RUNS: gl.constexpr = 2):
     """The four interval ends (LTS, LTE, UTS, UTE) of the BLOCK_N columns of kv-block n, one
     column per thread. The loads are predicated on `pred`, so a walk can issue them before it
     waits for its matrix product and use them only if the tile turns out PARTIAL: their
     latency then hides behind the product instead of following it. Columns past Sk read as
-    masked on every row."""
+    masked on every row.
+
+    With k runs per column (NUM_RUNS > 2, the planar [2 * NUM_RUNS, Sk] pairs of
+    common/masking.py) the runs do not fit in registers beside the tile: this returns where
+    they are (the columns' pointers, which to read, Sk) and `_row_words` reads them."""
     c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     o_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=c_layout)
     in_k = (o_n < Sk) & pred
-    p_intv = INTV + row.to(gl.int64) * 4 * Sk + o_n
-    lts = gl.load(p_intv, mask=in_k, other=0)
-    lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
-    uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
-    ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
-    return lts, lte, uts, ute
+    p_intv = INTV + row.to(gl.int64) * (2 * NUM_RUNS) * Sk + o_n
+    if NUM_RUNS == 2:
+        lts = gl.load(p_intv, mask=in_k, other=0)
+        lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
+        uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
+        ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
+        return lts, lte, uts, ute
+    else:
+        return p_intv, in_k, (o_n < Sk) | (o_n >= 0), Sk
 
 
 @gluon.jit
-def _row_words(lts, lte, uts, ute, row0, HALF: gl.constexpr):
+def _row_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.constexpr = 2):
     """[2, BLOCK_N] words of masked rows: bit r of word (j, c) is row row0 + j * HALF + r of
-    column c (HALF <= 32)."""
-    w0 = _row_bits(lts, lte, row0) | _row_bits(uts, ute, row0)
-    w1 = _row_bits(lts, lte, row0 + HALF) | _row_bits(uts, ute, row0 + HALF)
+    column c (HALF <= 32). With k runs (NUM_RUNS > 2) the arguments are `_column_intervals`'
+    (pointers, which to read, -, Sk) and the runs are read here, one run at a time, each folded
+    into the words at once: two words a column stay live, not 2 * NUM_RUNS ends. A column past
+    Sk reads as one run over every row."""
+    if NUM_RUNS == 2:
+        w0 = _row_bits(lts, lte, row0) | _row_bits(uts, ute, row0)
+        w1 = _row_bits(lts, lte, row0 + HALF) | _row_bits(uts, ute, row0 + HALF)
+    else:
+        p_intv, in_k, Sk = lts, lte, ute
+        start = gl.load(p_intv, mask=in_k, other=0)
+        end = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
+        w0 = _row_bits(start, end, row0)
+        w1 = _row_bits(start, end, row0 + HALF)
+        for r in gl.static_range(1, NUM_RUNS):
+            start = gl.load(p_intv + (2 * r) * Sk, mask=in_k, other=0)
+            end = gl.load(p_intv + (2 * r + 1) * Sk, mask=in_k, other=0)
+            w0 = w0 | _row_bits(start, end, row0)
+            w1 = w1 | _row_bits(start, end, row0 + HALF)
     return gl.permute(gl.join(w0, w1), [1, 0])
 
 
@@ -199,7 +222,7 @@ def _apply_row_words(s, words, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _column_bias(lts, lte, uts, ute, row0, ROWS: gl.constexpr):
+def _column_bias(lts, lte, uts, ute, row0, ROWS: gl.constexpr, NUM_RUNS: gl.constexpr = 2):
     """Per column of a PARTIAL tile: whether the column is masked on every one of rows
     [row0, row0 + ROWS) (bias -inf), on none of them (bias 0), or on some only (`mixed`).
 
@@ -207,14 +230,19 @@ def _column_bias(lts, lte, uts, ute, row0, ROWS: gl.constexpr):
     multiply-add that scales the scores anyway: no instruction per element beyond a FULL
     tile's. Random intervals and evictions cut few columns inside 64 rows; a diagonal or a
     document boundary cuts them all and takes the row words (`_row_words`)."""
-    row1 = row0 + ROWS
-    lower_all = (lts <= row0) & (lte >= row1)
-    upper_all = (uts <= row0) & (ute >= row1)
-    lower_none = (lte <= row0) | (lts >= row1) | (lte <= lts)
-    upper_none = (ute <= row0) | (uts >= row1) | (ute <= uts)
-    masked = lower_all | upper_all
-    mixed = (~masked) & ~(lower_none & upper_none)
-    return gl.where(masked, float("-inf"), 0.0), mixed.to(gl.int32)
+    if NUM_RUNS > 2:  # k runs: every column counts as mixed, so PARTIAL tiles take the row words
+        bias = gl.where(uts, 0.0, 0.0)
+        mixed = uts
+    else:
+        row1 = row0 + ROWS
+        lower_all = (lts <= row0) & (lte >= row1)
+        upper_all = (uts <= row0) & (ute >= row1)
+        lower_none = (lte <= row0) | (lts >= row1) | (lte <= lts)
+        upper_none = (ute <= row0) | (uts >= row1) | (ute <= uts)
+        masked = lower_all | upper_all
+        mixed = (~masked) & ~(lower_none & upper_none)
+        bias = gl.where(masked, float("-inf"), 0.0)
+    return bias, mixed.to(gl.int32)
 
 
 @gluon.jit
@@ -246,11 +274,11 @@ def _store_bias_row(bias, bias_smem, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _masked_scores(s, INTV, row, n, Sk, row0, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   num_warps: gl.constexpr, NUM_RUNS: gl.constexpr = 2):
     """-inf where (row, column) of this warpgroup's ROWS x BLOCK_N part of a PARTIAL tile is
     masked or past Sk (the three steps above in one, loads included)."""
-    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, True)
-    return _apply_row_words(s, _row_words(lts, lte, uts, ute, row0, ROWS // 2), ROWS, BLOCK_N)
+    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, True, NUM_RUNS)
+    return _apply_row_words(s, _row_words(lts, lte, uts, ute, row0, ROWS // 2, NUM_RUNS), ROWS, BLOCK_N)
 
 
 @gluon.jit
@@ -422,11 +450,13 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _tanh(x):
-    """tanh in fp32 from exp2, finite for every finite or infinite x: sign(x) (1 - e) / (1 + e) with
-    e = exp(-2|x|) in (0, 1] (common/score_terms.tanh, the portable kernels' formula)."""
-    e = gl.exp2(-2.8853900817779268 * gl.abs(x))  # exp(-2|x|)
-    y = (1.0 - e) / (1.0 + e)
-    return gl.where(x < 0, -y, y)
+    """tanh in fp32 by the MUFU's tanh.approx.f32 (one MUFU result, max relative error 2^-11;
+    +-1 at +-inf). The exp2-and-division formula of the portable kernels (common/score_terms.tanh)
+    takes two MUFU results (ex2, and the division's rcp), which with the softmax's exp2 made the
+    softcap forward MUFU-bound (docs/performance.md, section 11). The forward, backward and dQ
+    kernels all take this one, so the backward recomputes the forward's P."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
@@ -462,6 +492,7 @@ def _consumer(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
+    NUM_RUNS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     The two warpgroups share the K/V stages (released when both have read them) but never
@@ -513,7 +544,7 @@ def _consumer(
         if n_tiles > 0:
             # tile 0: S = Q K^T, softmax
             n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, 0)
-            lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial)
+            lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial, NUM_RUNS)
             s_idx = kv_count % STAGES
             mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
             k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
@@ -521,8 +552,8 @@ def _consumer(
             s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
             _pass_turn(turns, WG, PINGPONG)
             issued += 1
-            words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the product runs
-            bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
+            words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)  # while the product runs
+            bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(s_idx), count=1)
             if TERMS:
@@ -540,9 +571,9 @@ def _consumer(
                 # docs/performance.md, section 4.4). The intervals are loaded one tile ahead
                 n_partial = t_hi - t_mid
                 n_next = gl.load(FWD_BLOCKS + t_mid + 1, mask=n_partial > 1, other=0)
-                lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, n_partial > 1)
+                lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, n_partial > 1, NUM_RUNS)
                 if TC_BIAS:  # tile 1's column bias into B (tile parity 1), for its product
-                    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
+                    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
                     _store_bias_row(bias, bias_bufs.index(WG * 2 + 1), BLOCK_N)
                 for i in range(1, n_partial):
                     if HAS_ALIBI:
@@ -555,11 +586,11 @@ def _consumer(
                                                     bias_bufs.index(WG * 2 + i % 2), TC_BIAS)
                     issued += 1
                     # while the products run: this tile's row words, the next one's intervals
-                    words = _row_words(lts, lte, uts, ute, row0, HALF)
-                    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
+                    words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)
+                    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
                     has_next = i + 1 < n_partial
                     n_next = gl.load(FWD_BLOCKS + t_mid + i + 1, mask=has_next, other=0)
-                    lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, has_next)
+                    lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, has_next, NUM_RUNS)
                     s = warpgroup_mma_wait(1, deps=(s,))
                     mbarrier.arrive(k_empty.index(s_idx), count=1)
                     if TERMS:
@@ -575,7 +606,7 @@ def _consumer(
                                                                   P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
                     if TC_BIAS:  # the next tile's column bias, into the other B: this one's product has been waited for
-                        bias, _ = _column_bias(lts, lte, uts, ute, row0, ROWS)
+                        bias, _ = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
                         _store_bias_row(bias, bias_bufs.index(WG * 2 + (i + 1) % 2), BLOCK_N)
                 for i in range(gl.maximum(n_partial, 1), n_tiles):
                     if HAS_ALIBI:
@@ -598,13 +629,13 @@ def _consumer(
             else:  # one loop over all tiles, each testing whether it is PARTIAL
                 for i in range(1, n_tiles):
                     n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
-                    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial)
+                    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial, NUM_RUNS)
                     s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
                                                     prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
                                                     s_layout, p_layout)
                     issued += 1
-                    words = _row_words(lts, lte, uts, ute, row0, HALF)  # while the products run
-                    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS)
+                    words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)  # while the products run
+                    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
                     s = warpgroup_mma_wait(1, deps=(s,))
                     mbarrier.arrive(k_empty.index(s_idx), count=1)
                     if TERMS:
@@ -652,7 +683,7 @@ def _forward_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-    num_warps: gl.constexpr,
+    NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)  # [2 * Q_BUFS, 1, BLOCK_M / 2, HEAD_DIM]
@@ -699,14 +730,14 @@ def _forward_hopper_kernel(
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                     TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS)),
+                     TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
         (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs,
                      O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_ob, stride_oh, stride_om,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                     TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS)),
+                     TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                      WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -835,7 +866,7 @@ def supports(q, k, v, cm) -> bool:
     tiles with K's coordinates)."""
     d = q.shape[-1]
     if not (q.dtype in (torch.float16, torch.bfloat16) and d in (64, 128)
-            and cm.block_m == HOPPER_BLOCK and cm.block_n == HOPPER_BLOCK and mask_runs(cm) == 2):
+            and cm.block_m == HOPPER_BLOCK and cm.block_n == HOPPER_BLOCK):
         return False
     q_view, k_view, v_view = _tma_view(q), _tma_view(k), _tma_view(v)
     return q_view is not None and k_view is not None and v_view is not None and k_view[2] == v_view[2]
@@ -865,6 +896,12 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         raise ValueError(f"tc_bias must be None, False or True, got {tc_bias!r}")
     split_loops = configs.hopper_forward_split_loops(d)
     softcap = terms is not None and terms.softcap > 0
+    runs = mask_runs(cm)
+    if runs > 2:  # k runs: no column bias (every column counts as mixed), the row words only
+        column_bias = False
+        if tc_bias:
+            raise ValueError(f"tc_bias needs a mask of two intervals per column; this mask has {runs} runs")
+        tc_bias = False
     if tc_bias is None:
         tc_bias = configs.hopper_forward_tc_bias(d, q_buffers) and column_bias and not softcap
     if tc_bias and softcap:
@@ -900,7 +937,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         scale * LOG2E, *score_args,
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
-        TC_BIAS=bool(tc_bias), **score_flags,
+        TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
         num_warps=4, maxnreg=168,
     )
     return o, lse
