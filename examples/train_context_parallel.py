@@ -30,6 +30,7 @@ tolerance). Tolerance: 1e-4 nats in fp32 (the two runs differ only in summation 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import datetime
 import functools
@@ -210,6 +211,36 @@ def worker(rank: int, world: int, init: str, cfg: RunConfig, args, argv: list[st
         dist.destroy_process_group()
 
 
+TABLE_START, TABLE_END = "<!-- cp-training:start -->", "<!-- cp-training:end -->"
+
+
+def markdown_table(csv_paths: list[str]) -> str:
+    """One line per run (the summary row of each CSV): tokens, GPUs, loss parity, tokens/s per GPU
+    alone and on W ranks, the W-rank speedup in tokens/s and the peak memory of each mode."""
+    lines = ["| GPUs | tokens | steps | max abs loss diff (tolerance) | parity | tokens/s per GPU: 1 GPU / W GPUs "
+             "| W GPUs / 1 GPU (tokens/s) | peak GiB: 1 GPU / per rank |",
+             "|---:|---:|---:|---:|---|---:|---:|---:|"]
+    notes = []
+    for path in csv_paths:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        summary = next((r for r in rows if r["mode"] == "summary"), None)
+        if summary is None:
+            raise ValueError(f"{path}: no summary row (the W-rank run did not finish)")
+        w = int(summary["gpus"])
+        alone, multi = float(summary["tokens_per_s_per_gpu_single"]), float(summary["tokens_per_s_per_gpu_multi"])
+        peak = {mode: max(float(r["peak_mem_gib"]) for r in rows if r["mode"] == mode) for mode in ("single", "context_parallel")}
+        tokens = int(summary["seq_len"])
+        size = f"{tokens >> 20}M" if tokens % (1 << 20) == 0 else f"{tokens >> 10}K"
+        lines.append(f"| {w} | {size} | {summary['steps']} | {float(summary['max_abs_diff']):.2g} "
+                     f"({float(summary['tolerance']):.2g}) | {summary['verdict']} | {alone:,.0f} / {multi:,.0f} "
+                     f"| {w * multi / alone:.2f}x | {peak['single']:.1f} / {peak['context_parallel']:.1f} |")
+        notes.append(f"{w} x {summary['device']}, torch {summary['torch']}, triton {summary['triton']}, {summary['date']}, "
+                     f"{summary['dtype']}, model {summary['n_layers']} layers x {summary['d_model']} "
+                     f"({summary['n_heads']}/{summary['n_kv_heads']} heads, D={summary['head_dim']}); `{summary['command']}`")
+    return "\n".join(lines + [""] + notes) + "\n"
+
+
 def config(cfg: RunConfig) -> dict:
     m = cfg.model
     return {"seq_len": cfg.seq_len, "batch": cfg.batch_size, "steps": cfg.steps, "dtype": cfg.dtype, "seed": cfg.seed,
@@ -231,6 +262,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPUs, fp32 with --tiny")
     p.add_argument("--out-dir", default=None, help="default $OUT, else benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the output names (e.g. _w4)")
+    p.add_argument("--table", nargs="+", metavar="CSV", default=None,
+                   help="print the table of these runs' CSVs (no training); with --readme, write it there too")
+    p.add_argument("--readme", default=None, help="with --table: the file whose cp-training markers take the table")
     args = p.parse_args(argv)
     if args.nproc < 2:
         p.error(f"--nproc must be at least 2, got {args.nproc}")
@@ -240,6 +274,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.table:
+        table = markdown_table(args.table)
+        print(table, end="")
+        if args.readme:
+            from benchmarks.report import write_marked_block  # the README writer of every generated table
+
+            write_marked_block(args.readme, table, TABLE_START, TABLE_END)
+        return 0
     if args.tag and not args.tag.startswith("_"):
         args.tag = "_" + args.tag
     if args.tiny:

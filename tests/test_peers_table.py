@@ -163,3 +163,17 @@ def test_score_table_term_cost_and_blocks(tmp_path):
     assert peers.main(["--table", str(peer_csv), str(score_csv), "--full", str(readme)]) == 0
     peer_block = readme.read_text().split(peers.FULL_END)[0]
     assert "| causal | 32K | 128 |" in peer_block and fam not in peer_block
+
+
+def test_table_names_every_run_its_rows_come_from():
+    """A configuration measured again keeps its last row; the note lists the runs of the rows shown."""
+    again = {"date": "2026-02-01", "command": "python -m benchmarks.peers --suite score_terms"}
+    rows = [row("causal", "flexmask", "2.0", "5.0", "600", "500"), row("causal", "fa4", "1.8", "5.5", "660", "450"),
+            {**row("causal", "flexmask", "1.0", "4.0", "700", "550"), **again},
+            row("full", "flexmask", "3.0", "6.0", "500", "480")]
+    text = peers.table(rows)
+    line = next(x for x in text.splitlines() if x.startswith("| causal | 32K | 128 |"))
+    assert "| 700 / 550 |" in line and "1.80, 1.38" in line  # fa4's first-run row against the new flexmask row
+    notes = [x for x in text.splitlines() if x.startswith("- GPU")]
+    assert notes == ["- GPU, torch 2, triton 3, 2026-01-01: `python -m benchmarks.peers`.",
+                     "- GPU, torch 2, triton 3, 2026-02-01: `python -m benchmarks.peers --suite score_terms`."]

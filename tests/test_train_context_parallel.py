@@ -31,6 +31,24 @@ def test_two_ranks_match_one_process(tmp_path):
     assert summary["verdict"] == "PASS" and float(summary["max_abs_diff"]) <= float(summary["tolerance"])
     assert (tmp_path / "train_context_parallel.png").exists()
 
+    # the README table of the run: one line, its speedup from the summary's tokens/s per GPU
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- cp-training:start -->\nold\n<!-- cp-training:end -->\nafter\n")
+    csv_path = str(tmp_path / "train_context_parallel.csv")
+    assert train_context_parallel.main(["--table", csv_path, "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("before\n") and text.endswith("after\n")
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("| 2 | ")]
+    speedup = 2 * float(summary["tokens_per_s_per_gpu_multi"]) / float(summary["tokens_per_s_per_gpu_single"])
+    assert f"| {speedup:.2f}x |" in line and "| PASS |" in line
+
+
+def test_table_needs_the_summary_row(tmp_path):
+    path = tmp_path / "run.csv"
+    path.write_text("mode,gpus,step,loss\nsingle,1,1,5.0\n")
+    with pytest.raises(ValueError, match="no summary row"):
+        train_context_parallel.markdown_table([str(path)])
+
 
 def test_sequence_must_split_into_2w_chunks():
     with pytest.raises(SystemExit, match="multiple of 2 x --nproc"):
