@@ -90,8 +90,30 @@ def test_bucketed_work_list_keeps_neighbours_together(mask_heads):
         assert torch.equal(backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes).long(), work)
     finally:
         backward_configs.HOPPER_BACKWARD_ORDER = original
-    with pytest.raises(ValueError, match="order must be 'heaviest' or 'bucketed', got 'random'"):
+    with pytest.raises(ValueError, match=r"order must be one of \('heaviest', 'bucketed', 'index'\), got 'random'"):
         backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order="random")
+
+
+@pytest.mark.parametrize("hoist", [0, 5])
+def test_index_work_list_walks_documents_in_turn(hoist):
+    """The "index" order: chunks in order, kv-blocks in index order inside a chunk (a document's
+    items run together, after the hoisted heaviest ones)."""
+    batch, hq, hkv, s = 2, 4, 2, 2000
+    cm = compile_mask(masks.document([300, 700, 1000]), s, s, device="cpu", block_m=128, block_n=128)
+    mask_map = mask_broadcast(cm, batch, hq, hkv)
+    q_bytes = 2 * s * 128 * 2 * 64  # several chunks
+    work = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order="index", hoist=hoist).long()
+    heaviest = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order="heaviest",
+                                                  hoist=hoist).long()
+    assert torch.equal(work.sort().values, torch.arange(batch * hkv * cm.num_kv_blocks))
+    # the hoisted items (heavier than the hoist-th heaviest) lead both lists, heaviest first
+    differ = (work != heaviest).nonzero()
+    hoisted = int(differ[0]) if differ.numel() else work.numel()
+    assert (hoisted == 0) == (hoist == 0) and hoisted <= hoist
+    rest = work[hoisted:]
+    nkb = cm.num_kv_blocks
+    chunk = (rest // nkb) // max(1, backward_hopper.L2_SHARE_BYTES // ((hq // hkv) * q_bytes))
+    assert (chunk[:-1] <= chunk[1:]).all() and (rest[:-1][chunk[:-1] == chunk[1:]] < rest[1:][chunk[:-1] == chunk[1:]]).all()
 
 
 def test_backward_path_rule():

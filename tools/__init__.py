@@ -12,7 +12,8 @@ Offline (no GPU: Triton's bundled ptxas for sm_90)
   compile_variants_offline  the mask compiler's kernels as build_tables_device launches them
   decode_offline_compile    the split-KV decode kernels
   forward_sass              the Hopper forward's SASS: what PARTIAL-tile masking adds
-  work_balance              how evenly the Hopper backward's work items spread (host only)
+  work_balance              how evenly the Hopper backward's work items spread, and (--orders) the
+                            walk footprint of each work order (host only)
   host_overhead             host time per call of the Python layers, kernels stubbed out
 
 Tables from committed CSVs

@@ -26,7 +26,7 @@ from benchmarks.cuda_guard import require_cuda
 from benchmarks.report import write_rows
 from benchmarks.speed_check import families
 
-ORDERS = ("heaviest", "bucketed")
+ORDERS = ("heaviest", "bucketed", "index")
 
 
 def main(argv=None):

@@ -86,12 +86,13 @@ def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per
 
 # The order the Hopper backward's persistent programs take their (kv-block, kv head) items in,
 # inside each chunk of heads (backward_hopper.backward_work_list): "heaviest" first by tile
-# count, or "bucketed": heaviest first by power-of-two bucket of the tile count, index order
-# inside a bucket, so that the programs running at one time hold neighbouring kv-blocks, which
-# walk the same q-blocks (documents: with "heaviest" they hold the first kv-blocks of every
-# document, whose Q/dO/dQ do not fit in L2). Measured on an H200 (`python -m tools.backward_order`,
-# backward_order.csv): within noise of "heaviest", which stays the default (docs/performance.md,
-# section 5).
+# count, "bucketed": heaviest first by power-of-two bucket of the tile count, index order
+# inside a bucket, or "index": kv-blocks in index order, so that the programs running at one time
+# hold neighbouring kv-blocks, which walk the same q-blocks (documents: with "heaviest" they hold
+# the first kv-blocks of every document, whose Q/dO/dQ do not fit in L2). Measured on an H200
+# (`python -m tools.backward_order`, backward_order.csv) at 32K and 128K: "bucketed" within noise
+# of "heaviest", which stays the default until the orders are measured at 512K-1M, where the
+# running items' working set differs most (docs/performance.md, section 5).
 HOPPER_BACKWARD_ORDER = "heaviest"
 
 

@@ -384,16 +384,22 @@ _WORK_CACHE: dict = {}  # id(bwd_offsets) -> (weak reference to it, {launch key:
 L2_SHARE_BYTES = 24 << 20  # Q/dO bytes that the programs running at one time should share
 
 
+BACKWARD_ORDERS = ("heaviest", "bucketed", "index")
+
+
 def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, int, int],
                        q_bytes: int, order: str | None = None, hoist: int = 0) -> torch.Tensor:
     """(batch x kv head, kv-block) items packed as bhk * NKB + n, heaviest first (tiles summed
     over the GQA group) within chunks of kv heads whose groups' Q and dO (`q_bytes` per query
     head) fit in L2_SHARE_BYTES; `order` (default configs.HOPPER_BACKWARD_ORDER): "heaviest" by
-    tile count, or "bucketed" by power-of-two bucket of it, index order inside a bucket.
+    tile count, "bucketed" by power-of-two bucket of it, index order inside a bucket, or "index":
+    kv-blocks in index order (the items running at once then walk the same documents' q-blocks,
+    whose Q, dO and dQ rows stay in L2; heaviest first interleaves every document of a long
+    sequence: tools.backward_order).
     `hoist`: see forward_hopper.heaviest_first. Cached per tile table."""
     order = configs.HOPPER_BACKWARD_ORDER if order is None else order
-    if order not in ("heaviest", "bucketed"):
-        raise ValueError(f"order must be 'heaviest' or 'bucketed', got {order!r}")
+    if order not in BACKWARD_ORDERS:
+        raise ValueError(f"order must be one of {BACKWARD_ORDERS}, got {order!r}")
     entry = _WORK_CACHE.get(id(cm.bwd_offsets))
     if entry is None or entry[0]() is not cm.bwd_offsets:
         for key in [k for k, (ref, _) in _WORK_CACHE.items() if ref() is None]:
@@ -412,9 +418,12 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
         heads_per_chunk = max(1, L2_SHARE_BYTES // max(1, group * q_bytes))
         chunk = (torch.arange(batch * kv_heads, device=counts.device) // heads_per_chunk).repeat_interleave(nkb)
         max_weight = cm.num_q_blocks * group  # a kv-block meets <= NQB q-blocks per head
+        rank = None
         if order == "bucketed":  # frexp's exponent: 0 for no tile, k + 1 for [2**k, 2**(k+1))
             per_item, max_weight = torch.frexp(per_item.double()).exponent.long(), 64
-        per_table[key] = heaviest_first(per_item, chunk, max_weight, hoist)
+        elif order == "index":  # kv-blocks in order: running items share their documents' Q and dO
+            rank = torch.zeros_like(per_item)
+        per_table[key] = heaviest_first(per_item, chunk, max_weight, hoist, rank)
     return per_table[key]
 
 

@@ -839,13 +839,15 @@ def work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, 
     return per_table[key]
 
 
-def heaviest_first(weight: torch.Tensor, chunk: torch.Tensor, max_weight: int, hoist: int = 0) -> torch.Tensor:
+def heaviest_first(weight: torch.Tensor, chunk: torch.Tensor, max_weight: int, hoist: int = 0,
+                   rank: torch.Tensor | None = None) -> torch.Tensor:
     """Item indices (int32) ordered by chunk, then heaviest first inside a chunk (ties keep
     index order); `max_weight` bounds every weight. With `hoist` > 0 the items heavier than the
     hoist-th heaviest come first of all, heaviest first: programs that take items as they free
     up (scheduler.py) then never start the list's longest items last (a document of many
-    kv-blocks in the last chunk kept its program busy 10% past the others)."""
-    key = chunk * (max_weight + 1) - weight
+    kv-blocks in the last chunk kept its program busy 10% past the others). `rank` (in
+    [0, max_weight], default `weight`) orders the items inside a chunk instead of their weight."""
+    key = chunk * (max_weight + 1) - (weight if rank is None else rank)
     if 0 < hoist < weight.numel():
         kth = torch.topk(weight, hoist).values[-1]  # stays on the device: no sync
         key = torch.where(weight > kth, -weight - (max_weight + 1), key)
