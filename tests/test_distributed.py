@@ -86,6 +86,8 @@ def case_mask(case: Case) -> masks.Mask:
         return masks.document(seqlens, causal=True)
     if case.family == "narrow_window":  # far chunk pairs are empty: skipped, never received
         return masks.sliding_window(s // (2 * case.world) - 18)
+    if case.family == "global_tokens_window":  # k runs per column: a window and two global tokens
+        return masks.sliding_window(5, 2) | masks.global_tokens([s // 5, s // 2 + 3])
     if case.family == "empty_rows":  # the first query chunk (and a bit more) attends nothing
         return masks.column_intervals(torch.zeros(s, dtype=torch.int64), torch.full((s,), s // 3))
     return make_mask(case.family, s, s, batch=case.b, heads=case.hq)
@@ -125,6 +127,7 @@ CPU_CASES = [
     Case(3, "document_per_batch", 144, b=2),
     Case(2, "empty_rows", 96, with_dlse=True, terms=True),  # rows that see nothing: output 0, LSE = the sink
     Case(3, "causal", 144, terms=True),
+    Case(2, "global_tokens_window", 96),  # more than two masked runs in a column: the k-run tables
     # W=4 at S=192: chunks of 24 again; one spawn, so only the two cases that matter most
     Case(4, "causal", 192, with_dlse=True),
     Case(4, "document_crossing", 192),

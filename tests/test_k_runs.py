@@ -2,7 +2,8 @@
 through the whole pipeline on the CPU: the k-run builders against independent dense formulas
 (NATTEN's own window rule), tile tables equal to a brute-force classification, the portable
 forward, both backwards (deterministic two-pass and fused) and split-KV decoding against the
-float64 reference, the dispatch rule (k runs never reach a Hopper kernel), storage O(k x Sk)
+float64 reference, the dispatch rule (k runs go where two intervals go; split-KV decoding keeps
+the Triton kernel), the context-parallel plan, storage O(k x Sk)
 and the ValueError past max_runs.
 """
 
