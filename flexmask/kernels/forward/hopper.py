@@ -172,6 +172,7 @@ def _column_intervals(INTV, row, n, Sk, BLOCK_N: gl.constexpr, num_warps: gl.con
         ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
         return lts, lte, uts, ute
     else:
+        # the third: all true in the columns' layout, which `_column_bias` reads as "every column mixed"
         return p_intv, in_k, (o_n < Sk) | (o_n >= 0), Sk
 
 
@@ -231,7 +232,7 @@ def _column_bias(lts, lte, uts, ute, row0, ROWS: gl.constexpr, NUM_RUNS: gl.cons
     tile's. Random intervals and evictions cut few columns inside 64 rows; a diagonal or a
     document boundary cuts them all and takes the row words (`_row_words`)."""
     if NUM_RUNS > 2:  # k runs: every column counts as mixed, so PARTIAL tiles take the row words
-        bias = gl.where(uts, 0.0, 0.0)
+        bias = gl.where(uts, 0.0, 0.0)  # zeros in the columns' layout (uts: all true, see above)
         mixed = uts
     else:
         row1 = row0 + ROWS
