@@ -470,3 +470,63 @@ def test_docstring_pictures():
     assert window.show(6, 6) == "#.....\n##....\n###...\n.###..\n..###.\n...###"
     assert torch.equal(dense_of_mod(dilated, 6, 6)[0, 0, :, 0], torch.tensor([True, False] * 3))
     assert masks.from_mask_mod(dilated).show(6, 6) == "#.....\n.#....\n#.#...\n.#.#..\n#.#.#.\n.#.#.#"
+
+
+def test_compiled_scan_matches_the_eager_one(monkeypatch):
+    """The compiled scan (taken on GPUs for large masks) on this CPU, forced on: fixed-shape blocks
+    whose rows past q_len and columns past kv_len are padding, the first block eager; the runs
+    equal the eager scan's for functions with captured tensors, per-head and per-batch masks, and
+    lengths that leave partial blocks both ways, equal the function's dense mask (masks per head
+    or batch row stay eager: they index by h or b). Then a function whose column needs too many runs,
+    and one returning the wrong dtype, fail as in eager."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 40)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
+    cases = [(name, sq, sk) for name in ("document", "per_head_window", "per_batch_document", "global_tokens")
+             for sq, sk in ((29, 53), (53, 29))]
+    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
+    compiled, calls = intervals_module._compiled_scan(), []
+
+    def counted(*args):
+        calls.append(args[3].shape)  # q_idx: the full block's rows every time
+        return compiled(*args)
+    monkeypatch.setattr(intervals_module, "_compiled_scan", lambda: counted)
+    for case in cases:
+        calls.clear()
+        mask, want = build(*case)
+        got = mask.to_dense(case[1], case[2])
+        assert torch.equal(got, want[0, 0] if got.dim() == 2 else want), case
+        per_row_or_head = case[0] in ("per_head_window", "per_batch_document")
+        assert (len(calls) == 0) == per_row_or_head and len(set(calls)) <= 1, (case, calls)
+    alternate = lambda b, h, q, kv: (q % 2 == 0) | (kv > 100)  # noqa: E731
+    with pytest.raises(ValueError, match="max_runs=2"):
+        masks.from_mask_mod(alternate, max_runs=2).to_dense(21, 11)
+    with pytest.raises(TypeError, match="bool tensor"):
+        masks.from_mask_mod(lambda b, h, q, kv: q - kv).to_dense(21, 11)
+
+
+@pytest.mark.gpu
+def test_compiled_scan_on_the_gpu(monkeypatch):
+    """At 8K x 8K (past MASK_MOD_COMPILE_PAIRS) a GPU compile takes the compiled scan; its tables
+    equal the eager scan's, for a function with a captured tensor and for a 2-D neighbourhood."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    s, width, k = 8192, 128, 9
+    assert s * s >= intervals_module.MASK_MOD_COMPILE_PAIRS
+    doc = torch.sort(torch.randint(0, 6, (s,), generator=torch.Generator().manual_seed(0))).values.cuda()
+
+    def same_doc(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (kv <= q)
+
+    def natten(b, h, q, kv):  # clamped at the borders, tokens in row-major order
+        height = s // width
+        r0 = (q // width - k // 2).clamp(0, height - k)
+        c0 = (q % width - k // 2).clamp(0, width - k)
+        kr, kc = kv // width, kv % width
+        return (kr >= r0) & (kr < r0 + k) & (kc >= c0) & (kc < c0 + k)
+
+    for fn in (same_doc, natten):
+        got = flexmask.compile_mask(masks.from_mask_mod(fn, max_runs=16), s, s, device="cuda").kernel_intervals
+        with monkeypatch.context() as m:
+            m.setattr(intervals_module, "_compile_scan", lambda g, pairs: False)
+            want = flexmask.compile_mask(masks.from_mask_mod(fn, max_runs=16), s, s, device="cuda").kernel_intervals
+        assert torch.equal(got, want), fn.__name__

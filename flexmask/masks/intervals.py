@@ -641,12 +641,12 @@ def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
 def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`: the function evaluated on the device over
     blocks of rows x columns (MASK_MOD_BLOCK_ELEMENTS at most), each column's runs of masked rows
-    collected as the row blocks go by: a run opens at a masked row below an attended one (or
-    the first row) and closes at an attended row below a masked one (or at q_len). One cumulative
-    count of the openings numbers both: the run a row opens or closes is the count so far less
-    one. Run r's start lands in slot 2r of the column, its end in 2r + 1, by one scatter per
-    block (no host sync per block); runs past max_runs go to the spare slots and are only
-    counted. One host sync at the end reads the most runs of a column."""
+    collected as the row blocks go by (`_scan_rows`). Large masks on a GPU take the blocks through
+    one compiled function (`_compiled_scan`: the mask_mod and the scan fused), the first block
+    eagerly, so that a bad mask_mod gets its error from `_mask_mod_block`; not masks per batch
+    row or head, whose functions index captured tensors by b or h (a 0-d tensor, which a
+    compiled graph reads as a data-dependent integer). One host sync at the
+    end reads the most runs of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
@@ -657,31 +657,37 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     count = torch.zeros((n_b, n_h, kv_len), dtype=torch.int32, device=dev)
     cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS))
     rows = max(1, min(q_len, MASK_MOD_BLOCK_ELEMENTS // cols))
+    compiled = _compiled_scan() if n_b == n_h == 1 and _compile_scan(g, q_len * kv_len) else None
+    first = True
     with torch.no_grad():
         for b in range(n_b):
             for h in range(n_h):
                 b_idx = torch.tensor(b, dtype=torch.int64, device=dev)
                 h_idx = torch.tensor(h, dtype=torch.int64, device=dev)
                 for k0 in range(0, kv_len, cols):
-                    kv_idx = torch.arange(k0, min(k0 + cols, kv_len), device=dev).view(1, -1)
-                    width = kv_idx.shape[1]
+                    # compiled: every block has the full shape (one graph), columns past kv_len
+                    # repeat the last one and are dropped, rows past q_len read as attended
+                    width = cols if compiled is not None else min(cols, kv_len - k0)
+                    kv_idx = (torch.arange(k0, k0 + width, device=dev).clamp(max=kv_len - 1)).view(1, -1)
                     buf = torch.full((2 * (max_runs + 1), width), empty, dtype=torch.int32, device=dev)
                     opened = torch.zeros(width, dtype=torch.int32, device=dev)  # runs opened so far
                     above = torch.zeros(width, dtype=torch.bool, device=dev)  # the previous row masked
                     for q0 in range(0, q_len, rows):
-                        q_idx = torch.arange(q0, min(q0 + rows, q_len), device=dev).view(-1, 1)
-                        masked = ~_mask_mod_block(fn, b_idx, h_idx, q_idx, kv_idx, dev)  # [rows, cols]
-                        change = masked != torch.cat([above[None], masked[:-1]], 0)  # a run opens or closes
-                        run = torch.cumsum(masked & change, 0, dtype=torch.int32) + (opened - 1)
-                        slot = torch.where(change, 2 * run.clamp(max=spare) + (~masked), 2 * spare)
-                        buf.scatter_(0, slot, q_idx.to(torch.int32).expand_as(slot))
-                        opened = run[-1] + 1
-                        above = masked[-1]
+                        if compiled is None or first:
+                            q_idx = torch.arange(q0, min(q0 + rows, q_len), device=dev).view(-1, 1)
+                            above, opened, buf = _scan_rows(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, buf,
+                                                            spare, q_len, dev)
+                            first = False
+                        else:
+                            q_idx = torch.arange(q0, q0 + rows, device=dev).view(-1, 1)
+                            above, opened, buf = compiled(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, buf,
+                                                          spare, q_len, dev)
                     if q_len:  # a run still open at the last row ends at q_len
                         last = torch.where(above, 2 * (opened - 1).clamp(max=spare) + 1, 2 * spare)
                         buf.scatter_(0, last[None], torch.full((1, width), q_len, dtype=torch.int32, device=dev))
-                    slots[b, h, k0:k0 + width] = buf.T
-                    count[b, h, k0:k0 + width] = opened
+                    n = min(width, kv_len - k0)
+                    slots[b, h, k0:k0 + n] = buf[:, :n].T
+                    count[b, h, k0:k0 + n] = opened[:n]
     most = int(count.max()) if count.numel() else 0  # the one host sync
     if most > max_runs:
         b, h, j = (count > max_runs).nonzero()[0].tolist()
@@ -691,6 +697,42 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         )
     runs = slots[..., : 2 * max(1, most)].view(n_b, n_h, kv_len, max(1, most), 2)
     return runs.to(torch.int64)
+
+
+def _scan_rows(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, buf, spare: int, q_len: int, device):
+    """One block of rows q_idx [rows, 1] x columns kv_idx [1, cols] of the run scan: a run opens at
+    a masked row below an attended one (or the first row) and closes at an attended row below a
+    masked one; one cumulative count of the openings numbers both (the run a row opens or closes
+    is the count so far less one). Run r's start goes to slot 2r of `buf` [2 (max_runs + 1), cols],
+    its end to 2r + 1, by one scatter (no host sync); runs past max_runs go to the spare slots and
+    are only counted. Rows at or past q_len (a compiled block's padding) read as attended and are
+    not evaluated. Returns the block's last row (masked or not), the runs opened so far, `buf`."""
+    masked = ~_mask_mod_block(fn, b_idx, h_idx, q_idx.clamp(max=max(q_len - 1, 0)), kv_idx, device)
+    masked = masked & (q_idx < q_len)
+    change = masked != torch.cat([above[None], masked[:-1]], 0)  # a run opens or closes
+    run = torch.cumsum(masked & change, 0, dtype=torch.int32) + (opened - 1)
+    slot = torch.where(change, 2 * run.clamp(max=spare) + (~masked), 2 * spare)
+    buf = buf.scatter(0, slot, q_idx.to(torch.int32).expand_as(slot))
+    return masked[-1], run[-1] + 1, buf
+
+
+# On a GPU, masks of at least this many (b, h, q, kv) evaluations take the compiled scan: below it
+# the eager blocks cost less than the compile of a new mask_mod.
+MASK_MOD_COMPILE_PAIRS = 1 << 26
+_COMPILED_SCAN = []
+
+
+def _compile_scan(g: _Geometry, pairs: int) -> bool:
+    return (g.device.type == "cuda" and pairs >= MASK_MOD_COMPILE_PAIRS
+            and not torch.compiler.is_compiling())
+
+
+def _compiled_scan():
+    """`_scan_rows` under torch.compile, made once: one graph per mask_mod function and block
+    shape (FlexAttention's `create_block_mask(_compile=True)` compiles its function likewise)."""
+    if not _COMPILED_SCAN:
+        _COMPILED_SCAN.append(torch.compile(_scan_rows, fullgraph=True, dynamic=False))
+    return _COMPILED_SCAN[0]
 
 
 def _where(m, b: int, h: int) -> str:
