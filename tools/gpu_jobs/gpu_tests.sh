@@ -13,9 +13,11 @@ mkdir -p $logs
 rm -f "$logs"/tests_*.log
 
 GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+# the cards a group may take: those of CUDA_VISIBLE_DEVICES when set (a job sharing the machine), else all
+IFS=, read -ra CARDS <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS - 1)))}"
 GROUP=0
 tests() {  # tests NAME PYTEST-ARGS...: in the background, on the next card in turn
-  local name=$1 card=$((GROUP % GPUS))
+  local name=$1 card=${CARDS[$((GROUP % GPUS))]}
   shift
   GROUP=$((GROUP + 1))
   group "$name" "$card" "$@" &
@@ -41,7 +43,7 @@ tests others "${others[@]}"
 tests score_terms tests/test_score_terms.py -k "not hopper"
 tests score_terms_hopper tests/test_score_terms.py -k "hopper_kernels"
 tests score_terms_schedules tests/test_score_terms.py -k "hopper and not hopper_kernels"
-tests k_runs tests/test_gpu_k_runs.py
+tests k_runs tests/test_gpu_k_runs.py tests/test_mask_mod.py
 wait
 for f in "$logs"/tests_*.log; do echo "#### $f"; tail -n 25 "$f"; done > "$OUT/gpu_tests_log.txt"
 grep -h "^== \|passed\|failed" "$logs"/tests_*.log
