@@ -90,10 +90,10 @@ def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per
 # inside a bucket, or "index": kv-blocks in index order, so that the programs running at one time
 # hold neighbouring kv-blocks, which walk the same q-blocks (documents: with "heaviest" they hold
 # the first kv-blocks of every document, whose Q/dO/dQ do not fit in L2). Measured on an H200
-# (`python -m tools.backward_order`, backward_order.csv) at 32K and 128K: "bucketed" within noise
-# of "heaviest", which stays the default until the orders are measured at 512K-1M, where the
-# running items' working set differs most (docs/performance.md, section 5).
-HOPPER_BACKWARD_ORDER = "heaviest"
+# (`python -m tools.backward_order`, backward_order.csv): causal documents at 512K and 1M 1.34x
+# faster with "index" than "heaviest" (dK/dV bitwise equal), causal at 256K equal
+# (docs/performance.md, section 5).
+HOPPER_BACKWARD_ORDER = "index"
 
 
 # TMA descriptors are built inside each program, a fixed cost that only a long walk pays back
