@@ -7,6 +7,8 @@ intervals (or more than max_runs).
 
 import re
 
+import warnings
+
 import pytest
 import torch
 
@@ -334,6 +336,28 @@ def test_evaluated_in_blocks():
     assert sum(r * c for r, c in seen) == sq * sk  # each pair once
 
 
+def test_pairs_evaluated_together():
+    """A mask per batch row and head is evaluated for every (b, h) pair at once: b and h of shape
+    [pairs, 1, 1] (b-major), q_idx [1, rows, 1], kv_idx [1, 1, cols], after one first block pair by
+    pair (0-d b and h) that it must equal; the tables equal the function's dense mask."""
+    seen = set()
+    prefix, windows = torch.tensor([3, 11]), torch.tensor([2, 5, 8])
+
+    def mod(b, h, q, kv):
+        seen.add((tuple(b.shape), tuple(h.shape), tuple(q.shape[:-1]), tuple(kv.shape[:-1])))
+        return (kv < prefix[b]) | ((kv <= q) & (q - kv <= windows[h]))
+
+    got = masks.from_mask_mod(mod, batch=2, heads=3).to_dense(29, 23)
+    assert torch.equal(got, dense_of_mod(mod, 29, 23, batch=2, heads=3))
+    assert ((), (), (29,), (1,)) in seen  # the first block, pair by pair
+    assert ((6, 1, 1), (6, 1, 1), (1, 29), (1, 1)) in seen  # then every pair at once
+
+    def not_broadcastable(b, h, q, kv):  # right pair by pair, wrong for pairs together: not taken
+        return (kv <= q) if b.dim() == 0 else torch.zeros_like(q - kv, dtype=torch.bool)
+    got = masks.from_mask_mod(not_broadcastable, heads=3).to_dense(29, 23)
+    assert torch.equal(got, dense_of_mod(lambda b, h, q, kv: kv <= q, 29, 23, heads=3))
+
+
 def test_small_blocks_join_runs(monkeypatch):
     """With tiny blocks, runs that span many row and column blocks are still single runs."""
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 12)
@@ -477,31 +501,58 @@ def test_compiled_scan_matches_the_eager_one(monkeypatch):
     whose rows past q_len and columns past kv_len are padding, the first block eager; the runs
     equal the eager scan's for functions with captured tensors, per-head and per-batch masks, and
     lengths that leave partial blocks both ways, equal the function's dense mask (masks per head
-    or batch row stay eager: they index by h or b). Then a function whose column needs too many runs,
+    or batch row too: every (b, h) pair at once, b and h broadcast; a function that branches on h in
+    Python goes pair by pair and stays eager). Then a function whose column needs too many runs,
     and one returning the wrong dtype, fail as in eager."""
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 40)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
     cases = [(name, sq, sk) for name in ("document", "per_head_window", "per_batch_document", "global_tokens")
              for sq, sk in ((29, 53), (53, 29))]
     monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
-    compiled, calls = intervals_module._compiled_scan(), []
+    compile_for, calls = intervals_module._compiled_events, []
 
-    def counted(*args):
-        calls.append(args[3].shape)  # q_idx: the full block's rows every time
-        return compiled(*args)
-    monkeypatch.setattr(intervals_module, "_compiled_scan", lambda: counted)
+    def counting(fn):
+        compiled = compile_for(fn)
+
+        def counted(*args):
+            calls.append(args[3].shape)  # q_idx: the full block's rows every time
+            return compiled(*args)
+        return counted
+    monkeypatch.setattr(intervals_module, "_compiled_events", counting)
     for case in cases:
         calls.clear()
         mask, want = build(*case)
         got = mask.to_dense(case[1], case[2])
         assert torch.equal(got, want[0, 0] if got.dim() == 2 else want), case
-        per_row_or_head = case[0] in ("per_head_window", "per_batch_document")
-        assert (len(calls) == 0) == per_row_or_head and len(set(calls)) <= 1, (case, calls)
+        assert len(calls) > 0 and len(set(calls)) == 1, (case, calls)
+    calls.clear()
+
+    def branchy(b, h, q, kv):  # a Python branch on h: the pairs cannot be evaluated together
+        return (kv <= q) if int(h) == 0 else ((q - kv).abs() <= 2)
+    want = dense_of_mod(branchy, 29, 53, heads=2)
+    assert torch.equal(masks.from_mask_mod(branchy, heads=2).to_dense(29, 53), want) and not calls
     alternate = lambda b, h, q, kv: (q % 2 == 0) | (kv > 100)  # noqa: E731
     with pytest.raises(ValueError, match="max_runs=2"):
         masks.from_mask_mod(alternate, max_runs=2).to_dense(21, 11)
     with pytest.raises(TypeError, match="bool tensor"):
         masks.from_mask_mod(lambda b, h, q, kv: q - kv).to_dense(21, 11)
+
+
+def test_compiled_scan_failure_falls_back_with_a_warning(monkeypatch):
+    """Where the compiler fails on a mask (after the eager first block ran: the function is
+    fine), the scan goes on eagerly with a RuntimeWarning, and the tables are right."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 40)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
+    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
+
+    def broken(*args):
+        raise RuntimeError("codegen failed")
+    monkeypatch.setattr(intervals_module, "_compiled_events", lambda fn: broken)
+    for name in ("document", "per_head_window"):
+        mask, want = build(name, 29, 53)
+        with pytest.warns(RuntimeWarning, match="compiled scan failed"):
+            got = mask.to_dense(29, 53)
+        assert torch.equal(got, want[0, 0] if got.dim() == 2 else want), name
 
 
 @pytest.mark.gpu
@@ -524,9 +575,18 @@ def test_compiled_scan_on_the_gpu(monkeypatch):
         kr, kc = kv // width, kv % width
         return (kr >= r0) & (kr < r0 + k) & (kc >= c0) & (kc < c0 + k)
 
-    for fn in (same_doc, natten):
-        got = flexmask.compile_mask(masks.from_mask_mod(fn, max_runs=16), s, s, device="cuda").kernel_intervals
+    dilation = torch.tensor([1, 2, 3, 4], device="cuda")
+
+    def dilated_per_head(b, h, q, kv):  # every (b, h) pair at once through the compiled scan
+        return (kv <= q) & (q - kv < 8 * dilation[h]) & ((q - kv) % dilation[h] == 0)
+
+    for fn, heads in ((same_doc, None), (natten, None), (dilated_per_head, 4)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # the compiled scan must not fall back
+            got = flexmask.compile_mask(masks.from_mask_mod(fn, heads=heads, max_runs=16), s, s,
+                                        device="cuda").kernel_intervals
         with monkeypatch.context() as m:
             m.setattr(intervals_module, "_compile_scan", lambda g, pairs: False)
-            want = flexmask.compile_mask(masks.from_mask_mod(fn, max_runs=16), s, s, device="cuda").kernel_intervals
+            want = flexmask.compile_mask(masks.from_mask_mod(fn, heads=heads, max_runs=16), s, s,
+                                         device="cuda").kernel_intervals
         assert torch.equal(got, want), fn.__name__

@@ -18,6 +18,9 @@ per column always comes in the canonical form.
 
 from __future__ import annotations
 
+import types
+import warnings
+
 import torch
 
 from . import run_bounds
@@ -620,7 +623,9 @@ def _column_runs(m, g: _Geometry) -> torch.Tensor:
 
 
 def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
-    """mask_mod on one block, checked and broadcast to [rows, cols] (bool, on `device`)."""
+    """mask_mod on one block, checked and broadcast to [pairs, rows, cols] (bool, on `device`):
+    one (b, h) pair from 0-d b and h with q_idx [rows, 1] and kv_idx [1, cols], or every pair at
+    once from b and h [pairs, 1, 1] with q_idx [1, rows, 1] and kv_idx [1, 1, cols]."""
     out = fn(b, h, q_idx, kv_idx)
     if not isinstance(out, torch.Tensor):
         if not isinstance(out, bool):
@@ -628,24 +633,25 @@ def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
         out = torch.tensor(out)
     if out.dtype != torch.bool:
         raise TypeError(f"mask_mod must return a bool tensor (True = attend), got dtype {out.dtype}")
-    shape = (q_idx.shape[0], kv_idx.shape[1])
+    shape = (max(b.numel(), h.numel()), q_idx.numel(), kv_idx.numel())
     try:
-        return torch.broadcast_to(out.to(device), shape)
+        return torch.broadcast_to(out.to(device), shape[1:] if b.dim() == 0 else shape).view(shape)
     except RuntimeError:
         raise ValueError(
             f"mask_mod returned shape {tuple(out.shape)} for q_idx of shape {tuple(q_idx.shape)} and kv_idx of "
-            f"shape {tuple(kv_idx.shape)}: it must broadcast to {shape}"
+            f"shape {tuple(kv_idx.shape)}: it must broadcast to {shape[1:] if b.dim() == 0 else shape}"
         ) from None
 
 
 def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`: the function evaluated on the device over
     blocks of rows x columns (MASK_MOD_BLOCK_ELEMENTS at most), each column's runs of masked rows
-    collected as the row blocks go by (`_scan_rows`). Large masks on a GPU take the blocks through
-    one compiled function (`_compiled_scan`: the mask_mod and the scan fused), the first block
-    eagerly, so that a bad mask_mod gets its error from `_mask_mod_block`; not masks per batch
-    row or head, whose functions index captured tensors by b or h (a 0-d tensor, which a
-    compiled graph reads as a data-dependent integer). One host sync at the
+    collected as the row blocks go by (`_scan_events`). A mask per batch row or head is evaluated
+    for every (b, h) pair at once, b and h broadcast like q_idx and kv_idx, where the function's
+    first block so evaluated equals its pair-by-pair evaluation (else pair by pair: a function with
+    Python branches on b or h). Large masks on a GPU take the blocks through one compiled function
+    (`_compiled_events`: the mask_mod and the scan fused; the scatter stays eager), the first block
+    eagerly, so that a bad mask_mod gets its error from `_mask_mod_block`. One host sync at the
     end reads the most runs of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
@@ -653,73 +659,125 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     q_len, kv_len, dev = g.q_len, g.kv_len, g.device
     spare = max_runs  # the run slot that takes the runs past max_runs (and every non-event), dropped
     empty = q_len + 1
-    slots = torch.full((n_b, n_h, kv_len, 2 * (max_runs + 1)), empty, dtype=torch.int32, device=dev)
-    count = torch.zeros((n_b, n_h, kv_len), dtype=torch.int32, device=dev)
-    cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS))
-    rows = max(1, min(q_len, MASK_MOD_BLOCK_ELEMENTS // cols))
-    compiled = _compiled_scan() if n_b == n_h == 1 and _compile_scan(g, q_len * kv_len) else None
-    first = True
+    pairs = n_b * n_h
+    slots = torch.full((pairs, kv_len, 2 * (max_runs + 1)), empty, dtype=torch.int32, device=dev)
+    count = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)
     with torch.no_grad():
-        for b in range(n_b):
-            for h in range(n_h):
-                b_idx = torch.tensor(b, dtype=torch.int64, device=dev)
-                h_idx = torch.tensor(h, dtype=torch.int64, device=dev)
-                for k0 in range(0, kv_len, cols):
-                    # compiled: every block has the full shape (one graph), columns past kv_len
-                    # repeat the last one and are dropped, rows past q_len read as attended
-                    width = cols if compiled is not None else min(cols, kv_len - k0)
-                    kv_idx = (torch.arange(k0, k0 + width, device=dev).clamp(max=kv_len - 1)).view(1, -1)
-                    buf = torch.full((2 * (max_runs + 1), width), empty, dtype=torch.int32, device=dev)
-                    opened = torch.zeros(width, dtype=torch.int32, device=dev)  # runs opened so far
-                    above = torch.zeros(width, dtype=torch.bool, device=dev)  # the previous row masked
-                    for q0 in range(0, q_len, rows):
-                        if compiled is None or first:
-                            q_idx = torch.arange(q0, min(q0 + rows, q_len), device=dev).view(-1, 1)
-                            above, opened, buf = _scan_rows(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, buf,
-                                                            spare, q_len, dev)
-                            first = False
-                        else:
-                            q_idx = torch.arange(q0, q0 + rows, device=dev).view(-1, 1)
-                            above, opened, buf = compiled(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, buf,
-                                                          spare, q_len, dev)
-                    if q_len:  # a run still open at the last row ends at q_len
-                        last = torch.where(above, 2 * (opened - 1).clamp(max=spare) + 1, 2 * spare)
-                        buf.scatter_(0, last[None], torch.full((1, width), q_len, dtype=torch.int32, device=dev))
-                    n = min(width, kv_len - k0)
-                    slots[b, h, k0:k0 + n] = buf[:, :n].T
-                    count[b, h, k0:k0 + n] = opened[:n]
+        together = pairs > 1 and q_len and kv_len and _broadcasts_over_pairs(fn, n_b, n_h, q_len, kv_len, dev)
+        if pairs == 1 or together:
+            groups = [(slice(None), *_pair_indices(n_b, n_h, dev, together))]
+        else:
+            groups = [(slice(i, i + 1), torch.tensor(i // n_h, device=dev), torch.tensor(i % n_h, device=dev))
+                      for i in range(pairs)]
+        n = pairs if together else 1
+        # pair by pair, b and h are 0-d: a compiled graph would read a captured tensor indexed by
+        # them as a data-dependent integer; those masks stay eager
+        compiled = (_compiled_events(fn) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
+                    else None)
+        cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS))
+        rows = max(1, min(q_len, MASK_MOD_BLOCK_ELEMENTS // (cols * n)))
+        for where, b_idx, h_idx in groups:
+            first = True
+            for k0 in range(0, kv_len, cols):
+                # compiled: every block has the full shape (one graph), columns past kv_len repeat
+                # the last one and are dropped, rows past q_len read as attended
+                width = cols if compiled is not None else min(cols, kv_len - k0)
+                kv_idx = torch.arange(k0, k0 + width, device=dev).clamp(max=kv_len - 1)
+                buf = torch.full((n, 2 * (max_runs + 1), width), empty, dtype=torch.int32, device=dev)
+                opened = torch.zeros((n, width), dtype=torch.int32, device=dev)  # runs opened so far
+                above = torch.zeros((n, width), dtype=torch.bool, device=dev)  # the previous row masked
+                for q0 in range(0, q_len, rows):
+                    step = _scan_events if compiled is None or first else compiled
+                    height = rows if step is compiled else min(rows, q_len - q0)
+                    q_idx = torch.arange(q0, q0 + height, device=dev)
+                    q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else \
+                        (q_idx.view(-1, 1), kv_idx.view(1, -1))
+                    args = (fn, b_idx, h_idx, q_in, kv_in, above, opened, spare, q_len, dev)
+                    try:
+                        above, opened, slot = step(*args)
+                    except Exception as err:  # noqa: BLE001 (the compiler failed; the eager block ran)
+                        if step is not compiled:
+                            raise
+                        warnings.warn(f"from_mask_mod: the compiled scan failed ({type(err).__name__}); "
+                                      "evaluating this mask eagerly", RuntimeWarning, stacklevel=2)
+                        compiled = None
+                        q_idx = q_idx[: min(rows, q_len - q0)]
+                        q_in = q_idx.view(1, -1, 1) if together else q_idx.view(-1, 1)
+                        above, opened, slot = _scan_events(fn, b_idx, h_idx, q_in, kv_in, above, opened, spare,
+                                                           q_len, dev)
+                    buf.scatter_(1, slot.long(), q_idx.to(torch.int32).view(1, -1, 1).expand_as(slot))
+                    first = False
+                if q_len:  # a run still open at the last row ends at q_len
+                    last = torch.where(above, 2 * (opened - 1).clamp(max=spare) + 1, 2 * spare)
+                    buf.scatter_(1, last[:, None].long(), torch.full((n, 1, width), q_len, dtype=torch.int32,
+                                                                     device=dev))
+                w = min(width, kv_len - k0)
+                slots[where, k0:k0 + w] = buf[:, :, :w].transpose(1, 2)
+                count[where, k0:k0 + w] = opened[:, :w]
     most = int(count.max()) if count.numel() else 0  # the one host sync
     if most > max_runs:
-        b, h, j = (count > max_runs).nonzero()[0].tolist()
+        i, j = (count > max_runs).nonzero()[0].tolist()
+        b, h = i // n_h, i % n_h
         raise ValueError(
-            f"{m!r}: key column {j}{_where(m, b, h)} has {int(count[b, h, j])} masked runs of query rows, "
+            f"{m!r}: key column {j}{_where(m, b, h)} has {int(count[i, j])} masked runs of query rows, "
             f"more than max_runs={max_runs} (it may be raised up to {run_bounds.MAX_RUNS_LIMIT})"
         )
     runs = slots[..., : 2 * max(1, most)].view(n_b, n_h, kv_len, max(1, most), 2)
     return runs.to(torch.int64)
 
 
-def _scan_rows(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, buf, spare: int, q_len: int, device):
-    """One block of rows q_idx [rows, 1] x columns kv_idx [1, cols] of the run scan: a run opens at
-    a masked row below an attended one (or the first row) and closes at an attended row below a
-    masked one; one cumulative count of the openings numbers both (the run a row opens or closes
-    is the count so far less one). Run r's start goes to slot 2r of `buf` [2 (max_runs + 1), cols],
-    its end to 2r + 1, by one scatter (no host sync); runs past max_runs go to the spare slots and
-    are only counted. Rows at or past q_len (a compiled block's padding) read as attended and are
-    not evaluated. Returns the block's last row (masked or not), the runs opened so far, `buf`."""
-    masked = ~_mask_mod_block(fn, b_idx, h_idx, q_idx.clamp(max=max(q_len - 1, 0)), kv_idx, device)
-    masked = masked & (q_idx < q_len)
-    change = masked != torch.cat([above[None], masked[:-1]], 0)  # a run opens or closes
-    run = torch.cumsum(masked & change, 0, dtype=torch.int32) + (opened - 1)
+def _pair_indices(n_b: int, n_h: int, device, together: bool):
+    """b and h of every (b, h) pair, b-major, as [pairs, 1, 1] (together), or 0-d zeros."""
+    if not together:
+        zero = torch.tensor(0, device=device)
+        return zero, zero
+    i = torch.arange(n_b * n_h, device=device).view(-1, 1, 1)
+    return i // n_h, i % n_h
+
+
+def _broadcasts_over_pairs(fn, n_b: int, n_h: int, q_len: int, kv_len: int, device) -> bool:
+    """Whether `fn` evaluated for every (b, h) pair at once (b and h [pairs, 1, 1]) gives, on a
+    first block of rows x columns, what it gives pair by pair; a function that raises so (a Python
+    branch on b or h) or differs is evaluated pair by pair. The pair-by-pair block also raises a
+    bad function's error first."""
+    q = torch.arange(min(q_len, 64), device=device)
+    kv = torch.arange(min(kv_len, 64), device=device)
+    one_by_one = torch.cat([
+        _mask_mod_block(fn, torch.tensor(i // n_h, device=device), torch.tensor(i % n_h, device=device),
+                        q.view(-1, 1), kv.view(1, -1), device)
+        for i in range(n_b * n_h)])
+    b, h = _pair_indices(n_b, n_h, device, True)
+    try:
+        together = _mask_mod_block(fn, b, h, q.view(1, -1, 1), kv.view(1, 1, -1), device)
+    except Exception:  # noqa: BLE001 (any failure of the broadcast call means: evaluate pair by pair)
+        return False
+    return bool(torch.equal(together, one_by_one))
+
+
+def _scan_events(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, spare: int, q_len: int, device):
+    """One block of rows of the run scan, for `n` masks at once (the pairs evaluated together, or
+    one): a run opens at a masked row below an attended one (or the first row) and closes at an
+    attended row below a masked one; one cumulative count of the openings numbers both (the run a
+    row opens or closes is the count so far less one). Returns the block's last row (masked or
+    not) [n, cols], the runs opened so far [n, cols] and each row's slot [n, rows, cols]: run r's
+    start goes to slot 2r of the column, its end to 2r + 1, runs past max_runs and rows with no
+    event to the spare slots (the caller scatters the rows there: one scatter a block, no host
+    sync). Rows at or past q_len (a compiled block's padding) read as attended and are not
+    evaluated."""
+    q_rows = q_idx.reshape(1, -1, 1)
+    clamped = q_idx.clamp(max=max(q_len - 1, 0))
+    masked = ~_mask_mod_block(fn, b_idx, h_idx, clamped, kv_idx, device) & (q_rows < q_len)
+    change = masked != torch.cat([above[:, None], masked[:, :-1]], 1)  # a run opens or closes
+    run = torch.cumsum(masked & change, 1, dtype=torch.int32) + (opened[:, None] - 1)
     slot = torch.where(change, 2 * run.clamp(max=spare) + (~masked), 2 * spare)
-    buf = buf.scatter(0, slot, q_idx.to(torch.int32).expand_as(slot))
-    return masked[-1], run[-1] + 1, buf
+    return masked[:, -1], run[:, -1] + 1, slot
 
 
 # On a GPU, masks of at least this many (b, h, q, kv) evaluations take the compiled scan: below it
 # the eager blocks cost less than the compile of a new mask_mod.
 MASK_MOD_COMPILE_PAIRS = 1 << 26
-_COMPILED_SCAN = []
+_COMPILED_EVENTS: dict = {}  # the mask_mod -> its compiled scan, the newest few
+_COMPILED_EVENTS_KEPT = 8
 
 
 def _compile_scan(g: _Geometry, pairs: int) -> bool:
@@ -727,12 +785,19 @@ def _compile_scan(g: _Geometry, pairs: int) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def _compiled_scan():
-    """`_scan_rows` under torch.compile, made once: one graph per mask_mod function and block
-    shape (FlexAttention's `create_block_mask(_compile=True)` compiles its function likewise)."""
-    if not _COMPILED_SCAN:
-        _COMPILED_SCAN.append(torch.compile(_scan_rows, fullgraph=True, dynamic=False))
-    return _COMPILED_SCAN[0]
+def _compiled_events(fn):
+    """`_scan_events` under torch.compile for the mask_mod `fn`: one graph per block shape
+    (FlexAttention's `create_block_mask(_compile=True)` compiles its function likewise). Each
+    function gets its own copy of the code, so that new functions (a new document mask each
+    training step) are new compiles rather than recompiles of one code object, which Dynamo
+    bounds; the newest few are kept. The scatter stays outside: Inductor's GPU code generation of
+    that scatter fails (torch 2.11)."""
+    if fn not in _COMPILED_EVENTS:
+        while len(_COMPILED_EVENTS) >= _COMPILED_EVENTS_KEPT:
+            _COMPILED_EVENTS.pop(next(iter(_COMPILED_EVENTS)))
+        own = types.FunctionType(_scan_events.__code__.replace(), _scan_events.__globals__, "_scan_events")
+        _COMPILED_EVENTS[fn] = torch.compile(own, fullgraph=True, dynamic=False)
+    return _COMPILED_EVENTS[fn]
 
 
 def _where(m, b: int, h: int) -> str:
