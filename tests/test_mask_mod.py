@@ -7,8 +7,6 @@ intervals (or more than max_runs).
 
 import re
 
-import warnings
-
 import pytest
 import torch
 
@@ -357,6 +355,10 @@ def test_pairs_evaluated_together():
     got = masks.from_mask_mod(not_broadcastable, heads=3).to_dense(29, 23)
     assert torch.equal(got, dense_of_mod(lambda b, h, q, kv: kv <= q, 29, 23, heads=3))
 
+    def branchy(b, h, q, kv):  # a Python branch on h: raises for the pairs together, pair by pair then
+        return (kv <= q) if int(h) == 0 else ((q - kv).abs() <= 2)
+    assert torch.equal(masks.from_mask_mod(branchy, heads=2).to_dense(29, 53), dense_of_mod(branchy, 29, 53, heads=2))
+
 
 def test_small_blocks_join_runs(monkeypatch):
     """With tiny blocks, runs that span many row and column blocks are still single runs."""
@@ -494,99 +496,3 @@ def test_docstring_pictures():
     assert window.show(6, 6) == "#.....\n##....\n###...\n.###..\n..###.\n...###"
     assert torch.equal(dense_of_mod(dilated, 6, 6)[0, 0, :, 0], torch.tensor([True, False] * 3))
     assert masks.from_mask_mod(dilated).show(6, 6) == "#.....\n.#....\n#.#...\n.#.#..\n#.#.#.\n.#.#.#"
-
-
-def test_compiled_scan_matches_the_eager_one(monkeypatch):
-    """The compiled scan (taken on GPUs for large masks) on this CPU, forced on: fixed-shape blocks
-    whose rows past q_len and columns past kv_len are padding, the first block eager; the runs
-    equal the eager scan's for functions with captured tensors, per-head and per-batch masks, and
-    lengths that leave partial blocks both ways, equal the function's dense mask (masks per head
-    or batch row too: every (b, h) pair at once, b and h broadcast; a function that branches on h in
-    Python goes pair by pair and stays eager). Then a function whose column needs too many runs,
-    and one returning the wrong dtype, fail as in eager."""
-    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 40)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
-    cases = [(name, sq, sk) for name in ("document", "per_head_window", "per_batch_document", "global_tokens")
-             for sq, sk in ((29, 53), (53, 29))]
-    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
-    compile_for, calls = intervals_module._compiled_events, []
-
-    def counting(fn):
-        compiled = compile_for(fn)
-
-        def counted(*args):
-            calls.append(args[3].shape)  # q_idx: the full block's rows every time
-            return compiled(*args)
-        return counted
-    monkeypatch.setattr(intervals_module, "_compiled_events", counting)
-    for case in cases:
-        calls.clear()
-        mask, want = build(*case)
-        got = mask.to_dense(case[1], case[2])
-        assert torch.equal(got, want[0, 0] if got.dim() == 2 else want), case
-        assert len(calls) > 0 and len(set(calls)) == 1, (case, calls)
-    calls.clear()
-
-    def branchy(b, h, q, kv):  # a Python branch on h: the pairs cannot be evaluated together
-        return (kv <= q) if int(h) == 0 else ((q - kv).abs() <= 2)
-    want = dense_of_mod(branchy, 29, 53, heads=2)
-    assert torch.equal(masks.from_mask_mod(branchy, heads=2).to_dense(29, 53), want) and not calls
-    alternate = lambda b, h, q, kv: (q % 2 == 0) | (kv > 100)  # noqa: E731
-    with pytest.raises(ValueError, match="max_runs=2"):
-        masks.from_mask_mod(alternate, max_runs=2).to_dense(21, 11)
-    with pytest.raises(TypeError, match="bool tensor"):
-        masks.from_mask_mod(lambda b, h, q, kv: q - kv).to_dense(21, 11)
-
-
-def test_compiled_scan_failure_falls_back_with_a_warning(monkeypatch):
-    """Where the compiler fails on a mask (after the eager first block ran: the function is
-    fine), the scan goes on eagerly with a RuntimeWarning, and the tables are right."""
-    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 40)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
-    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
-
-    def broken(*args):
-        raise RuntimeError("codegen failed")
-    monkeypatch.setattr(intervals_module, "_compiled_events", lambda fn: broken)
-    for name in ("document", "per_head_window"):
-        mask, want = build(name, 29, 53)
-        with pytest.warns(RuntimeWarning, match="compiled scan failed"):
-            got = mask.to_dense(29, 53)
-        assert torch.equal(got, want[0, 0] if got.dim() == 2 else want), name
-
-
-@pytest.mark.gpu
-def test_compiled_scan_on_the_gpu(monkeypatch):
-    """At 8K x 8K (past MASK_MOD_COMPILE_PAIRS) a GPU compile takes the compiled scan; its tables
-    equal the eager scan's, for a function with a captured tensor and for a 2-D neighbourhood."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    s, width, k = 8192, 128, 9
-    assert s * s >= intervals_module.MASK_MOD_COMPILE_PAIRS
-    doc = torch.sort(torch.randint(0, 6, (s,), generator=torch.Generator().manual_seed(0))).values.cuda()
-
-    def same_doc(b, h, q, kv):
-        return (doc[q] == doc[kv]) & (kv <= q)
-
-    def natten(b, h, q, kv):  # clamped at the borders, tokens in row-major order
-        height = s // width
-        r0 = (q // width - k // 2).clamp(0, height - k)
-        c0 = (q % width - k // 2).clamp(0, width - k)
-        kr, kc = kv // width, kv % width
-        return (kr >= r0) & (kr < r0 + k) & (kc >= c0) & (kc < c0 + k)
-
-    dilation = torch.tensor([1, 2, 3, 4], device="cuda")
-
-    def dilated_per_head(b, h, q, kv):  # every (b, h) pair at once through the compiled scan
-        return (kv <= q) & (q - kv < 8 * dilation[h]) & ((q - kv) % dilation[h] == 0)
-
-    for fn, heads in ((same_doc, None), (natten, None), (dilated_per_head, 4)):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # the compiled scan must not fall back
-            got = flexmask.compile_mask(masks.from_mask_mod(fn, heads=heads, max_runs=16), s, s,
-                                        device="cuda").kernel_intervals
-        with monkeypatch.context() as m:
-            m.setattr(intervals_module, "_compile_scan", lambda g, pairs: False)
-            want = flexmask.compile_mask(masks.from_mask_mod(fn, heads=heads, max_runs=16), s, s,
-                                         device="cuda").kernel_intervals
-        assert torch.equal(got, want), fn.__name__

@@ -18,9 +18,6 @@ per column always comes in the canonical form.
 
 from __future__ import annotations
 
-import types
-import warnings
-
 import torch
 
 from . import run_bounds
@@ -649,10 +646,7 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     collected as the row blocks go by (`_scan_events`). A mask per batch row or head is evaluated
     for every (b, h) pair at once, b and h broadcast like q_idx and kv_idx, where the function's
     first block so evaluated equals its pair-by-pair evaluation (else pair by pair: a function with
-    Python branches on b or h). Large masks on a GPU take the blocks through one compiled function
-    (`_compiled_events`: the mask_mod and the scan fused; the scatter stays eager), the first block
-    eagerly, so that a bad mask_mod gets its error from `_mask_mod_block`. One host sync at the
-    end reads the most runs of a column."""
+    Python branches on b or h). One host sync at the end reads the most runs of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
@@ -670,50 +664,27 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
             groups = [(slice(i, i + 1), torch.tensor(i // n_h, device=dev), torch.tensor(i % n_h, device=dev))
                       for i in range(pairs)]
         n = pairs if together else 1
-        # pair by pair, b and h are 0-d: a compiled graph would read a captured tensor indexed by
-        # them as a data-dependent integer; those masks stay eager
-        compiled = (_compiled_events(fn) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
-                    else None)
         cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS))
         rows = max(1, min(q_len, MASK_MOD_BLOCK_ELEMENTS // (cols * n)))
         for where, b_idx, h_idx in groups:
-            first = True
             for k0 in range(0, kv_len, cols):
-                # compiled: every block has the full shape (one graph), columns past kv_len repeat
-                # the last one and are dropped, rows past q_len read as attended
-                width = cols if compiled is not None else min(cols, kv_len - k0)
-                kv_idx = torch.arange(k0, k0 + width, device=dev).clamp(max=kv_len - 1)
+                width = min(cols, kv_len - k0)
+                kv_idx = torch.arange(k0, k0 + width, device=dev)
                 buf = torch.full((n, 2 * (max_runs + 1), width), empty, dtype=torch.int32, device=dev)
                 opened = torch.zeros((n, width), dtype=torch.int32, device=dev)  # runs opened so far
                 above = torch.zeros((n, width), dtype=torch.bool, device=dev)  # the previous row masked
                 for q0 in range(0, q_len, rows):
-                    step = _scan_events if compiled is None or first else compiled
-                    height = rows if step is compiled else min(rows, q_len - q0)
-                    q_idx = torch.arange(q0, q0 + height, device=dev)
+                    q_idx = torch.arange(q0, min(q0 + rows, q_len), device=dev)
                     q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else \
                         (q_idx.view(-1, 1), kv_idx.view(1, -1))
-                    args = (fn, b_idx, h_idx, q_in, kv_in, above, opened, spare, q_len, dev)
-                    try:
-                        above, opened, slot = step(*args)
-                    except Exception as err:  # noqa: BLE001 (the compiler failed; the eager block ran)
-                        if step is not compiled:
-                            raise
-                        warnings.warn(f"from_mask_mod: the compiled scan failed ({type(err).__name__}); "
-                                      "evaluating this mask eagerly", RuntimeWarning, stacklevel=2)
-                        compiled = None
-                        q_idx = q_idx[: min(rows, q_len - q0)]
-                        q_in = q_idx.view(1, -1, 1) if together else q_idx.view(-1, 1)
-                        above, opened, slot = _scan_events(fn, b_idx, h_idx, q_in, kv_in, above, opened, spare,
-                                                           q_len, dev)
+                    above, opened, slot = _scan_events(fn, b_idx, h_idx, q_in, kv_in, above, opened, spare)
                     buf.scatter_(1, slot.long(), q_idx.to(torch.int32).view(1, -1, 1).expand_as(slot))
-                    first = False
                 if q_len:  # a run still open at the last row ends at q_len
                     last = torch.where(above, 2 * (opened - 1).clamp(max=spare) + 1, 2 * spare)
                     buf.scatter_(1, last[:, None].long(), torch.full((n, 1, width), q_len, dtype=torch.int32,
                                                                      device=dev))
-                w = min(width, kv_len - k0)
-                slots[where, k0:k0 + w] = buf[:, :, :w].transpose(1, 2)
-                count[where, k0:k0 + w] = opened[:, :w]
+                slots[where, k0:k0 + width] = buf.transpose(1, 2)
+                count[where, k0:k0 + width] = opened
     most = int(count.max()) if count.numel() else 0  # the one host sync
     if most > max_runs:
         i, j = (count > max_runs).nonzero()[0].tolist()
@@ -754,7 +725,7 @@ def _broadcasts_over_pairs(fn, n_b: int, n_h: int, q_len: int, kv_len: int, devi
     return bool(torch.equal(together, one_by_one))
 
 
-def _scan_events(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, spare: int, q_len: int, device):
+def _scan_events(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, spare: int):
     """One block of rows of the run scan, for `n` masks at once (the pairs evaluated together, or
     one): a run opens at a masked row below an attended one (or the first row) and closes at an
     attended row below a masked one; one cumulative count of the openings numbers both (the run a
@@ -762,42 +733,12 @@ def _scan_events(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, spare: int, q_l
     not) [n, cols], the runs opened so far [n, cols] and each row's slot [n, rows, cols]: run r's
     start goes to slot 2r of the column, its end to 2r + 1, runs past max_runs and rows with no
     event to the spare slots (the caller scatters the rows there: one scatter a block, no host
-    sync). Rows at or past q_len (a compiled block's padding) read as attended and are not
-    evaluated."""
-    q_rows = q_idx.reshape(1, -1, 1)
-    clamped = q_idx.clamp(max=max(q_len - 1, 0))
-    masked = ~_mask_mod_block(fn, b_idx, h_idx, clamped, kv_idx, device) & (q_rows < q_len)
+    sync)."""
+    masked = ~_mask_mod_block(fn, b_idx, h_idx, q_idx, kv_idx, above.device)
     change = masked != torch.cat([above[:, None], masked[:, :-1]], 1)  # a run opens or closes
     run = torch.cumsum(masked & change, 1, dtype=torch.int32) + (opened[:, None] - 1)
     slot = torch.where(change, 2 * run.clamp(max=spare) + (~masked), 2 * spare)
     return masked[:, -1], run[:, -1] + 1, slot
-
-
-# On a GPU, masks of at least this many (b, h, q, kv) evaluations take the compiled scan: below it
-# the eager blocks cost less than the compile of a new mask_mod.
-MASK_MOD_COMPILE_PAIRS = 1 << 26
-_COMPILED_EVENTS: dict = {}  # the mask_mod -> its compiled scan, the newest few
-_COMPILED_EVENTS_KEPT = 8
-
-
-def _compile_scan(g: _Geometry, pairs: int) -> bool:
-    return (g.device.type == "cuda" and pairs >= MASK_MOD_COMPILE_PAIRS
-            and not torch.compiler.is_compiling())
-
-
-def _compiled_events(fn):
-    """`_scan_events` under torch.compile for the mask_mod `fn`: one graph per block shape
-    (FlexAttention's `create_block_mask(_compile=True)` compiles its function likewise). Each
-    function gets its own copy of the code, so that new functions (a new document mask each
-    training step) are new compiles rather than recompiles of one code object, which Dynamo
-    bounds; the newest few are kept. The scatter stays outside: Inductor's GPU code generation of
-    that scatter fails (torch 2.11)."""
-    if fn not in _COMPILED_EVENTS:
-        while len(_COMPILED_EVENTS) >= _COMPILED_EVENTS_KEPT:
-            _COMPILED_EVENTS.pop(next(iter(_COMPILED_EVENTS)))
-        own = types.FunctionType(_scan_events.__code__.replace(), _scan_events.__globals__, "_scan_events")
-        _COMPILED_EVENTS[fn] = torch.compile(own, fullgraph=True, dynamic=False)
-    return _COMPILED_EVENTS[fn]
 
 
 def _where(m, b: int, h: int) -> str:
