@@ -68,19 +68,19 @@ def markdown_table(rows: list[dict]) -> str:
     """The results as markdown: one line per (GPUs, mask, tokens, provider), then where and how."""
     lines = [
         "| GPUs | mask | tokens | provider | 1 GPU fwd+bwd (s) | W GPUs fwd+bwd (s) | timed runs 1 / W | speedup "
-        "| layout allows | K/V sent fwd (GiB): this / all-gather | max rel. err | status |",
-        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| layout allows | K/V sent fwd (GiB): this / all-gather | max rel. err | status | run |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
-    for r in rows:
-        if (r.get("status") or "").startswith("skipped"):  # not measured: the time budget ran out
-            continue
+    measured = [r for r in rows if not (r.get("status") or "").startswith("skipped")]  # skipped: budget ran out
+    runs = sorted({_run(r) for r in measured}, key=lambda run: (int(run[0]), run[4]))  # (gpus, ..., date, command)
+    for r in measured:
         t1, tw = _num(r.get("t1_fwd_bwd_ms")), _num(r.get("tw_fwd_bwd_ms"))
         lines.append(
             f"| {r['gpus']} | {r['mask']} | {_tokens(r['seq_len'])} | {_provider(r)} "
             f"| {'–' if t1 is None else f'{t1 / 1e3:.2f}'} | {'–' if tw is None else f'{tw / 1e3:.2f}'} "
             f"| {r.get('reps_1gpu') or 0} / {r.get('reps_multi') or 0} | {_x(r.get('speedup_fwd_bwd'))} | {_x(r.get('ideal_speedup'))} "
             f"| {_gib(r.get('fwd_bytes_moved'))} / {_gib(r.get('all_gather_fwd_bytes'))} | {_err(r)} "
-            f"| {_status(r.get('status'))} |")
+            f"| {_status(r.get('status'))} | {runs.index(_run(r)) + 1} |")
     notes = ["", "Speedup: `flexmask.attention` on one GPU / this provider on W GPUs (the slowest rank), "
              "forward + backward; *layout allows*: the speedup a perfect kernel gets from the 2W-chunk layout "
              "used (attending pairs in all ranks / in the busiest; the default layout gives rank r chunks r and "
@@ -90,12 +90,16 @@ def markdown_table(rows: list[dict]) -> str:
              "configuration included compiling the kernels (fixed since: they compile first, on a short sequence)."]
     variants = sorted({r["variant"] for r in rows if r["provider"] != "flexmask" and r.get("variant")})
     notes += [f"torch_ring: {v}." for v in variants]
-    for gpus in sorted({r["gpus"] for r in rows}, key=int):
-        same = [r for r in rows if r["gpus"] == gpus]
-        r0 = next((r for r in same if r.get("heads")), same[0])  # a measured row (skipped ones lack shapes)
-        notes.append(f"W={gpus}: {gpus} x {r0['gpu']}, torch {r0['torch']}, triton {r0['triton']}, {r0['date']}, "
-                     f"H={r0['heads']}/{r0['kv_heads']}, D={r0['head_dim']}, {r0['dtype']}; `{r0['command']}`")
+    for i, (gpus, gpu, torch_v, triton_v, date, command) in enumerate(runs, 1):
+        r0 = next(r for r in measured if _run(r) == (gpus, gpu, torch_v, triton_v, date, command))
+        notes.append(f"Run {i}: {gpus} x {gpu}, torch {torch_v}, triton {triton_v}, {date}, "
+                     f"H={r0['heads']}/{r0['kv_heads']}, D={r0['head_dim']}, {r0['dtype']}; `{command}`")
     return "\n".join(lines + notes) + "\n"
+
+
+def _run(row: dict) -> tuple:
+    """The run a row comes from: a row's speedup compares times of one run (one machine)."""
+    return row["gpus"], row["gpu"], row["torch"], row["triton"], row["date"], row["command"]
 
 
 def write_readme_block(readme: str, table: str) -> None:
@@ -137,16 +141,17 @@ def plot(rows: list[dict], png: str, log) -> None:
     axes[0].set(xscale="log", yscale="log", xlabel="sequence (tokens)", ylabel="fwd+bwd (s)",
                 title="time on W GPUs (grey dotted: flexmask on 1 GPU)")
     for target in sorted({int(r["gpus"]) for r in rows}):
-        axes[1].axhline({2: 1.8, 4: 3.6}.get(target, 0.9 * target), color="grey", ls=":", lw=0.8)
+        axes[1].axhline({2: 1.9, 4: 3.6}.get(target, 0.9 * target), color="grey", ls=":", lw=0.8)
     axes[1].set(xscale="log", xlabel="sequence (tokens)", ylabel="flexmask 1 GPU time / W-GPU time",
                 title="speedup, fwd+bwd (bars: the layout's balance; dotted: targets)")
     axes[2].set(xscale="log", yscale="log", xlabel="sequence (tokens)", ylabel="GiB", title="K/V bytes sent, forward")
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    r0 = rows[0]
+    r0 = next((r for r in rows if r.get("heads")), rows[0])
     gpus = "/".join(sorted({r["gpus"] for r in rows}, key=int))
-    fig.suptitle(f"context parallel: {gpus} x {r0['gpu']}, H={r0['heads']}/{r0['kv_heads']}, D={r0['head_dim']}, "
+    cards = " and ".join(sorted({r["gpu"] for r in rows}))  # rows of several runs: the table names each
+    fig.suptitle(f"context parallel: {gpus} x {cards}, H={r0['heads']}/{r0['kv_heads']}, D={r0['head_dim']}, "
                  f"{r0['dtype']}; torch {r0['torch']}, triton {r0['triton']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
