@@ -337,7 +337,7 @@ def compile_kernels(args, device) -> None:
     """Compile the kernels before the first timed run of the process, on a short causal sequence
     (the masks measured here take the same kernels): a run longer than --target-s is timed by its
     warm-up alone, and on a process's first configuration that warm-up included compiling (7 s of
-    a 36 s 1M-token run on an H200: context_parallel_w4.csv against context_parallel_w2.csv)."""
+    a 36 s 1M-token run on an H200: context_parallel.csv, 4 GPUs against 2)."""
     import flexmask
     from flexmask import masks
 

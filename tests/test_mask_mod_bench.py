@@ -112,7 +112,13 @@ def test_table_from_rows():
     k13 = next(x for x in lines if x.startswith("| NATTEN 128x128 image, 13x13 |"))
     cells = [c.strip() for c in k13.split("|")[1:-1]]
     assert cells[2:6] == ["needs 20 runs > 16", "-", "-", "-"]
-    assert "`python -m benchmarks.mask_mod`" in lines[-1] and "20 masked runs" in lines[-1]
+    assert "`python -m benchmarks.mask_mod`" in lines[-1] and "20 masked runs" in lines[-2]
+    assert all("| GPU |" not in x for x in lines)  # one card: no card column
+    other = [{**r, "gpu": "NVIDIA H100", "command": "python -m benchmarks.mask_mod --sizes 32K"} for r in ROWS]
+    lines = bench.table(ROWS + other).splitlines()
+    k9 = [x for x in lines if x.startswith("| NATTEN 128x128 image, 9x9 |")]
+    assert [c.strip() for c in k9[1].split("|")[1:-1]][2] == "H100"  # a line per card: ratios within a run
+    assert len(k9) == 2 and lines[-1].endswith("`python -m benchmarks.mask_mod --sizes 32K`.")
     assert bench.table([]) == "(no rows)"
 
 

@@ -166,14 +166,18 @@ def test_score_table_term_cost_and_blocks(tmp_path):
 
 
 def test_table_names_every_run_its_rows_come_from():
-    """A configuration measured again keeps its last row; the note lists the runs of the rows shown."""
+    """A configuration measured again keeps its last row, and its ratios compare rows of that run
+    only (a peer measured in another run is left out); the note lists the runs of the rows shown."""
     again = {"date": "2026-02-01", "command": "python -m benchmarks.peers --suite score_terms"}
     rows = [row("causal", "flexmask", "2.0", "5.0", "600", "500"), row("causal", "fa4", "1.8", "5.5", "660", "450"),
             {**row("causal", "flexmask", "1.0", "4.0", "700", "550"), **again},
             row("full", "flexmask", "3.0", "6.0", "500", "480")]
     text = peers.table(rows)
     line = next(x for x in text.splitlines() if x.startswith("| causal | 32K | 128 |"))
-    assert "| 700 / 550 |" in line and "1.80, 1.38" in line  # fa4's first-run row against the new flexmask row
+    assert "| 700 / 550 | - | - |" in line  # fa4's first-run row is not compared with the new flexmask row
     notes = [x for x in text.splitlines() if x.startswith("- GPU")]
     assert notes == ["- GPU, torch 2, triton 3, 2026-01-01: `python -m benchmarks.peers`.",
                      "- GPU, torch 2, triton 3, 2026-02-01: `python -m benchmarks.peers --suite score_terms`."]
+    rows.append({**row("causal", "fa4", "0.9", "4.4", "660", "450"), **again})  # fa4 in the new run too
+    line = next(x for x in peers.table(rows).splitlines() if x.startswith("| causal | 32K | 128 |"))
+    assert "| 700 / 550 | 660 / 450 | 0.90, 1.10 |" in line

@@ -89,11 +89,13 @@ def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per
 # count, "bucketed": heaviest first by power-of-two bucket of the tile count, index order
 # inside a bucket, or "index": kv-blocks in index order, so that the programs running at one time
 # hold neighbouring kv-blocks, which walk the same q-blocks (documents: with "heaviest" they hold
-# the first kv-blocks of every document, whose Q/dO/dQ do not fit in L2). Measured on an H200
-# (`python -m tools.backward_order`, backward_order.csv): causal documents at 512K and 1M 1.34x
-# faster with "index" than "heaviest" (dK/dV bitwise equal), causal at 256K equal
-# (docs/performance.md, section 5).
-HOPPER_BACKWARD_ORDER = "index"
+# the first kv-blocks of every document, whose Q/dO/dQ do not fit in L2). "auto": "index" from
+# INDEX_ORDER_MIN_KEYS keys, "heaviest" below. Measured (`python -m tools.backward_order`,
+# backward_order.csv, docs/performance.md section 5): causal documents 1.34x faster with "index"
+# at 512K and 1M (H200), but 0.95x at 32K and 0.98x at 128K (H100), and the one-GPU 256K
+# documents of the context-parallel benchmark 0.92x (H200); causal equal at 256K.
+HOPPER_BACKWARD_ORDER = "auto"
+INDEX_ORDER_MIN_KEYS = 1 << 19
 
 
 # TMA descriptors are built inside each program, a fixed cost that only a long walk pays back

@@ -395,11 +395,14 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
     tile count, "bucketed" by power-of-two bucket of it, index order inside a bucket, or "index":
     kv-blocks in index order (the items running at once then walk the same documents' q-blocks,
     whose Q, dO and dQ rows stay in L2; heaviest first interleaves every document of a long
-    sequence: tools.backward_order).
+    sequence: tools.backward_order), or "auto": "index" from configs.INDEX_ORDER_MIN_KEYS keys,
+    "heaviest" below.
     `hoist`: see forward_hopper.heaviest_first. Cached per tile table."""
     order = configs.HOPPER_BACKWARD_ORDER if order is None else order
+    if order == "auto":  # long sequences: the running items' rows fit in L2 only in index order
+        order = "index" if cm.num_kv_blocks * cm.block_n >= configs.INDEX_ORDER_MIN_KEYS else "heaviest"
     if order not in BACKWARD_ORDERS:
-        raise ValueError(f"order must be one of {BACKWARD_ORDERS}, got {order!r}")
+        raise ValueError(f"order must be one of {BACKWARD_ORDERS + ('auto',)}, got {order!r}")
     entry = _WORK_CACHE.get(id(cm.bwd_offsets))
     if entry is None or entry[0]() is not cm.bwd_offsets:
         for key in [k for k, (ref, _) in _WORK_CACHE.items() if ref() is None]:
