@@ -317,47 +317,66 @@ def test_two_runs_within_max_runs_fit():
 
 def test_evaluated_in_blocks():
     """3000 x 3000 is evaluated in blocks well below q_len x kv_len, and the runs found across the
-    row blocks join up (a window's runs cross every block boundary)."""
+    row blocks join up (a window's runs cross every block boundary). The first pass sees each pair
+    once (rows padded to whole chunks: [rows, 1] x [1, cols] blocks); the second sees the
+    chunks with a run change again, q_idx [rows, cols] per column, a small part of the pairs."""
     sq = sk = 3000
-    seen = []
+    first, second = [], []
 
     def recorded(b, h, q, kv):
-        assert q.dtype == kv.dtype == b.dtype == h.dtype == torch.int64
-        assert q.dim() == kv.dim() == 2 and q.shape[1] == 1 and kv.shape[0] == 1 and b.dim() == h.dim() == 0
-        seen.append((q.shape[0], kv.shape[1]))
+        assert q.dtype == kv.dtype == b.dtype == h.dtype == torch.int64 and b.dim() == h.dim() == 0
+        assert q.dim() == kv.dim() == 2 and kv.shape[0] == 1
+        (first if q.shape[1] == 1 else second).append((q.shape[0], kv.shape[1]))
         return (kv <= q) & (q - kv <= 1500)
 
     got = masks.from_mask_mod(recorded).intervals(sq, sk)
     assert torch.equal(got, masks.sliding_window(1500).intervals(sq, sk))
-    largest = max(r * c for r, c in seen)
-    assert len(seen) > 1 and largest <= intervals_module.MASK_MOD_BLOCK_ELEMENTS < sq * sk
-    assert sum(r * c for r, c in seen) == sq * sk  # each pair once
+    largest = max(r * c for r, c in first + second)
+    assert len(first) > 1 and largest <= intervals_module.MASK_MOD_BLOCK_ELEMENTS < sq * sk
+    chunk = intervals_module.MASK_MOD_CHUNK_ROWS
+    assert sum(r * c for r, c in first) == -(-sq // chunk) * chunk * sk  # each pair once, and the padding
+    # a column of this window has two runs, [0, kv) and [kv + 1501, sq): three changes, in three
+    # chunks at most; the second pass evaluates that many chunks of every column and the row above each
+    assert 0 < sum(r * c for r, c in second) <= 3 * (chunk + 1) * sk < sq * sk // 7
 
 
-def test_pairs_evaluated_together():
-    """A mask per batch row and head is evaluated for every (b, h) pair at once: b and h of shape
-    [pairs, 1, 1] (b-major), q_idx [1, rows, 1], kv_idx [1, 1, cols], after one first block pair by
-    pair (0-d b and h) that it must equal; the tables equal the function's dense mask."""
-    seen = set()
-    prefix, windows = torch.tensor([3, 11]), torch.tensor([2, 5, 8])
+@pytest.mark.parametrize("chunk, elements, columns", [(1, 12, 4), (3, 40, 8), (4, 64, 5), (16, 4096, 64)],
+                         ids=["chunk1", "chunk3", "chunk4", "chunk16"])
+def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns):
+    """Random masks of up to max_runs runs per column, from a captured dense tensor (per head too,
+    evaluated together and pair by pair), Sq != Sk both ways, lengths that leave a partial last
+    chunk, row block and column block: the runs equal the dense mask's, with chunks of 1-16 rows
+    (the first pass counts changes per chunk, the second places them), and a column with one run
+    too many fails naming its count."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", chunk)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", elements)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", columns)
+    gen = torch.Generator().manual_seed(chunk)
+    for sq, sk, heads in ((37, 23, None), (23, 41, 3), (50, 17, 2)):
+        dense = torch.rand(heads or 1, sq, sk, generator=gen) < 0.9
+        dense[:, :, 0] = True  # an empty column
+        dense[:, :, 1] = True
+        dense[:, :32:2, 1] = False  # up to 16 runs of one row
+        dense[:, :, 2] = False  # one run of every row
+        count = torch.tensor([[len(masked_runs(dense[h, :, j])) for j in range(sk)] for h in range(heads or 1)])
+        runs = int(count.max())
+        assert runs <= 16
 
-    def mod(b, h, q, kv):
-        seen.add((tuple(b.shape), tuple(h.shape), tuple(q.shape[:-1]), tuple(kv.shape[:-1])))
-        return (kv < prefix[b]) | ((kv <= q) & (q - kv <= windows[h]))
+        def given(b, h, q, kv):
+            return dense[h, q, kv] if heads else dense[0, q, kv]
 
-    got = masks.from_mask_mod(mod, batch=2, heads=3).to_dense(29, 23)
-    assert torch.equal(got, dense_of_mod(mod, 29, 23, batch=2, heads=3))
-    assert ((), (), (29,), (1,)) in seen  # the first block, pair by pair
-    assert ((6, 1, 1), (6, 1, 1), (1, 29), (1, 1)) in seen  # then every pair at once
+        def branchy(b, h, q, kv):  # a Python branch on h: pair by pair
+            return dense[int(h), q, kv] if heads else dense[0, q, kv]
 
-    def not_broadcastable(b, h, q, kv):  # right pair by pair, wrong for pairs together: not taken
-        return (kv <= q) if b.dim() == 0 else torch.zeros_like(q - kv, dtype=torch.bool)
-    got = masks.from_mask_mod(not_broadcastable, heads=3).to_dense(29, 23)
-    assert torch.equal(got, dense_of_mod(lambda b, h, q, kv: kv <= q, 29, 23, heads=3))
-
-    def branchy(b, h, q, kv):  # a Python branch on h: raises for the pairs together, pair by pair then
-        return (kv <= q) if int(h) == 0 else ((q - kv).abs() <= 2)
-    assert torch.equal(masks.from_mask_mod(branchy, heads=2).to_dense(29, 53), dense_of_mod(branchy, 29, 53, heads=2))
+        for fn in (given, branchy):
+            got = masks.from_mask_mod(fn, heads=heads, max_runs=16).to_dense(sq, sk)
+            assert torch.equal(got, dense[0] if heads is None else dense[None]), (sq, sk, heads, fn.__name__)
+            with pytest.raises(ValueError) as err:
+                masks.from_mask_mod(fn, heads=heads, max_runs=runs - 1).to_dense(sq, sk)
+            found = re.search(r"key column (\d+)(?: \(head (\d+)\))? has (\d+) masked runs of query rows, "
+                              rf"more than max_runs={runs - 1}", str(err.value))
+            j, h, n = int(found.group(1)), int(found.group(2) or 0), int(found.group(3))
+            assert n == int(count[h, j]) == runs, str(err.value)
 
 
 def test_small_blocks_join_runs(monkeypatch):

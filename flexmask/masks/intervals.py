@@ -561,6 +561,8 @@ _RUN_KINDS = ("column_runs", "mask_mod", *RUN_BUILDERS)
 # the run scan, some 100 MB of transient memory, whatever q_len x kv_len is.
 MASK_MOD_BLOCK_ELEMENTS = 1 << 22
 MASK_MOD_BLOCK_COLUMNS = 4096
+MASK_MOD_CHUNK_ROWS = 32  # the first pass counts run changes per chunk of this many rows
+MASK_MOD_COUNT_ELEMENTS = 1 << 24  # the most change counts (chunks x columns) a block of columns holds
 
 
 def _holds_run_kinds(m) -> bool:
@@ -641,20 +643,25 @@ def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
 
 
 def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
-    """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`: the function evaluated on the device over
-    blocks of rows x columns (MASK_MOD_BLOCK_ELEMENTS at most), each column's runs of masked rows
-    collected as the row blocks go by (`_scan_events`). A mask per batch row or head is evaluated
-    for every (b, h) pair at once, b and h broadcast like q_idx and kv_idx, where the function's
-    first block so evaluated equals its pair-by-pair evaluation (else pair by pair: a function with
-    Python branches on b or h). One host sync at the end reads the most runs of a column."""
+    """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`, in two passes per block of columns. First the
+    function is evaluated on every (q, kv) pair, in blocks of rows x
+    columns (MASK_MOD_BLOCK_ELEMENTS at most), and only the run changes (a masked row below an
+    attended one or the first row, an attended row below a masked one) are counted, per chunk of
+    MASK_MOD_CHUNK_ROWS rows and column (`_chunk_changes`); a column's change count gives its run
+    count. Then, in the few chunks of each column with a change (at most 2 max_runs of them
+    when the column fits; their number read by one host sync a block of columns), the function is
+    evaluated again and the changes' rows placed: change k is the start (k even) or the end (k
+    odd) of run k // 2 (`_place_changes`). A mask per batch
+    row or head is evaluated for every (b, h) pair at once, b and h broadcast like q_idx and
+    kv_idx, where the function's first block so evaluated equals its pair-by-pair evaluation
+    (else pair by pair: a function with Python branches on b or h). A last host sync reads the
+    most runs of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
     q_len, kv_len, dev = g.q_len, g.kv_len, g.device
-    spare = max_runs  # the run slot that takes the runs past max_runs (and every non-event), dropped
-    empty = q_len + 1
     pairs = n_b * n_h
-    slots = torch.full((pairs, kv_len, 2 * (max_runs + 1)), empty, dtype=torch.int32, device=dev)
+    slots = torch.full((pairs, kv_len, 2 * max_runs), q_len + 1, dtype=torch.int32, device=dev)
     count = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)
     with torch.no_grad():
         together = pairs > 1 and q_len and kv_len and _broadcasts_over_pairs(fn, n_b, n_h, q_len, kv_len, dev)
@@ -664,28 +671,26 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
             groups = [(slice(i, i + 1), torch.tensor(i // n_h, device=dev), torch.tensor(i % n_h, device=dev))
                       for i in range(pairs)]
         n = pairs if together else 1
-        cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS))
-        rows = max(1, min(q_len, MASK_MOD_BLOCK_ELEMENTS // (cols * n)))
+        chunk = MASK_MOD_CHUNK_ROWS
+        n_chunks = -(-q_len // chunk)
+        # the change counts of a block of columns, [n, chunks, cols], stay under MASK_MOD_COUNT_ELEMENTS
+        cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS, MASK_MOD_COUNT_ELEMENTS // max(1, n * n_chunks)))
+        rows = chunk * max(1, min(n_chunks, MASK_MOD_BLOCK_ELEMENTS // (cols * n * chunk)))
         for where, b_idx, h_idx in groups:
-            for k0 in range(0, kv_len, cols):
+            for k0 in range(0, kv_len if q_len else 0, cols):
                 width = min(cols, kv_len - k0)
                 kv_idx = torch.arange(k0, k0 + width, device=dev)
-                buf = torch.full((n, 2 * (max_runs + 1), width), empty, dtype=torch.int32, device=dev)
-                opened = torch.zeros((n, width), dtype=torch.int32, device=dev)  # runs opened so far
+                counts = torch.empty((n, n_chunks, width), dtype=torch.uint8, device=dev)
                 above = torch.zeros((n, width), dtype=torch.bool, device=dev)  # the previous row masked
                 for q0 in range(0, q_len, rows):
-                    q_idx = torch.arange(q0, min(q0 + rows, q_len), device=dev)
-                    q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else \
-                        (q_idx.view(-1, 1), kv_idx.view(1, -1))
-                    above, opened, slot = _scan_events(fn, b_idx, h_idx, q_in, kv_in, above, opened, spare)
-                    buf.scatter_(1, slot.long(), q_idx.to(torch.int32).view(1, -1, 1).expand_as(slot))
-                if q_len:  # a run still open at the last row ends at q_len
-                    last = torch.where(above, 2 * (opened - 1).clamp(max=spare) + 1, 2 * spare)
-                    buf.scatter_(1, last[:, None].long(), torch.full((n, 1, width), q_len, dtype=torch.int32,
-                                                                     device=dev))
-                slots[where, k0:k0 + width] = buf.transpose(1, 2)
-                count[where, k0:k0 + width] = opened
-    most = int(count.max()) if count.numel() else 0  # the one host sync
+                    q_idx = torch.arange(q0, min(q0 + rows, n_chunks * chunk), device=dev)  # past q_len: padding
+                    above, counts[:, q0 // chunk:(q0 + rows) // chunk] = _chunk_changes(
+                        fn, b_idx, h_idx, q_idx, kv_idx, above, q_len, together)
+                changes = counts.sum(1, dtype=torch.int32)  # [n, width]
+                count[where, k0:k0 + width] = (changes + 1) // 2  # a run open at the last row counts
+                slots[where, k0:k0 + width] = _place_changes(fn, b_idx, h_idx, kv_idx, counts, changes,
+                                                             q_len, max_runs, together)
+    most = int(count.max()) if count.numel() else 0  # a host sync
     if most > max_runs:
         i, j = (count > max_runs).nonzero()[0].tolist()
         b, h = i // n_h, i % n_h
@@ -695,6 +700,75 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         )
     runs = slots[..., : 2 * max(1, most)].view(n_b, n_h, kv_len, max(1, most), 2)
     return runs.to(torch.int64)
+
+
+def _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, above, q_len: int, together: bool):
+    """One block of rows (a whole number of chunks; rows past q_len read as attended): the run
+    changes counted per chunk and column, [n, chunks, cols] (uint8), and the block's last row
+    (masked or not), the next block's row above."""
+    q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_idx.view(-1, 1), kv_idx.view(1, -1))
+    clamped = q_in.clamp(max=q_len - 1)
+    inside = (q_idx < q_len).view(1, -1, 1)
+    masked = ~_mask_mod_block(fn, b_idx, h_idx, clamped, kv_in, above.device) & inside
+    change = (masked != torch.cat([above[:, None], masked[:, :-1]], 1)) & inside  # none in the padding
+    n, rows, cols = change.shape
+    per_chunk = change.view(n, rows // MASK_MOD_CHUNK_ROWS, MASK_MOD_CHUNK_ROWS, cols).sum(2, dtype=torch.uint8)
+    return masked[:, -1], per_chunk
+
+
+def _place_changes(fn, b_idx, h_idx, kv_idx, counts, changes, q_len: int, max_runs: int, together: bool):
+    """The runs of a block of columns, [n, cols, 2 max_runs] (start, end of run r at 2r, 2r + 1;
+    q_len + 1 where a column has fewer runs), from its change counts per chunk: the function
+    evaluated again in the chunks of each column that hold a change, as many per column as the
+    most any column holds (one host sync; at most 2 max_runs: a column that fits has no more),
+    in column slices of MASK_MOD_BLOCK_ELEMENTS pairs."""
+    n, n_chunks, width = counts.shape
+    dev, chunk = counts.device, MASK_MOD_CHUNK_ROWS
+    out = torch.full((n, width, 2 * max_runs), q_len + 1, dtype=torch.int32, device=dev)
+    has = counts > 0
+    picks = min(int(has.sum(1).max()) if has.numel() else 0, 2 * max_runs)  # the block's host sync
+    if picks == 0:
+        return out
+    rank = torch.cumsum(has, 1, dtype=torch.int32) - 1
+    slot = torch.where(has & (rank < picks), rank, picks).long()
+    chosen = torch.full((n, picks + 1, width), n_chunks, dtype=torch.int64, device=dev)  # n_chunks: none
+    chosen.scatter_(1, slot, torch.arange(n_chunks, device=dev).view(1, -1, 1).expand(n, n_chunks, width))
+    within = torch.arange(chunk, device=dev).view(1, 1, -1, 1)
+    spare = 2 * max_runs
+    step = max(1, MASK_MOD_BLOCK_ELEMENTS // (n * picks * chunk))
+    for c0 in range(0, width, step):
+        c1 = min(width, c0 + step)
+        starts = chosen[:, :picks, c0:c1] * chunk  # [n, picks, w], ascending
+        rows = starts[:, :, None] + within  # [n, picks, chunk, w]
+        valid = rows < q_len
+        masked = _mask_mod_at(fn, b_idx, h_idx, rows.clamp(max=q_len - 1), kv_idx[c0:c1], together) & valid
+        before = _mask_mod_at(fn, b_idx, h_idx, (starts - 1).clamp(0, q_len - 1), kv_idx[c0:c1], together)
+        above = torch.cat([(before & (starts > 0))[:, :, None], masked[:, :, :-1]], 2)  # the row above each row
+        change = ((masked != above) & valid).view(n, picks * chunk, c1 - c0)
+        k = torch.cumsum(change, 1, dtype=torch.int32) - 1  # change k: start (even) or end (odd) of run k // 2
+        buf = torch.full((n, spare + 1, c1 - c0), q_len + 1, dtype=torch.int32, device=dev)
+        buf.scatter_(1, torch.where(change, k.clamp(max=spare), spare).long(),
+                     rows.view(n, picks * chunk, c1 - c0).to(torch.int32))
+        total = changes[:, c0:c1]
+        closing = torch.where(total % 2 == 1, total.clamp(max=spare), spare)  # a run open at the last row
+        buf.scatter_(1, closing[:, None].long(), torch.full((n, 1, c1 - c0), q_len, dtype=torch.int32, device=dev))
+        out[:, c0:c1] = buf[:, :spare].transpose(1, 2)
+    return out
+
+
+def _mask_mod_at(fn, b_idx, h_idx, rows, kv_idx, together: bool) -> torch.Tensor:
+    """Masked (not attended) at the given rows of each column: rows [n, ..., cols], kv_idx
+    [cols]; b and h as in the first pass (0-d with n = 1, or [n, 1, 1])."""
+    shape = rows.shape
+    rows = rows.reshape(shape[0], -1, shape[-1])
+    if together:
+        out = fn(b_idx, h_idx, rows, kv_idx.view(1, 1, -1))
+    else:
+        out = fn(b_idx, h_idx, rows[0], kv_idx.view(1, -1))
+    out = torch.as_tensor(out, device=rows.device)
+    if out.dtype != torch.bool:
+        raise TypeError(f"mask_mod must return a bool tensor (True = attend), got dtype {out.dtype}")
+    return ~torch.broadcast_to(out, rows.shape if together else rows.shape[1:]).reshape(shape)
 
 
 def _pair_indices(n_b: int, n_h: int, device, together: bool):
@@ -723,22 +797,6 @@ def _broadcasts_over_pairs(fn, n_b: int, n_h: int, q_len: int, kv_len: int, devi
     except Exception:  # noqa: BLE001 (any failure of the broadcast call means: evaluate pair by pair)
         return False
     return bool(torch.equal(together, one_by_one))
-
-
-def _scan_events(fn, b_idx, h_idx, q_idx, kv_idx, above, opened, spare: int):
-    """One block of rows of the run scan, for `n` masks at once (the pairs evaluated together, or
-    one): a run opens at a masked row below an attended one (or the first row) and closes at an
-    attended row below a masked one; one cumulative count of the openings numbers both (the run a
-    row opens or closes is the count so far less one). Returns the block's last row (masked or
-    not) [n, cols], the runs opened so far [n, cols] and each row's slot [n, rows, cols]: run r's
-    start goes to slot 2r of the column, its end to 2r + 1, runs past max_runs and rows with no
-    event to the spare slots (the caller scatters the rows there: one scatter a block, no host
-    sync)."""
-    masked = ~_mask_mod_block(fn, b_idx, h_idx, q_idx, kv_idx, above.device)
-    change = masked != torch.cat([above[:, None], masked[:, :-1]], 1)  # a run opens or closes
-    run = torch.cumsum(masked & change, 1, dtype=torch.int32) + (opened[:, None] - 1)
-    slot = torch.where(change, 2 * run.clamp(max=spare) + (~masked), 2 * spare)
-    return masked[:, -1], run[:, -1] + 1, slot
 
 
 def _where(m, b: int, h: int) -> str:

@@ -1,0 +1,63 @@
+"""`from_mask_mod`'s tables, timed: the best of a few compiles of three mask_mods (NATTEN 9 x 9
+on a square image, a causal window per head of dilation 1-8 (8 heads), causal) at one length, on
+the CPU or a GPU. The mask_mod benchmark times it against FlexAttention on a GPU; this is the
+quick look that needs none.
+
+    PYTHONPATH=$PWD python -m tools.mask_mod_compile_time [--seq-len 4096] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from flexmask import masks
+
+
+def mask_mods(seq_len: int, device) -> dict:
+    """name: (mask_mod, heads)"""
+    width, kernel = math.isqrt(seq_len), 9
+    dilation = torch.arange(1, 9, device=device)
+
+    def natten(b, h, q, kv):
+        r0 = (q // width - kernel // 2).clamp(0, seq_len // width - kernel)
+        c0 = (q % width - kernel // 2).clamp(0, width - kernel)
+        kr, kc = kv // width, kv % width
+        return (kr >= r0) & (kr < r0 + kernel) & (kc >= c0) & (kc < c0 + kernel)
+
+    def dilated(b, h, q, kv):
+        diff = q - kv
+        return (diff >= 0) & (diff <= 8 * dilation[h]) & (diff % dilation[h] == 0)
+
+    def causal(b, h, q, kv):
+        return kv <= q
+
+    return {"natten_k9": (natten, None), "dilated_per_head_8": (dilated, 8), "causal": (causal, None)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    for name, (fn, heads) in mask_mods(args.seq_len, device).items():
+        times = []
+        for _ in range(args.repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            masks.from_mask_mod(fn, heads=heads, max_runs=16).intervals(args.seq_len, args.seq_len, device=device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        print(f"{name:20s} S={args.seq_len} {args.device}: best {min(times) * 1e3:9.1f} ms of {args.repeats}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
