@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .report import CsvWriter, environment, read_csv, write_marked_block
+from .report import CsvWriter, environment, read_csv, run_notes, write_marked_block
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "family", "seq_len", "batch", "heads_q", "heads_kv",
            "head_dim", "provider", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "compile_ms", "mask_bytes",
@@ -394,10 +394,7 @@ def table(rows: Sequence[dict]) -> str:
              "fwd+bwd | speedup vs flex, fwd+bwd | from_mask_mod / builder time | compile ms: builder, from_mask_mod, "
              "create_block_mask | mask MB: flexmask, BlockMask |",
              f"|---|---:|{'---|' if cards else ''}---:|---:|---:|---:|---:|---:|"]
-    runs: dict = {}  # the runs the shown rows come from
     for (family, s, gpu), cells in by_key.items():
-        for r in cells.values():
-            runs.setdefault((r["gpu"], r["torch"], r["triton"], r["command"]), []).append(r["date"])
         fm, mod = cells.get("flexmask"), cells.get("flexmask_mod")
         peer = cells.get("flex_flash") or cells.get("flex")  # the same block mask in both rows
         if _total(fm):
@@ -431,9 +428,7 @@ def table(rows: Sequence[dict]) -> str:
               "(median); mask MB: the CompiledMask's tables, FlexAttention's BlockMask. NATTEN 13 x 13 (the issue's "
               "kernel) needs 20 masked runs in the columns near a border, more than the 16 a column holds; the video "
               "window is 2 x 3 x 3 because 3 x 3 x 3 needs 17 runs (benchmarks/mask_mod.py says how each "
-              "shape was chosen). Runs:"]
-    for (gpu, torch_v, triton_v, command), dates in sorted(runs.items(), key=lambda run: min(run[1])):
-        lines.append(f"- {gpu}, torch {torch_v}, triton {triton_v}, {min(dates)[:16]}: `{command}`.")
+              "shape was chosen). Runs:", *run_notes(r for cells in by_key.values() for r in cells.values())]
     return "\n".join(lines)
 
 

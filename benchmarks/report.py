@@ -195,3 +195,18 @@ def write_marked_block(path: str, block: str, start: str, end: str) -> None:
         raise ValueError(f"{path} must hold the markers {start} and {end}, in this order")
     with open(path, "w", encoding="utf-8") as f:
         f.write(text[: i + len(start)] + "\n" + block.rstrip("\n") + "\n" + text[j:])
+
+
+def run_key(row: dict) -> tuple:
+    """The run (one process on one machine) a result row comes from: a table's ratios compare rows
+    of one run."""
+    return row["gpu"], row["torch"], row["triton"], row["command"]
+
+
+def run_notes(rows: Iterable[dict]) -> list[str]:
+    """One line per run of `rows`, oldest first: card, versions, first date, command."""
+    runs: dict = {}
+    for r in rows:
+        runs.setdefault(run_key(r), []).append(r["date"])
+    return [f"- {gpu}, torch {torch_v}, triton {triton_v}, {min(dates)[:16]}: `{command}`."
+            for (gpu, torch_v, triton_v, command), dates in sorted(runs.items(), key=lambda run: min(run[1]))]

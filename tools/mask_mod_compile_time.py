@@ -1,5 +1,5 @@
 """`from_mask_mod`'s tables, timed: the best of a few compiles of three mask_mods (NATTEN 9 x 9
-on a square image, a causal window per head of dilation 1-8 (8 heads), causal) at one length, on
+on a square image, the benchmark's dilated window per head (8 heads), causal) at one length, on
 the CPU or a GPU. The mask_mod benchmark times it against FlexAttention on a GPU; this is the
 quick look that needs none.
 
@@ -14,28 +14,16 @@ import time
 
 import torch
 
+from benchmarks import mask_mod as mask_mod_bench
 from flexmask import masks
 
 
 def mask_mods(seq_len: int, device) -> dict:
-    """name: (mask_mod, heads)"""
-    width, kernel = math.isqrt(seq_len), 9
-    dilation = torch.arange(1, 9, device=device)
-
-    def natten(b, h, q, kv):
-        r0 = (q // width - kernel // 2).clamp(0, seq_len // width - kernel)
-        c0 = (q % width - kernel // 2).clamp(0, width - kernel)
-        kr, kc = kv // width, kv % width
-        return (kr >= r0) & (kr < r0 + kernel) & (kc >= c0) & (kc < c0 + kernel)
-
-    def dilated(b, h, q, kv):
-        diff = q - kv
-        return (diff >= 0) & (diff <= 8 * dilation[h]) & (diff % dilation[h] == 0)
-
-    def causal(b, h, q, kv):
-        return kv <= q
-
-    return {"natten_k9": (natten, None), "dilated_per_head_8": (dilated, 8), "causal": (causal, None)}
+    """name: (mask_mod, heads), the mask_mod benchmark's own functions"""
+    width = math.isqrt(seq_len)
+    return {"natten_k9": (mask_mod_bench.natten_mask_mod(seq_len // width, width, 9), None),
+            "dilated_per_head_8": (mask_mod_bench.dilated_mask_mod(896, mask_mod_bench.head_dilations(8), device), 8),
+            "causal": (lambda b, h, q, kv: kv <= q, None)}
 
 
 def main(argv=None) -> int:

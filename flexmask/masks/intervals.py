@@ -622,9 +622,10 @@ def _column_runs(m, g: _Geometry) -> torch.Tensor:
 
 
 def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
-    """mask_mod on one block, checked and broadcast to [pairs, rows, cols] (bool, on `device`):
-    one (b, h) pair from 0-d b and h with q_idx [rows, 1] and kv_idx [1, cols], or every pair at
-    once from b and h [pairs, 1, 1] with q_idx [1, rows, 1] and kv_idx [1, 1, cols]."""
+    """mask_mod on broadcast indices, checked, as a bool tensor on `device` of their broadcast
+    shape with a leading pairs dimension: one (b, h) pair from 0-d b and h (q_idx [rows, 1] or
+    [rows, cols], kv_idx [1, cols]), or every pair at once from b and h [pairs, 1, 1] (q_idx
+    [1, rows, 1] or [pairs, rows, cols], kv_idx [1, 1, cols])."""
     out = fn(b, h, q_idx, kv_idx)
     if not isinstance(out, torch.Tensor):
         if not isinstance(out, bool):
@@ -632,14 +633,15 @@ def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
         out = torch.tensor(out)
     if out.dtype != torch.bool:
         raise TypeError(f"mask_mod must return a bool tensor (True = attend), got dtype {out.dtype}")
-    shape = (max(b.numel(), h.numel()), q_idx.numel(), kv_idx.numel())
+    shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
     try:
-        return torch.broadcast_to(out.to(device), shape[1:] if b.dim() == 0 else shape).view(shape)
+        out = torch.broadcast_to(out.to(device), shape)
     except RuntimeError:
         raise ValueError(
             f"mask_mod returned shape {tuple(out.shape)} for q_idx of shape {tuple(q_idx.shape)} and kv_idx of "
-            f"shape {tuple(kv_idx.shape)}: it must broadcast to {shape[1:] if b.dim() == 0 else shape}"
+            f"shape {tuple(kv_idx.shape)}: it must broadcast to {tuple(shape)}"
         ) from None
+    return out if b.dim() else out.unsqueeze(0)
 
 
 def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
@@ -759,16 +761,9 @@ def _place_changes(fn, b_idx, h_idx, kv_idx, counts, changes, q_len: int, max_ru
 def _mask_mod_at(fn, b_idx, h_idx, rows, kv_idx, together: bool) -> torch.Tensor:
     """Masked (not attended) at the given rows of each column: rows [n, ..., cols], kv_idx
     [cols]; b and h as in the first pass (0-d with n = 1, or [n, 1, 1])."""
-    shape = rows.shape
-    rows = rows.reshape(shape[0], -1, shape[-1])
-    if together:
-        out = fn(b_idx, h_idx, rows, kv_idx.view(1, 1, -1))
-    else:
-        out = fn(b_idx, h_idx, rows[0], kv_idx.view(1, -1))
-    out = torch.as_tensor(out, device=rows.device)
-    if out.dtype != torch.bool:
-        raise TypeError(f"mask_mod must return a bool tensor (True = attend), got dtype {out.dtype}")
-    return ~torch.broadcast_to(out, rows.shape if together else rows.shape[1:]).reshape(shape)
+    flat = rows.reshape(rows.shape[0], -1, rows.shape[-1])
+    q, kv = (flat, kv_idx.view(1, 1, -1)) if together else (flat[0], kv_idx.view(1, -1))
+    return (~_mask_mod_block(fn, b_idx, h_idx, q, kv, rows.device)).reshape(rows.shape)
 
 
 def _pair_indices(n_b: int, n_h: int, device, together: bool):
