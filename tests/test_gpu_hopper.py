@@ -253,3 +253,67 @@ def test_tc_bias_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="tc_bias"):
         forward_hopper.attention_forward_hopper(q, k, v, cm, 128 ** -0.5, mask_broadcast(cm, 1, 2, 2),
                                                 column_bias=True, tc_bias=True)
+
+
+def test_direct_launch_with_kept_descriptors():
+    """The forward's launches after the first take the direct launch (launcher._DirectLaunch) with
+    encoded TMA descriptors kept per pointer: the same tensors changed in place, new tensors, a
+    view with another shape at the same pointer and another batch all give the reference's
+    answer, and the kernel's launches do take that path (a new Triton changes the launcher it
+    models: this test says so)."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels.forward import hopper as forward_hopper
+
+    def check(q, k, v, mask, cm):
+        out, lse = dispatch.attention_forward(q, k, v, cm, q.shape[-1] ** -0.5, kernel="hopper")
+        (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask)
+        assert_close_to_reference(out, ref_o, low_o, default_floor(q.dtype), "out")
+        assert_close_to_reference(lse, ref_lse, low_lse, default_floor(q.dtype), "lse")
+
+    mask = make_mask("causal", 700, 700, batch=2, heads=4, seed=0)
+    cm = compile_mask(mask, 700, 700, device="cuda")
+    q, k, v = (t.cuda() for t in make_qkv(2, 4, 2, 700, 700, 128, torch.bfloat16, seed=0, layout="bhsd"))
+    for step in range(3):  # the same pointers each time, new contents from the second
+        if step:
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+        check(q, k, v, mask, cm)
+    launches = [direct for _, direct in forward_hopper._FORWARD_HOPPER_LAUNCH._kernels.values()]
+    assert launches and all(direct is not None for direct in launches), "the direct launch was not used"
+    q2, k2, v2 = (t.cuda() for t in make_qkv(2, 4, 2, 700, 700, 128, torch.bfloat16, seed=5, layout="bhsd"))
+    check(q2, k2, v2, mask, cm)  # new pointers
+    mask1 = make_mask("causal", 700, 700, batch=1, heads=4, seed=0)
+    cm1 = compile_mask(mask1, 700, 700, device="cuda")
+    check(q2[:1], k2[:1], v2[:1], mask1, cm1)  # the same pointers, another batch: other shapes
+
+
+def test_training_steps_take_the_fast_launch():
+    """After the first steps, forward and backward launch every kernel through FastLaunch's own
+    path (no launch through Triton's binding, ~10x the host time): a regression here is per-call
+    host time on every step."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    import gc
+
+    from flexmask.kernels.common.launcher import FastLaunch
+
+    q, k, v = (t.cuda().requires_grad_() for t in make_qkv(1, 16, 16, 512, 512, 128, torch.bfloat16, seed=0,
+                                                            layout="bhsd"))
+    cm = compile_mask(make_mask("causal", 512, 512, batch=1, heads=16, seed=0), 512, 512, device="cuda")
+    do = torch.randn_like(q)
+
+    def step():
+        import flexmask
+
+        flexmask.attention(q, k, v, mask=cm).backward(do)
+
+    for _ in range(2):
+        step()
+    launches = [obj for obj in gc.get_objects() if isinstance(obj, FastLaunch)]
+    before = [f.triton_launches for f in launches]
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    slow = [f.fn.__name__ for f, n in zip(launches, before) if f.triton_launches != n]
+    assert not slow, f"launched through Triton's path on every step: {slow}"

@@ -121,7 +121,7 @@ def test_launch_binds_parameters_by_name_and_keys_launch_options(monkeypatch):
     fast((1,), x, x, 32, 6, None, BLOCK=128)
     fast((1,), x, x, n=32, m=6, flag=None)  # BLOCK left out
     assert [c[0] for c in calls] == ["triton", "fast", "triton", "triton", "triton"]
-    assert calls[1][1] == (x, x, 32, 6, None, 128)
+    assert calls[1][1] == (x, x, 32, 6, None, 128) and fast.triton_launches == 4
 
 
 def test_launch_passes_num_warps_to_a_kernel_that_takes_it(monkeypatch):
@@ -157,3 +157,103 @@ def test_launch_hooks_take_triton_path(monkeypatch):
     assert not launcher._hooks_registered()
     monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
     assert launcher._hooks_registered()
+
+
+def _descriptor_kernel(monkeypatch, encodings: list):
+    """A stand-in for a compiled kernel with two host TMA descriptors (parameters 1 and 3 of five),
+    whose launcher is Triton's own `wrap_handle_tensordesc` around a recorder, and Triton's
+    encoder replaced by one that records what it encodes (no GPU needed)."""
+    from triton.backends.nvidia import driver as nvidia_driver
+
+    def encode(d, meta):
+        encodings.append((d.base.data_ptr(), tuple(d.shape), tuple(d.strides)))
+        return [("map", meta["swizzle"], d.base.data_ptr(), *d.shape, *d.strides), *d.shape, *d.strides]
+
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", encode)
+    raw_calls = []
+    signature = {"X": "*bf16", "A": "tensordesc<bf16[64, 64]>", "n": "i32", "B": "tensordesc<bf16[64, 64]>",
+                 "BLOCK": "constexpr"}
+    metas = [{"swizzle": 3}, {"swizzle": 2}]
+
+    class Run:
+        launch_cooperative_grid, launch_pdl = False, True
+        global_scratch_size = profile_scratch_size = 0
+        launch = staticmethod(nvidia_driver.wrap_handle_tensordesc(lambda *a: raw_calls.append(a), signature, metas))
+
+    class Kernel:
+        function, packed_metadata, run = 7, (4, 1, 0), Run()
+
+    return Kernel(), raw_calls
+
+
+def _desc(t):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [64, 64], layout)
+
+
+def _same(got: tuple, expected: tuple) -> bool:
+    """Launcher arguments equal: tensors by identity, the rest by value."""
+    return len(got) == len(expected) and all(
+        g is e if isinstance(e, torch.Tensor) else not isinstance(g, torch.Tensor) and g == e
+        for g, e in zip(got, expected))
+
+
+def test_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
+    """The direct launch of a kernel with TMA descriptors calls the C launcher with exactly the
+    arguments Triton's wrapper builds (each descriptor expanded to map, shape, strides), and
+    encodes a descriptor once per pointer, shape and strides."""
+    from flexmask.kernels.common.launcher import _DirectLaunch
+
+    encodings = []
+    kernel, raw_calls = _descriptor_kernel(monkeypatch, encodings)
+    direct = _DirectLaunch.of(kernel)
+    assert direct is not None
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    a, b = torch.zeros(128, 64, dtype=torch.bfloat16), torch.zeros(256, 64, dtype=torch.bfloat16)
+    params = (x, _desc(a), 32, _desc(b), 64)
+    kernel.run.launch(2, 3, 1, 99, kernel.function, False, True, None, None, kernel.packed_metadata, None, None,
+                      None, *params)
+    direct(2, 3, 1, 99, params)
+    assert _same(raw_calls[1], raw_calls[0]) and len(encodings) == 4  # Triton's two, the direct launch's two
+    direct(2, 3, 1, 99, (x, _desc(a), 33, _desc(b), 64))  # new descriptor objects, same tensors
+    expected = (*raw_calls[0][:19], 33, *raw_calls[0][20:])  # [13] x, [14:19] map and sizes of A, [19] n
+    assert len(encodings) == 4 and _same(raw_calls[2], expected)
+    c = torch.zeros(128, 64, dtype=torch.bfloat16)  # another pointer
+    direct(2, 3, 1, 99, (x, _desc(c), 32, _desc(b), 64))
+    assert encodings[-1] == (c.data_ptr(), (128, 64), (64, 1)) and len(encodings) == 5
+    direct(2, 3, 1, 99, (x, _desc(a[:64]), 32, _desc(b), 64))  # same pointer, another shape
+    assert encodings[-1] == (a.data_ptr(), (64, 64), (64, 1)) and len(encodings) == 6
+
+
+def test_direct_launch_cache_is_bounded(monkeypatch):
+    from flexmask.kernels.common import launcher
+
+    encodings = []
+    kernel, _ = _descriptor_kernel(monkeypatch, encodings)
+    direct = launcher._DirectLaunch.of(kernel)
+    x, b = torch.zeros(64, dtype=torch.bfloat16), _desc(torch.zeros(64, 64, dtype=torch.bfloat16))
+    tensors = [torch.zeros(64, 64, dtype=torch.bfloat16) for _ in range(launcher.DESCRIPTORS_KEPT + 8)]
+    for t in tensors:
+        direct(1, 1, 1, 0, (x, _desc(t), 1, b, 64))
+    assert all(len(cache) <= launcher.DESCRIPTORS_KEPT for _, _, cache in direct.descriptors)
+
+
+def test_direct_launch_needs_the_launcher_it_models(monkeypatch):
+    """Scratch memory, or a launcher without descriptors, keeps `CompiledKernel.run`."""
+    from flexmask.kernels.common.launcher import _DirectLaunch
+
+    kernel, _ = _descriptor_kernel(monkeypatch, [])
+    kernel.run.global_scratch_size = 128
+    assert _DirectLaunch.of(kernel) is None
+
+    class Plain:
+        function, packed_metadata = 1, ()
+
+        class run:  # noqa: N801 (a stand-in for the launcher object)
+            launch = print  # a builtin: Triton's C launcher called as is
+            global_scratch_size = profile_scratch_size = 0
+
+    assert _DirectLaunch.of(Plain()) is None

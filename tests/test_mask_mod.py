@@ -7,6 +7,8 @@ intervals (or more than max_runs).
 
 import re
 
+import warnings
+
 import pytest
 import torch
 
@@ -379,6 +381,66 @@ def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns):
             assert n == int(count[h, j]) == runs, str(err.value)
 
 
+def test_compiled_first_pass_matches_the_eager_one(monkeypatch):
+    """The compiled first pass (taken on GPUs for large masks) on this CPU, forced on: fixed-shape
+    blocks whose rows past the last chunk and columns past kv_len are padding, the first block of
+    a mask eager; the tables equal the function's dense mask for captured tensors, masks per head
+    (pairs together) and lengths that leave partial blocks both ways; a mask_mod branching on h in
+    Python stays eager (pair by pair)."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", 4)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 96)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
+    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
+    compile_for, calls = intervals_module._compiled_changes, []
+
+    def counting(fn):
+        compiled = compile_for(fn)
+
+        def counted(*args):
+            calls.append(args[3].shape)  # q_idx: the full block's rows every time
+            return compiled(*args)
+        return counted
+    monkeypatch.setattr(intervals_module, "_compiled_changes", counting)
+    for name in ("document", "per_head_window", "global_tokens"):
+        for sq, sk in ((29, 53), (53, 29)):
+            calls.clear()
+            mask, want = build(name, sq, sk)
+            got = mask.to_dense(sq, sk)
+            assert torch.equal(got, want[0, 0] if got.dim() == 2 else want), (name, sq, sk)
+            assert len(calls) > 0 and len(set(calls)) == 1, (name, sq, sk, calls)
+    calls.clear()
+
+    def branchy(b, h, q, kv):
+        return (kv <= q) if int(h) == 0 else ((q - kv).abs() <= 2)
+    assert torch.equal(masks.from_mask_mod(branchy, heads=2).to_dense(29, 53), dense_of_mod(branchy, 29, 53, heads=2))
+    assert not calls
+
+
+def test_compiled_first_pass_failure_warns_once(monkeypatch):
+    """Where the compiler fails on a mask_mod (after its eager first block ran: the function is
+    fine), the pass goes on eagerly with a RuntimeWarning, the tables right, and that function is
+    not compiled again."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", 4)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 96)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
+    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
+    for name in ("document", "per_head_window"):
+        fn, batch, heads = MODS[name](29, 53)
+
+        def broken(*args):
+            raise RuntimeError("codegen failed")
+        monkeypatch.setitem(intervals_module._COMPILED, fn, broken)
+        want = dense_of_mod(fn, 29, 53, batch, heads)
+        with pytest.warns(RuntimeWarning, match="compiled first pass failed .RuntimeError: codegen failed"):
+            got = masks.from_mask_mod(fn, batch=batch, heads=heads).to_dense(29, 53)
+        assert torch.equal(got, want[0, 0] if got.dim() == 2 else want), name
+        assert intervals_module._COMPILED[fn] is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # not tried again
+            again = masks.from_mask_mod(fn, batch=batch, heads=heads).to_dense(29, 53)
+        assert torch.equal(again, got)
+
+
 def test_small_blocks_join_runs(monkeypatch):
     """With tiny blocks, runs that span many row and column blocks are still single runs."""
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 12)
@@ -515,3 +577,39 @@ def test_docstring_pictures():
     assert window.show(6, 6) == "#.....\n##....\n###...\n.###..\n..###.\n...###"
     assert torch.equal(dense_of_mod(dilated, 6, 6)[0, 0, :, 0], torch.tensor([True, False] * 3))
     assert masks.from_mask_mod(dilated).show(6, 6) == "#.....\n.#....\n#.#...\n.#.#..\n#.#.#.\n.#.#.#"
+
+
+@pytest.mark.gpu
+def test_compiled_first_pass_on_the_gpu(monkeypatch):
+    """At 8K x 8K (past MASK_MOD_COMPILE_PAIRS) a GPU compile takes the compiled first pass, with no
+    fallback; its tables equal the eager pass's, for a captured tensor, a 2-D neighbourhood and a
+    window per head (pairs together)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    s, width, k = 8192, 128, 9
+    assert s * s >= intervals_module.MASK_MOD_COMPILE_PAIRS
+    doc = torch.sort(torch.randint(0, 6, (s,), generator=torch.Generator().manual_seed(0))).values.cuda()
+    dilation = torch.tensor([1, 2, 3, 4], device="cuda")
+
+    def same_doc(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (kv <= q)
+
+    def natten(b, h, q, kv):  # clamped at the borders, tokens in row-major order
+        r0 = (q // width - k // 2).clamp(0, s // width - k)
+        c0 = (q % width - k // 2).clamp(0, width - k)
+        kr, kc = kv // width, kv % width
+        return (kr >= r0) & (kr < r0 + k) & (kc >= c0) & (kc < c0 + k)
+
+    def dilated_per_head(b, h, q, kv):
+        return (kv <= q) & (q - kv < 8 * dilation[h]) & ((q - kv) % dilation[h] == 0)
+
+    for fn, heads in ((same_doc, None), (natten, None), (dilated_per_head, 4)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # the compiled pass must not fall back
+            got = flexmask.compile_mask(masks.from_mask_mod(fn, heads=heads, max_runs=16), s, s,
+                                        device="cuda").kernel_intervals
+        with monkeypatch.context() as m:
+            m.setattr(intervals_module, "_compile_scan", lambda g, pairs: False)
+            want = flexmask.compile_mask(masks.from_mask_mod(fn, heads=heads, max_runs=16), s, s,
+                                         device="cuda").kernel_intervals
+        assert torch.equal(got, want), fn.__name__

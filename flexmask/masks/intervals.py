@@ -18,6 +18,9 @@ per column always comes in the canonical form.
 
 from __future__ import annotations
 
+import types
+import warnings
+
 import torch
 
 from . import run_bounds
@@ -678,16 +681,39 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         # the change counts of a block of columns, [n, chunks, cols], stay under MASK_MOD_COUNT_ELEMENTS
         cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS, MASK_MOD_COUNT_ELEMENTS // max(1, n * n_chunks)))
         rows = chunk * max(1, min(n_chunks, MASK_MOD_BLOCK_ELEMENTS // (cols * n * chunk)))
+        # a GPU takes the first pass through one compiled function per mask_mod (pair by pair, b and h
+        # are 0-d, which a graph would read as data-dependent integers: those stay eager)
+        compiled = (_compiled_changes(fn) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
+                    else None)
         for where, b_idx, h_idx in groups:
+            first = True
             for k0 in range(0, kv_len if q_len else 0, cols):
-                width = min(cols, kv_len - k0)
-                kv_idx = torch.arange(k0, k0 + width, device=dev)
+                # compiled: every block has the full shape (one graph); columns past kv_len repeat the
+                # last one and are dropped, rows past the last chunk are dropped
+                width = cols if compiled is not None else min(cols, kv_len - k0)
+                kv_idx = torch.arange(k0, k0 + width, device=dev).clamp(max=kv_len - 1)
                 counts = torch.empty((n, n_chunks, width), dtype=torch.uint8, device=dev)
                 above = torch.zeros((n, width), dtype=torch.bool, device=dev)  # the previous row masked
                 for q0 in range(0, q_len, rows):
-                    q_idx = torch.arange(q0, min(q0 + rows, n_chunks * chunk), device=dev)  # past q_len: padding
-                    above, counts[:, q0 // chunk:(q0 + rows) // chunk] = _chunk_changes(
-                        fn, b_idx, h_idx, q_idx, kv_idx, above, q_len, together)
+                    c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows) // chunk)
+                    if compiled is None or first:  # the eager pass checks the function on its first block
+                        q_idx = torch.arange(q0, c1 * chunk, device=dev)  # past q_len: padding
+                        above, counts[:, c0:c1] = _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, above, q_len,
+                                                                 together)
+                        first = False
+                        continue
+                    q_idx = torch.arange(q0, q0 + rows, device=dev)
+                    try:
+                        counts[:, c0:c1] = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)[:, :c1 - c0]
+                    except Exception as err:  # noqa: BLE001 (the compiler failed; the function ran eagerly)
+                        compiled = _compile_failed(fn, err)
+                        above = _mask_mod_at(fn, b_idx, h_idx, torch.full((n, 1, width), q0 - 1, device=dev),
+                                             kv_idx, together)[:, 0]
+                        above, counts[:, c0:c1] = _chunk_changes(fn, b_idx, h_idx, q_idx[:(c1 - c0) * chunk],
+                                                                 kv_idx, above, q_len, together)
+                w = min(width, kv_len - k0)
+                counts, kv_idx = counts[..., :w], kv_idx[:w]
+                width = w
                 changes = counts.sum(1, dtype=torch.int32)  # [n, width]
                 count[where, k0:k0 + width] = (changes + 1) // 2  # a run open at the last row counts
                 slots[where, k0:k0 + width] = _place_changes(fn, b_idx, h_idx, kv_idx, counts, changes,
@@ -716,6 +742,55 @@ def _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, above, q_len: int, together:
     n, rows, cols = change.shape
     per_chunk = change.view(n, rows // MASK_MOD_CHUNK_ROWS, MASK_MOD_CHUNK_ROWS, cols).sum(2, dtype=torch.uint8)
     return masked[:, -1], per_chunk
+
+
+def _changes_per_chunk(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool):
+    """`_chunk_changes` without state, for the compiler: the row above each row evaluated too
+    (the function at q - 1), its changes counted per chunk as int32 [n, chunks, cols]; rows
+    past q_len have none. Elementwise and a sum: what Inductor compiles on a GPU (torch 2.11:
+    its Triton code generation fails on a cumulative sum over rows and on a scatter)."""
+    q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_idx.view(-1, 1), kv_idx.view(1, -1))
+    inside = (q_idx < q_len).view(1, -1, 1)
+    masked = ~_mask_mod_block(fn, b_idx, h_idx, q_in.clamp(max=q_len - 1), kv_in, kv_idx.device)
+    above = ~_mask_mod_block(fn, b_idx, h_idx, (q_in - 1).clamp(0, q_len - 1), kv_in, kv_idx.device)
+    change = (masked != (above & (q_idx > 0).view(1, -1, 1))) & inside
+    n, rows, cols = change.shape
+    return change.view(n, rows // MASK_MOD_CHUNK_ROWS, MASK_MOD_CHUNK_ROWS, cols).sum(2, dtype=torch.int32)
+
+
+# On a GPU, masks of at least this many (b, h, q, kv) evaluations take the compiled first pass:
+# below it the eager blocks cost less than compiling a new mask_mod.
+MASK_MOD_COMPILE_PAIRS = 1 << 26
+_COMPILED: dict = {}  # mask_mod -> its compiled first pass, the newest few; None: the compiler failed
+_COMPILED_KEPT = 16
+
+
+def _compile_scan(g: _Geometry, pairs: int) -> bool:
+    return g.device.type == "cuda" and pairs >= MASK_MOD_COMPILE_PAIRS and not torch.compiler.is_compiling()
+
+
+def _compiled_changes(fn):
+    """`_changes_per_chunk` under torch.compile for the mask_mod `fn` (one graph per block shape,
+    as FlexAttention's compiled `create_block_mask` compiles its function), or None where the
+    compiler failed on it before. Each function gets its own copy of the code, so that new
+    functions (a new document mask each step) are new compiles, not recompiles of one code
+    object, which Dynamo bounds."""
+    if fn not in _COMPILED:
+        while len(_COMPILED) >= _COMPILED_KEPT:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        own = types.FunctionType(_changes_per_chunk.__code__.replace(), _changes_per_chunk.__globals__,
+                                 "_changes_per_chunk")
+        _COMPILED[fn] = torch.compile(own, fullgraph=True, dynamic=False)
+    return _COMPILED[fn]
+
+
+def _compile_failed(fn, err: Exception):
+    """The compiler failed on `fn`: a RuntimeWarning, and `fn` is evaluated eagerly from now on."""
+    warnings.warn(f"from_mask_mod: the compiled first pass failed ({type(err).__name__}: "
+                  f"{str(err).splitlines()[0][:200] if str(err) else ''}); evaluating this mask_mod eagerly",
+                  RuntimeWarning, stacklevel=3)
+    _COMPILED[fn] = None
+    return None
 
 
 def _place_changes(fn, b_idx, h_idx, kv_idx, counts, changes, q_len: int, max_runs: int, together: bool):

@@ -43,7 +43,7 @@ tests others "${others[@]}"
 tests score_terms tests/test_score_terms.py -k "not hopper"
 tests score_terms_hopper tests/test_score_terms.py -k "hopper_kernels"
 tests score_terms_schedules tests/test_score_terms.py -k "hopper and not hopper_kernels"
-tests k_runs tests/test_gpu_k_runs.py
+tests k_runs tests/test_gpu_k_runs.py tests/test_mask_mod.py
 wait
 for f in "$logs"/tests_*.log; do echo "#### $f"; tail -n 25 "$f"; done > "$OUT/gpu_tests_log.txt"
 grep -h "^== \|passed\|failed" "$logs"/tests_*.log
