@@ -391,6 +391,7 @@ def test_compiled_first_pass_matches_the_eager_one(monkeypatch):
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 96)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
     monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 192)
     compile_for, calls = intervals_module._compiled_changes, []
 
     def counting(fn):
@@ -416,6 +417,30 @@ def test_compiled_first_pass_matches_the_eager_one(monkeypatch):
     assert not calls
 
 
+def test_compiled_first_pass_is_shared_by_closures_of_one_code(monkeypatch):
+    """A mask_mod made anew each step (a closure over new document ids, another window) reuses the
+    compile of its code, and each closure gets its own tables (Dynamo's guards on what the closure
+    captures, not a stale graph)."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", 4)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 96)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
+    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 192)
+    monkeypatch.setattr(intervals_module, "_COMPILED", {})
+
+    def make(doc, window):
+        def same_doc_window(b, h, q, kv):
+            return (doc[q] == doc[kv]) & (kv <= q) & (q - kv < window)
+        return same_doc_window
+
+    for seed, window in ((0, 6), (1, 6), (2, 11)):
+        doc = torch.sort(torch.randint(0, 4, (53,), generator=torch.Generator().manual_seed(seed))).values
+        fn = make(doc, window)
+        got = masks.from_mask_mod(fn).to_dense(29, 53)
+        assert torch.equal(got, dense_of_mod(fn, 29, 53)[0, 0]), (seed, window)
+    assert list(intervals_module._COMPILED) == [fn.__code__]
+
+
 def test_compiled_first_pass_failure_warns_once(monkeypatch):
     """Where the compiler fails on a mask_mod (after its eager first block ran: the function is
     fine), the pass goes on eagerly with a RuntimeWarning, the tables right, and that function is
@@ -424,17 +449,18 @@ def test_compiled_first_pass_failure_warns_once(monkeypatch):
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 96)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
     monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 192)
     for name in ("document", "per_head_window"):
         fn, batch, heads = MODS[name](29, 53)
 
         def broken(*args):
             raise RuntimeError("codegen failed")
-        monkeypatch.setitem(intervals_module._COMPILED, fn, broken)
+        monkeypatch.setitem(intervals_module._COMPILED, fn.__code__, broken)
         want = dense_of_mod(fn, 29, 53, batch, heads)
         with pytest.warns(RuntimeWarning, match="compiled first pass failed .RuntimeError: codegen failed"):
             got = masks.from_mask_mod(fn, batch=batch, heads=heads).to_dense(29, 53)
         assert torch.equal(got, want[0, 0] if got.dim() == 2 else want), name
-        assert intervals_module._COMPILED[fn] is None
+        assert intervals_module._COMPILED[fn.__code__] is None
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # not tried again
             again = masks.from_mask_mod(fn, batch=batch, heads=heads).to_dense(29, 53)
@@ -591,8 +617,12 @@ def test_compiled_first_pass_on_the_gpu(monkeypatch):
     doc = torch.sort(torch.randint(0, 6, (s,), generator=torch.Generator().manual_seed(0))).values.cuda()
     dilation = torch.tensor([1, 2, 3, 4], device="cuda")
 
-    def same_doc(b, h, q, kv):
-        return (doc[q] == doc[kv]) & (kv <= q)
+    def same_doc_of(doc):
+        def same_doc(b, h, q, kv):
+            return (doc[q] == doc[kv]) & (kv <= q)
+        return same_doc
+
+    other_doc = torch.sort(torch.randint(0, 9, (s,), generator=torch.Generator().manual_seed(1))).values.cuda()
 
     def natten(b, h, q, kv):  # clamped at the borders, tokens in row-major order
         r0 = (q // width - k // 2).clamp(0, s // width - k)
@@ -603,7 +633,9 @@ def test_compiled_first_pass_on_the_gpu(monkeypatch):
     def dilated_per_head(b, h, q, kv):
         return (kv <= q) & (q - kv < 8 * dilation[h]) & ((q - kv) % dilation[h] == 0)
 
-    for fn, heads in ((same_doc, None), (natten, None), (dilated_per_head, 4)):
+    # the second document closure reuses the first one's compile, with its own tables
+    for fn, heads in ((same_doc_of(doc), None), (same_doc_of(other_doc), None), (natten, None),
+                      (dilated_per_head, 4)):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # the compiled pass must not fall back
             got = flexmask.compile_mask(masks.from_mask_mod(fn, heads=heads, max_runs=16), s, s,

@@ -681,6 +681,9 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         # the change counts of a block of columns, [n, chunks, cols], stay under MASK_MOD_COUNT_ELEMENTS
         cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS, MASK_MOD_COUNT_ELEMENTS // max(1, n * n_chunks)))
         rows = chunk * max(1, min(n_chunks, MASK_MOD_BLOCK_ELEMENTS // (cols * n * chunk)))
+        # the compiled pass holds no block in memory (Inductor fuses the predicate into the sum):
+        # larger blocks, fewer calls (each costs ~70 us of host time)
+        rows_compiled = chunk * max(1, min(n_chunks, MASK_MOD_COMPILED_BLOCK_ELEMENTS // (cols * n * chunk)))
         # a GPU takes the first pass through one compiled function per mask_mod (pair by pair, b and h
         # are 0-d, which a graph would read as data-dependent integers: those stay eager)
         compiled = (_compiled_changes(fn) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
@@ -694,23 +697,25 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
                 kv_idx = torch.arange(k0, k0 + width, device=dev).clamp(max=kv_len - 1)
                 counts = torch.empty((n, n_chunks, width), dtype=torch.uint8, device=dev)
                 above = torch.zeros((n, width), dtype=torch.bool, device=dev)  # the previous row masked
-                for q0 in range(0, q_len, rows):
-                    c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows) // chunk)
+                q0 = 0
+                while q0 < q_len:
                     if compiled is None or first:  # the eager pass checks the function on its first block
+                        c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows) // chunk)
                         q_idx = torch.arange(q0, c1 * chunk, device=dev)  # past q_len: padding
                         above, counts[:, c0:c1] = _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, above, q_len,
                                                                  together)
-                        first = False
+                        first, q0 = False, q0 + rows
                         continue
-                    q_idx = torch.arange(q0, q0 + rows, device=dev)
+                    c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows_compiled) // chunk)
+                    q_idx = torch.arange(q0, q0 + rows_compiled, device=dev)
                     try:
                         counts[:, c0:c1] = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)[:, :c1 - c0]
-                    except Exception as err:  # noqa: BLE001 (the compiler failed; the function ran eagerly)
+                    except Exception as err:  # noqa: BLE001 (the compiler failed; the function runs eagerly)
                         compiled = _compile_failed(fn, err)
                         above = _mask_mod_at(fn, b_idx, h_idx, torch.full((n, 1, width), q0 - 1, device=dev),
                                              kv_idx, together)[:, 0]
-                        above, counts[:, c0:c1] = _chunk_changes(fn, b_idx, h_idx, q_idx[:(c1 - c0) * chunk],
-                                                                 kv_idx, above, q_len, together)
+                        continue  # this block again, eagerly
+                    q0 += rows_compiled
                 w = min(width, kv_len - k0)
                 counts, kv_idx = counts[..., :w], kv_idx[:w]
                 width = w
@@ -761,7 +766,8 @@ def _changes_per_chunk(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bo
 # On a GPU, masks of at least this many (b, h, q, kv) evaluations take the compiled first pass:
 # below it the eager blocks cost less than compiling a new mask_mod.
 MASK_MOD_COMPILE_PAIRS = 1 << 26
-_COMPILED: dict = {}  # mask_mod -> its compiled first pass, the newest few; None: the compiler failed
+MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << 26  # (pair, q, kv) evaluations of one call of the compiled pass
+_COMPILED: dict = {}  # a mask_mod's code -> its compiled first pass, the newest few; None: the compiler failed
 _COMPILED_KEPT = 16
 
 
@@ -769,27 +775,35 @@ def _compile_scan(g: _Geometry, pairs: int) -> bool:
     return g.device.type == "cuda" and pairs >= MASK_MOD_COMPILE_PAIRS and not torch.compiler.is_compiling()
 
 
+def _compiled_key(fn):
+    """Functions of one code share a compile (a closure made anew each step, over new tensors of
+    the same shapes, is the same graph: Dynamo's guards on what it captures decide)."""
+    return getattr(fn, "__code__", fn)
+
+
 def _compiled_changes(fn):
     """`_changes_per_chunk` under torch.compile for the mask_mod `fn` (one graph per block shape,
     as FlexAttention's compiled `create_block_mask` compiles its function), or None where the
-    compiler failed on it before. Each function gets its own copy of the code, so that new
-    functions (a new document mask each step) are new compiles, not recompiles of one code
+    compiler failed on its code before. Each mask_mod code gets its own copy of
+    `_changes_per_chunk`, so that other functions are new compiles, not recompiles of one code
     object, which Dynamo bounds."""
-    if fn not in _COMPILED:
+    key = _compiled_key(fn)
+    if key not in _COMPILED:
         while len(_COMPILED) >= _COMPILED_KEPT:
             _COMPILED.pop(next(iter(_COMPILED)))
         own = types.FunctionType(_changes_per_chunk.__code__.replace(), _changes_per_chunk.__globals__,
                                  "_changes_per_chunk")
-        _COMPILED[fn] = torch.compile(own, fullgraph=True, dynamic=False)
-    return _COMPILED[fn]
+        _COMPILED[key] = torch.compile(own, fullgraph=True, dynamic=False)
+    return _COMPILED[key]
 
 
 def _compile_failed(fn, err: Exception):
-    """The compiler failed on `fn`: a RuntimeWarning, and `fn` is evaluated eagerly from now on."""
+    """The compiler failed on `fn`: a RuntimeWarning, and functions of its code are evaluated eagerly
+    from now on."""
     warnings.warn(f"from_mask_mod: the compiled first pass failed ({type(err).__name__}: "
                   f"{str(err).splitlines()[0][:200] if str(err) else ''}); evaluating this mask_mod eagerly",
                   RuntimeWarning, stacklevel=3)
-    _COMPILED[fn] = None
+    _COMPILED[_compiled_key(fn)] = None
     return None
 
 
