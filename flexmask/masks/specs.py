@@ -626,6 +626,9 @@ def from_mask_mod(mask_mod, batch: int | None = None, heads: int | None = None, 
     Evaluation costs O(q_len x kv_len) calls' worth of elementwise work once per compile. A Mask
     passed to ``flexmask.attention`` is compiled once per (q_len, kv_len, device) and reused: if
     tensors the function reads change, build a new mask (or call ``flexmask.compile_mask`` again).
+    On a GPU, masks of at least 2^26 evaluations run the function under ``torch.compile`` (as
+    FlexAttention's ``create_block_mask`` does): the first mask of a function pays its compile
+    (seconds); later masks of the same code, a closure made anew each step included, reuse it.
     """
     if isinstance(mask_mod, Mask):
         raise TypeError(f"mask_mod must be a function, got the mask {mask_mod!r} (it is already a Mask)")
