@@ -659,8 +659,9 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     odd) of run k // 2 (`_place_changes`). A mask per batch
     row or head is evaluated for every (b, h) pair at once, b and h broadcast like q_idx and
     kv_idx, where the function's first block so evaluated equals its pair-by-pair evaluation
-    (else pair by pair: a function with Python branches on b or h). A last host sync reads the
-    most runs of a column."""
+    (else pair by pair: a function with Python branches on b or h). On a GPU a large mask takes
+    the first pass through torch.compile (`_compiled_changes`), after an eager first block, in
+    blocks of MASK_MOD_COMPILED_BLOCK_ELEMENTS. A last host sync reads the most runs of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
@@ -786,7 +787,8 @@ def _compiled_changes(fn):
     as FlexAttention's compiled `create_block_mask` compiles its function), or None where the
     compiler failed on its code before. Each mask_mod code gets its own copy of
     `_changes_per_chunk`, so that other functions are new compiles, not recompiles of one code
-    object, which Dynamo bounds."""
+    object, which Dynamo bounds. Past that bound (a closure over Python ints that change every
+    call) Dynamo runs the copy eagerly: right, in blocks that size."""
     key = _compiled_key(fn)
     if key not in _COMPILED:
         while len(_COMPILED) >= _COMPILED_KEPT:
