@@ -67,6 +67,9 @@ ALL_PROVIDERS = tuple(dict.fromkeys(PROVIDERS + SCORE_PROVIDERS))
 # (head_dim, (heads_q, heads_kv)) per model: gpt-oss's attention; Gemma's pattern at D = 128 (docstring)
 SCORE_SHAPES = {"gpt_oss": (64, (64, 8)), "gemma": (128, (16, 8))}
 SCORE_START, SCORE_END = "<!-- score-terms:start -->", "<!-- score-terms:end -->"
+# the README's summary of the score terms: their rows at README_SCORE_SEQ_LEN
+README_SCORE_START, README_SCORE_END = "<!-- score-terms-summary:start -->", "<!-- score-terms-summary:end -->"
+README_SCORE_SEQ_LEN = 32768
 
 
 @dataclass
@@ -413,9 +416,11 @@ def table(rows: Sequence[dict], families: Sequence[str] | None = None, head_dims
     return "\n".join(lines)
 
 
-def score_table(rows: Sequence[dict]) -> str:
-    """The score_terms suite's table (docs/results.md, between the score-terms markers)."""
-    return table([r for r in rows if r["family"] in SCORE_FAMILIES], SCORE_FAMILIES, term_cost=True)
+def score_table(rows: Sequence[dict], seq_len: int | None = None) -> str:
+    """The score_terms suite's table (docs/results.md, between the score-terms markers), or its
+    rows at one length (the README's summary)."""
+    return table([r for r in rows if r["family"] in SCORE_FAMILIES and seq_len in (None, int(r["seq_len"]))],
+                 SCORE_FAMILIES, term_cost=True)
 
 
 def write_tables(rows, readme: str | None, full: str | None) -> None:
@@ -427,8 +432,11 @@ def write_tables(rows, readme: str | None, full: str | None) -> None:
         write_marked_block(readme, table(peer_rows, PEER_FAMILIES, (128,), ("16/16",)), START, END)
     if full and peer_rows:
         write_marked_block(full, table(peer_rows), FULL_START, FULL_END)
-    if full and has_scores:  # twelve rows: docs/results.md, the README links to it
+    if full and has_scores:  # every length: docs/results.md
         write_marked_block(full, score_table(rows), SCORE_START, SCORE_END)
+    if readme and has_scores and any(int(r["seq_len"]) == README_SCORE_SEQ_LEN for r in rows
+                                     if r["family"] in SCORE_FAMILIES):
+        write_marked_block(readme, score_table(rows, README_SCORE_SEQ_LEN), README_SCORE_START, README_SCORE_END)
     if peer_rows or not has_scores:
         print(table(peer_rows))
     if has_scores:

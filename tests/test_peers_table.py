@@ -163,6 +163,15 @@ def test_score_table_term_cost_and_blocks(tmp_path):
     assert peers.main(["--table", str(peer_csv), str(score_csv), "--full", str(readme)]) == 0
     peer_block = readme.read_text().split(peers.FULL_END)[0]
     assert "| causal | 32K | 128 |" in peer_block and fam not in peer_block
+    # --readme: the score terms' summary takes their 32K rows only
+    readme_md = tmp_path / "README.md"
+    readme_md.write_text(f"{peers.README_SCORE_START}\nold\n{peers.README_SCORE_END}\n")
+    longer = [{**r, "seq_len": "131072"} for r in scores]
+    with open(score_csv, "a", newline="") as f:
+        csv.DictWriter(f, fieldnames=peers.COLUMNS).writerows(longer)
+    assert peers.main(["--table", str(score_csv), "--readme", str(readme_md)]) == 0
+    summary = readme_md.read_text()
+    assert f"| {fam} | 32K |" in summary and "| 128K |" not in summary and "old" not in summary
 
 
 def test_table_names_every_run_its_rows_come_from():
