@@ -441,6 +441,32 @@ def test_compiled_first_pass_is_shared_by_closures_of_one_code(monkeypatch):
     assert list(intervals_module._COMPILED) == [fn.__code__]
 
 
+def test_compiled_first_pass_takes_unhashable_callables(monkeypatch):
+    """A mask_mod may be a callable object that cannot be hashed (a dataclass with eq): the
+    compiled pass keys it by its class, and each object gets its own tables."""
+    import dataclasses
+
+    monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", 4)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 96)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
+    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 192)
+    monkeypatch.setattr(intervals_module, "_COMPILED", {})
+
+    @dataclasses.dataclass
+    class Window:
+        left: torch.Tensor
+
+        def __call__(self, b, h, q, kv):
+            return (kv <= q) & (q - kv <= self.left)
+
+    for left in (3, 7):
+        fn = Window(torch.tensor(left))
+        got = masks.from_mask_mod(fn).to_dense(29, 53)
+        assert torch.equal(got, dense_of_mod(fn, 29, 53)[0, 0]), left
+    assert list(intervals_module._COMPILED) == [Window]
+
+
 def test_compiled_first_pass_failure_warns_once(monkeypatch):
     """Where the compiler fails on a mask_mod (after its eager first block ran: the function is
     fine), the pass goes on eagerly with a RuntimeWarning, the tables right, and that function is

@@ -778,8 +778,16 @@ def _compile_scan(g: _Geometry, pairs: int) -> bool:
 
 def _compiled_key(fn):
     """Functions of one code share a compile (a closure made anew each step, over new tensors of
-    the same shapes, is the same graph: Dynamo's guards on what it captures decide)."""
-    return getattr(fn, "__code__", fn)
+    the same shapes, is the same graph: Dynamo's guards on what it captures decide); a callable
+    object is its own key, or its class where it cannot be hashed (a dataclass with eq)."""
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return code
+    try:
+        hash(fn)
+    except TypeError:
+        return type(fn)
+    return fn
 
 
 def _compiled_changes(fn):
