@@ -195,7 +195,7 @@ def _launches(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def _issue_time_us(fn, calls: int) -> float:
+def issue_time_us(fn, calls: int) -> float:
     """Median over five loops of the host microseconds per call (no synchronize inside a loop)."""
     samples = []
     for _ in range(5):
@@ -238,9 +238,9 @@ def host_profile(env: dict, calls: int = 200, log=print) -> list[dict]:
     rows = []
     for (case, provider), fn in cases.items():
         launches = _launches(fn)
-        host_us = _issue_time_us(fn, calls)
+        host_us = issue_time_us(fn, calls)
         with _LaunchesStubbed():
-            python_launches, python_us = _launches(fn), _issue_time_us(fn, calls)
+            python_launches, python_us = _launches(fn), issue_time_us(fn, calls)
         for name, count, us in ((provider, launches, host_us), (provider + "_python", python_launches, python_us)):
             rows.append({**env, "case": case, "provider": name, "launches": count, "host_us": f"{us:.1f}"})
             log(f"host {case:8s} {name:23s} {count:3d} launches {us:8.1f} us")

@@ -381,17 +381,24 @@ def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns):
             assert n == int(count[h, j]) == runs, str(err.value)
 
 
-def test_compiled_first_pass_matches_the_eager_one(monkeypatch):
-    """The compiled first pass (taken on GPUs for large masks) on this CPU, forced on: fixed-shape
-    blocks whose rows past the last chunk and columns past kv_len are padding, the first block of
-    a mask eager; the tables equal the function's dense mask for captured tensors, masks per head
-    (pairs together) and lengths that leave partial blocks both ways; a mask_mod branching on h in
-    Python stays eager (pair by pair)."""
+@pytest.fixture
+def forced_compiled_pass(monkeypatch):
+    """The compiled first pass taken on this CPU (a GPU takes it for large masks), in blocks small
+    enough that a 29 x 53 mask spans several, with an empty cache of compiles."""
     monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", 4)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 96)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
     monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
     monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 192)
+    monkeypatch.setattr(intervals_module, "_COMPILED", {})
+
+
+def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_pass):
+    """The compiled first pass (taken on GPUs for large masks) on this CPU, forced on: fixed-shape
+    blocks whose rows past the last chunk and columns past kv_len are padding, the first block of
+    a mask eager; the tables equal the function's dense mask for captured tensors, masks per head
+    (pairs together) and lengths that leave partial blocks both ways; a mask_mod branching on h in
+    Python stays eager (pair by pair)."""
     compile_for, calls = intervals_module._compiled_changes, []
 
     def counting(fn):
@@ -417,16 +424,10 @@ def test_compiled_first_pass_matches_the_eager_one(monkeypatch):
     assert not calls
 
 
-def test_compiled_first_pass_is_shared_by_closures_of_one_code(monkeypatch):
+def test_compiled_first_pass_is_shared_by_closures_of_one_code(forced_compiled_pass):
     """A mask_mod made anew each step (a closure over new document ids, another window) reuses the
     compile of its code, and each closure gets its own tables (Dynamo's guards on what the closure
     captures, not a stale graph)."""
-    monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", 4)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 96)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
-    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 192)
-    monkeypatch.setattr(intervals_module, "_COMPILED", {})
 
     def make(doc, window):
         def same_doc_window(b, h, q, kv):
@@ -441,17 +442,11 @@ def test_compiled_first_pass_is_shared_by_closures_of_one_code(monkeypatch):
     assert list(intervals_module._COMPILED) == [fn.__code__]
 
 
-def test_compiled_first_pass_takes_unhashable_callables(monkeypatch):
+def test_compiled_first_pass_takes_unhashable_callables(forced_compiled_pass):
     """A mask_mod may be a callable object that cannot be hashed (a dataclass with eq): the
     compiled pass keys it by its class, and each object gets its own tables."""
     import dataclasses
 
-    monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", 4)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 96)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
-    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 192)
-    monkeypatch.setattr(intervals_module, "_COMPILED", {})
 
     @dataclasses.dataclass
     class Window:
@@ -467,15 +462,10 @@ def test_compiled_first_pass_takes_unhashable_callables(monkeypatch):
     assert list(intervals_module._COMPILED) == [Window]
 
 
-def test_compiled_first_pass_failure_warns_once(monkeypatch):
+def test_compiled_first_pass_failure_warns_once(monkeypatch, forced_compiled_pass):
     """Where the compiler fails on a mask_mod (after its eager first block ran: the function is
     fine), the pass goes on eagerly with a RuntimeWarning, the tables right, and that function is
     not compiled again."""
-    monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", 4)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 96)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", 8)
-    monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
-    monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 192)
     for name in ("document", "per_head_window"):
         fn, batch, heads = MODS[name](29, 53)
 

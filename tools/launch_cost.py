@@ -8,27 +8,15 @@ once. B = 1, S = 512, causal, D = 128, bf16: the per_call benchmark's host-bound
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 import flexmask
+from benchmarks.per_call import issue_time_us
 from flexmask import masks
 from flexmask.kernels.common import launcher
 
 
-def host_us(fn, calls: int = 2000) -> float:
-    """Median over five loops of host microseconds per call (no synchronize inside a loop)."""
-    samples = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+LAUNCHES = 2000  # launches per timed loop of one kernel
 
 
 def _params(fast: launcher.FastLaunch, args: tuple, kwargs: dict) -> tuple:
@@ -64,27 +52,27 @@ def main() -> int:
     finally:
         launcher.FastLaunch.__call__ = call
     torch.cuda.synchronize()
-    print(f"{torch.cuda.get_device_name()}: fwd+bwd step {host_us(step, 300):.1f} us of host time")
+    print(f"{torch.cuda.get_device_name()}: fwd+bwd step {issue_time_us(step, 300):.1f} us of host time")
     for fast, (grid, args, kwargs) in last.items():
         params = _params(fast, args, kwargs)
         kernel = fast(grid, *args, **kwargs)
         direct = next(d for kept, d in fast._kernels.values() if kept is kernel)
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
         stream = torch.cuda.current_stream().cuda_stream
-        line = f"{fast.fn.__name__:28s} FastLaunch {host_us(lambda: fast(grid, *args, **kwargs)):6.1f} us"
+        line = f"{fast.fn.__name__:28s} FastLaunch {issue_time_us(lambda: fast(grid, *args, **kwargs), LAUNCHES):6.1f} us"
         if direct is not None:
             captured, raw = [], direct.raw
             direct.raw = lambda *a: captured.append(a)
             direct(g0, g1, g2, stream, params)
             direct.raw = raw
-            line += f"  direct {host_us(lambda: direct(g0, g1, g2, stream, params)):6.1f}"
-            line += f"  C launcher {host_us(lambda: raw(*captured[0])):6.1f}"
+            line += f"  direct {issue_time_us(lambda: direct(g0, g1, g2, stream, params), LAUNCHES):6.1f}"
+            line += f"  C launcher {issue_time_us(lambda: raw(*captured[0]), LAUNCHES):6.1f}"
         else:
             run = kernel.run
             base = (g0, g1, g2, stream, kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                     kernel.packed_metadata, None, None, None)
-            line += (f"  run {host_us(lambda: run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *params)):6.1f}"
-                     f"  C launcher {host_us(lambda: run.launch(*base, *params)):6.1f}")
+            line += (f"  run {issue_time_us(lambda: run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *params), LAUNCHES):6.1f}"
+                     f"  C launcher {issue_time_us(lambda: run.launch(*base, *params), LAUNCHES):6.1f}")
         print(line, flush=True)
     return 0
 
