@@ -43,6 +43,15 @@ def test_key_tells_specialisations_apart(change):
     assert KEY(_args(**change)) != KEY(_args())
 
 
+def test_key_values_of_different_kinds_never_meet():
+    """The key's values are flat (ints, dtypes, strings): an int 1 and True (equal in Python), an
+    aligned and an unaligned tensor, an i32 and an i64 multiple of 16 stay apart."""
+    x = torch.zeros(64, dtype=torch.int32)
+    assert KEY(_args(n=1)) != KEY(_args(n=True))
+    assert KEY(_args(flag=1.0)) != KEY(_args(flag=None)) != KEY(_args(flag=False))
+    assert KEY(_args(X=x)) != KEY(_args(X=x[1:])) and KEY(_args(n=2**32)) != KEY(_args(n=16))
+
+
 def test_key_ignores_what_triton_does_not_specialise():
     """Other addresses of the same alignment and other values of a non-specialised int reuse the
     kernel (the point of the cache); so do other multiples of 16 of a specialised int."""

@@ -30,6 +30,7 @@ import torch
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.nvidia import driver as nvidia_driver
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction
 
@@ -47,28 +48,54 @@ class _Unkeyed(Exception):
     """An argument whose specialisation the key does not model: take Triton's path."""
 
 
-def _other(a, specialised: bool):
-    """Key of an argument that is neither a plain tensor nor an int."""
+# a 16-byte-aligned tensor's key: its dtype's name with "@16" (the key's values are flat and
+# cheap to hash; a plain dtype is an unaligned tensor)
+_ALIGNED = {d: f"{d}@16" for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_LAYOUTS: dict = {}  # id(layout) -> (layout, token): each layout object hashed once, kept alive
+_TOKENS: dict = {}  # layout -> token: equal layouts share one
+_LAYOUTS_KEPT = 1024
+
+
+def _layout_token(layout):
+    """A small int standing for a Gluon shared layout, equal for equal layouts (its own hash is
+    Python code over its fields: paid once per layout object, not at every launch)."""
+    kept = _LAYOUTS.get(id(layout))
+    if kept is not None and kept[0] is layout:
+        return kept[1]
+    if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+        return layout
+    token = _TOKENS.setdefault(layout, len(_TOKENS))
+    _LAYOUTS[id(layout)] = (layout, token)
+    return token
+
+
+def _wide(v: int) -> int:
+    """Key of a specialised int outside i32: its width, whether it is 1, whether a multiple of 16."""
+    return 16 * _int_width(v) + (v == 1) + 2 * (v & 15 == 0)
+
+
+def _other(a, aligned: bool):
+    """Key of an argument that is not a plain tensor, an int, a float or None."""
     if isinstance(a, torch.Tensor):  # a subclass (nn.Parameter)
-        return a.dtype, specialised and a.data_ptr() & 15 == 0
-    if a is None or a.__class__ is bool:
-        return (a,)
-    if a.__class__ is float:
-        return ("fp32",)
+        return _ALIGNED[a.dtype] if aligned and a.data_ptr() & 15 == 0 else a.dtype
+    if a.__class__ is bool:
+        return (a,)  # not True itself: True == 1, the key of an int 1
     if hasattr(a, "block_shape") and hasattr(a, "base"):  # a host TMA descriptor
         layout = getattr(a, "layout", None)
         if layout is not None:  # Gluon's: what Triton's key reads (dtype, block, layout), ~10x cheaper
-            return a.base.dtype, *a.block_shape, layout
-        return native_specialize_impl(BaseBackend, a, False, specialised, specialised)
+            return a.base.dtype, *a.block_shape, _layout_token(layout)
+        return native_specialize_impl(BaseBackend, a, False, aligned, aligned)
     raise _Unkeyed  # numpy scalars and whatever else
 
 
 def _key_function(fn):
     """A function of the kernel's arguments (one tuple) -> their specialisation key, written out
-    parameter by parameter (no loop: this runs at every launch). Constexprs: their value. Tensors:
-    dtype, and 16-byte alignment where Triton specialises on it (the C launcher still checks that
-    each pointer is a device pointer). Ints: their width, and where Triton specialises on the
-    value, whether it is 1 and whether it is a multiple of 16."""
+    parameter by parameter (no loop: this runs at every launch), each value flat and cheap to
+    hash. Constexprs: their value. Tensors: dtype, and 16-byte alignment where Triton specialises
+    on it (the C launcher still checks that each pointer is a device pointer). Ints: their width,
+    and where Triton specialises on the value, whether it is 1 and whether it is a multiple of 16
+    (0-2 for an i32, 16 and up for wider). Gluon's TMA descriptors: dtype, block and layout (what
+    Triton's own key reads). Floats: fp32. None: None."""
     names, items = [], []
     for i, p in enumerate(fn.params):
         a = f"a{i}"
@@ -78,14 +105,18 @@ def _key_function(fn):
             continue
         specialised = not p.do_not_specialize
         aligned = specialised and not p.do_not_specialize_on_alignment
-        tensor = f"({a}.dtype, {f'{a}.data_ptr() & 15 == 0' if aligned else 'False'})"
-        width = f"(0 if -2147483648 <= {a} <= 2147483647 else _int_width({a}))"
-        number = f"({width}, {a} == 1, {a} & 15 == 0)" if specialised else width
+        tensor = f"(_ALIGNED[{a}.dtype] if {a}.data_ptr() & 15 == 0 else {a}.dtype)" if aligned else f"{a}.dtype"
+        in_i32 = f"-2147483648 <= {a} <= 2147483647"
+        number = (f"(({a} == 1) + 2 * ({a} & 15 == 0) if {in_i32} else _wide({a}))" if specialised
+                  else f"(0 if {in_i32} else _int_width({a}))")
+        descriptor = f"({a}.base.dtype, *{a}.block_shape, _layout_token({a}.layout))"
         items.append(f"{tensor} if {a}.__class__ is _Tensor else {number} if {a}.__class__ is int "
-                     f"else _other({a}, {aligned})")
+                     f"else {descriptor} if {a}.__class__ is _Descriptor "
+                     f"else 'fp32' if {a}.__class__ is float else None if {a} is None else _other({a}, {aligned})")
     unpack = f"    {', '.join(names)}, = args\n" if names else ""
     src = f"def key(args):\n{unpack}    return ({', '.join(items)},)\n"
-    scope = {"_Tensor": torch.Tensor, "_int_width": _int_width, "_other": _other}
+    scope = {"_Tensor": torch.Tensor, "_int_width": _int_width, "_wide": _wide, "_other": _other,
+             "_ALIGNED": _ALIGNED, "_Descriptor": GluonTensorDescriptor, "_layout_token": _layout_token}
     exec(src, scope)  # noqa: S102 -- source built above from the kernel's parameter list only
     return scope["key"]
 
@@ -165,7 +196,18 @@ class FastLaunch:
         self._names = [p.name for p in fn.params] if self._fast else []
         self._param_names = frozenset(self._names)
         self._kernels: dict = {}
+        self._plans: dict = {}  # (number of positional arguments, keyword names) -> _plan's answer
         self.triton_launches = 0  # launches that took Triton's path (a test checks steady state has none)
+
+    def _plan(self, n_args: int, kwarg_names: tuple):
+        """(the parameters given by name, in the kernel's order, or None where one is left to its
+        default; the launch options' names, sorted) for calls of this shape, kept."""
+        rest = tuple(self._names[n_args:])
+        given = set(kwarg_names) | {"num_warps"}
+        plan = (rest if all(name in given for name in rest) else None,
+                tuple(sorted(name for name in kwarg_names if name not in self._param_names)))
+        self._plans[(n_args, *kwarg_names)] = plan
+        return plan
 
     def _triton(self, grid, args, num_warps, kwargs):
         self.triton_launches += 1
@@ -174,16 +216,18 @@ class FastLaunch:
     def __call__(self, grid, *args, num_warps: int = 4, **kwargs):
         if not self._fast or _hooks_registered():
             return self._triton(grid, args, num_warps, kwargs)
-        if len(args) < len(self._names):
-            # parameters by name; a Gluon kernel may take `num_warps` as a parameter too
+        plan = self._plans.get((len(args), *kwargs))
+        if plan is None:
+            plan = self._plan(len(args), tuple(kwargs))
+        rest, option_names = plan
+        if rest is None:  # a parameter left to its default: Triton binds it
+            return self._triton(grid, args, num_warps, kwargs)
+        if rest:  # parameters by name; a Gluon kernel may take `num_warps` as a parameter too
             named = {**kwargs, "num_warps": num_warps}
-            rest = self._names[len(args):]
-            if any(name not in named for name in rest):  # a parameter left to its default: Triton binds it
-                return self._triton(grid, args, num_warps, kwargs)
-            params = args + tuple(named[name] for name in rest)
-            options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self._param_names))
+            params = args + tuple([named[name] for name in rest])
         else:
-            params, options = args, tuple(sorted(kwargs.items()))
+            params = args
+        options = (option_names, *[kwargs[name] for name in option_names])
         try:
             key = self._key(params)
         except _Unkeyed:
