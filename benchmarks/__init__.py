@@ -16,6 +16,8 @@ PNGs land in benchmarks/results/ and the README's tables are generated from them
                     against SDPA and FlexAttention; masks written in the call against compiled ones
   peers             the masks FlashAttention-4 expresses against FA4, FlexAttention's FLASH backend,
                     the Triton FlexAttention and SDPA cuDNN; every family against FlexAttention
+  first_call        the first compile_mask, forward and backward in a new process with empty
+                    compile caches, against FA4 and compiled FlexAttention
 
 Training parity lives with the training examples (docs/training.md): ``python -m
 examples.train_packed_lm parity`` (loss curves against SDPA: train_parity.csv; ``scale``:
@@ -37,6 +39,6 @@ Support modules of the sweep, one job each:
   readme_table  the results blocks of README.md (summary) and docs/results.md (full), from the CSVs
   cuda_guard    one-line stops for GPU-only scripts on a machine without CUDA
 
-The GPU job scripts (tests, sweep, peers, decode, compile, context parallel) are in tools/gpu_jobs/;
+The GPU job scripts (tests, sweep, peers, first call, decode, compile, context parallel) are in tools/gpu_jobs/;
 maintainer tools (offline compiles, profiles, tuning, probes) in tools/.
 """
