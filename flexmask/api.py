@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .autograd import _backward_impl, _forward_impl, attention_eager, attention_fwd
+from .autograd import _backward_impl, _forward_impl, attention_eager, attention_fwd, op_outputs
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.common.tiles import default_tile, is_valid_tile
 from .kernels.decode.split_kv import decode_forward, decode_fwd
@@ -251,7 +251,8 @@ def attention_by_key_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
                          alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks) of `attention_by_key`; dsinks is empty without sinks."""
     tables = _table_args(_compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device))
-    return _backward_impl(do, dlse, q, k, v, o, lse, *tables, scale, deterministic, softcap, alibi_slopes, sinks)
+    return op_outputs(*_backward_impl(do, dlse, q, k, v, o, lse, *tables, scale, deterministic, softcap, alibi_slopes,
+                                      sinks))
 
 
 @attention_by_key_bwd.register_fake

@@ -52,17 +52,22 @@ def _forward_impl(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd
 def _backward_impl(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets,
                    bwd_num_full, bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale,
                    deterministic=-1, softcap=0.0, alibi_slopes=None, sinks=None):
-    """(dq, dk, dv, dsinks): dsinks is (Hq,) fp32 with sinks, an empty tensor without."""
+    """(dq, dk, dv, dsinks): dsinks is (Hq,) fp32 with sinks, None without."""
     cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
     if do.stride(-1) != 1:
         do = do.contiguous()
     if deterministic < 0:
         deterministic = int(torch.are_deterministic_algorithms_enabled())
-    dsinks = torch.empty(q.shape[1] if sinks is not None else 0, dtype=torch.float32, device=q.device)
+    dsinks = torch.empty(q.shape[1], dtype=torch.float32, device=q.device) if sinks is not None else None
     dq, dk, dv = attention_backward(do, dlse, q, k, v, o, lse, cm, scale, deterministic=bool(deterministic),
                                     terms=_terms(softcap, alibi_slopes, sinks), dsinks=dsinks)
     return dq, dk, dv, dsinks
+
+
+def op_outputs(dq, dk, dv, dsinks):
+    """_backward_impl's answer as a custom op returns it: dsinks an empty tensor without sinks."""
+    return dq, dk, dv, (dsinks if dsinks is not None else dq.new_empty(0, dtype=torch.float32))
 
 
 @torch.library.custom_op("flexmask::attention_fwd", mutates_args=())
@@ -101,9 +106,9 @@ def attention_bwd(
     sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks); dsinks is empty when there are no sinks."""
-    return _backward_impl(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets,
-                          bwd_num_full, bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale,
-                          deterministic, softcap, alibi_slopes, sinks)
+    return op_outputs(*_backward_impl(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks,
+                                      bwd_offsets, bwd_num_full, bwd_blocks, mask_batch, mask_heads, tile_m, tile_n,
+                                      tiles_visited, scale, deterministic, softcap, alibi_slopes, sinks))
 
 
 @attention_bwd.register_fake
@@ -166,7 +171,7 @@ class _EagerAttention(torch.autograd.Function):
             dlse = dlse.contiguous()
         dq, dk, dv, dsinks = _backward_impl(do, dlse, q, k, v, o, lse, *ctx.tables, *ctx.consts, ctx.softcap,
                                             ctx.alibi_slopes, sinks)
-        return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None
 
 
 def attention_eager(q, k, v, *args, softcap: float = 0.0, alibi_slopes=None, sinks=None) -> tuple[Tensor, Tensor]:

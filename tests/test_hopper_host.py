@@ -104,6 +104,31 @@ def test_matrix_view_declines_other_orders():
     assert forward_hopper._matrix_view(t) is None
 
 
+@pytest.mark.parametrize("rows", [64, 128])
+def test_unchecked_descriptor_equals_tritons(rows):
+    """The descriptors built without the dataclass's checks equal Triton's own, field by field, and
+    an empty dimension still raises as Triton's does."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t = torch.empty(2, 3, 200, 64, dtype=torch.bfloat16).transpose(1, 2)  # (B, S, H, D) memory order
+    desc, coords = forward_hopper._descriptor(t, rows)
+    shape, strides, want_coords = forward_hopper._tma_view(t)
+    block = [1, rows, 64]
+    assert desc == TensorDescriptor(t, list(shape), list(strides), block, forward_hopper.shared_layout(tuple(block), t.dtype))
+    assert coords == want_coords
+    with pytest.raises(AssertionError, match="shape must be positive"):
+        forward_hopper.tma_descriptor(t, (2, 0, 192), (38400, 192, 1), (1, rows, 64))
+
+
+def test_tma_view_declines_unaligned_strides():
+    t = torch.empty(1, 2, 64, 72, dtype=torch.bfloat16)[..., :64]  # rows of 144 bytes: aligned
+    assert forward_hopper._tma_view(t) is not None
+    t = torch.empty(1, 2, 64, 68, dtype=torch.bfloat16)[..., :64]  # rows of 136 bytes: not
+    assert forward_hopper._tma_view(t) is None
+    t = torch.empty(2 * 64 * 64 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 64, 64)  # base off by 2 bytes
+    assert forward_hopper._tma_view(t) is None
+
+
 def test_forward_path_on_cpu_is_portable():
     cm = compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
     q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)

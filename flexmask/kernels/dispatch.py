@@ -24,7 +24,7 @@ from .backward import two_pass
 from .backward.configs import (backward_config, backward_fused_config, backward_fused_dq_tma,
                                backward_fused_dq_transposed, backward_fused_uses_tma, backward_uses_tma)
 from .backward.fused import convert_dq, fused_backward
-from .common.device import gluon_hopper_available
+from .common.device import capability, gluon_hopper_available
 from .common.intmath import cdiv, next_pow2
 from .common.masking import mask_broadcast, mask_runs, precision_for
 from .common.score_terms import any_terms
@@ -53,7 +53,7 @@ def forward_path(q: torch.Tensor, cm, terms=None) -> str:
     run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles. Masks of
     k runs per column and score terms (`terms`) do not change the choice: both kernels implement
     them."""
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9 or not gluon_hopper_available():
+    if q.device.type != "cuda" or capability(q.device)[0] != 9 or not gluon_hopper_available():
         return "portable"
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
         return "portable"
@@ -77,7 +77,7 @@ def backward_path(q: torch.Tensor, cm, deterministic: bool, terms=None) -> str:
     if deterministic:
         return "two-pass"
     if (q.shape[-1] in HOPPER_BACKWARD_HEAD_DIMS and q.device.type == "cuda" and gluon_hopper_available()
-            and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in (torch.float16, torch.bfloat16)
+            and capability(q.device)[0] == 9 and q.dtype in (torch.float16, torch.bfloat16)
             and (cm.block_m, cm.block_n) == (128, 128)):
         return "hopper"
     fused = backward_fused_config(q.shape[-1], q.dtype, (cm.block_m, cm.block_n), q.device, runs=mask_runs(cm))
@@ -180,10 +180,11 @@ def attention_backward(do, dlse, q, k, v, o, lse, cm, scale: float, *, configs=N
     if kernel == "hopper":
         from .backward import hopper as backward_hopper  # Gluon: imported only where it can run
 
-        on_hopper = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] == 9
-        if chosen and not backward_hopper.supports(q, k, v, cm):  # strides the copy engine cannot read
+        on_hopper = q.device.type == "cuda" and capability(q.device)[0] == 9
+        supported = backward_hopper.supports(q, k, v, cm)
+        if chosen and not supported:  # strides the copy engine cannot read
             kernel = "fused"
-        elif not on_hopper or not backward_hopper.supports(q, k, v, cm):
+        elif not on_hopper or not supported:
             raise ValueError("kernel='hopper' takes fp16/bf16 inputs on an sm_90 GPU with head dim 64 or 128, 128 x 128 "
                              f"tables and TMA-readable layouts; got {q.dtype} on {q.device}, head dim {d}, "
                              f"tables {cm.block_m} x {cm.block_n}")

@@ -48,7 +48,6 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..common.launcher import FastLaunch
 from ..common.masking import mask_runs
@@ -57,7 +56,7 @@ from . import configs
 from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
     _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_words, _term_scores, _tma_view, heaviest_first,
-    shared_layout,
+    tma_descriptor,
 )
 
 LOG2E = 1.4426950408889634
@@ -456,8 +455,7 @@ def _dq_descriptor(dq_acc: torch.Tensor):
     clipped at its own head's end, not added into the next head's rows."""
     rows, sq, width = dq_acc.shape
     block = (1, Q_ROWS, 32)  # 32 fp32 columns: 128 bytes, the widest a swizzled box takes
-    return TensorDescriptor(dq_acc, [rows, sq, width], [sq * width, width, 1], list(block),
-                            shared_layout(block, torch.float32))
+    return tma_descriptor(dq_acc, (rows, sq, width), (sq * width, width, 1), block)
 
 
 def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_map: tuple[int, int, int],

@@ -88,9 +88,11 @@ _COUNTERS: dict = {}  # (device index, stream) -> int32 [2]: next item, programs
 
 def counters(device: torch.device) -> torch.Tensor:
     """The zeroed counters a launch on the current stream of `device` takes."""
-    if torch.cuda.is_current_stream_capturing():
+    # torch's private calls: the public ones cost ~10 us of host time each, on every launch
+    if torch._C._cuda_isCurrentStreamCapturing():
         return torch.zeros(2, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
     buf = _COUNTERS.get(key)
     if buf is None:
         buf = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)

@@ -24,6 +24,8 @@ sm_90 (plan.kernel == "hopper"), and the GPU tests compare it with the Triton ke
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -333,6 +335,7 @@ def supports(q, k, v, cm, block_h: int, block_q: int) -> bool:
 MERGE_REGS = 64  # fp32 partial values a consumer thread holds per round of the fused merge
 
 
+@functools.lru_cache(maxsize=256)  # asked every decode step: building the layout costs ~15 us
 def merge_shape(rows: int, head_dim: int, num_splits: int) -> tuple[int, int, gl.BlockedLayout]:
     """(MERGE_ROWS, MERGE_CHUNK, layout) of the fused merge for a group of `rows` output rows:
     the rows padded to a power of two, and as many shares a round as keep MERGE_REGS values a

@@ -775,7 +775,8 @@ def _tma_view(t: torch.Tensor):
     if view is None:
         return None
     elem = t.element_size()
-    if t.data_ptr() % 16 or any((s * elem) % 16 for s in view[1][:-1]):
+    outer, row, _ = view[1]
+    if t.data_ptr() % 16 or (outer * elem) % 16 or (row * elem) % 16:
         return None
     return view
 
@@ -790,13 +791,26 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
+def tma_descriptor(base: torch.Tensor, shape, strides, block: tuple[int, ...]) -> TensorDescriptor:
+    """A Gluon TensorDescriptor of `base` as (shape, strides) in boxes of `block`, built without
+    the dataclass's checks where they cannot fail: shapes positive, and the caller's view already
+    16-byte aligned (`_tma_view`) with power-of-two blocks. The checks took ~15 us of host time
+    per descriptor, seven descriptors a training step."""
+    layout = shared_layout(block, base.dtype)
+    if min(shape) <= 0:
+        return TensorDescriptor(base, list(shape), list(strides), list(block), layout)  # raises as Triton does
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=base, shape=list(shape), strides=list(strides), block_shape=list(block), layout=layout,
+                         padding="zero")
+    return desc
+
+
 def _descriptor(t: torch.Tensor, block_rows: int):
     view = _tma_view(t)
     if view is None:
         return None
     shape, strides, coords = view
-    block = (1, block_rows, t.shape[-1])
-    return TensorDescriptor(t, list(shape), list(strides), list(block), shared_layout(block, t.dtype)), coords
+    return tma_descriptor(t, shape, strides, (1, block_rows, t.shape[-1])), coords
 
 
 _WORK_CACHE: dict = {}  # id(fwd_offsets) -> (weak reference to it, {launch key: work list})
