@@ -34,5 +34,9 @@ GPU: profiles and probes
   profile_forward, profile_backward, decode_profile_target   one call for ncu
   compile_breakdown, compile_profile, compile_fresh_probe    where a mask compile's time goes
   decode_host_probe, host_bound_probe                        host time of short calls
+  launch_cost               host time of each kernel launch of a training step
+  backward_thread_cost      a step's host time with autograd's device thread and without
+  mask_mod_compile_time     from_mask_mod's tables, timed (CPU or GPU)
+  race_probe                repeats the Hopper kernels under load: bitwise equal?
   document_cost_probe, eviction_probe                        single-question probes
 """
