@@ -114,6 +114,28 @@ def test_shapes_layouts_dtypes(b, hq, hkv, sq, sk, d, dtype, layout, family):
     _check(family, b, hq, hkv, sq, sk, dtype, layout, seed=sq, d=d)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole_group"])
+@pytest.mark.parametrize(
+    "b,hq,hkv,sq,sk,d,layout,family",
+    [
+        (1, 8, 2, 1537, 1537, 128, "bshd", "causal"),
+        (2, 6, 2, 700, 1300, 64, "bhsd", "document"),
+        (1, 4, 1, 999, 999, 128, "bhsd", "random_eviction"),  # a mask per head: each head walks its own tiles
+        (2, 4, 2, 333, 129, 64, "bshd", "sliding_window"),
+    ],
+)
+def test_gqa_items_split_or_whole(split, b, hq, hkv, sq, sk, d, layout, family, monkeypatch):
+    """GQA work items of one query head (their dK/dV summed in fp32 across the group) or of a
+    whole group (summed in registers): both match the reference, whatever the length."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels.backward import configs, hopper
+
+    monkeypatch.setattr(configs, "HOPPER_SPLIT_GROUP", split)
+    assert hopper.splits_group(hq, hkv, sq) is split
+    _check(family, b, hq, hkv, sq, sk, torch.bfloat16, layout, seed=sq + hq, d=d)
+
+
 def test_do_in_another_layout():
     if not _hopper():
         pytest.skip("needs a Hopper GPU")

@@ -154,6 +154,41 @@ def test_kernel_argument_errors():
         attention_backward(q, None, q, k, v, o, lse, cm, d ** -0.5, deterministic=False, kernel="hopper")
 
 
+def test_split_group_rule(monkeypatch):
+    """GQA items take one query head each from SPLIT_GROUP_MIN_ROWS query rows under "auto";
+    never without GQA; True / False force it; anything else is a ValueError naming the setting."""
+    rows = backward_configs.SPLIT_GROUP_MIN_ROWS
+    assert backward_hopper.splits_group(32, 8, rows)
+    assert not backward_hopper.splits_group(32, 8, rows - 1)
+    assert not backward_hopper.splits_group(16, 16, 1 << 20)
+    monkeypatch.setattr(backward_configs, "HOPPER_SPLIT_GROUP", True)
+    assert backward_hopper.splits_group(4, 2, 1) and not backward_hopper.splits_group(4, 4, 1)
+    monkeypatch.setattr(backward_configs, "HOPPER_SPLIT_GROUP", False)
+    assert not backward_hopper.splits_group(32, 8, 1 << 20)
+    monkeypatch.setattr(backward_configs, "HOPPER_SPLIT_GROUP", "always")
+    with pytest.raises(ValueError, match="HOPPER_SPLIT_GROUP.*'always'"):
+        backward_hopper.splits_group(32, 8, rows)
+
+
+def test_split_work_list_has_one_query_head_per_item():
+    """With the group split, items are (batch x query head, kv-block), each weighed by its own
+    head's tiles, chunked per query head's Q/dO: a permutation, heaviest first in a chunk."""
+    batch, hq, s = 2, 4, 900
+    mask = masks.random_eviction(s // 2, seed=5, num_heads=hq)
+    cm = compile_mask(mask, s, s, device="cpu", block_m=128, block_n=128)
+    mask_map = mask_broadcast(cm, batch, hq, 2)
+    q_bytes = 2 * s * 128 * 2 * 64
+    work = backward_hopper.backward_work_list(cm, batch, hq, hq, mask_map, q_bytes).long()
+    nkb = cm.num_kv_blocks
+    assert torch.equal(work.sort().values, torch.arange(batch * hq * nkb))
+    counts = (cm.bwd_offsets[1:] - cm.bwd_offsets[:-1]).view(-1, nkb)
+    bh, n = work // nkb, work % nkb
+    weight = counts[(bh // hq) * mask_map[0] + ((bh % hq) // mask_map[1]) * mask_map[2], n]
+    chunk = bh // max(1, backward_hopper.L2_SHARE_BYTES // q_bytes)
+    same = chunk[:-1] == chunk[1:]
+    assert (chunk[:-1] <= chunk[1:]).all() and (weight[:-1][same] >= weight[1:][same]).all()
+
+
 def test_supports_rule():
     cm = compile_mask(masks.causal(), 300, 300, device="cpu", block_m=128, block_n=128)
     q = torch.randn(2, 2, 300, 128, dtype=torch.bfloat16)  # batch 2: the two memory orders differ
@@ -187,6 +222,7 @@ from tools import offline_compile as oc
 
 cases = [("forward", d, qb, lambda d=d, qb=qb: oc._hopper_forward(d, 2, qb)) for d, qb in ((128, 1), (128, 2), (64, 2))]
 cases += [("backward", d, dq, lambda d=d, dq=dq: oc._hopper_backward(2, d, dq)) for d, dq in ((128, True), (64, True), (128, False))]
+cases += [("backward_split", d, True, lambda d=d: oc._hopper_backward(2, d, True, split=True)) for d in (128, 64)]
 cases += [("dq", d, None, lambda d=d: oc._hopper_dq(2, d)) for d in (128, 64)]
 cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16)) for d in (128, 64)]
 cases += [("backward_k_runs", 128, 16, lambda: oc._hopper_backward(2, 128, True, runs=16)),
@@ -205,7 +241,7 @@ def test_hopper_kernels_compile_for_sm90():
     masks) compile too; they spill some (docs/performance.md, section 12)."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
-    assert len(results) == 12, results
+    assert len(results) == 14, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["name"] in ("forward", "dq"):

@@ -97,6 +97,12 @@ def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per
 HOPPER_BACKWARD_ORDER = "auto"
 INDEX_ORDER_MIN_KEYS = 1 << 19
 
+# The Hopper backward's GQA items (backward/hopper.py, splits_group): "auto" gives each query head
+# its own items, their dK/dV summed in fp32, from SPLIT_GROUP_MIN_ROWS query rows; True / False
+# always / never.
+HOPPER_SPLIT_GROUP = "auto"
+SPLIT_GROUP_MIN_ROWS = 2048
+
 
 # TMA descriptors are built inside each program, a fixed cost that only a long walk pays back
 TMA_MIN_TILES_PER_PROGRAM = 16

@@ -78,10 +78,11 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _decode_item(entry, NKB, HKV):
-    """A work-list entry bhk * NKB + n as (batch, kv head, kv-block)."""
-    bhk = entry // NKB
-    return bhk // HKV, bhk % HKV, entry % NKB
+def _decode_item(entry, NKB, ITEM_HEADS):
+    """A work-list entry bhi * NKB + n as (batch, item head, kv-block): the item head is a kv
+    head, or a query head where the GQA group is split (SPLIT_GROUP)."""
+    bhi = entry // NKB
+    return bhi // ITEM_HEADS, bhi % ITEM_HEADS, entry % NKB
 
 
 @gluon.jit
@@ -105,7 +106,7 @@ def _step_start(BWD_BLOCKS, t_lo, i, n_steps):
 def _producer(
     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
-    NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    NKB, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     STAGES: gl.constexpr,
 ):
@@ -118,15 +119,17 @@ def _producer(
     while w < n_items:
         w_next = scheduler.claim(COUNTER)  # one ahead: its latency hides behind this item's loads
         entry = gl.load(WORK + w)
-        b, hk, n = _decode_item(entry, NKB, HKV)
-        _, t_lo0, t_mid0, t_hi0 = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, hk * GROUP, n, NKB,
+        b, hi, n = _decode_item(entry, NKB, ITEM_HEADS)
+        h0 = hi * HEADS_PER_ITEM
+        hk = h0 // GROUP
+        _, t_lo0, t_mid0, t_hi0 = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h0, n, NKB,
                                              MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
         scheduler.publish(item_slots, item_ready, item_empty, item_count, entry, t_lo0, t_mid0, t_hi0)
         x_kv = b * KV_X_B + hk * KV_X_H
         c_kv = hk * KV_C_H
         first_step = step
-        for g in range(GROUP):
-            h = hk * GROUP + g
+        for g in range(HEADS_PER_ITEM):
+            h = h0 + g
             row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
                                                 MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
             x_q = b * Q_X_B + h * Q_X_H
@@ -164,14 +167,15 @@ def _consumer(
     WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
+    Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
-    WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SOFTCAP,
-    HAS_ALIBI: the score terms (module docstring)."""
+    WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SPLIT_GROUP:
+    items of one query head, whose dK/dV are added into fp32 sums (DK, DV) with the other heads
+    of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
     kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
@@ -200,12 +204,14 @@ def _consumer(
     # each step's q-block is loaded one step ahead, so that no step waits on a chain of loads
     entry, t_lo0, t_mid0, t_hi0 = scheduler.receive(item_slots, item_ready, item_empty, 0, num_warps)
     while entry >= 0:
-        b, hk, n = _decode_item(entry, NKB, HKV)
+        b, hi, n = _decode_item(entry, NKB, ITEM_HEADS)
+        h0 = hi * HEADS_PER_ITEM
+        hk = h0 // GROUP
         dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         mbarrier.wait(kv_ready, item_count & 1)
-        for g in range(GROUP):
-            h = hk * GROUP + g
+        for g in range(HEADS_PER_ITEM):
+            h = h0 + g
             if g == 0:
                 row = b * MASK_B_STRIDE + (h // MASK_H_DIV) * MASK_H_STRIDE
                 t_lo, t_mid, t_hi = t_lo0, t_mid0, t_hi0
@@ -301,12 +307,17 @@ def _consumer(
         # epilogue: this warpgroup's rows of dK (scaled) and dV
         om = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
         od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-        keep = gl.expand_dims(om < Sk, 1)
         rows64 = gl.expand_dims(om.to(gl.int64), 1)
         p_dk = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + rows64 * stride_dkn + gl.expand_dims(od, 0)
         p_dv = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + rows64 * stride_dvn + gl.expand_dims(od, 0)
-        gl.store(p_dk, (dk * sm_scale).to(dtype), mask=keep)
-        gl.store(p_dv, dv.to(dtype), mask=keep)
+        if SPLIT_GROUP:  # this query head's share of its kv head's dK/dV, added to the fp32 sums
+            keep = gl.expand_dims(om < Sk, 1) & gl.expand_dims(od < HEAD_DIM, 0)
+            gl.atomic_add(p_dk, dk * sm_scale, mask=keep, sem="relaxed")
+            gl.atomic_add(p_dv, dv, mask=keep, sem="relaxed")
+        else:
+            keep = gl.expand_dims(om < Sk, 1)
+            gl.store(p_dk, (dk * sm_scale).to(dtype), mask=keep)
+            gl.store(p_dv, dv.to(dtype), mask=keep)
         entry, t_lo0, t_mid0, t_hi0 = scheduler.receive(item_slots, item_ready, item_empty, item_count, num_warps)
     tma.store_wait(0)
 
@@ -316,11 +327,11 @@ def _backward_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, STATS, DK, DV,
     INTV, WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
@@ -360,18 +371,18 @@ def _backward_hopper_kernel(
         (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
-                     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
+                     Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                     Sq, Sk, NKB, HQ, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
-                     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
+                     Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
-                     NKB, HKV, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     NKB, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                      STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -429,6 +440,21 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
     return per_table[key]
 
 
+def splits_group(q_heads: int, kv_heads: int, sq: int) -> bool:
+    """Whether the backward's work items take one query head each, their dK/dV added into fp32
+    sums of the GQA group, rather than a whole group each (configs.HOPPER_SPLIT_GROUP: "auto",
+    True or False). A whole group per item runs up to GROUP heads' Q, dO and dQ rows through L2 at
+    once: at 32/8 heads and 8K the L2 hit rate fell from 86% to 47% and DRAM reads rose ninefold
+    (ncu, docs/performance.md section 5). "auto" splits from configs.SPLIT_GROUP_MIN_ROWS query
+    rows, where the two extra casts cost less than the reads they save."""
+    rule = configs.HOPPER_SPLIT_GROUP
+    if rule not in ("auto", True, False):
+        raise ValueError(f"configs.HOPPER_SPLIT_GROUP must be 'auto', True or False, got {rule!r}")
+    if q_heads == kv_heads or rule is False:
+        return False
+    return rule is True or sq >= configs.SPLIT_GROUP_MIN_ROWS
+
+
 def supports(q, k, v, cm) -> bool:
     """Whether the Hopper backward takes these inputs: fp16/bf16, head dim 64 or 128, 128 x 128
     tables, q/k/v in layouts the copy engine reads, k and v in the same one (dO is copied into
@@ -474,11 +500,16 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     v_desc, _ = _descriptor(v, KV_ROWS)
     q_bytes = 2 * sq * d * q.element_size()  # one query head's Q and dO
     programs = _num_sms(q.device.index or 0)
-    work = backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, hoist=programs)
+    with_dq = dq_acc is not None
+    split = with_dq and splits_group(hq, hkv, sq)
+    item_heads = hq if split else hkv
+    work = backward_work_list(cm, batch, hq, item_heads, mask_map, q_bytes, hoist=programs)
     n_items = work.numel()
     grid = (min(n_items, programs),)
     mb, mdiv, mh = mask_map
-    with_dq = dq_acc is not None
+    dk_out, dv_out = dk, dv
+    if split:  # fp32 sums of the group's heads, cast into dk and dv after the kernel
+        dk, dv = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device).unbind(0)
     if not with_dq:  # the kernel still takes a descriptor: one over a single box, never used
         dq_acc = torch.empty(1, Q_ROWS, 32, dtype=torch.float32, device=q.device)
     score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, stats)
@@ -486,12 +517,15 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         q_desc, k_desc, v_desc, do_desc, _dq_descriptor(dq_acc), stats, dk, dv,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        sq, sk, cm.num_kv_blocks, hq, hkv, hq // hkv, mb, mdiv, mh,
+        sq, sk, cm.num_kv_blocks, hq, item_heads, hq // item_heads, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
-        HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
+        HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
         NUM_RUNS=mask_runs(cm), num_warps=4, maxnreg=168,
     )
+    if split:
+        dk_out.copy_(dk)
+        dv_out.copy_(dv)
 
 
 # launched without Triton's per-call binding (common/launcher.py): short calls are host-bound
