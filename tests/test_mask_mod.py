@@ -314,32 +314,44 @@ def test_two_runs_within_max_runs_fit():
                        masks.causal().to_dense(10, 10))
 
 
+def test_column_past_its_chunks_counts_its_runs():
+    """A column with more chunks holding a change than 2 max_runs is known to need too many runs
+    without its changes being placed; the error still names its exact run count (the column
+    evaluated again), and the first such column."""
+    chunk = intervals_module.MASK_MOD_CHUNK_ROWS
+    sq = 40 * chunk
+
+    def spaced(b, h, q, kv):  # column 2: a masked row at the top of each of the 40 chunks
+        return ~((kv == 2) & (q % chunk == 0)) & ~((kv == 3) & (q % (2 * chunk) == 0))
+
+    with pytest.raises(ValueError, match=r"key column 2 has 40 masked runs of query rows, more than max_runs=16"):
+        masks.from_mask_mod(spaced, max_runs=16).to_dense(sq, 5)
+    fits = 16 * chunk - 3  # 16 runs in column 2, in 16 chunks: placed
+    assert torch.equal(masks.from_mask_mod(spaced, max_runs=16).to_dense(fits, 5), dense_of_mod(spaced, fits, 5)[0, 0])
+
+
 # --- evaluation in blocks -------------------------------------------------------------------------
 
 
 def test_evaluated_in_blocks():
     """3000 x 3000 is evaluated in blocks well below q_len x kv_len, and the runs found across the
-    row blocks join up (a window's runs cross every block boundary). The first pass sees each pair
-    once (rows padded to whole chunks: [rows, 1] x [1, cols] blocks); the second sees the
-    chunks with a run change again, q_idx [rows, cols] per column, a small part of the pairs."""
+    row blocks join up (a window's runs cross every block boundary). The function sees each pair
+    once (rows padded to whole chunks: [rows, 1] x [1, cols] blocks) and never again: the runs'
+    rows come from the first pass's words of masked bits."""
     sq = sk = 3000
-    first, second = [], []
+    seen = []
 
     def recorded(b, h, q, kv):
         assert q.dtype == kv.dtype == b.dtype == h.dtype == torch.int64 and b.dim() == h.dim() == 0
-        assert q.dim() == kv.dim() == 2 and kv.shape[0] == 1
-        (first if q.shape[1] == 1 else second).append((q.shape[0], kv.shape[1]))
+        assert q.dim() == kv.dim() == 2 and q.shape[1] == 1 and kv.shape[0] == 1
+        seen.append((q.shape[0], kv.shape[1]))
         return (kv <= q) & (q - kv <= 1500)
 
     got = masks.from_mask_mod(recorded).intervals(sq, sk)
     assert torch.equal(got, masks.sliding_window(1500).intervals(sq, sk))
-    largest = max(r * c for r, c in first + second)
-    assert len(first) > 1 and largest <= intervals_module.MASK_MOD_BLOCK_ELEMENTS < sq * sk
+    assert len(seen) > 1 and max(r * c for r, c in seen) <= intervals_module.MASK_MOD_BLOCK_ELEMENTS < sq * sk
     chunk = intervals_module.MASK_MOD_CHUNK_ROWS
-    assert sum(r * c for r, c in first) == -(-sq // chunk) * chunk * sk  # each pair once, and the padding
-    # a column of this window has two runs, [0, kv) and [kv + 1501, sq): three changes, in three
-    # chunks at most; the second pass evaluates that many chunks of every column and the row above each
-    assert 0 < sum(r * c for r, c in second) <= 3 * (chunk + 1) * sk < sq * sk // 7
+    assert sum(r * c for r, c in seen) == -(-sq // chunk) * chunk * sk  # each pair once, and the padding
 
 
 @pytest.mark.parametrize("chunk, elements, columns", [(1, 12, 4), (3, 40, 8), (4, 64, 5), (16, 4096, 64)],
@@ -399,7 +411,7 @@ def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_
     a mask eager; the tables equal the function's dense mask for captured tensors, masks per head
     (pairs together) and lengths that leave partial blocks both ways; a mask_mod branching on h in
     Python stays eager (pair by pair)."""
-    compile_for, calls = intervals_module._compiled_changes, []
+    compile_for, calls = intervals_module._compiled_words, []
 
     def counting(fn):
         compiled = compile_for(fn)
@@ -408,7 +420,7 @@ def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_
             calls.append(args[3].shape)  # q_idx: the full block's rows every time
             return compiled(*args)
         return counted
-    monkeypatch.setattr(intervals_module, "_compiled_changes", counting)
+    monkeypatch.setattr(intervals_module, "_compiled_words", counting)
     for name in ("document", "per_head_window", "global_tokens"):
         for sq, sk in ((29, 53), (53, 29)):
             calls.clear()
