@@ -713,7 +713,8 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
             f"{m!r}: key column {j}{_where(m, b, h)} has {_column_run_count(fn, b, h, j, q_len, dev)} masked runs "
             f"of query rows, more than max_runs={max_runs} (it may be raised up to {run_bounds.MAX_RUNS_LIMIT})"
         )
-    return slots[..., : 2 * max(1, most)].reshape(n_b, n_h, kv_len, max(1, most), 2)
+    # a copy of the runs in use: the 2 max_runs slots a column had are not kept alive by a view
+    return slots[..., : 2 * max(1, most)].reshape(n_b, n_h, kv_len, max(1, most), 2).contiguous()
 
 
 def _column_block_words(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tuple, compiled, together: bool,
