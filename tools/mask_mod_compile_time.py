@@ -3,11 +3,13 @@ on a square image, the benchmark's dilated window per head (8 heads), causal) at
 the CPU or a GPU. The mask_mod benchmark times it against FlexAttention on a GPU; this is the
 quick look that needs none.
 
-    PYTHONPATH=$PWD python -m tools.mask_mod_compile_time [--seq-len 4096] [--device cpu] [--first-pass eager]
-                                                          [--profile]
+    PYTHONPATH=$PWD python -m tools.mask_mod_compile_time [--seq-len 4096] [--device cpu]
+                                                          [--first-pass eager|compiled] [--profile]
 
 On a GPU, `--first-pass eager` keeps the first pass of the scan eager at every size (the default
-compiles it for large masks: intervals.MASK_MOD_COMPILE_PAIRS). `--profile` adds one more compile of
+compiles it for large masks: intervals.MASK_MOD_COMPILE_PAIRS); `--first-pass compiled` takes the
+compiled pass at every size and on the CPU too (Inductor's C++ code there: the GPU's path, timed
+where there is no GPU; its first call compiles). `--profile` adds one more compile of
 each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
 compile's time goes between the compiled pass, the eager operations and the host syncs.
 """
@@ -51,11 +53,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--first-pass", choices=("auto", "eager"), default="auto")
+    ap.add_argument("--first-pass", choices=("auto", "eager", "compiled"), default="auto")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     if args.first_pass == "eager":
         intervals.MASK_MOD_COMPILE_PAIRS = float("inf")
+    if args.first_pass == "compiled":
+        intervals._compile_scan = lambda g, pairs: not torch.compiler.is_compiling()
     device = torch.device(args.device)
     for name, (fn, heads) in mask_mods(args.seq_len, device).items():
         times = []
