@@ -651,25 +651,26 @@ def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
 
 def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`, in two passes. First the function is evaluated
-    once on every (q, kv) pair, in blocks of rows x columns (MASK_MOD_BLOCK_ELEMENTS at most), and
-    each chunk of MASK_MOD_CHUNK_ROWS rows of a column is kept as a word with a bit per masked row
-    (`_masked_words`). The run changes (a masked row below an attended one or the first row, an
-    attended row below a masked one) follow from the words by bit operations, and each column
-    keeps the words of its chunks that hold one, 2 max_runs at most: a column that fits has no
-    more (`_changed_chunks`). Then, after one host sync for the most such chunks a column of each
-    slice of columns holds, the changes' rows are read from those words (`_place_changes`): change
-    k is the start (k even) or the end (k odd) of run k // 2. A mask per batch row or head is
-    evaluated for every (b, h) pair at once, b and h broadcast like q_idx and kv_idx, where the
-    function's first block so evaluated equals its pair-by-pair evaluation (else pair by pair: a
-    function with Python branches on b or h). On a GPU a large mask takes the first pass through
-    torch.compile (`_compiled_words`), after an eager first block, in blocks of
-    MASK_MOD_COMPILED_BLOCK_ELEMENTS. A last host sync reads the most runs of a column."""
+    once on every (q, kv) pair, in blocks of rows x columns (MASK_MOD_BLOCK_ELEMENTS at most): each
+    chunk of MASK_MOD_CHUNK_ROWS rows of a column becomes a word with a bit per masked row
+    (`_masked_words`), and in the same pass a word with a bit per run change (a masked row below an
+    attended one or the first row, an attended row below a masked one) and the changed chunks of
+    each column are counted (`_chunk_changes`). Each column keeps its first 2 max_runs changed
+    chunks, gathered (`_first_changed_chunks`): a column that fits has no more. Then, after one host
+    sync for the most such chunks a column of each slice of columns holds, the changes' rows are
+    read from those words (`_place_changes`): change k is the start (k even) or the end (k odd) of
+    run k // 2. A mask per batch row or head is evaluated for every (b, h) pair at once, b and h
+    broadcast like q_idx and kv_idx, where the function's first block so evaluated equals its
+    pair-by-pair evaluation (else pair by pair: a function with Python branches on b or h). On a
+    GPU a large mask takes the first pass through torch.compile (`_compiled_changes`), after an eager
+    first block, in blocks of MASK_MOD_COMPILED_BLOCK_ELEMENTS. A last host sync reads the most runs
+    of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
     q_len, kv_len, dev = g.q_len, g.kv_len, g.device
     pairs = n_b * n_h
-    # first the changed chunks of each column (`_changed_chunks`), then the rows of its runs
+    # first the changed chunks of each column (`_first_changed_chunks`), then the rows of its runs
     slots = torch.empty((pairs, kv_len, 2 * max_runs), dtype=torch.int64, device=dev)
     changed = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)  # chunks with a change, per column
     busiest = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)  # the most changes in one of them
@@ -691,7 +692,7 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         rows_compiled = chunk * max(1, min(n_chunks, MASK_MOD_COMPILED_BLOCK_ELEMENTS // (cols * n * chunk)))
         # a GPU takes the first pass through one compiled function per mask_mod (pair by pair, b and h
         # are 0-d, which a graph would read as data-dependent integers: those stay eager)
-        compiled = (_compiled_words(fn) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
+        compiled = (_compiled_changes(fn) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
                     else None)
         for where, b_idx, h_idx in groups:
             for k0 in range(0, kv_len if q_len else 0, cols):
@@ -699,11 +700,13 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
                 # last one and are dropped
                 width = cols if compiled is not None else min(cols, kv_len - k0)
                 kv_idx = torch.arange(k0, k0 + width, device=dev).clamp(max=kv_len - 1)
-                words, compiled = _column_block_words(fn, b_idx, h_idx, kv_idx, q_len, n, (rows, rows_compiled),
-                                                      compiled, together, eager_first=k0 == 0)
+                changes, count, compiled = _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len, n,
+                                                                 (rows, rows_compiled), compiled, together,
+                                                                 eager_first=k0 == 0)
+                first, most = _first_changed_chunks(changes, count, 2 * max_runs)
                 k1 = min(kv_len, k0 + width)
-                slots[where, k0:k1], changed[where, k0:k1], busiest[where, k0:k1] = _changed_chunks(
-                    words[..., :k1 - k0], q_len, 2 * max_runs)
+                slots[where, k0:k1], changed[where, k0:k1] = first[:, :k1 - k0], count[:, :k1 - k0]
+                busiest[where, k0:k1] = most[:, :k1 - k0]
         count = _place_runs(slots, changed, busiest, groups, cols, q_len, max_runs)
     most = int(count.max()) if count.numel() else 0  # a host sync
     if most > max_runs:
@@ -717,39 +720,63 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     return slots[..., : 2 * max(1, most)].reshape(n_b, n_h, kv_len, max(1, most), 2).contiguous()
 
 
-def _column_block_words(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tuple, compiled, together: bool,
-                        eager_first: bool):
-    """The masked words of a block of columns, [n, chunks, cols] (`_masked_words`), over every block
-    of rows (`rows`: the eager and the compiled block's), and the compiled pass, None once the
-    compiler failed (the rest runs eagerly)."""
+def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tuple, compiled, together: bool,
+                          eager_first: bool):
+    """The change words of a block of columns, [n, cols, chunks] int32 (`_chunk_changes`), how many
+    chunks of each column hold a change, [n, cols] int32, over every block of rows (`rows`: the
+    eager and the compiled block's), and the compiled pass, None once the compiler failed (the rest
+    runs eagerly). Columns, not chunks, lead the words: `_first_changed_chunks` reads each column's
+    chunks in order."""
     chunk = MASK_MOD_CHUNK_ROWS
-    n_chunks = -(-q_len // chunk)
-    words = torch.empty((n, n_chunks, kv_idx.numel()), dtype=torch.int64, device=kv_idx.device)
+    n_chunks, cols = -(-q_len // chunk), kv_idx.numel()
+    changes = torch.empty((n, cols, n_chunks), dtype=torch.int32, device=kv_idx.device)
+    count = torch.zeros((n, cols), dtype=torch.int32, device=kv_idx.device)
+    above = torch.zeros((n, 1, cols), dtype=torch.int64, device=kv_idx.device)  # above the first row: attended
     q0 = 0
     while q0 < q_len:
         if compiled is None or eager_first:  # the eager pass checks the function on its first block
             c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[0]) // chunk)
             q_idx = torch.arange(q0, c1 * chunk, device=kv_idx.device)  # past q_len: padding
-            words[:, c0:c1] = _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
+            block, held, last = _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together, above)
             eager_first, q0 = False, q0 + rows[0]
-            continue
-        c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[1]) // chunk)
-        q_idx = torch.arange(q0, q0 + rows[1], device=kv_idx.device)  # rows past the last chunk: dropped
-        try:
-            words[:, c0:c1] = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)[:, :c1 - c0]
-        except Exception as err:  # noqa: BLE001 (the compiler failed; the function runs eagerly)
-            compiled = _compile_failed(fn, err)
-            continue  # this block again, eagerly
-        q0 += rows[1]
-    return words, compiled
+        else:
+            c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[1]) // chunk)
+            q_idx = torch.arange(q0, q0 + rows[1], device=kv_idx.device)  # rows past the last chunk: no change
+            try:
+                block, held, last = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together, above)
+            except Exception as err:  # noqa: BLE001 (the compiler failed; the function runs eagerly)
+                compiled = _compile_failed(fn, err)
+                continue  # this block again, eagerly
+            q0 += rows[1]
+        changes[:, :, c0:c1] = block[:, :c1 - c0].transpose(1, 2)
+        count += held
+        above.copy_(last)  # one buffer, one stride: an eager block's last row (a view) would recompile the graph
+    return changes, count, compiled
+
+
+def _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool, above: torch.Tensor):
+    """One block of rows (a whole number of chunks) of a block of columns: each chunk's run changes
+    as a word, bit r where row r of the chunk differs from the row above it (`above`, [n, 1, cols]
+    0 or 1: the block's row above; the first row's is attended), no change at rows from q_len on,
+    [n, chunks, cols] int32 (bit 31 the sign); how many chunks of each column hold a change, [n, cols]
+    int32; the block's last row, the next block's `above`. Each pair is evaluated once, then
+    pointwise operations and sums only: what Inductor compiles on a GPU (torch 2.11: its Triton code
+    generation fails on a cumulative sum over rows and on a scatter), so that the words leave the
+    compiled pass as change words and counts, not as masked words for eager passes to difference."""
+    chunk = MASK_MOD_CHUNK_ROWS
+    words = _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
+    last_rows = words >> (chunk - 1)  # each chunk's last row: the next chunk's row above
+    row_above = torch.cat([above, last_rows[:, :-1]], dim=1)
+    # a run open at the last row does not end at q_len: bits of rows past it are dropped
+    live = (q_len - q_idx[::chunk]).clamp(0, chunk).view(1, -1, 1)
+    changes = (words ^ ((words << 1) | row_above)) & ((1 << live) - 1)
+    return changes.to(torch.int32), (changes != 0).sum(1, dtype=torch.int32), last_rows[:, -1:]
 
 
 def _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool) -> torch.Tensor:
     """One block of rows (a whole number of chunks) of a block of columns: each chunk's masked rows
     as a word, bit r for the chunk's row r (rows past q_len read as attended), [n, chunks, cols]
-    int64. Each pair is evaluated once, with nothing but a sum after it: what Inductor compiles
-    on a GPU (torch 2.11: its Triton code generation fails on a cumulative sum over rows and on a
-    scatter)."""
+    int64. Each pair is evaluated once, with nothing but a sum after it (Inductor fuses the two)."""
     q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_idx.view(-1, 1), kv_idx.view(1, -1))
     inside = (q_idx < q_len).view(1, -1, 1)
     masked = ~_mask_mod_block(fn, b_idx, h_idx, q_in.clamp(max=q_len - 1), kv_in, kv_idx.device) & inside
@@ -772,27 +799,28 @@ def _packed_words(masked: torch.Tensor) -> torch.Tensor:
     return (by.long() * in_word).sum(2)
 
 
-def _changed_chunks(words: torch.Tensor, q_len: int, spare: int):
-    """The chunks of each column that hold a run change, from its masked words [n, chunks, cols]:
-    the first `spare` of them, [n, cols, spare] int64 (the chunk's index above bit 32, its change
-    bits below; 0 where a column has fewer), how many a column holds and the most changes one of
-    those holds, [n, cols] each. Bit r changes where it differs from the row above's (bit r - 1,
-    or the previous chunk's last bit; above the first row: attended)."""
-    chunk = MASK_MOD_CHUNK_ROWS
-    n, n_chunks, cols = words.shape
-    # in place where it can be: on a GPU these passes over the words are the scan's memory traffic
-    changes = words << 1
-    changes[:, 1:] |= words[:, :-1] >> (chunk - 1)  # the row above each chunk but the first: the last bit before
-    changes ^= words
-    changes &= (1 << chunk) - 1
-    # rows past q_len read as attended: a run open at the last row does not change there
-    changes[:, -1] &= (1 << (q_len - (n_chunks - 1) * chunk)) - 1
-    has = changes != 0
-    slot = torch.cumsum(has, 1).sub_(1).clamp_(max=spare).masked_fill_(~has, spare)  # the first spare, in order
-    packed = torch.zeros((n, spare + 1, cols), dtype=torch.int64, device=words.device)  # slot spare: the rest
-    packed.scatter_(1, slot, changes.bitwise_or_((torch.arange(n_chunks, device=words.device) << 32).view(1, -1, 1)))
-    busiest = _popcount32(packed[:, :spare] & _LOW_32).amax(1).to(torch.int32)
-    return packed[:, :spare].transpose(1, 2), has.sum(1, dtype=torch.int32), busiest
+def _first_changed_chunks(changes: torch.Tensor, count: torch.Tensor, spare: int):
+    """The first `spare` changed chunks of each column, [n, cols, spare] int64 (the chunk's index above
+    bit 32, its change bits below; 0 where a column has fewer), and the most changes one of them
+    holds, [n, cols] int32, from a block's change words [n, cols, chunks] and changed chunks per
+    column `count` (`_column_block_changes`). The changed chunks are gathered, not the words
+    scanned: `nonzero_static` lists them column after column, in order, n cols spare at most (no
+    host sync); a column's k-th is entry k past the changed chunks of the columns before it (the
+    exclusive sum of `count`). Where the bound cuts the list, a column before the cut holds more
+    than `spare`: that mask does not fit max_runs, and the columns the cut shortened come after
+    the one its error names."""
+    n, cols, n_chunks = changes.shape
+    flat = changes.view(-1)
+    found = torch.nonzero_static(flat, size=n * cols * spare).squeeze(1)  # -1 past the last
+    column = found.div(n_chunks, rounding_mode="floor")
+    before = (torch.cumsum(count.view(-1), 0) - count.view(-1)).gather(0, column.clamp(min=0))
+    slot = torch.arange(found.numel(), device=found.device) - before
+    dump = n * cols * spare  # where the entries past a column's spare ones and the padding go
+    to = torch.where((found >= 0) & (slot < spare), column * spare + slot, dump)
+    word = (flat.gather(0, found.clamp(min=0)).long() & _LOW_32) | ((found % n_chunks) << 32)
+    packed = torch.zeros(dump + 1, dtype=torch.int64, device=changes.device).scatter_(0, to, word)
+    packed = packed[:dump].view(n, cols, spare)
+    return packed, _popcount32(packed & _LOW_32).amax(2).to(torch.int32)
 
 
 _LOW_32 = (1 << 32) - 1
@@ -808,7 +836,7 @@ def _popcount32(x: torch.Tensor) -> torch.Tensor:
 
 def _place_runs(slots: torch.Tensor, changed: torch.Tensor, busiest: torch.Tensor, groups, cols: int, q_len: int,
                 max_runs: int) -> torch.Tensor:
-    """Each column's changed chunks in `slots` (`_changed_chunks`: `changed` of them, at most
+    """Each column's changed chunks in `slots` (`_first_changed_chunks`: `changed` of them, at most
     `busiest` changes in one) replaced by its runs' rows (`_place_changes`), slice of `cols` columns
     by slice, as many chunks deep and bits wide as its columns need (all slices' figures read by
     one host sync); returns the runs of each column, [pairs, kv_len], max_runs + 1 for a column
@@ -841,7 +869,7 @@ def _place_runs(slots: torch.Tensor, changed: torch.Tensor, busiest: torch.Tenso
 def _place_changes(chunks: torch.Tensor, bits: int, q_len: int, spare: int):
     """The runs of a slice of columns, [n, cols, spare] (start, end of run r at 2r, 2r + 1; q_len + 1
     where a column has fewer runs), and the changes each column holds, [n, cols], from its changed
-    chunks [n, cols, picks] (`_changed_chunks`, at most `bits` changes in one): change k at slot
+    chunks [n, cols, picks] (`_first_changed_chunks`, at most `bits` changes in one): change k at slot
     k, taken lowest bit first from each chunk, numbered after the changes of the chunks before it;
     a run open at the last row ends at q_len."""
     words, first_row = chunks & _LOW_32, (chunks >> 32) * MASK_MOD_CHUNK_ROWS
@@ -899,18 +927,18 @@ def _compiled_key(fn):
     return fn
 
 
-def _compiled_words(fn):
-    """`_masked_words` under torch.compile for the mask_mod `fn` (one graph per block shape,
+def _compiled_changes(fn):
+    """`_chunk_changes` under torch.compile for the mask_mod `fn` (one graph per block shape,
     as FlexAttention's compiled `create_block_mask` compiles its function), or None where the
     compiler failed on its code before. Each mask_mod code gets its own copy of
-    `_masked_words`, so that other functions are new compiles, not recompiles of one code
+    `_chunk_changes`, so that other functions are new compiles, not recompiles of one code
     object, which Dynamo bounds. Past that bound (a closure over Python ints that change every
     call) Dynamo runs the copy eagerly: right, in blocks that size."""
     key = _compiled_key(fn)
     if key not in _COMPILED:
         while len(_COMPILED) >= _COMPILED_KEPT:
             _COMPILED.pop(next(iter(_COMPILED)))
-        own = types.FunctionType(_masked_words.__code__.replace(), _masked_words.__globals__, "_masked_words")
+        own = types.FunctionType(_chunk_changes.__code__.replace(), _chunk_changes.__globals__, "_chunk_changes")
         _COMPILED[key] = torch.compile(own, fullgraph=True, dynamic=False)
     return _COMPILED[key]
 
