@@ -314,42 +314,55 @@ def test_two_runs_within_max_runs_fit():
                        masks.causal().to_dense(10, 10))
 
 
+def test_column_past_its_chunks_counts_its_runs():
+    """A column with more chunks holding a change than 2 max_runs is known to need too many runs
+    without its changes being placed; the error still names its exact run count (the column
+    evaluated again), and the first such column."""
+    chunk = intervals_module.MASK_MOD_CHUNK_ROWS
+    sq = 40 * chunk
+
+    def spaced(b, h, q, kv):  # column 2: a masked row at the top of each of the 40 chunks
+        return ~((kv == 2) & (q % chunk == 0)) & ~((kv == 3) & (q % (2 * chunk) == 0))
+
+    with pytest.raises(ValueError, match=r"key column 2 has 40 masked runs of query rows, more than max_runs=16"):
+        masks.from_mask_mod(spaced, max_runs=16).to_dense(sq, 5)
+    fits = 16 * chunk - 3  # 16 runs in column 2, in 16 chunks: placed
+    assert torch.equal(masks.from_mask_mod(spaced, max_runs=16).to_dense(fits, 5), dense_of_mod(spaced, fits, 5)[0, 0])
+
+
 # --- evaluation in blocks -------------------------------------------------------------------------
 
 
 def test_evaluated_in_blocks():
     """3000 x 3000 is evaluated in blocks well below q_len x kv_len, and the runs found across the
-    row blocks join up (a window's runs cross every block boundary). The first pass sees each pair
-    once (rows padded to whole chunks: [rows, 1] x [1, cols] blocks); the second sees the
-    chunks with a run change again, q_idx [rows, cols] per column, a small part of the pairs."""
+    row blocks join up (a window's runs cross every block boundary). The function sees each pair
+    once (rows padded to whole chunks: [rows, 1] x [1, cols] blocks) and never again: the runs'
+    rows come from the first pass's words of masked bits."""
     sq = sk = 3000
-    first, second = [], []
+    seen = []
 
     def recorded(b, h, q, kv):
         assert q.dtype == kv.dtype == b.dtype == h.dtype == torch.int64 and b.dim() == h.dim() == 0
-        assert q.dim() == kv.dim() == 2 and kv.shape[0] == 1
-        (first if q.shape[1] == 1 else second).append((q.shape[0], kv.shape[1]))
+        assert q.dim() == kv.dim() == 2 and q.shape[1] == 1 and kv.shape[0] == 1
+        seen.append((q.shape[0], kv.shape[1]))
         return (kv <= q) & (q - kv <= 1500)
 
     got = masks.from_mask_mod(recorded).intervals(sq, sk)
     assert torch.equal(got, masks.sliding_window(1500).intervals(sq, sk))
-    largest = max(r * c for r, c in first + second)
-    assert len(first) > 1 and largest <= intervals_module.MASK_MOD_BLOCK_ELEMENTS < sq * sk
+    assert len(seen) > 1 and max(r * c for r, c in seen) <= intervals_module.MASK_MOD_BLOCK_ELEMENTS < sq * sk
     chunk = intervals_module.MASK_MOD_CHUNK_ROWS
-    assert sum(r * c for r, c in first) == -(-sq // chunk) * chunk * sk  # each pair once, and the padding
-    # a column of this window has two runs, [0, kv) and [kv + 1501, sq): three changes, in three
-    # chunks at most; the second pass evaluates that many chunks of every column and the row above each
-    assert 0 < sum(r * c for r, c in second) <= 3 * (chunk + 1) * sk < sq * sk // 7
+    assert sum(r * c for r, c in seen) == -(-sq // chunk) * chunk * sk  # each pair once, and the padding
 
 
-@pytest.mark.parametrize("chunk, elements, columns", [(1, 12, 4), (3, 40, 8), (4, 64, 5), (16, 4096, 64)],
-                         ids=["chunk1", "chunk3", "chunk4", "chunk16"])
+@pytest.mark.parametrize("chunk, elements, columns", [(1, 12, 4), (3, 40, 8), (4, 64, 5), (16, 4096, 64), (32, 128, 4)],
+                         ids=["chunk1", "chunk3", "chunk4", "chunk16", "chunk32"])
 def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns):
     """Random masks of up to max_runs runs per column, from a captured dense tensor (per head too,
     evaluated together and pair by pair), Sq != Sk both ways, lengths that leave a partial last
-    chunk, row block and column block: the runs equal the dense mask's, with chunks of 1-16 rows
-    (the first pass counts changes per chunk, the second places them), and a column with one run
-    too many fails naming its count."""
+    chunk, row block and column block: the runs equal the dense mask's, with chunks of 1-32 rows
+    (the first pass counts changes per chunk, the second places them; with 32, column 1's run
+    ending at row 31 sets a change word's sign bit, and rows blocks of one chunk carry the row
+    above from block to block), and a column with one run too many fails naming its count."""
     monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", chunk)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", elements)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", columns)
@@ -379,6 +392,44 @@ def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns):
                               rf"more than max_runs={runs - 1}", str(err.value))
             j, h, n = int(found.group(1)), int(found.group(2) or 0), int(found.group(3))
             assert n == int(count[h, j]) == runs, str(err.value)
+
+
+def first_chunks_by_hand(changes: torch.Tensor, spare: int) -> torch.Tensor:
+    """`_first_changed_chunks`'s table the slow way: each column's nonzero words in order, the first
+    `spare`, as (chunk << 32) | (bits as unsigned 32), zeros after."""
+    n, cols, _ = changes.shape
+    want = torch.zeros((n, cols, spare), dtype=torch.int64)
+    for i in range(n):
+        for j in range(cols):
+            chunks = changes[i, j].nonzero().flatten()[:spare]
+            want[i, j, :chunks.numel()] = (chunks << 32) | (changes[i, j, chunks].long() & 0xFFFFFFFF)
+    return want
+
+
+def test_first_changed_chunks_gathers_in_column_order():
+    """The changed chunks are gathered from a list of n cols spare entries: each column gets its
+    first `spare` in chunk order, words with bit 31 set (negative int32) read as unsigned, and the
+    most changes of one kept chunk. A column with more than `spare` (a mask that cannot fit) fills
+    the list early: columns before it keep every chunk; the ones cut short come after it."""
+    gen = torch.Generator().manual_seed(0)
+    n, cols, chunks, spare = 2, 7, 40, 4
+    changes = torch.randint(-2 ** 31, 2 ** 31, (n, cols, chunks), generator=gen, dtype=torch.int64).to(torch.int32)
+    changes *= torch.rand(n, cols, chunks, generator=gen) < 0.06  # ~2.4 changed chunks a column
+    changes[0, 1:3, :] = 0  # column 1 unchanged, column 2 three chunks
+    changes[0, 2, [0, 7, 39]] = torch.tensor([-1, 1, 2 ** 31 - 1], dtype=torch.int32)
+    count = (changes != 0).sum(2, dtype=torch.int32)
+    got, busiest = intervals_module._first_changed_chunks(changes, count, spare)
+    want = first_chunks_by_hand(changes, spare)
+    assert torch.equal(got, want)
+    assert torch.equal(got[0, 2, :4], torch.tensor([0xFFFFFFFF, (7 << 32) | 1, (39 << 32) | (2 ** 31 - 1), 0]))
+    assert torch.equal(busiest, intervals_module._popcount32(want & 0xFFFFFFFF).amax(2).to(torch.int32))
+    changes[0, 3, :] = 1  # 40 changed chunks: the list (56 entries) ends inside pair 1
+    count = (changes != 0).sum(2, dtype=torch.int32)
+    got, _ = intervals_module._first_changed_chunks(changes, count, spare)
+    want = first_chunks_by_hand(changes, spare)
+    assert count.sum() > n * cols * spare
+    assert torch.equal(got[0], want[0])  # the columns of pair 0, the long one included: whole
+    assert not torch.equal(got[1], want[1])  # the list's end: pair 1's last columns cut
 
 
 @pytest.fixture
@@ -427,7 +478,12 @@ def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_
 def test_compiled_first_pass_is_shared_by_closures_of_one_code(forced_compiled_pass):
     """A mask_mod made anew each step (a closure over new document ids, another window) reuses the
     compile of its code, and each closure gets its own tables (Dynamo's guards on what the closure
-    captures, not a stale graph)."""
+    captures, not a stale graph). Two graphs in all, one per window (a captured int): the row
+    above a block, carried from block to block, comes in one layout whatever block (eager or
+    compiled) gave it, so that a mask never compiles twice."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
 
     def make(doc, window):
         def same_doc_window(b, h, q, kv):
@@ -440,6 +496,7 @@ def test_compiled_first_pass_is_shared_by_closures_of_one_code(forced_compiled_p
         got = masks.from_mask_mod(fn).to_dense(29, 53)
         assert torch.equal(got, dense_of_mod(fn, 29, 53)[0, 0]), (seed, window)
     assert list(intervals_module._COMPILED) == [fn.__code__]
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_compiled_first_pass_takes_unhashable_callables(forced_compiled_pass):

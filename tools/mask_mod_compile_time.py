@@ -3,10 +3,15 @@ on a square image, the benchmark's dilated window per head (8 heads), causal) at
 the CPU or a GPU. The mask_mod benchmark times it against FlexAttention on a GPU; this is the
 quick look that needs none.
 
-    PYTHONPATH=$PWD python -m tools.mask_mod_compile_time [--seq-len 4096] [--device cpu] [--first-pass eager]
+    PYTHONPATH=$PWD python -m tools.mask_mod_compile_time [--seq-len 4096] [--device cpu]
+                                                          [--first-pass eager|compiled] [--profile]
 
 On a GPU, `--first-pass eager` keeps the first pass of the scan eager at every size (the default
-compiles it for large masks: intervals.MASK_MOD_COMPILE_PAIRS).
+compiles it for large masks: intervals.MASK_MOD_COMPILE_PAIRS); `--first-pass compiled` takes the
+compiled pass at every size and on the CPU too (Inductor's C++ code there: the GPU's path, timed
+where there is no GPU; its first call compiles). `--profile` adds one more compile of
+each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
+compile's time goes between the compiled pass, the eager operations and the host syncs.
 """
 
 from __future__ import annotations
@@ -30,15 +35,31 @@ def mask_mods(seq_len: int, device) -> dict:
             "causal": (lambda b, h, q, kv: kv <= q, None)}
 
 
+def profiled(build, device) -> str:
+    """The operators of one call of `build`, by their time on `device`, as torch.profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        build()
+        if cuda:
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                     row_limit=20, max_name_column_width=60)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--first-pass", choices=("auto", "eager"), default="auto")
+    ap.add_argument("--first-pass", choices=("auto", "eager", "compiled"), default="auto")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     if args.first_pass == "eager":
         intervals.MASK_MOD_COMPILE_PAIRS = float("inf")
+    if args.first_pass == "compiled":
+        intervals._compile_scan = lambda g, pairs: not torch.compiler.is_compiling()
     device = torch.device(args.device)
     for name, (fn, heads) in mask_mods(args.seq_len, device).items():
         times = []
@@ -52,6 +73,9 @@ def main(argv=None) -> int:
             times.append(time.perf_counter() - t0)
         print(f"{name:20s} S={args.seq_len} {args.device} {args.first_pass}: first {times[0] * 1e3:9.1f} ms, "
               f"best {min(times) * 1e3:9.1f} ms of {args.repeats}")
+        if args.profile:
+            print(profiled(lambda: masks.from_mask_mod(fn, heads=heads, max_runs=16).intervals(
+                args.seq_len, args.seq_len, device=device), device))
     return 0
 
 

@@ -560,12 +560,14 @@ def _canonical_from_runs(runs: torch.Tensor, q_len: int) -> torch.Tensor:
 
 _RUN_KINDS = ("column_runs", "mask_mod", *RUN_BUILDERS)
 
-# One mask_mod call sees at most this many (q_idx, kv_idx) pairs: with the int32 temporaries of
-# the run scan, some 100 MB of transient memory, whatever q_len x kv_len is.
+# One mask_mod call sees at most this many (q_idx, kv_idx) pairs: some 100 MB of transient memory
+# for its temporaries, whatever q_len x kv_len is.
 MASK_MOD_BLOCK_ELEMENTS = 1 << 22
 MASK_MOD_BLOCK_COLUMNS = 4096
-MASK_MOD_CHUNK_ROWS = 32  # the first pass counts run changes per chunk of this many rows
-MASK_MOD_COUNT_ELEMENTS = 1 << 24  # the most change counts (chunks x columns) a block of columns holds
+MASK_MOD_CHUNK_ROWS = 32  # the first pass keeps a word per chunk of this many rows, a bit a row (32 at most)
+# the most words (chunks x columns) a block of columns holds: int64, with the passes over them some
+# 0.5 GB of transient memory at most
+MASK_MOD_COUNT_ELEMENTS = 1 << 24
 
 
 def _holds_run_kinds(m) -> bool:
@@ -648,27 +650,30 @@ def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
 
 
 def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
-    """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`, in two passes per block of columns. First the
-    function is evaluated on every (q, kv) pair, in blocks of rows x
-    columns (MASK_MOD_BLOCK_ELEMENTS at most), and only the run changes (a masked row below an
-    attended one or the first row, an attended row below a masked one) are counted, per chunk of
-    MASK_MOD_CHUNK_ROWS rows and column (`_chunk_changes`); a column's change count gives its run
-    count. Then, in the few chunks of each column with a change (at most 2 max_runs of them
-    when the column fits; their number read by one host sync a block of columns), the function is
-    evaluated again and the changes' rows placed: change k is the start (k even) or the end (k
-    odd) of run k // 2 (`_place_changes`). A mask per batch
-    row or head is evaluated for every (b, h) pair at once, b and h broadcast like q_idx and
-    kv_idx, where the function's first block so evaluated equals its pair-by-pair evaluation
-    (else pair by pair: a function with Python branches on b or h). On a GPU a large mask takes
-    the first pass through torch.compile (`_compiled_changes`), after an eager first block, in
-    blocks of MASK_MOD_COMPILED_BLOCK_ELEMENTS. A last host sync reads the most runs of a column."""
+    """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`, in two passes. First the function is evaluated
+    once on every (q, kv) pair, in blocks of rows x columns (MASK_MOD_BLOCK_ELEMENTS at most): each
+    chunk of MASK_MOD_CHUNK_ROWS rows of a column becomes a word with a bit per masked row
+    (`_masked_words`), and in the same pass a word with a bit per run change (a masked row below an
+    attended one or the first row, an attended row below a masked one) and the changed chunks of
+    each column are counted (`_chunk_changes`). Each column keeps its first 2 max_runs changed
+    chunks, gathered (`_first_changed_chunks`): a column that fits has no more. Then, after one host
+    sync for the most such chunks a column of each slice of columns holds, the changes' rows are
+    read from those words (`_place_changes`): change k is the start (k even) or the end (k odd) of
+    run k // 2. A mask per batch row or head is evaluated for every (b, h) pair at once, b and h
+    broadcast like q_idx and kv_idx, where the function's first block so evaluated equals its
+    pair-by-pair evaluation (else pair by pair: a function with Python branches on b or h). On a
+    GPU a large mask takes the first pass through torch.compile (`_compiled_changes`), after an eager
+    first block, in blocks of MASK_MOD_COMPILED_BLOCK_ELEMENTS. A last host sync reads the most runs
+    of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
     q_len, kv_len, dev = g.q_len, g.kv_len, g.device
     pairs = n_b * n_h
-    slots = torch.full((pairs, kv_len, 2 * max_runs), q_len + 1, dtype=torch.int32, device=dev)
-    count = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)
+    # first the changed chunks of each column (`_first_changed_chunks`), then the rows of its runs
+    slots = torch.empty((pairs, kv_len, 2 * max_runs), dtype=torch.int64, device=dev)
+    changed = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)  # chunks with a change, per column
+    busiest = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)  # the most changes in one of them
     with torch.no_grad():
         together = pairs > 1 and q_len and kv_len and _broadcasts_over_pairs(fn, n_b, n_h, q_len, kv_len, dev)
         if pairs == 1 or together:
@@ -679,7 +684,7 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         n = pairs if together else 1
         chunk = MASK_MOD_CHUNK_ROWS
         n_chunks = -(-q_len // chunk)
-        # the change counts of a block of columns, [n, chunks, cols], stay under MASK_MOD_COUNT_ELEMENTS
+        # the words of a block of columns, [n, chunks, cols], stay under MASK_MOD_COUNT_ELEMENTS
         cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS, MASK_MOD_COUNT_ELEMENTS // max(1, n * n_chunks)))
         rows = chunk * max(1, min(n_chunks, MASK_MOD_BLOCK_ELEMENTS // (cols * n * chunk)))
         # the compiled pass holds no block in memory (Inductor fuses the predicate into the sum):
@@ -690,78 +695,210 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         compiled = (_compiled_changes(fn) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
                     else None)
         for where, b_idx, h_idx in groups:
-            first = True
             for k0 in range(0, kv_len if q_len else 0, cols):
                 # compiled: every block has the full shape (one graph); columns past kv_len repeat the
-                # last one and are dropped, rows past the last chunk are dropped
+                # last one and are dropped
                 width = cols if compiled is not None else min(cols, kv_len - k0)
                 kv_idx = torch.arange(k0, k0 + width, device=dev).clamp(max=kv_len - 1)
-                counts = torch.empty((n, n_chunks, width), dtype=torch.uint8, device=dev)
-                above = torch.zeros((n, width), dtype=torch.bool, device=dev)  # the previous row masked
-                q0 = 0
-                while q0 < q_len:
-                    if compiled is None or first:  # the eager pass checks the function on its first block
-                        c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows) // chunk)
-                        q_idx = torch.arange(q0, c1 * chunk, device=dev)  # past q_len: padding
-                        above, counts[:, c0:c1] = _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, above, q_len,
-                                                                 together)
-                        first, q0 = False, q0 + rows
-                        continue
-                    c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows_compiled) // chunk)
-                    q_idx = torch.arange(q0, q0 + rows_compiled, device=dev)
-                    try:
-                        counts[:, c0:c1] = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)[:, :c1 - c0]
-                    except Exception as err:  # noqa: BLE001 (the compiler failed; the function runs eagerly)
-                        compiled = _compile_failed(fn, err)
-                        above = _mask_mod_at(fn, b_idx, h_idx, torch.full((n, 1, width), q0 - 1, device=dev),
-                                             kv_idx, together)[:, 0]
-                        continue  # this block again, eagerly
-                    q0 += rows_compiled
-                w = min(width, kv_len - k0)
-                counts, kv_idx = counts[..., :w], kv_idx[:w]
-                width = w
-                changes = counts.sum(1, dtype=torch.int32)  # [n, width]
-                count[where, k0:k0 + width] = (changes + 1) // 2  # a run open at the last row counts
-                slots[where, k0:k0 + width] = _place_changes(fn, b_idx, h_idx, kv_idx, counts, changes,
-                                                             q_len, max_runs, together)
+                changes, count, compiled = _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len, n,
+                                                                 (rows, rows_compiled), compiled, together,
+                                                                 eager_first=k0 == 0)
+                first, most = _first_changed_chunks(changes, count, 2 * max_runs)
+                k1 = min(kv_len, k0 + width)
+                slots[where, k0:k1], changed[where, k0:k1] = first[:, :k1 - k0], count[:, :k1 - k0]
+                busiest[where, k0:k1] = most[:, :k1 - k0]
+        count = _place_runs(slots, changed, busiest, groups, cols, q_len, max_runs)
     most = int(count.max()) if count.numel() else 0  # a host sync
     if most > max_runs:
         i, j = (count > max_runs).nonzero()[0].tolist()
         b, h = i // n_h, i % n_h
         raise ValueError(
-            f"{m!r}: key column {j}{_where(m, b, h)} has {int(count[i, j])} masked runs of query rows, "
-            f"more than max_runs={max_runs} (it may be raised up to {run_bounds.MAX_RUNS_LIMIT})"
+            f"{m!r}: key column {j}{_where(m, b, h)} has {_column_run_count(fn, b, h, j, q_len, dev)} masked runs "
+            f"of query rows, more than max_runs={max_runs} (it may be raised up to {run_bounds.MAX_RUNS_LIMIT})"
         )
-    runs = slots[..., : 2 * max(1, most)].view(n_b, n_h, kv_len, max(1, most), 2)
-    return runs.to(torch.int64)
+    # a copy of the runs in use: the 2 max_runs slots a column had are not kept alive by a view
+    return slots[..., : 2 * max(1, most)].reshape(n_b, n_h, kv_len, max(1, most), 2).contiguous()
 
 
-def _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, above, q_len: int, together: bool):
-    """One block of rows (a whole number of chunks; rows past q_len read as attended): the run
-    changes counted per chunk and column, [n, chunks, cols] (uint8), and the block's last row
-    (masked or not), the next block's row above."""
+def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tuple, compiled, together: bool,
+                          eager_first: bool):
+    """The change words of a block of columns, [n, cols, chunks] int32 (`_chunk_changes`), how many
+    chunks of each column hold a change, [n, cols] int32, over every block of rows (`rows`: the
+    eager and the compiled block's), and the compiled pass, None once the compiler failed (the rest
+    runs eagerly). Columns, not chunks, lead the words: `_first_changed_chunks` reads each column's
+    chunks in order."""
+    chunk = MASK_MOD_CHUNK_ROWS
+    n_chunks, cols = -(-q_len // chunk), kv_idx.numel()
+    changes = torch.empty((n, cols, n_chunks), dtype=torch.int32, device=kv_idx.device)
+    count = torch.zeros((n, cols), dtype=torch.int32, device=kv_idx.device)
+    above = torch.zeros((n, 1, cols), dtype=torch.int64, device=kv_idx.device)  # above the first row: attended
+    q0 = 0
+    while q0 < q_len:
+        if compiled is None or eager_first:  # the eager pass checks the function on its first block
+            c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[0]) // chunk)
+            q_idx = torch.arange(q0, c1 * chunk, device=kv_idx.device)  # past q_len: padding
+            block, held, last = _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together, above)
+            eager_first, q0 = False, q0 + rows[0]
+        else:
+            c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[1]) // chunk)
+            q_idx = torch.arange(q0, q0 + rows[1], device=kv_idx.device)  # rows past the last chunk: no change
+            try:
+                block, held, last = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together, above)
+            except Exception as err:  # noqa: BLE001 (the compiler failed; the function runs eagerly)
+                compiled = _compile_failed(fn, err)
+                continue  # this block again, eagerly
+            q0 += rows[1]
+        changes[:, :, c0:c1] = block[:, :c1 - c0].transpose(1, 2)
+        count += held
+        above.copy_(last)  # one buffer, one stride: an eager block's last row (a view) would recompile the graph
+    return changes, count, compiled
+
+
+def _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool, above: torch.Tensor):
+    """One block of rows (a whole number of chunks) of a block of columns: each chunk's run changes
+    as a word, bit r where row r of the chunk differs from the row above it (`above`, [n, 1, cols]
+    0 or 1: the block's row above; the first row's is attended), no change at rows from q_len on,
+    [n, chunks, cols] int32 (bit 31 the sign); how many chunks of each column hold a change, [n, cols]
+    int32; the block's last row, the next block's `above`. Each pair is evaluated once, then
+    pointwise operations and sums only: what Inductor compiles on a GPU (torch 2.11: its Triton code
+    generation fails on a cumulative sum over rows and on a scatter), so that the words leave the
+    compiled pass as change words and counts, not as masked words for eager passes to difference."""
+    chunk = MASK_MOD_CHUNK_ROWS
+    words = _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
+    last_rows = words >> (chunk - 1)  # each chunk's last row: the next chunk's row above
+    row_above = torch.cat([above, last_rows[:, :-1]], dim=1)
+    # a run open at the last row does not end at q_len: bits of rows past it are dropped
+    live = (q_len - q_idx[::chunk]).clamp(0, chunk).view(1, -1, 1)
+    changes = (words ^ ((words << 1) | row_above)) & ((1 << live) - 1)
+    return changes.to(torch.int32), (changes != 0).sum(1, dtype=torch.int32), last_rows[:, -1:]
+
+
+def _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool) -> torch.Tensor:
+    """One block of rows (a whole number of chunks) of a block of columns: each chunk's masked rows
+    as a word, bit r for the chunk's row r (rows past q_len read as attended), [n, chunks, cols]
+    int64. Each pair is evaluated once, with nothing but a sum after it (Inductor fuses the two)."""
     q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_idx.view(-1, 1), kv_idx.view(1, -1))
-    clamped = q_in.clamp(max=q_len - 1)
     inside = (q_idx < q_len).view(1, -1, 1)
-    masked = ~_mask_mod_block(fn, b_idx, h_idx, clamped, kv_in, above.device) & inside
-    change = (masked != torch.cat([above[:, None], masked[:, :-1]], 1)) & inside  # none in the padding
-    n, rows, cols = change.shape
-    per_chunk = change.view(n, rows // MASK_MOD_CHUNK_ROWS, MASK_MOD_CHUNK_ROWS, cols).sum(2, dtype=torch.uint8)
-    return masked[:, -1], per_chunk
+    masked = ~_mask_mod_block(fn, b_idx, h_idx, q_in.clamp(max=q_len - 1), kv_in, kv_idx.device) & inside
+    return _packed_words(masked)
 
 
-def _changes_per_chunk(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool):
-    """`_chunk_changes` without state, for the compiler: the row above each row evaluated too
-    (the function at q - 1), its changes counted per chunk as int32 [n, chunks, cols]; rows
-    past q_len have none. Elementwise and a sum: what Inductor compiles on a GPU (torch 2.11:
-    its Triton code generation fails on a cumulative sum over rows and on a scatter)."""
-    q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_idx.view(-1, 1), kv_idx.view(1, -1))
-    inside = (q_idx < q_len).view(1, -1, 1)
-    masked = ~_mask_mod_block(fn, b_idx, h_idx, q_in.clamp(max=q_len - 1), kv_in, kv_idx.device)
-    above = ~_mask_mod_block(fn, b_idx, h_idx, (q_in - 1).clamp(0, q_len - 1), kv_in, kv_idx.device)
-    change = (masked != (above & (q_idx > 0).view(1, -1, 1))) & inside
-    n, rows, cols = change.shape
-    return change.view(n, rows // MASK_MOD_CHUNK_ROWS, MASK_MOD_CHUNK_ROWS, cols).sum(2, dtype=torch.int32)
+def _packed_words(masked: torch.Tensor) -> torch.Tensor:
+    """Each chunk of a bool block [n, rows, cols] as an int64 word [n, chunks, cols], bit r for row r
+    of the chunk. Compiled, one sum over the chunk's rows, which Inductor fuses with the predicate;
+    eagerly, the rows summed first into bytes (uint8 arithmetic: 20x faster on a CPU than the
+    int64 sum), then four bytes into a word."""
+    n, rows, cols = masked.shape
+    chunk = MASK_MOD_CHUNK_ROWS
+    if torch.compiler.is_compiling() or chunk % 8:
+        bit = (2 ** torch.arange(chunk, device=masked.device)).view(1, 1, chunk, 1)
+        return torch.where(masked.view(n, rows // chunk, chunk, cols), bit, 0).sum(2)
+    in_byte = (2 ** torch.arange(8, device=masked.device)).to(torch.uint8).view(1, 1, 1, 8, 1)
+    by = (masked.view(n, rows // chunk, chunk // 8, 8, cols).to(torch.uint8) * in_byte).sum(3, dtype=torch.uint8)
+    in_word = (256 ** torch.arange(chunk // 8, device=masked.device)).view(1, 1, -1, 1)
+    return (by.long() * in_word).sum(2)
+
+
+def _first_changed_chunks(changes: torch.Tensor, count: torch.Tensor, spare: int):
+    """The first `spare` changed chunks of each column, [n, cols, spare] int64 (the chunk's index above
+    bit 32, its change bits below; 0 where a column has fewer), and the most changes one of them
+    holds, [n, cols] int32, from a block's change words [n, cols, chunks] and changed chunks per
+    column `count` (`_column_block_changes`). The changed chunks are gathered, not the words
+    scanned: `nonzero_static` lists them column after column, in order, n cols spare at most (no
+    host sync); a column's k-th is entry k past the changed chunks of the columns before it (the
+    exclusive sum of `count`). Where the bound cuts the list, a column before the cut holds more
+    than `spare`: that mask does not fit max_runs, and the columns the cut shortened come after
+    the one its error names."""
+    n, cols, n_chunks = changes.shape
+    flat = changes.view(-1)
+    found = torch.nonzero_static(flat, size=n * cols * spare).squeeze(1)  # -1 past the last
+    column = found.div(n_chunks, rounding_mode="floor")
+    before = (torch.cumsum(count.view(-1), 0) - count.view(-1)).gather(0, column.clamp(min=0))
+    slot = torch.arange(found.numel(), device=found.device) - before
+    dump = n * cols * spare  # where the entries past a column's spare ones and the padding go
+    to = torch.where((found >= 0) & (slot < spare), column * spare + slot, dump)
+    word = (flat.gather(0, found.clamp(min=0)).long() & _LOW_32) | ((found % n_chunks) << 32)
+    packed = torch.zeros(dump + 1, dtype=torch.int64, device=changes.device).scatter_(0, to, word)
+    packed = packed[:dump].view(n, cols, spare)
+    return packed, _popcount32(packed & _LOW_32).amax(2).to(torch.int32)
+
+
+_LOW_32 = (1 << 32) - 1
+
+
+def _popcount32(x: torch.Tensor) -> torch.Tensor:
+    """Set bits of each value of x (int64 below 2^32), by halves, nibbles and bytes summed in place."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24) & 0xFF
+
+
+def _place_runs(slots: torch.Tensor, changed: torch.Tensor, busiest: torch.Tensor, groups, cols: int, q_len: int,
+                max_runs: int) -> torch.Tensor:
+    """Each column's changed chunks in `slots` (`_first_changed_chunks`: `changed` of them, at most
+    `busiest` changes in one) replaced by its runs' rows (`_place_changes`), slice of `cols` columns
+    by slice, as many chunks deep and bits wide as its columns need (all slices' figures read by
+    one host sync); returns the runs of each column, [pairs, kv_len], max_runs + 1 for a column
+    with more changed chunks than 2 max_runs (more runs than max_runs, not counted)."""
+    spare = 2 * max_runs
+    pairs, kv_len = changed.shape
+    count = torch.zeros_like(changed)
+    if kv_len == 0:
+        return count
+    per_slice = torch.nn.functional.pad(torch.stack([changed, busiest]), (0, -kv_len % cols))
+    deepest, widest = per_slice.view(2, pairs, -1, cols).amax(3).tolist()  # the host sync
+    for where, _, _ in groups:
+        members = range(pairs)[where]
+        for s, k0 in enumerate(range(0, kv_len, cols)):
+            k1 = min(kv_len, k0 + cols)
+            picks = min(spare, max(deepest[i][s] for i in members))
+            if picks == 0:
+                slots[where, k0:k1] = q_len + 1
+                continue
+            bits = max(widest[i][s] for i in members)
+            step = max(1, MASK_MOD_BLOCK_ELEMENTS // (len(members) * picks))
+            for c0 in range(k0, k1, step):
+                c1 = min(k1, c0 + step)
+                runs, changes = _place_changes(slots[where, c0:c1, :picks], bits, q_len, spare)
+                slots[where, c0:c1] = runs
+                count[where, c0:c1] = torch.where(changed[where, c0:c1] > spare, max_runs + 1, (changes + 1) // 2)
+    return count
+
+
+def _place_changes(chunks: torch.Tensor, bits: int, q_len: int, spare: int):
+    """The runs of a slice of columns, [n, cols, spare] (start, end of run r at 2r, 2r + 1; q_len + 1
+    where a column has fewer runs), and the changes each column holds, [n, cols], from its changed
+    chunks [n, cols, picks] (`_first_changed_chunks`, at most `bits` changes in one): change k at slot
+    k, taken lowest bit first from each chunk, numbered after the changes of the chunks before it;
+    a run open at the last row ends at q_len."""
+    words, first_row = chunks & _LOW_32, (chunks >> 32) * MASK_MOD_CHUNK_ROWS
+    held = _popcount32(words)
+    k = torch.cumsum(held, 2) - held  # the number of the chunk's first change: start (even) or end (odd) of run k // 2
+    out = torch.full((*chunks.shape[:2], spare + 1), q_len + 1, dtype=torch.int64, device=chunks.device)
+    for _ in range(bits):
+        low = words & -words
+        row = first_row + torch.frexp(low.double()).exponent.long() - 1  # low = 2^e: frexp gives e + 1
+        out.scatter_(2, torch.where(low != 0, k.clamp(max=spare), spare), row)
+        words, k = words ^ low, k + 1
+    total = held.sum(2)
+    closing = torch.where(total % 2 == 1, total.clamp(max=spare), spare)  # a run open at the last row
+    out.scatter_(2, closing[..., None], q_len)
+    return out[..., :spare], total
+
+
+def _column_run_count(fn, b: int, h: int, j: int, q_len: int, device) -> int:
+    """The masked runs of key column j of pair (b, h), its rows evaluated in blocks: the count an
+    error names where the first pass only knew it was more than max_runs."""
+    runs, above = 0, torch.zeros(1, dtype=torch.bool, device=device)
+    b_idx, h_idx = torch.tensor(b, device=device), torch.tensor(h, device=device)
+    kv = torch.tensor([[j]], device=device)
+    for q0 in range(0, q_len, MASK_MOD_BLOCK_ELEMENTS):
+        q = torch.arange(q0, min(q_len, q0 + MASK_MOD_BLOCK_ELEMENTS), device=device).view(-1, 1)
+        masked = ~_mask_mod_block(fn, b_idx, h_idx, q, kv, device)[0, :, 0]
+        runs += int((masked & ~torch.cat([above, masked[:-1]])).sum())
+        above = masked[-1:]
+    return runs
 
 
 # On a GPU, masks of at least this many (b, h, q, kv) evaluations take the compiled first pass:
@@ -791,18 +928,17 @@ def _compiled_key(fn):
 
 
 def _compiled_changes(fn):
-    """`_changes_per_chunk` under torch.compile for the mask_mod `fn` (one graph per block shape,
+    """`_chunk_changes` under torch.compile for the mask_mod `fn` (one graph per block shape,
     as FlexAttention's compiled `create_block_mask` compiles its function), or None where the
     compiler failed on its code before. Each mask_mod code gets its own copy of
-    `_changes_per_chunk`, so that other functions are new compiles, not recompiles of one code
+    `_chunk_changes`, so that other functions are new compiles, not recompiles of one code
     object, which Dynamo bounds. Past that bound (a closure over Python ints that change every
     call) Dynamo runs the copy eagerly: right, in blocks that size."""
     key = _compiled_key(fn)
     if key not in _COMPILED:
         while len(_COMPILED) >= _COMPILED_KEPT:
             _COMPILED.pop(next(iter(_COMPILED)))
-        own = types.FunctionType(_changes_per_chunk.__code__.replace(), _changes_per_chunk.__globals__,
-                                 "_changes_per_chunk")
+        own = types.FunctionType(_chunk_changes.__code__.replace(), _chunk_changes.__globals__, "_chunk_changes")
         _COMPILED[key] = torch.compile(own, fullgraph=True, dynamic=False)
     return _COMPILED[key]
 
@@ -812,58 +948,9 @@ def _compile_failed(fn, err: Exception):
     from now on."""
     warnings.warn(f"from_mask_mod: the compiled first pass failed ({type(err).__name__}: "
                   f"{str(err).splitlines()[0][:200] if str(err) else ''}); evaluating this mask_mod eagerly",
-                  RuntimeWarning, stacklevel=3)
+                  RuntimeWarning, stacklevel=4)
     _COMPILED[_compiled_key(fn)] = None
     return None
-
-
-def _place_changes(fn, b_idx, h_idx, kv_idx, counts, changes, q_len: int, max_runs: int, together: bool):
-    """The runs of a block of columns, [n, cols, 2 max_runs] (start, end of run r at 2r, 2r + 1;
-    q_len + 1 where a column has fewer runs), from its change counts per chunk: the function
-    evaluated again in the chunks of each column that hold a change, as many per column as the
-    most any column holds (one host sync; at most 2 max_runs: a column that fits has no more),
-    in column slices of MASK_MOD_BLOCK_ELEMENTS pairs."""
-    n, n_chunks, width = counts.shape
-    dev, chunk = counts.device, MASK_MOD_CHUNK_ROWS
-    out = torch.full((n, width, 2 * max_runs), q_len + 1, dtype=torch.int32, device=dev)
-    has = counts > 0
-    picks = min(int(has.sum(1).max()) if has.numel() else 0, 2 * max_runs)  # the block's host sync
-    if picks == 0:
-        return out
-    rank = torch.cumsum(has, 1, dtype=torch.int32) - 1
-    slot = torch.where(has & (rank < picks), rank, picks).long()
-    chosen = torch.full((n, picks + 1, width), n_chunks, dtype=torch.int64, device=dev)  # n_chunks: none
-    chosen.scatter_(1, slot, torch.arange(n_chunks, device=dev).view(1, -1, 1).expand(n, n_chunks, width))
-    within = torch.arange(chunk, device=dev).view(1, 1, -1, 1)
-    spare = 2 * max_runs
-    step = max(1, MASK_MOD_BLOCK_ELEMENTS // (n * picks * chunk))
-    for c0 in range(0, width, step):
-        c1 = min(width, c0 + step)
-        starts = chosen[:, :picks, c0:c1] * chunk  # [n, picks, w], ascending
-        rows = starts[:, :, None] + within  # [n, picks, chunk, w]
-        valid = rows < q_len
-        masked = _mask_mod_at(fn, b_idx, h_idx, rows.clamp(max=q_len - 1), kv_idx[c0:c1], together) & valid
-        before = _mask_mod_at(fn, b_idx, h_idx, (starts - 1).clamp(0, q_len - 1), kv_idx[c0:c1], together)
-        above = torch.cat([(before & (starts > 0))[:, :, None], masked[:, :, :-1]], 2)  # the row above each row
-        change = ((masked != above) & valid).view(n, picks * chunk, c1 - c0)
-        k = torch.cumsum(change, 1, dtype=torch.int32) - 1  # change k: start (even) or end (odd) of run k // 2
-        buf = torch.full((n, spare + 1, c1 - c0), q_len + 1, dtype=torch.int32, device=dev)
-        buf.scatter_(1, torch.where(change, k.clamp(max=spare), spare).long(),
-                     rows.view(n, picks * chunk, c1 - c0).to(torch.int32))
-        total = changes[:, c0:c1]
-        closing = torch.where(total % 2 == 1, total.clamp(max=spare), spare)  # a run open at the last row
-        buf.scatter_(1, closing[:, None].long(), torch.full((n, 1, c1 - c0), q_len, dtype=torch.int32, device=dev))
-        out[:, c0:c1] = buf[:, :spare].transpose(1, 2)
-    return out
-
-
-def _mask_mod_at(fn, b_idx, h_idx, rows, kv_idx, together: bool) -> torch.Tensor:
-    """Masked (not attended) at the given rows of each column: rows [n, ..., cols], kv_idx
-    [cols]; b and h as in the first pass (0-d with n = 1, or [n, 1, 1])."""
-    flat = rows.reshape(rows.shape[0], -1, rows.shape[-1])
-    q, kv = (flat, kv_idx.view(1, 1, -1)) if together else (flat[0], kv_idx.view(1, -1))
-    return (~_mask_mod_block(fn, b_idx, h_idx, q, kv, rows.device)).reshape(rows.shape)
-
 
 def _pair_indices(n_b: int, n_h: int, device, together: bool):
     """b and h of every (b, h) pair, b-major, as [pairs, 1, 1] (together), or 0-d zeros."""
