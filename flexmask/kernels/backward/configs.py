@@ -101,7 +101,7 @@ INDEX_ORDER_MIN_KEYS = 1 << 19
 # its own items, their dK/dV summed in fp32, from SPLIT_GROUP_MIN_ROWS query rows; True / False
 # always / never.
 HOPPER_SPLIT_GROUP = "auto"
-SPLIT_GROUP_MIN_ROWS = 2048
+SPLIT_GROUP_MIN_ROWS = 1024
 
 
 # TMA descriptors are built inside each program, a fixed cost that only a long walk pays back
