@@ -28,6 +28,7 @@ GPU: variants and tuning
   tune_configs, tune_variants, tune_fused_bwd, tune_decode   launch configurations
   tile_size_sweep           smaller tiles for sparse masks?
   backward_order            the Hopper backward's work order
+  backward_gqa              the Hopper backward under GQA: split groups, orders, one call for ncu
   rounding_parity           bf16 rounding on the CPU interpreter against a GPU
 
 GPU: profiles and probes

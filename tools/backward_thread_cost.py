@@ -5,12 +5,19 @@ Python, SDPA's is C++. Printed, B = 1, S = 512, causal, D = 128, bf16 (the per_c
 host-bound shape): flexmask's forward with grad, its backward called directly (no autograd), the
 whole step through autograd, the step with `torch.autograd.set_multithreading_enabled(False)`
 (the backward on the calling thread), and SDPA's step both ways. The step less the forward and
-the direct backward is what the hand-off costs.
+the direct backward is what the hand-off costs. `--variants`: the step with its gradients kept
+alive, set to None first, through `torch.autograd.grad` and on one thread, and two Functions
+around SDPA whose backwards spin 250 us of Python or call `time.sleep(0)` 8 times, each both ways
+(median of 3 loops of 300 steps; docs/performance.md section 7).
 
-    PYTHONPATH=$PWD python -m tools.backward_thread_cost
+    PYTHONPATH=$PWD python -m tools.backward_thread_cost [--variants]
 """
 
 from __future__ import annotations
+
+import statistics
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +31,93 @@ from flexmask.kernels import dispatch
 CALLS = 300
 
 
+def _median_us(fn, n=CALLS):
+    """Median over 3 loops of n calls of the host microseconds a call, after 20 warm-up calls."""
+    for _ in range(20):
+        fn()
+    out = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def _spin(us: float) -> None:
+    t = time.perf_counter()
+    while (time.perf_counter() - t) * 1e6 < us:
+        pass
+
+
+class _Spinning(torch.autograd.Function):
+    """SDPA whose backward spins 250 us of pure Python (no launch, no GIL release)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        _spin(250)
+        return g, g, g
+
+
+class _Sleeping(torch.autograd.Function):
+    """SDPA whose backward calls time.sleep(0) 8 times: the thread blocks for the timer slack."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        for _ in range(8):
+            time.sleep(0)
+        return g, g, g
+
+
+def variants(q, k, v, do, cm) -> None:
+    from flexmask import autograd as fa
+
+    step = lambda: flexmask.attention(q, k, v, mask=cm).backward(do)
+    print(f"{'default':32s} {_median_us(step):8.1f} us", flush=True)
+    kept = []
+    orig = fa._EagerAttention.backward
+
+    def keeping(ctx, *g):
+        grads = orig(ctx, *g)
+        kept[:] = grads[:3]
+        return grads
+
+    fa._EagerAttention.backward = staticmethod(keeping)
+    try:
+        print(f"{'grads kept alive':32s} {_median_us(step):8.1f} us", flush=True)
+    finally:
+        fa._EagerAttention.backward = staticmethod(orig)
+
+    def step_none():
+        q.grad = k.grad = v.grad = None
+        step()
+
+    print(f"{'grads set to None':32s} {_median_us(step_none):8.1f} us", flush=True)
+    step_grad = lambda: torch.autograd.grad(flexmask.attention(q, k, v, mask=cm), (q, k, v), do)
+    print(f"{'autograd.grad':32s} {_median_us(step_grad):8.1f} us", flush=True)
+    with torch.autograd.set_multithreading_enabled(False):
+        print(f"{'one thread':32s} {_median_us(step):8.1f} us", flush=True)
+    for name, fn in (("Python Function, 250 us spin", _Spinning), ("Python Function, 8 sleep(0)", _Sleeping)):
+        s = lambda fn=fn: fn.apply(q, k, v).backward(do)
+        print(f"{name:32s} {_median_us(s):8.1f} us", flush=True)
+        with torch.autograd.set_multithreading_enabled(False):
+            print(f"{name + ', one thread':32s} {_median_us(s):8.1f} us", flush=True)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv not in ([], ["--variants"]):
+        raise SystemExit("usage: python -m tools.backward_thread_cost [--variants]")
     require_cuda("tools.backward_thread_cost", "times training steps on a GPU")
     q = torch.randn(1, 16, 512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn_like(q, requires_grad=True) for _ in range(2))
@@ -33,6 +126,10 @@ def main(argv=None) -> int:
     with torch.no_grad():
         o, lse = flexmask.attention(q, k, v, mask=cm, return_lse=True)
     detached = (q.detach(), k.detach(), v.detach())
+    if argv:
+        print(torch.cuda.get_device_name())
+        variants(q, k, v, do, cm)
+        return 0
 
     cases = {
         "flexmask forward with grad": lambda: flexmask.attention(q, k, v, mask=cm),

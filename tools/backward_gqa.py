@@ -1,0 +1,101 @@
+"""The Hopper backward under GQA, measured (docs/performance.md section 5): bf16 causal, its time
+with the group split into one-query-head items and with whole-group items, one process, best of
+two do_bench runs each, and the largest difference between the two's gradients; `--orders`: the
+work order and L2 share at 16/16 and 32/8 heads; `--ncu S HQ HKV`: one backward at S tokens
+(32K tokens a batch) between cudaProfilerStart/Stop, for
+
+    ncu --clock-control none --profile-from-start off -k regex:backward_hopper --metrics ... \\
+        python3 -m tools.backward_gqa --ncu 8192 32 8
+
+    PYTHONPATH=$PWD python3 -m tools.backward_gqa [--orders]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+import flexmask
+from flexmask import masks
+from flexmask.kernels.backward import configs, hopper as backward_hopper
+
+from benchmarks.cuda_guard import require_cuda
+
+SPLIT_CASES = [(8192, 4, 32, 8, 128), (8192, 4, 16, 16, 128), (32768, 1, 32, 8, 128), (8192, 4, 64, 8, 64),
+               (32768, 1, 64, 8, 64), (8192, 4, 32, 8, 64), (1024, 16, 32, 8, 128), (2048, 8, 32, 8, 128),
+               (4096, 4, 32, 8, 128), (512, 32, 32, 8, 128), (131072, 1, 32, 8, 128)]
+ORDER_VARIANTS = [("heaviest", 24 << 20), ("index", 24 << 20), ("bucketed", 24 << 20), ("heaviest", 8 << 20),
+                  ("heaviest", 96 << 20)]
+
+
+def _backward(S: int, B: int, HQ: int, HKV: int, D: int = 128):
+    """A closure running one causal backward (the forward's graph kept), and its FLOPs."""
+    torch.manual_seed(0)
+    q = torch.randn(B, HQ, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, HKV, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    cm = flexmask.compile_mask(masks.causal(), S, S, device="cuda")
+    out = flexmask.attention(q, k, v, mask=cm)
+    do = torch.randn_like(out)
+    return (lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)), 2.5 * 4 * B * HQ * S * S * D / 2
+
+
+def split_table() -> None:
+    for S, B, HQ, HKV, D in SPLIT_CASES:
+        bwd, flops = _backward(S, B, HQ, HKV, D)
+        best, grads = {}, {}
+        for split in (False, True, False, True):
+            configs.HOPPER_SPLIT_GROUP = split
+            ms = triton.testing.do_bench(bwd, warmup=30, rep=200 if S < 100000 else 600)
+            best[split] = min(ms, best.get(split, float("inf")))
+            if split not in grads:
+                grads[split] = [t.clone() for t in bwd()]
+        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads[True], grads[False]))
+        a, b = best[False], best[True]
+        print(f"S={S:6d} B={B:2d} {HQ}/{HKV} D={D}: whole {a:8.3f} ms {flops / a / 1e9:6.1f} TF  split {b:8.3f} ms "
+              f"{flops / b / 1e9:6.1f} TF  x{a / b:.3f}  max|diff| {diff:.1e}", flush=True)
+        configs.HOPPER_SPLIT_GROUP = "auto"
+
+
+def order_table() -> None:
+    for S in (8192, 32768):
+        for HQ, HKV in ((16, 16), (32, 8)):
+            bwd, flops = _backward(S, 32768 // S, HQ, HKV)
+            for order, share in ORDER_VARIANTS:
+                configs.HOPPER_BACKWARD_ORDER = order
+                backward_hopper.L2_SHARE_BYTES = share
+                backward_hopper._WORK_CACHE.clear()
+                ms = triton.testing.do_bench(bwd, warmup=50, rep=300)
+                print(f"S={S:6d} {HQ}/{HKV} order={order:9s} share={share >> 20:3d}MB  bwd {ms:7.3f} ms "
+                      f"{flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+            configs.HOPPER_BACKWARD_ORDER = "auto"
+            backward_hopper.L2_SHARE_BYTES = 24 << 20
+            backward_hopper._WORK_CACHE.clear()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--orders", action="store_true", help="work order and L2 share instead of the split")
+    parser.add_argument("--ncu", nargs=3, type=int, metavar=("S", "HQ", "HKV"), help="one backward for ncu")
+    args = parser.parse_args(argv)
+    require_cuda("tools.backward_gqa")
+    print(torch.cuda.get_device_name(), flush=True)
+    if args.ncu:
+        S, HQ, HKV = args.ncu
+        bwd, _ = _backward(S, 32768 // S, HQ, HKV)
+        bwd(), bwd()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        bwd()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+    elif args.orders:
+        order_table()
+    else:
+        split_table()
+
+
+if __name__ == "__main__":
+    main()
