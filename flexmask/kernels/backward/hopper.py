@@ -29,8 +29,12 @@ off: with softcap or ALiBi, S becomes the scores in log2 units (forward_hopper._
 every step, FULL ones included, before the mask and P = exp2(S - lse); the softcap multiplies dS
 by 1 - tanh^2 (its derivative; tanh recomputed from the raw product). Sinks need nothing here:
 the LSE already counts them, and their gradient comes from the preprocess (two_pass.preprocess).
-The dQ sums run in whatever order the reductions land: not bitwise reproducible, like the
-portable fused path; `deterministic=True` keeps the two-pass path.
+Under GQA from configs.SPLIT_GROUP_MIN_ROWS query rows an item holds one query head
+(`splits_group`): a whole group per item ran four heads' Q, dO and dQ rows through L2 at once
+(docs/performance.md, section 5), so each item adds its dK/dV into fp32 sums of the group, cast
+after the kernel. The dQ sums, and those dK/dV sums, run in whatever order the reductions land:
+not bitwise reproducible, like the portable fused path; `deterministic=True` keeps the two-pass
+path, whose dK/dV items hold whole groups.
 
 Gluon kernels do not run under the CPU interpreter: CPU tests cover the host side and an
 offline sm_90 compile; tests/test_gpu_hopper_backward.py checks the kernel on a GPU.
