@@ -2,12 +2,14 @@
 with the group split into one-query-head items and with whole-group items, one process, best of
 two do_bench runs each, and the largest difference between the two's gradients; `--orders`: the
 work order and L2 share at 16/16 and 32/8 heads; `--ncu S HQ HKV`: one backward at S tokens
-(32K tokens a batch) between cudaProfilerStart/Stop, for
+(32K tokens a batch) between cudaProfilerStart/Stop; `--long`: causal documents of 2K-64K tokens
+(the context-parallel benchmark's, seed 0 + S) at 512K and 1M, 16/4 heads, forward and backward
+with the group split and whole, and the backward over the forward (issue 38's 2.6x target); for
 
     ncu --clock-control none --profile-from-start off -k regex:backward_hopper --metrics ... \\
         python3 -m tools.backward_gqa --ncu 8192 32 8
 
-    PYTHONPATH=$PWD python3 -m tools.backward_gqa [--orders]
+    PYTHONPATH=$PWD python3 -m tools.backward_gqa [--orders | --long]
 """
 
 from __future__ import annotations
@@ -75,9 +77,34 @@ def order_table() -> None:
             backward_hopper._WORK_CACHE.clear()
 
 
+def long_table(lengths=(524288, 1048576)) -> None:
+    from benchmarks.context_parallel import document_lengths
+
+    for S in lengths:
+        torch.manual_seed(0)
+        q = torch.randn(1, 16, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, 4, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn_like(k, requires_grad=True)
+        cm = flexmask.compile_mask(masks.document(document_lengths(S, 2048, 65536, S), causal=True), S, S,
+                                   device="cuda")
+        fwd = lambda: flexmask.attention(q, k, v, mask=cm)
+        out = fwd()
+        do = torch.randn_like(out)
+        bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        fwd_ms = triton.testing.do_bench(fwd, warmup=1, rep=1)
+        for split in (False, True, False, True):
+            configs.HOPPER_SPLIT_GROUP = split
+            ms = triton.testing.do_bench(bwd, warmup=1, rep=1)
+            print(f"causal documents S={S:8d} 16/4 D=128 split={split!s:5s}: forward {fwd_ms:8.2f} ms, "
+                  f"backward {ms:8.2f} ms, {ms / fwd_ms:.2f}x", flush=True)
+        configs.HOPPER_SPLIT_GROUP = "auto"
+        del q, k, v, out, do
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--orders", action="store_true", help="work order and L2 share instead of the split")
+    parser.add_argument("--long", action="store_true", help="causal documents at 512K and 1M, 16/4 heads")
     parser.add_argument("--ncu", nargs=3, type=int, metavar=("S", "HQ", "HKV"), help="one backward for ncu")
     args = parser.parse_args(argv)
     require_cuda("tools.backward_gqa")
@@ -91,6 +118,8 @@ def main(argv=None) -> None:
         bwd()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
+    elif args.long:
+        long_table()
     elif args.orders:
         order_table()
     else:
