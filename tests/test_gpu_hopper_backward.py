@@ -114,24 +114,30 @@ def test_shapes_layouts_dtypes(b, hq, hkv, sq, sk, d, dtype, layout, family):
     _check(family, b, hq, hkv, sq, sk, dtype, layout, seed=sq, d=d)
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["split", "whole_group"])
+_GQA_SHAPES = [
+    (1, 8, 2, 1537, 1537, 128, "bshd", "causal"),
+    (2, 6, 2, 700, 1300, 64, "bhsd", "document"),
+    (1, 4, 1, 999, 999, 128, "bhsd", "random_eviction"),  # a mask per head: each head walks its own tiles
+    (2, 4, 2, 333, 129, 64, "bshd", "sliding_window"),
+]
+# (items split?, query heads per split item): one head, two where the group is even, the whole group
+_GQA_ITEMS = [(True, 1), (True, 2), (False, 1)]
+
+
 @pytest.mark.parametrize(
-    "b,hq,hkv,sq,sk,d,layout,family",
-    [
-        (1, 8, 2, 1537, 1537, 128, "bshd", "causal"),
-        (2, 6, 2, 700, 1300, 64, "bhsd", "document"),
-        (1, 4, 1, 999, 999, 128, "bhsd", "random_eviction"),  # a mask per head: each head walks its own tiles
-        (2, 4, 2, 333, 129, 64, "bshd", "sliding_window"),
-    ],
+    "split,per_item,b,hq,hkv,sq,sk,d,layout,family",
+    [(split, per_item, *shape) for shape in _GQA_SHAPES for split, per_item in _GQA_ITEMS
+     if (shape[1] // shape[2]) % per_item == 0],
 )
-def test_gqa_items_split_or_whole(split, b, hq, hkv, sq, sk, d, layout, family, monkeypatch):
-    """GQA work items of one query head (their dK/dV summed in fp32 across the group) or of a
-    whole group (summed in registers): both match the reference, whatever the length."""
+def test_gqa_items_split_or_whole(split, per_item, b, hq, hkv, sq, sk, d, layout, family, monkeypatch):
+    """GQA work items of one or two query heads (their dK/dV summed in fp32 across the group) or
+    of a whole group (summed in registers): each matches the reference, whatever the length."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     from flexmask.kernels.backward import configs, hopper
 
     monkeypatch.setattr(configs, "HOPPER_SPLIT_GROUP", split)
+    monkeypatch.setattr(configs, "SPLIT_GROUP_HEADS", per_item)
     assert hopper.splits_group(hq, hkv, sq) is split
     _check(family, b, hq, hkv, sq, sk, torch.bfloat16, layout, seed=sq + hq, d=d)
 

@@ -170,6 +170,18 @@ def test_split_group_rule(monkeypatch):
         backward_hopper.splits_group(32, 8, rows)
 
 
+def test_split_heads_setting(monkeypatch):
+    """Query heads per split item: 1 by default, any divisor of the group; anything else is a
+    ValueError naming the setting, the group and the value."""
+    assert backward_hopper.split_heads(32, 8) == 1
+    monkeypatch.setattr(backward_configs, "SPLIT_GROUP_HEADS", 2)
+    assert backward_hopper.split_heads(32, 8) == 2
+    for bad in (3, 0, 8, True, "2"):
+        monkeypatch.setattr(backward_configs, "SPLIT_GROUP_HEADS", bad)
+        with pytest.raises(ValueError, match=f"SPLIT_GROUP_HEADS.*group \\(4 query heads per kv head\\), got {bad!r}"):
+            backward_hopper.split_heads(32, 8)
+
+
 def test_split_work_list_has_one_query_head_per_item():
     """With the group split, items are (batch x query head, kv-block), each weighed by its own
     head's tiles, chunked per query head's Q/dO: a permutation, heaviest first in a chunk."""

@@ -1,6 +1,6 @@
 """The Hopper backward under GQA, measured (docs/performance.md section 5): bf16 causal, its time
-with the group split into one-query-head items and with whole-group items, one process, best of
-two do_bench runs each, and the largest difference between the two's gradients; `--orders`: the
+with whole-group items and with the group split into items of 1, 2 or 4 query heads, one process,
+best of two do_bench runs each, and the largest difference to the whole-group items' gradients; `--orders`: the
 work order and L2 share at 16/16 and 32/8 heads; `--ncu S HQ HKV`: one backward at S tokens
 (32K tokens a batch) between cudaProfilerStart/Stop; `--long`: causal documents of 2K-64K tokens
 (the context-parallel benchmark's, seed 0 + S) at 512K and 1M, 16/4 heads, forward and backward
@@ -45,20 +45,29 @@ def _backward(S: int, B: int, HQ: int, HKV: int, D: int = 128):
 
 
 def split_table() -> None:
+    """Per case: whole-group items, then split items of 1, 2, 4 query heads (the divisors of the
+    group below it), best of two runs each, interleaved; the largest gradient difference to the
+    whole-group items."""
     for S, B, HQ, HKV, D in SPLIT_CASES:
         bwd, flops = _backward(S, B, HQ, HKV, D)
+        group = HQ // HKV
+        variants = [0] + [h for h in (1, 2, 4) if h < group and group % h == 0] if group > 1 else [0, 1]
         best, grads = {}, {}
-        for split in (False, True, False, True):
-            configs.HOPPER_SPLIT_GROUP = split
+        for variant in variants * 2:
+            configs.HOPPER_SPLIT_GROUP = variant > 0
+            configs.SPLIT_GROUP_HEADS = max(1, variant)
             ms = triton.testing.do_bench(bwd, warmup=30, rep=200 if S < 100000 else 600)
-            best[split] = min(ms, best.get(split, float("inf")))
-            if split not in grads:
-                grads[split] = [t.clone() for t in bwd()]
-        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads[True], grads[False]))
-        a, b = best[False], best[True]
-        print(f"S={S:6d} B={B:2d} {HQ}/{HKV} D={D}: whole {a:8.3f} ms {flops / a / 1e9:6.1f} TF  split {b:8.3f} ms "
-              f"{flops / b / 1e9:6.1f} TF  x{a / b:.3f}  max|diff| {diff:.1e}", flush=True)
-        configs.HOPPER_SPLIT_GROUP = "auto"
+            best[variant] = min(ms, best.get(variant, float("inf")))
+            if variant not in grads:
+                grads[variant] = [t.clone() for t in bwd()]
+        cells = []
+        for variant in variants:
+            name = "whole" if variant == 0 else f"split{variant}"
+            diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads[variant], grads[0]))
+            cells.append(f"{name} {best[variant]:8.3f} ms {flops / best[variant] / 1e9:6.1f} TF "
+                         f"x{best[0] / best[variant]:.3f} |d| {diff:.1e}")
+        print(f"S={S:6d} B={B:2d} {HQ}/{HKV} D={D}: " + "  ".join(cells), flush=True)
+        configs.HOPPER_SPLIT_GROUP, configs.SPLIT_GROUP_HEADS = "auto", 1
 
 
 def order_table() -> None:

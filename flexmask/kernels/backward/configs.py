@@ -99,9 +99,10 @@ INDEX_ORDER_MIN_KEYS = 1 << 19
 
 # The Hopper backward's GQA items (backward/hopper.py, splits_group): "auto" gives each query head
 # its own items, their dK/dV summed in fp32, from SPLIT_GROUP_MIN_ROWS query rows; True / False
-# always / never.
+# always / never; SPLIT_GROUP_HEADS query heads per item where it splits (a divisor of the group).
 HOPPER_SPLIT_GROUP = "auto"
 SPLIT_GROUP_MIN_ROWS = 1024
+SPLIT_GROUP_HEADS = 1
 
 
 # TMA descriptors are built inside each program, a fixed cost that only a long walk pays back
