@@ -8,14 +8,13 @@ whole step through autograd, the step with `torch.autograd.set_multithreading_en
 the direct backward is what the hand-off costs. `--variants`: the step with its gradients kept
 alive, set to None first, through `torch.autograd.grad` and on one thread, and two Functions
 around SDPA whose backwards spin 250 us of Python or call `time.sleep(0)` 8 times, each both ways
-(median of 3 loops of 300 steps; docs/performance.md section 7).
+(per_call's issue_time_us over 300 steps; docs/performance.md section 7).
 
     PYTHONPATH=$PWD python -m tools.backward_thread_cost [--variants]
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
@@ -32,18 +31,10 @@ CALLS = 300
 
 
 def _median_us(fn, n=CALLS):
-    """Median over 3 loops of n calls of the host microseconds a call, after 20 warm-up calls."""
+    """per_call's issue_time_us (median over five loops) after 20 warm-up calls."""
     for _ in range(20):
         fn()
-    out = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(out)
+    return issue_time_us(fn, n)
 
 
 def _spin(us: float) -> None:
@@ -52,12 +43,16 @@ def _spin(us: float) -> None:
         pass
 
 
-class _Spinning(torch.autograd.Function):
-    """SDPA whose backward spins 250 us of pure Python (no launch, no GIL release)."""
+class _Sdpa(torch.autograd.Function):
+    """SDPA in a Python Function: the two probes below differ only in their backward."""
 
     @staticmethod
     def forward(ctx, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class _Spinning(_Sdpa):
+    """A backward that spins 250 us of pure Python (no launch, no GIL release)."""
 
     @staticmethod
     def backward(ctx, g):
@@ -65,12 +60,8 @@ class _Spinning(torch.autograd.Function):
         return g, g, g
 
 
-class _Sleeping(torch.autograd.Function):
-    """SDPA whose backward calls time.sleep(0) 8 times: the thread blocks for the timer slack."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+class _Sleeping(_Sdpa):
+    """A backward that calls time.sleep(0) 8 times: the thread blocks for the timer slack."""
 
     @staticmethod
     def backward(ctx, g):
