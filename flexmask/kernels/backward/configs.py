@@ -100,8 +100,10 @@ INDEX_ORDER_MIN_KEYS = 1 << 19
 # The Hopper backward's GQA items (backward/hopper.py, splits_group): "auto" gives each query head
 # its own items, their dK/dV summed in fp32, from SPLIT_GROUP_MIN_ROWS query rows; True / False
 # always / never; SPLIT_GROUP_HEADS query heads per item where it splits (a divisor of the group).
+# The floor: at 32/8 and 1K the split is 1.03x on an H100 but 0.93x on an H200, level there at 2K
+# (the sums' fp32 atomics cost 9-25% of a backward below 2K: docs/performance.md section 5).
 HOPPER_SPLIT_GROUP = "auto"
-SPLIT_GROUP_MIN_ROWS = 1024
+SPLIT_GROUP_MIN_ROWS = 2048
 SPLIT_GROUP_HEADS = 1
 
 
