@@ -29,6 +29,7 @@ GPU: variants and tuning
   tile_size_sweep           smaller tiles for sparse masks?
   backward_order            the Hopper backward's work order
   backward_gqa              the Hopper backward under GQA: split groups, orders, one call for ncu
+  backward_q_rows           the Hopper backward at D = 64 with 64 and 128 query rows a step
   rounding_parity           bf16 rounding on the CPU interpreter against a GPU
 
 GPU: profiles and probes

@@ -116,9 +116,10 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
 
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
-    qd, _ = fh._descriptor(q, bh.Q_ROWS)
+    q_step = bh.q_rows(head_dim, terms in ("softcap", "alibi", "all"), runs)
+    qd, _ = fh._descriptor(q, q_step)
     kd, _ = fh._descriptor(k, bh.KV_ROWS)
-    dqd = bh._dq_descriptor(torch.empty(8, 1024, head_dim))
+    dqd = bh._dq_descriptor(torch.empty(8, 1024, head_dim), q_step)
     i32 = torch.empty(8, dtype=torch.int32)
     dkv = torch.empty(2, 2, 1024, head_dim) if split else k
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, STATS=torch.empty(8), DK=dkv, DV=dkv,

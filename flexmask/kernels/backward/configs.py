@@ -106,6 +106,10 @@ HOPPER_SPLIT_GROUP = "auto"
 SPLIT_GROUP_MIN_ROWS = 2048
 SPLIT_GROUP_HEADS = 1
 
+# Query rows per step of the Hopper backward, by head dim (backward/hopper.py, q_rows): at D = 64 a
+# whole 128-row table tile per step, as FA4's SM90 backward (m_block_size 128 at D <= 64).
+HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
+
 
 # TMA descriptors are built inside each program, a fixed cost that only a long walk pays back
 TMA_MIN_TILES_PER_PROGRAM = 16

@@ -67,9 +67,14 @@ LOG2E = 1.4426950408889634
 PRODUCER_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
 KV_ROWS = 128  # kv rows per work item (the table's tile), 64 per consumer warpgroup
-Q_ROWS = 64  # query rows per step (half a table tile)
 KV_BLOCK = gl.constexpr(KV_ROWS)
-Q_STEP = gl.constexpr(Q_ROWS)
+
+
+def q_rows(head_dim: int, terms: bool = False, runs: int = 2) -> int:
+    """Query rows per step: configs.HOPPER_BACKWARD_Q_ROWS of the head dim (64 at D = 128, half a
+    table tile; 128 at D = 64, a whole one, as FA4's SM90 backward takes them), and 64 wherever
+    score terms or more than two runs a column are on: 128 rows spilled 1-1.5 KB there (offline)."""
+    return 64 if terms or runs > 2 else configs.HOPPER_BACKWARD_Q_ROWS[head_dim]
 
 
 @builtin
@@ -101,9 +106,23 @@ def _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB, MASK_B_STRIDE, MASK_H_DI
 
 
 @gluon.jit
-def _step_start(BWD_BLOCKS, t_lo, i, n_steps):
-    """First query row of step i of a walk (0 past the walk's end, where the loop has no step)."""
-    return gl.load(BWD_BLOCKS + t_lo + i // 2, mask=i < n_steps, other=0) * (2 * Q_STEP) + (i % 2) * Q_STEP
+def _step_start(BWD_BLOCKS, t_lo, i, n_steps, Q_STEP: gl.constexpr):
+    """First query row of step i of a walk (0 past the walk's end, where the loop has no step):
+    KV_BLOCK // Q_STEP steps a table tile."""
+    STEPS: gl.constexpr = KV_BLOCK // Q_STEP
+    return gl.load(BWD_BLOCKS + t_lo + i // STEPS, mask=i < n_steps, other=0) * KV_BLOCK + (i % STEPS) * Q_STEP
+
+
+@gluon.jit
+def _step_words(lts, lte, uts, ute, start_m, Q_STEP: gl.constexpr, NUM_RUNS: gl.constexpr):
+    """[Q_STEP // 32, ROWS] words of masked rows of a step (forward_hopper._row_words, 64 rows a
+    call), in the order _apply_row_words reads them."""
+    words = _row_words(lts, lte, uts, ute, start_m, 32, NUM_RUNS)  # [2, ROWS]
+    if Q_STEP == 128:
+        more = _row_words(lts, lte, uts, ute, start_m + 64, 32, NUM_RUNS)
+        both = gl.permute(gl.join(words, more), [2, 0, 1])  # [2 halves, 2, ROWS]
+        words = gl.reshape(both, [4, both.shape[2]])
+    return words
 
 
 @gluon.jit
@@ -112,7 +131,7 @@ def _producer(
     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     NKB, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, Q_STEP: gl.constexpr,
 ):
     """One warp: claims work items (scheduler.py) and hands them to the consumers; per item, K
     and V once, then Q and dO step by step in walk order."""
@@ -138,8 +157,9 @@ def _producer(
                                                 MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
             x_q = b * Q_X_B + h * Q_X_H
             c_q = h * Q_C_H
-            for i in range(2 * (t_hi - t_lo)):
-                start_m = gl.load(BWD_BLOCKS + t_lo + i // 2) * (2 * Q_STEP) + (i % 2) * Q_STEP
+            STEPS: gl.constexpr = KV_BLOCK // Q_STEP
+            for i in range(STEPS * (t_hi - t_lo)):
+                start_m = gl.load(BWD_BLOCKS + t_lo + i // STEPS) * KV_BLOCK + (i % STEPS) * Q_STEP
                 s = step % STAGES
                 mbarrier.wait(q_empty.index(s), ((step // STAGES) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -174,7 +194,7 @@ def _consumer(
     Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SPLIT_GROUP:
@@ -227,13 +247,14 @@ def _consumer(
             slope2 = 0.0
             if HAS_ALIBI:
                 slope2 = gl.load(ALIBI + b.to(gl.int64) * alibi_stride_b + h) * 1.4426950408889634
-            n_steps = 2 * (t_hi - t_lo)
+            STEPS: gl.constexpr = KV_BLOCK // Q_STEP
+            n_steps = STEPS * (t_hi - t_lo)
             # this warpgroup's keys' interval ends, once per walk (the PARTIAL steps' masks)
             lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi, NUM_RUNS)
-            start_m = _step_start(BWD_BLOCKS, t_lo, 0, n_steps)
+            start_m = _step_start(BWD_BLOCKS, t_lo, 0, n_steps, Q_STEP)
             for i in range(n_steps):
-                t = t_lo + i // 2
-                start_next = _step_start(BWD_BLOCKS, t_lo, i + 1, n_steps)  # the next step's, loaded now
+                t = t_lo + i // STEPS
+                start_next = _step_start(BWD_BLOCKS, t_lo, i + 1, n_steps, Q_STEP)  # the next step's, loaded now
                 o_m = start_m + gl.arange(0, Q_STEP, layout=query_layout)
                 lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
                 delta = gl.load(p_stats + Sq + o_m, mask=o_m < Sq, other=0.0)
@@ -255,7 +276,7 @@ def _consumer(
                 zeros_s = gl.zeros([Q_STEP, ROWS], gl.float32, layout=s_layout)
                 qk = warpgroup_mma(q_view, k_t, zeros_s, use_acc=False, is_async=True)
                 dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
-                words = _row_words(lts, lte, uts, ute, start_m, Q_STEP // 2, NUM_RUNS)  # while the products run
+                words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
                 qk = warpgroup_mma_wait(1, deps=(qk,))
                 if TERMS:  # every step, FULL ones too: the scores in log2 units, then the mask
                     qk, th = _term_scores(qk, start_m, n * KV_BLOCK + WG * ROWS, qk_scale, tanh_scale, softcap2,
@@ -339,6 +360,7 @@ def _backward_hopper_kernel(
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
+    Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)  # [1, 1, KV_BLOCK, HEAD_DIM]
     v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
@@ -377,18 +399,18 @@ def _backward_hopper_kernel(
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                     STAGES)),
+                     STAGES, Q_STEP)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -490,11 +512,11 @@ def _like_q(do: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return do.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _dq_descriptor(dq_acc: torch.Tensor):
-    """3-D descriptor of the fp32 dQ buffer [B * Hq, Sq, BLOCK_D]: a block that overhangs Sq is
-    clipped at its own head's end, not added into the next head's rows."""
+def _dq_descriptor(dq_acc: torch.Tensor, q_step: int):
+    """3-D descriptor of the fp32 dQ buffer [B * Hq, Sq, BLOCK_D] in boxes of q_step rows: a block
+    that overhangs Sq is clipped at its own head's end, not added into the next head's rows."""
     rows, sq, width = dq_acc.shape
-    block = (1, Q_ROWS, 32)  # 32 fp32 columns: 128 bytes, the widest a swizzled box takes
+    block = (1, q_step, 32)  # 32 fp32 columns: 128 bytes, the widest a swizzled box takes
     return tma_descriptor(dq_acc, (rows, sq, width), (sq * width, width, 1), block)
 
 
@@ -508,8 +530,10 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     preprocess's."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    q_desc, (qxb, qxh, qch) = _descriptor(q, Q_ROWS)
-    do_desc, _ = _descriptor(_like_q(do, q), Q_ROWS)  # one set of coordinates serves Q and dO
+    score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, stats)
+    q_step = q_rows(d, score_flags["SOFTCAP"] or score_flags["HAS_ALIBI"], mask_runs(cm))
+    q_desc, (qxb, qxh, qch) = _descriptor(q, q_step)
+    do_desc, _ = _descriptor(_like_q(do, q), q_step)  # one set of coordinates serves Q and dO
     k_desc, (kxb, kxh, kch) = _descriptor(k, KV_ROWS)
     v_desc, _ = _descriptor(v, KV_ROWS)
     q_bytes = 2 * sq * d * q.element_size()  # one query head's Q and dO
@@ -525,10 +549,9 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     if split:  # fp32 sums of the group's heads, cast into dk and dv after the kernel
         dk, dv = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device).unbind(0)
     if not with_dq:  # the kernel still takes a descriptor: one over a single box, never used
-        dq_acc = torch.empty(1, Q_ROWS, 32, dtype=torch.float32, device=q.device)
-    score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, stats)
+        dq_acc = torch.empty(1, q_step, 32, dtype=torch.float32, device=q.device)
     _BACKWARD_HOPPER_LAUNCH(grid,
-        q_desc, k_desc, v_desc, do_desc, _dq_descriptor(dq_acc), stats, dk, dv,
+        q_desc, k_desc, v_desc, do_desc, _dq_descriptor(dq_acc, q_step), stats, dk, dv,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, cm.num_kv_blocks, hq, item_heads, hq // item_heads, hq // hkv, mb, mdiv, mh,

@@ -202,19 +202,20 @@ def _row_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.conste
 
 @gluon.jit
 def _apply_row_words(s, words, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """-inf where `words` (from _row_words) mark the element of the ROWS x BLOCK_N scores s.
+    """-inf where `words` ([ROWS // 32, BLOCK_N], from _row_words: one word a column per 32
+    rows) mark the element of the ROWS x BLOCK_N scores s.
 
-    Each warp of the wgmma layout holds rows of one half only, so a thread needs one word per
+    Each warp of the wgmma layout holds rows of one 32-row group only, so a thread needs one word per
     column it holds (BLOCK_N / 4 registers) instead of the four interval ends (4x that, which
     spilled), and each element costs a test and a select. They are written in PTX: from
     gl.where on the test, LLVM packed the tests' i1 results into integers and unpacked them
     again (~200 more instructions a thread a tile in the offline SASS; docs/performance.md,
     section 4.4)."""
-    HALF: gl.constexpr = ROWS // 2
-    s3 = gl.reshape(s, [2, HALF, BLOCK_N])
+    WORD: gl.constexpr = 32  # rows a word covers: `words` is [ROWS // 32, BLOCK_N]
+    s3 = gl.reshape(s, [ROWS // WORD, WORD, BLOCK_N])
     s3_layout: gl.constexpr = s3.type.layout
     words = gl.expand_dims(gl.convert_layout(words, gl.SliceLayout(1, s3_layout)), 1)
-    r = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_layout)))
+    r = gl.arange(0, WORD, layout=gl.SliceLayout(0, gl.SliceLayout(2, s3_layout)))
     row_bit = gl.expand_dims(gl.expand_dims(1 << r, 0), 2)
     s3 = gl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 b; and.b32 b, $1, $2; setp.ne.b32 p, b, 0; selp.f32 $0, 0fFF800000, $3, p; }",
