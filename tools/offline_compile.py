@@ -85,8 +85,8 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
     qd, _ = fh._descriptor(q, fh.HOPPER_BLOCK // 2)
     kd, _ = fh._descriptor(k, fh.HOPPER_BLOCK)
     i32 = torch.empty(8, dtype=torch.int32)
-    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, O=q, LSE=torch.empty(8), INTV=i32, WORK=i32, COUNTER=i32, FWD_OFFSETS=i32,
-                FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_ob=7, stride_oh=7, stride_om=7,
+    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, o_desc=qd, LSE=torch.empty(8), INTV=i32, WORK=i32, COUNTER=i32,
+                FWD_OFFSETS=i32, FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, O_X_B=4, O_X_H=1, O_C_H=0,
                 Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5)  # as launched
     term_args, term_consts = _score_terms(terms, torch.empty(8))

@@ -486,9 +486,9 @@ def _term_scores(s, row0, col0, qk_scale, tanh_scale, softcap2, slope2, shift,
 
 @gluon.jit
 def _consumer(
-    WG: gl.constexpr, q_smem, k_bufs, v_bufs, bars, tc_bufs,
-    O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-    stride_ob, stride_oh, stride_om,
+    WG: gl.constexpr, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
+    LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    O_X_B, O_X_H, O_C_H,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -661,23 +661,28 @@ def _consumer(
         # epilogue: O = acc / l (0 for rows that attend nothing), LSE in natural log
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         empty = l_o == 0.0
-        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 1)
-        om_o = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-        od_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        p_o = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-               + gl.expand_dims(om_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(od_o, 0))
-        gl.store(p_o, out.to(dtype), mask=gl.expand_dims(om_o < Sq, 1))
+        # one reciprocal a row, then multiplies: a division per element cost ~300 instructions a
+        # warpgroup an item in the SASS (div.full's reciprocal and checks on each of 64 elements)
+        out = acc * gl.expand_dims(1.0 / gl.where(empty, 1.0, l_o), 1)
+        # O through shared memory and a TMA store, which runs on while the next item starts (rows
+        # past Sq fall outside the descriptor); per-element stores cost ~200 instructions an item
+        o_buf = o_smem.index(WG)
+        tma.store_wait(0)  # this warpgroup's last O store has read the buffer
+        o_buf.reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b * O_X_B + h * O_X_H, row0, h * O_C_H], o_buf)
         empty_r = l_i == 0.0
         lse = gl.where(empty_r, float("-inf"), (m_i + gl.log2(gl.where(empty_r, 1.0, l_i))) * 0.6931471805599453)
         gl.store(LSE + (b * HQ + h).to(gl.int64) * Sq + o_m, lse, mask=o_m < Sq)
         entry, t_lo, t_mid, t_hi = scheduler.receive(item_slots, item_ready, item_empty, item_count, num_warps)
+    tma.store_wait(0)
 
 
 @gluon.jit
 def _forward_hopper_kernel(
-    q_desc, k_desc, v_desc, O, LSE,
+    q_desc, k_desc, v_desc, o_desc, LSE,
     INTV, WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-    stride_ob, stride_oh, stride_om,
+    O_X_B, O_X_H, O_C_H,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale,
@@ -691,6 +696,7 @@ def _forward_hopper_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)  # [2 * Q_BUFS, 1, BLOCK_M / 2, HEAD_DIM]
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # [STAGES, 1, BLOCK_N, HEAD_DIM]
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)  # one O block per consumer
     q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -726,16 +732,16 @@ def _forward_hopper_kernel(
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns)
 
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs,
-                     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                     stride_ob, stride_oh, stride_om,
+        (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
+                     LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     O_X_B, O_X_H, O_C_H,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                      TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
-        (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs,
-                     O, LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                     stride_ob, stride_oh, stride_om,
+        (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
+                     LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     O_X_B, O_X_H, O_C_H,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
@@ -937,6 +943,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     o = torch.empty_like(q)
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
     q_desc, (qxb, qxh, qch) = _descriptor(q, HOPPER_BLOCK // 2)
+    o_desc, (oxb, oxh, och) = _descriptor(o, HOPPER_BLOCK // 2)  # o is dense: always TMA-addressable
     k_desc, (kxb, kxh, kch) = _descriptor(k, HOPPER_BLOCK)
     v_desc, _ = _descriptor(v, HOPPER_BLOCK)
     kv_bytes = 2 * sk * d * k.element_size()  # one kv head's K and V
@@ -947,9 +954,9 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     mb, mdiv, mh = mask_map
     score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, lse)
     _FORWARD_HOPPER_LAUNCH(grid,
-        q_desc, k_desc, v_desc, o, lse,
+        q_desc, k_desc, v_desc, o_desc, lse,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
-        o.stride(0), o.stride(1), o.stride(2),
+        oxb, oxh, och,
         sq, sk, cm.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, *score_args,
