@@ -452,8 +452,8 @@ def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_
     Python stays eager (pair by pair)."""
     compile_for, calls = intervals_module._compiled_changes, []
 
-    def counting(fn):
-        compiled = compile_for(fn)
+    def counting(fn, device=None):
+        compiled = compile_for(fn, device)
 
         def counted(*args):
             calls.append(args[3].shape)  # q_idx: the full block's rows every time

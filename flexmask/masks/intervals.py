@@ -692,7 +692,7 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         rows_compiled = chunk * max(1, min(n_chunks, MASK_MOD_COMPILED_BLOCK_ELEMENTS // (cols * n * chunk)))
         # a GPU takes the first pass through one compiled function per mask_mod (pair by pair, b and h
         # are 0-d, which a graph would read as data-dependent integers: those stay eager)
-        compiled = (_compiled_changes(fn) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
+        compiled = (_compiled_changes(fn, dev) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
                     else None)
         for where, b_idx, h_idx in groups:
             for k0 in range(0, kv_len if q_len else 0, cols):
@@ -927,20 +927,32 @@ def _compiled_key(fn):
     return fn
 
 
-def _compiled_changes(fn):
+def _compiled_changes(fn, device=None):
     """`_chunk_changes` under torch.compile for the mask_mod `fn` (one graph per block shape,
     as FlexAttention's compiled `create_block_mask` compiles its function), or None where the
     compiler failed on its code before. Each mask_mod code gets its own copy of
     `_chunk_changes`, so that other functions are new compiles, not recompiles of one code
     object, which Dynamo bounds. Past that bound (a closure over Python ints that change every
-    call) Dynamo runs the copy eagerly: right, in blocks that size."""
+    call) Dynamo runs the copy eagerly: right, in blocks that size. On CUDA the predicate is kept
+    inside the word sums (`_INLINE_PREDICATE`)."""
     key = _compiled_key(fn)
     if key not in _COMPILED:
         while len(_COMPILED) >= _COMPILED_KEPT:
             _COMPILED.pop(next(iter(_COMPILED)))
         own = types.FunctionType(_chunk_changes.__code__.replace(), _chunk_changes.__globals__, "_chunk_changes")
-        _COMPILED[key] = torch.compile(own, fullgraph=True, dynamic=False)
+        cuda = device is not None and torch.device(device).type == "cuda"
+        _COMPILED[key] = torch.compile(own, fullgraph=True, dynamic=False, options=_INLINE_PREDICATE if cuda else None)
     return _COMPILED[key]
+
+
+# Inductor stores a pointwise result that has more than 30 operations and more than one user
+# (CPU: 50) instead of recomputing it where it is read: on an H100 the NATTEN predicate then went
+# to memory as one value per (q, kv) pair in a kernel of its own before the word sums read it back
+# (85.8 and 49.6 of the 156 ms of device time of a 128K compile; docs/performance.md, section 12).
+# Inlined, the predicate is computed inside the word sums, as FlexAttention's create_block_mask
+# computes its own. Not on the CPU: there the C++ code already fuses it, and these settings made
+# NATTEN's 4K compile 5x slower (small per-row and per-column terms recomputed per pair).
+_INLINE_PREDICATE = {"realize_opcount_threshold": 2000, "realize_acc_reads_threshold": 64}
 
 
 def _compile_failed(fn, err: Exception):
