@@ -42,6 +42,39 @@ def test_every_family(family):
     _run(family, 2, 4, 2, 1000, 1000, 128, torch.bfloat16, "bhsd", seed=1)
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_every_family_d64(family):
+    """D = 64 through the dispatch: most families take 192-row work items (three consumer
+    warpgroups on the mask's tables retiled to 192 x 128), column-cut ones 128."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    _run(family, 2, 4, 2, 1000, 1000, 64, torch.bfloat16, "bhsd", seed=2)
+
+
+@pytest.mark.parametrize("stages", [2, 3], ids=lambda s: f"s{s}")
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_three_warpgroups(family, stages):
+    """attention_forward_hopper(block_m=192) against the reference on every family: GQA, Sq > Sk
+    and Sq < Sk with lengths that are no multiple of 192 (items whose third warpgroup has no rows),
+    both memory orders, fp16 and bf16."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels.forward import hopper as forward_hopper
+    from flexmask.kernels.common.masking import mask_broadcast
+
+    for b, hq, hkv, sq, sk, dtype, layout in ((2, 4, 2, 1500, 700, torch.bfloat16, "bhsd"),
+                                              (1, 6, 3, 130, 1000, torch.float16, "bshd")):
+        q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, 64, dtype, seed=6, layout=layout))
+        mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=6)
+        cm = compile_mask(mask, sq, sk, device="cuda")
+        out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_broadcast(cm, b, hq, hkv),
+                                                           stages=stages, block_m=192)
+        (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask, scale=0.125)
+        floor = default_floor(dtype)
+        assert_close_to_reference(out, ref_o, low_o, floor, "out")
+        assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
+
+
 @pytest.mark.parametrize(
     "b,hq,hkv,sq,sk,d,dtype,layout,family",
     [

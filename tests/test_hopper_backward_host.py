@@ -233,6 +233,7 @@ import json
 from tools import offline_compile as oc
 
 cases = [("forward", d, qb, lambda d=d, qb=qb: oc._hopper_forward(d, 2, qb)) for d, qb in ((128, 1), (128, 2), (64, 2))]
+cases += [("forward", 64, "192 rows", lambda: oc._hopper_forward(64, 2, 1, block_m=192))]
 cases += [("backward", d, dq, lambda d=d, dq=dq: oc._hopper_backward(2, d, dq)) for d, dq in ((128, True), (64, True), (128, False))]
 cases += [("backward_split", d, True, lambda d=d: oc._hopper_backward(2, d, True, split=True)) for d in (128, 64)]
 cases += [("dq", d, None, lambda d=d: oc._hopper_dq(2, d)) for d in (128, 64)]
@@ -249,11 +250,12 @@ for name, d, variant, build in cases:
 def test_hopper_kernels_compile_for_sm90():
     """The Gluon kernels go through Triton and ptxas for sm_90 on this machine and fit in one
     SM's shared memory; the forward and the dQ pass also without register spills (compiled in a
-    process of its own: conftest.compile_for_sm90). The three with 16 runs per column (k-run
+    process of its own: conftest.compile_for_sm90), the forward of three consumer warpgroups
+    (192 rows, 160 registers each) included. The three with 16 runs per column (k-run
     masks) compile too; they spill some (docs/performance.md, section 12)."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
-    assert len(results) == 14, results
+    assert len(results) == 15, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["name"] in ("forward", "dq"):

@@ -13,6 +13,7 @@ from flexmask.kernels import dispatch
 from flexmask.kernels.forward import configs as forward_configs
 from flexmask.kernels.forward import hopper as forward_hopper
 from flexmask.kernels.common.masking import mask_broadcast
+from flexmask.kernels.common.score_terms import ScoreTerms
 
 
 def _counts(cm):
@@ -195,6 +196,36 @@ def test_column_bias_rule(mask, head_dim, want):
     (forward_configs.hopper_forward_column_bias), decided from the mask the tables came from."""
     cm = compile_mask(mask, 256, 256, device="cpu", block_m=128, block_n=128)
     assert forward_configs.hopper_forward_column_bias(head_dim, cm) is want
+
+
+@pytest.mark.parametrize("mask, head_dim, terms, want", [
+    (masks.causal(), 64, None, 192),  # three consumer warpgroups, as FA4's SM90 forward at D <= 64
+    (masks.document([100, 156]), 64, None, 192),
+    (masks.causal(), 128, None, 128),  # 128 rows of D = 128 already fill the registers
+    (masks.random_eviction(64, seed=1), 64, None, 128),  # the column bias wants two warpgroups
+    (masks.column_runs([[0, 100, 200]] * 256, [[50, 150, 250]] * 256), 64, None, 128),  # k runs spill at 192
+    (masks.causal(), 64, ScoreTerms(softcap=30.0), 128),  # the softcap spills at 192
+    (masks.causal(), 64, ScoreTerms(alibi_slopes=torch.ones(2)), 128),
+    (masks.causal(), 64, ScoreTerms(sinks=torch.zeros(2)), 192),  # sinks only change each row's start
+])
+def test_block_m_rule(mask, head_dim, terms, want):
+    """192 query rows a work item (three consumer warpgroups) at D = 64 where the kernel fits
+    them in 160 registers (forward_configs.hopper_forward_block_m), else 128."""
+    cm = compile_mask(mask, 256, 256, device="cpu", block_m=128, block_n=128)
+    assert forward_configs.hopper_forward_block_m(head_dim, cm, terms) == want
+
+
+def test_block_m_argument_is_checked():
+    """block_m is 128 or 192, and the ping-pong of two warpgroups is refused with three; the
+    two-warpgroup options asked for without block_m take 128 rows (before any device work)."""
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    cm = compile_mask(masks.causal(), 128, 128, device="cpu", block_m=128, block_n=128)
+    with pytest.raises(ValueError, match=r"block_m must be 128 or 192, got 256"):
+        forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), block_m=256)
+    with pytest.raises(ValueError, match=r"block_m=192 has three, got pingpong=True"):
+        forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), block_m=192, pingpong=True)
+    with pytest.raises(ValueError, match=r"stages must be 2, 3 or 4, got 5"):  # got past block_m: 128 taken
+        forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), pingpong=True, stages=5)
 
 
 @pytest.mark.parametrize("head_dim, q_buffers, want", [(64, 1, True), (64, 2, False), (128, 1, False)])

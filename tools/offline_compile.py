@@ -76,7 +76,7 @@ def _score_terms(terms: str | None, tensor) -> tuple[dict, dict]:
 
 def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
                     column_bias: bool | None = None, tc_bias: bool | None = None, terms: str | None = None,
-                    runs: int = 2):
+                    runs: int = 2, block_m: int | None = None):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.forward import hopper as fh
 
@@ -93,17 +93,19 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
     args.update(term_args)
     from flexmask.kernels.forward import configs as forward_configs
 
-    if column_bias is None:
-        column_bias = forward_configs.hopper_forward_column_bias(head_dim)
+    block_m = 128 if block_m is None else block_m
+    if column_bias is None:  # as attention_forward_hopper chooses it: not with three warpgroups
+        column_bias = forward_configs.hopper_forward_column_bias(head_dim) and block_m == 128
     if tc_bias is None:  # as attention_forward_hopper chooses it: never with a softcap
         tc_bias = (forward_configs.hopper_forward_tc_bias(head_dim, q_buffers) and column_bias
                    and not term_consts["SOFTCAP"])
-    consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
-                  COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim),
+    consts = dict(BLOCK_M=block_m, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
+                  COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim, block_m),
                   TC_BIAS=bool(tc_bias), **term_consts, NUM_RUNS=runs, num_warps=4)
     if runs > 2:
         consts.update(COLUMN_BIAS=False, TC_BIAS=False)
-    return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
+    maxnreg = 168 if block_m == 128 else 152  # as attention_forward_hopper launches it
+    return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": maxnreg},
                            source_cls=GluonASTSource)
 
 
@@ -374,9 +376,11 @@ def main(argv=None) -> int:
             except Exception as exc:
                 print(f"backward_hopper D={d}: FAILED {type(exc).__name__}: {str(exc)[:6000]}", file=sys.stderr)
         return 0
-    for d, st, qb in ((128, 2, 1), (64, 2, 1), (64, 3, 1), (128, 2, 2), (64, 2, 2)):
+    for d, st, qb, bm in ((128, 2, 1, 128), (64, 2, 1, 192), (64, 2, 2, 192), (64, 2, 1, 128), (64, 3, 1, 128),
+                          (128, 2, 2, 128), (64, 2, 2, 128)):
         try:
-            print(report(f"forward_hopper D={d} stages={st} q_buffers={qb}", _hopper_forward(d, st, qb)), flush=True)
+            print(report(f"forward_hopper D={d} stages={st} q_buffers={qb} block_m={bm}",
+                         _hopper_forward(d, st, qb, block_m=bm)), flush=True)
         except Exception as exc:  # report and go on: this is a diagnostic tool
             print(f"forward_hopper D={d} stages={st}: FAILED {type(exc).__name__}: {str(exc)[:3000]}", file=sys.stderr)
     return 0

@@ -36,6 +36,7 @@ would reserve more than MAX_UNCOUNTED_LIST_BYTES, the tiles are counted first (o
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -237,6 +238,39 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
     visited = int(tables["bwd_offsets"][-1]) if capacity is None else capacity
     return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n, num_tiles_visited=visited,
                         source=mask, **tables)
+
+
+def retiled(cm: CompiledMask, block_m: int, block_n: int, on_device: bool | None = None) -> CompiledMask:
+    """The same mask's tables at another tile, built from its intervals on first use and kept with
+    it (the Hopper forward at D = 64 walks 192-row q-blocks of a mask compiled at 128 x 128). On a
+    GPU (or with on_device=True) with two intervals per column, no host sync: every new tile that
+    is visited contains an attended pair of a visited old tile, and an old tile meets at most
+    cdiv(old, new) + 1 new ones along each axis, so that many times cm.num_tiles_visited bound the
+    lists. k runs take build_tables' torch path (two host syncs, once)."""
+    if (block_m, block_n) == (cm.block_m, cm.block_n):
+        return cm
+    kept = _RETILED.setdefault(cm, {})
+    if (block_m, block_n) not in kept:
+        kept[block_m, block_n] = _retile(cm, block_m, block_n, on_device)
+    return kept[block_m, block_n]
+
+
+_RETILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledMask -> {(block_m, block_n): tables}
+
+
+def _retile(cm: CompiledMask, block_m: int, block_n: int, on_device: bool | None) -> CompiledMask:
+    device_path = cm.intervals.is_cuda if on_device is None else on_device
+    if not device_path or cm.runs > 2:
+        return build_tables(cm.intervals, cm.q_len, cm.kv_len, block_m, block_n, source=cm.source, on_device=False)
+    rows = cm.batch * cm.heads
+    n_tiles = rows * _cdiv(cm.q_len, block_m) * _cdiv(cm.kv_len, block_n)
+    meets_m = 1 if block_m == cm.block_m else _cdiv(cm.block_m, block_m) + 1
+    meets_n = 1 if block_n == cm.block_n else _cdiv(cm.block_n, block_n) + 1
+    capacity = min(n_tiles, meets_m * meets_n * cm.num_tiles_visited)
+    tables = build_tables_device(cm.q_len, cm.kv_len, block_m, block_n, rows, capacity,
+                                 intervals=cm.intervals.contiguous())
+    return CompiledMask(q_len=cm.q_len, kv_len=cm.kv_len, block_m=block_m, block_n=block_n,
+                        num_tiles_visited=capacity, source=cm.source, **tables)
 
 
 _LIST_BYTES_PER_TILE = 9  # fwd_blocks, bwd_blocks (int32) and bwd_exact (int8)

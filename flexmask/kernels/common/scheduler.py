@@ -32,8 +32,8 @@ def claim(COUNTER):
 
 @gluon.jit
 def publish(slots, ready, empty, k, entry, t_lo, t_mid, t_hi):
-    """Producer: item k of this program, into slot k % ITEM_SLOTS once both consumers have
-    read what was there."""
+    """Producer: item k of this program, into slot k % ITEM_SLOTS once every consumer has read
+    what was there."""
     layout: gl.constexpr = gl.BlockedLayout([ITEM_FIELDS], [32], [1], [0])
     field = gl.arange(0, ITEM_FIELDS, layout=layout)
     values = gl.where(field == 0, entry, gl.where(field == 1, t_lo, gl.where(field == 2, t_mid, t_hi)))
@@ -71,15 +71,15 @@ def finish(COUNTER):
 
 
 @gluon.jit
-def allocate_ring():
-    """The slots and their ready/empty barriers (ready: the producer's arrival; empty: both
-    consumer warpgroups')."""
+def allocate_ring(consumers: gl.constexpr = 2):
+    """The slots and their ready/empty barriers (ready: the producer's arrival; empty: every
+    consumer warpgroup's)."""
     slots = gl.allocate_shared_memory(gl.int32, [ITEM_SLOTS, ITEM_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [ITEM_SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [ITEM_SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(ITEM_SLOTS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=consumers)
     return slots, ready, empty
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.masking import mask_runs
 from ..common.tiles import LaunchConfig, clip_config, head_block
 
 
@@ -44,6 +45,27 @@ def hopper_forward_schedule(head_dim: int) -> tuple[int, bool]:
 HOPPER_FORWARD_SCHEDULE = {128: (2, False), 64: (2, False)}
 
 
+def hopper_forward_block_m(head_dim: int, cm=None, terms=None) -> int:
+    """Query rows per work item of the Hopper forward: 128 (two consumer warpgroups of 64 rows),
+    or HOPPER_FORWARD_BLOCK_M's 192 (three, on the mask's tables retiled to 192 x 128:
+    masks.compiler.retiled), as FA4's SM90 forward does at D <= 64. Three warpgroups get 160
+    registers each, so 192 rows only where the kernel fits them (offline ptxas, section 4.5 of
+    docs/performance.md): one loop over the tiles with P in bf16, two intervals per column, no
+    column bias, no softcap or ALiBi (each spills 50-1700 bytes at 192 rows)."""
+    if head_dim not in HOPPER_FORWARD_BLOCK_M:
+        return 128
+    if cm is not None and (mask_runs(cm) > 2 or hopper_forward_column_bias(head_dim, cm)):
+        return 128
+    if terms is not None and (terms.softcap > 0 or terms.alibi_slopes is not None):
+        return 128
+    return HOPPER_FORWARD_BLOCK_M[head_dim]
+
+
+# FA4's SM90 forward takes 192 x 128 tiles at D = 64 (three MMA warpgroups of 160 registers):
+# more rows share each K/V tile and a third warpgroup's products fill the softmax gaps.
+HOPPER_FORWARD_BLOCK_M = {64: 192}
+
+
 def hopper_forward_column_bias(head_dim: int, cm=None) -> bool:
     """Whether the Hopper forward masks PARTIAL tiles with a column bias where it can
     (forward_hopper._column_bias): at the head dims of HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS, for
@@ -72,10 +94,11 @@ HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS = frozenset({64})
 COLUMN_CUT_KINDS = frozenset({"column_intervals", "random_eviction"})
 
 
-def hopper_forward_split_loops(head_dim: int) -> bool:
+def hopper_forward_split_loops(head_dim: int, block_m: int = 128) -> bool:
     """Whether the Hopper forward walks a work item's PARTIAL tiles and its FULL tiles in two
-    loops (the FULL loop without any mask work) instead of one loop that tests every tile."""
-    return head_dim in HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS
+    loops (the FULL loop without any mask work) instead of one loop that tests every tile. Not at
+    192 rows: the two loops carry P in fp32, which spills 784 bytes with three warpgroups."""
+    return head_dim in HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS and block_m == 128
 
 
 # Two loops are faster on full, causal and causal-document masks at D = 64 (H200, 32K); at
@@ -97,13 +120,14 @@ def hopper_forward_tc_bias(head_dim: int, q_buffers: int = 1) -> bool:
 HOPPER_FORWARD_TC_BIAS_HEAD_DIMS = frozenset({64})
 
 
-def hopper_forward_q_buffers(head_dim: int, cm) -> int:
+def hopper_forward_q_buffers(head_dim: int, cm, block_m: int = 128) -> int:
     """Q buffers of the Hopper forward (forward_hopper.py): 2 (the next work item's Q loads while
     this item's walk ends) at the head dims of HOPPER_QBUF2_HEAD_DIMS when a q-block visits at most
-    HOPPER_QBUF2_MAX_WALK tiles on average, else 1. Reads only host values: `num_tiles_visited`
-    is exact for full, causal, sliding-window, document and prefix-LM masks and an upper bound
-    for the rest, so a mask of unknown shape keeps one buffer."""
-    if head_dim not in HOPPER_QBUF2_HEAD_DIMS:
+    HOPPER_QBUF2_MAX_WALK tiles on average, else 1 (always 1 at 192 rows, where three warpgroups
+    with a second buffer spill a register: offline ptxas). Reads only host values:
+    `num_tiles_visited` is exact for full, causal, sliding-window, document and prefix-LM masks
+    and an upper bound for the rest, so a mask of unknown shape keeps one buffer."""
+    if head_dim not in HOPPER_QBUF2_HEAD_DIMS or block_m != 128:  # 192 rows: a second buffer spills
         return 1
     walks = cm.batch * cm.heads * cm.num_q_blocks
     return 2 if cm.num_tiles_visited <= HOPPER_QBUF2_MAX_WALK * walks else 1

@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ...masks.compiler import retiled
 from ..common.launcher import FastLaunch
 from ..common.masking import mask_runs
 from ..common import scheduler
@@ -52,6 +53,8 @@ from . import configs
 LOG2E = 1.4426950408889634
 PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the one-warp TMA producer
 CONSUMER_REGS = gl.constexpr(240)  # the second consumer warpgroup (the first gets what is left)
+CONSUMER_REGS_3 = gl.constexpr(160)  # consumers 2 and 3 of a 192-row block: 3 x 128 x 160 + 32 x 24 fit 64K
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma row slab
 FINITE_FLOOR = gl.constexpr(-1.0e30)  # the running maximum starts here: exp2(-inf - max) is 0, never NaN
 
 
@@ -102,6 +105,7 @@ def _producer(
     of each item's Q block and of its K and V tiles in walk order. With Q_BUFS = 2 the next
     item's Q goes into the other buffer while this item's walk ends."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, _ = bars
+    NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
     kv_count = 0
     item_count = 0
     w = scheduler.claim(COUNTER)
@@ -112,12 +116,12 @@ def _producer(
         t_lo, t_mid, t_hi = _walk_bounds(FWD_OFFSETS, FWD_NUM_FULL, seg)
         scheduler.publish(item_slots, item_ready, item_empty, item_count, entry, t_lo, t_mid, t_hi)
         hk = h // GROUP
-        q_slot = (item_count % Q_BUFS) * 2
+        q_slot = (item_count % Q_BUFS) * NUM_WG
         q_phase = (item_count // Q_BUFS) & 1
-        for g in gl.static_range(2):  # one half of the q-block per consumer warpgroup
+        for g in gl.static_range(NUM_WG):  # one slab of the q-block per consumer warpgroup
             mbarrier.wait(q_empty.index(q_slot + g), q_phase ^ 1)
             mbarrier.expect(q_ready.index(q_slot + g), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b * Q_X_B + h * Q_X_H, m * BLOCK_M + g * (BLOCK_M // 2), h * Q_C_H],
+            tma.async_copy_global_to_shared(q_desc, [b * Q_X_B + h * Q_X_H, m * BLOCK_M + g * WG_ROWS, h * Q_C_H],
                                             q_ready.index(q_slot + g), q_smem.index(q_slot + g))
         x_kv = b * KV_X_B + hk * KV_X_H
         c_kv = hk * KV_C_H
@@ -496,14 +500,16 @@ def _consumer(
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
     NUM_RUNS: gl.constexpr,
 ):
-    """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
-    The two warpgroups share the K/V stages (released when both have read them) but never
-    wait for each other, so one's softmax runs while the other's matrix products do.
+    """One consumer warpgroup: rows [WG * WG_ROWS, (WG + 1) * WG_ROWS) of each q-block (two
+    warpgroups of a 128-row block, three of a 192-row one). The warpgroups share the K/V stages
+    (released when all have read them) but never wait for each other, so one's softmax runs
+    while another's matrix products do.
     With SOFTCAP or HAS_ALIBI (TERMS) every tile's S goes through `_term_scores` (the kv-block
     of each step then known to the consumer too); HAS_SINKS changes only each row's start."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns = bars
     dtype: gl.constexpr = q_smem.dtype
-    ROWS: gl.constexpr = BLOCK_M // 2
+    ROWS: gl.constexpr = WG_ROWS
+    NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
     num_warps: gl.constexpr = 4
     # S = Q K^T: [BLOCK_M, BLOCK_N]; O += P V: [BLOCK_M, HEAD_DIM]; one wgmma row slab per warpgroup
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -540,7 +546,7 @@ def _consumer(
             slope2 = gl.load(ALIBI + b.to(gl.int64) * alibi_stride_b + h) * 1.4426950408889634
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         n_tiles = t_hi - t_lo
-        q_idx = (item_count % Q_BUFS) * 2 + WG
+        q_idx = (item_count % Q_BUFS) * NUM_WG + WG
         q_view = q_smem.index(q_idx).reshape([ROWS, HEAD_DIM])
         mbarrier.wait(q_ready.index(q_idx), (item_count // Q_BUFS) & 1)
         if n_tiles > 0:
@@ -693,30 +699,31 @@ def _forward_hopper_kernel(
     NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)  # [2 * Q_BUFS, 1, BLOCK_M / 2, HEAD_DIM]
+    NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS  # consumer warpgroups: 2 (128 rows) or 3 (192)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)  # [NUM_WG * Q_BUFS, 1, WG_ROWS, HEAD_DIM]
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)  # [STAGES, 1, BLOCK_N, HEAD_DIM]
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)  # one O block per consumer
-    q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+    o_smem = gl.allocate_shared_memory(dtype, [NUM_WG] + o_desc.block_type.shape, o_desc.layout)  # one O block per consumer
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG * Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG * Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for g in gl.static_range(2 * Q_BUFS):
+    for g in gl.static_range(NUM_WG * Q_BUFS):
         mbarrier.init(q_ready.index(g), count=1)
         mbarrier.init(q_empty.index(g), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
+        mbarrier.init(k_empty.index(i), count=NUM_WG)  # every consumer warpgroup releases a stage
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
-    item_slots, item_ready, item_empty = scheduler.allocate_ring()
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
+    item_slots, item_ready, item_empty = scheduler.allocate_ring(NUM_WG)
     # the column bias on the tensor cores (TC_BIAS): per consumer warpgroup, A (ones in column 0)
     # and B ([BLOCK_N, 16], the bias in column 0) by tile parity
     ab_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-    ones_smem = gl.allocate_shared_memory(dtype, [2 if TC_BIAS else 1, BLOCK_M // 2, 16], ab_layout)
-    bias_bufs = gl.allocate_shared_memory(dtype, [4 if TC_BIAS else 1, BLOCK_N, 16], ab_layout)
+    ones_smem = gl.allocate_shared_memory(dtype, [NUM_WG if TC_BIAS else 1, WG_ROWS, 16], ab_layout)
+    bias_bufs = gl.allocate_shared_memory(dtype, [2 * NUM_WG if TC_BIAS else 1, BLOCK_N, 16], ab_layout)
     tc_bufs = (ones_smem, bias_bufs)
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose products go next
     if PINGPONG:
@@ -731,27 +738,57 @@ def _forward_hopper_kernel(
         mbarrier.arrive(turns.index(0), count=1)  # warpgroup 0 takes the first turn
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns)
 
-    gl.warp_specialize([
-        (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
-                     LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                     O_X_B, O_X_H, O_C_H,
-                     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                     TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
-        (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
-                     LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                     O_X_B, O_X_H, O_C_H,
-                     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                     TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-                     WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                     NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
-                     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                     BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if NUM_WG == 3:  # a 192-row block (D = 64): three consumers of 160 registers
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
+                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         O_X_B, O_X_H, O_C_H,
+                         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                         tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
+            (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
+                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         O_X_B, O_X_H, O_C_H,
+                         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                         tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
+            (_consumer, (2, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
+                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         O_X_B, O_X_H, O_C_H,
+                         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                         tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
+                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                         Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+                         BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
+        ], [4, 4, 1], [CONSUMER_REGS_3, CONSUMER_REGS_3, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
+                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         O_X_B, O_X_H, O_C_H,
+                         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                         tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
+            (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
+                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         O_X_B, O_X_H, O_C_H,
+                         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+                         tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
+                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                         Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
+                         BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --- host side -----------------------------------------------------------------------------
@@ -898,7 +935,8 @@ def supports(q, k, v, cm) -> bool:
 
 def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int | None = None,
                              order: str = "chunked", q_buffers: int | None = None, pingpong: bool | None = None,
-                             column_bias: bool | None = None, tc_bias: bool | None = None, terms=None):
+                             column_bias: bool | None = None, tc_bias: bool | None = None, terms=None,
+                             block_m: int | None = None):
     """Same contract as forward.attention_forward; call only when `supports` says yes.
     `stages`: K/V tiles in flight. `q_buffers=2` double-buffers Q across work items (the next
     item's Q loads while this one's walk ends: pays on short walks). `pingpong`: the two consumer
@@ -908,17 +946,29 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     more k-step (`_store_bias_row`) instead of the softmax adding it per score.
     None takes `configs.hopper_forward_schedule` / `configs.hopper_forward_column_bias` /
     `configs.hopper_forward_tc_bias` (never with a softcap, which would bend the tensor cores' -inf
-    bias to -softcap). `terms`: the score terms (common.score_terms.ScoreTerms) or None."""
+    bias to -softcap). `terms`: the score terms (common.score_terms.ScoreTerms) or None.
+    `block_m`: query rows per work item, 128 (two consumer warpgroups) or 192 (three, on the
+    mask's tables retiled to 192 x 128 once: masks.compiler.retiled); None takes
+    `configs.hopper_forward_block_m`."""
     d = q.shape[-1]
     default_stages, default_pingpong = configs.hopper_forward_schedule(d)
     stages = default_stages if stages is None else stages
-    pingpong = default_pingpong if pingpong is None else pingpong
-    column_bias = configs.hopper_forward_column_bias(d, cm) if column_bias is None else column_bias
+    if block_m is None:  # the two-warpgroup kernel's options, asked for, take its 128 rows
+        two_wg = pingpong or column_bias or tc_bias or q_buffers == 2
+        block_m = HOPPER_BLOCK if two_wg else configs.hopper_forward_block_m(d, cm, terms)
+    if block_m not in (HOPPER_BLOCK, 3 * HOPPER_BLOCK // 2):
+        raise ValueError(f"block_m must be 128 or 192, got {block_m!r}")
+    if block_m != HOPPER_BLOCK and pingpong:
+        raise ValueError("pingpong takes turns between two consumer warpgroups; block_m=192 has three, "
+                         f"got pingpong={pingpong!r}")
+    pingpong = (default_pingpong and block_m == HOPPER_BLOCK) if pingpong is None else pingpong
+    if column_bias is None:
+        column_bias = configs.hopper_forward_column_bias(d, cm) and block_m == HOPPER_BLOCK
     if q_buffers is None:
-        q_buffers = configs.hopper_forward_q_buffers(d, cm)
+        q_buffers = configs.hopper_forward_q_buffers(d, cm, block_m)
     if tc_bias not in (None, False, True):
         raise ValueError(f"tc_bias must be None, False or True, got {tc_bias!r}")
-    split_loops = configs.hopper_forward_split_loops(d)
+    split_loops = configs.hopper_forward_split_loops(d, block_m)
     softcap = terms is not None and terms.softcap > 0
     runs = mask_runs(cm)
     if runs > 2:  # k runs: no column bias (every column counts as mixed), the row words only
@@ -948,22 +998,25 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     v_desc, _ = _descriptor(v, HOPPER_BLOCK)
     kv_bytes = 2 * sk * d * k.element_size()  # one kv head's K and V
     programs = _num_sms(q.device.index or 0)
-    work = work_list(cm, batch, hq, hkv, mask_map, kv_bytes, order, hoist=programs)
+    tables = retiled(cm, block_m, HOPPER_BLOCK)
+    work = work_list(tables, batch, hq, hkv, mask_map, kv_bytes, order, hoist=programs)
     n_items = work.numel()
     grid = (min(n_items, programs),)
     mb, mdiv, mh = mask_map
     score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, lse)
     _FORWARD_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, o_desc, lse,
-        cm.kernel_intervals, work, scheduler.counters(q.device), cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
+        tables.kernel_intervals, work, scheduler.counters(q.device), tables.fwd_offsets, tables.fwd_num_full,
+        tables.fwd_blocks, n_items,
         oxb, oxh, och,
-        sq, sk, cm.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
+        sq, sk, tables.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, *score_args,
-        BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
+        BLOCK_M=block_m, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
         TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
-        num_warps=4, maxnreg=168,
+        # the launch's registers a thread: 9 warps at 168, 13 warps (three consumers) at 152 (64K a CTA)
+        num_warps=4, maxnreg=168 if block_m == HOPPER_BLOCK else 152,
     )
     return o, lse
 
