@@ -6,8 +6,9 @@ computes each tile's softmax, and every program waits for its own K/V loads. Her
   heaviest first within chunks of heads whose K/V fit in L2 (`work_list`);
 - a one-warp producer partition streams Q, K and V through TMA (host-built descriptors) into
   a ring of shared-memory stages, signalled by mbarriers;
-- two consumer warpgroups of 64 query rows each share the K/V stages but never wait for each
-  other, so one's softmax runs while the other's matrix products do; each issues S = Q K^T of
+- consumer warpgroups of 64 query rows each (two for a 128-row item, three for a 192-row one at
+  D = 64, on tables retiled to 192 x 128) share the K/V stages but never wait for each other, so
+  one's softmax runs while another's matrix products do; each issues S = Q K^T of
   tile j asynchronously while the tensor cores still run O += P V of tile j-1 (FlashAttention-3's
   intra-warpgroup overlap).
 PARTIAL tiles are walked first and masked from the column intervals; FULL tiles get no mask
