@@ -1017,33 +1017,29 @@ def test_compile_table_is_generated_from_the_csv():
 @pytest.mark.parametrize("family", ["full", "causal", "sliding_window", "document", "prefix_lm", "random_eviction",
                                     "column_intervals", "and"])
 def test_retiled_tables_exact(family, sq, sk, on_device):
-    """compiler.retiled: the same mask's tables at 192 x 128 (the Hopper forward's three-warpgroup
+    """CompiledMask.retiled: the same mask's tables at 192 x 128 (the Hopper forward's three-warpgroup
     blocks) built from a 128 x 128 CompiledMask's intervals equal the brute-force classes and lists
     at 192 x 128; the lists' host bound covers the tiles visited; built once per CompiledMask."""
-    from flexmask.masks.compiler import retiled
-
     mask = make_mask(family, sq, sk, batch=2, heads=2)
     cm = compile_spec(mask, sq, sk, torch.device("cpu"), 128, 128, on_device=on_device)
-    tiles = retiled(cm, 192, 128, on_device=on_device)
+    tiles = cm.retiled(192, 128, on_device=on_device)
     assert (tiles.block_m, tiles.block_n, tiles.q_len, tiles.kv_len) == (192, 128, sq, sk)
     assert torch.equal(tiles.intervals, cm.intervals)
     classes = tiles.tile_classes()
     assert torch.equal(classes, brute_force_classes(dense_from_intervals(cm.intervals, sq), 192, 128))
     check_lists(tiles, classes, exact_count=not on_device)
-    assert retiled(cm, 192, 128, on_device=on_device) is tiles
-    assert retiled(cm, 128, 128) is cm
+    assert cm.retiled(192, 128, on_device=on_device) is tiles
+    assert cm.retiled(128, 128) is cm
 
 
 def test_retiled_k_runs():
     """A mask of k runs per column retiles through the torch path, exactly."""
-    from flexmask.masks.compiler import retiled
-
     sq = sk = 400
     starts = torch.stack([torch.arange(sk) % 50, torch.arange(sk) % 50 + 120, torch.arange(sk) % 50 + 260])
     mask = masks.column_runs(starts.T.contiguous(), (starts + 40).T.contiguous())
     cm = flexmask.compile_mask(mask, sq, sk, device="cpu", block_m=128, block_n=128)
     assert cm.runs > 2
-    tiles = retiled(cm, 192, 128)
+    tiles = cm.retiled(192, 128)
     classes = tiles.tile_classes()
     assert torch.equal(classes, brute_force_classes(dense_from_intervals(cm.intervals, sq), 192, 128))
     check_lists(tiles, classes)

@@ -101,6 +101,25 @@ class CompiledMask:
     def num_kv_blocks(self) -> int:
         return _cdiv(self.kv_len, self.block_n)
 
+    def retiled(self, block_m: int, block_n: int, on_device: bool | None = None) -> "CompiledMask":
+        """The same mask's tables at another tile, built from its intervals on first use and kept
+        with it (the Hopper forward at D = 64 walks 192-row q-blocks of a mask compiled at 128 x
+        128). On a GPU (or with on_device=True) with two intervals per column, no host sync: every
+        new tile that is visited contains an attended pair of a visited old tile, and an old tile
+        meets at most cdiv(old, new) + 1 new ones along each axis, so that many times
+        num_tiles_visited bound the lists. k runs take build_tables' torch path (two host syncs,
+        once). Inside a CUDA graph's capture a new tiling is built but not kept (its tables are
+        written at each replay, not for eager calls)."""
+        if (block_m, block_n) == (self.block_m, self.block_n):
+            return self
+        kept = _RETILED.setdefault(self, {})
+        if (block_m, block_n) not in kept:
+            tiles = _retile(self, block_m, block_n, on_device)
+            if self.intervals.is_cuda and torch._C._cuda_isCurrentStreamCapturing():
+                return tiles
+            kept[block_m, block_n] = tiles
+        return kept[block_m, block_n]
+
     def tile_classes(self) -> torch.Tensor:
         """int8 [Bm, Hm, NQB, NKB] of SKIP/PARTIAL/FULL (exact). O(tiles): for tests and plots."""
         nq, nk = self.num_q_blocks, self.num_kv_blocks
@@ -238,21 +257,6 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
     visited = int(tables["bwd_offsets"][-1]) if capacity is None else capacity
     return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n, num_tiles_visited=visited,
                         source=mask, **tables)
-
-
-def retiled(cm: CompiledMask, block_m: int, block_n: int, on_device: bool | None = None) -> CompiledMask:
-    """The same mask's tables at another tile, built from its intervals on first use and kept with
-    it (the Hopper forward at D = 64 walks 192-row q-blocks of a mask compiled at 128 x 128). On a
-    GPU (or with on_device=True) with two intervals per column, no host sync: every new tile that
-    is visited contains an attended pair of a visited old tile, and an old tile meets at most
-    cdiv(old, new) + 1 new ones along each axis, so that many times cm.num_tiles_visited bound the
-    lists. k runs take build_tables' torch path (two host syncs, once)."""
-    if (block_m, block_n) == (cm.block_m, cm.block_n):
-        return cm
-    kept = _RETILED.setdefault(cm, {})
-    if (block_m, block_n) not in kept:
-        kept[block_m, block_n] = _retile(cm, block_m, block_n, on_device)
-    return kept[block_m, block_n]
 
 
 _RETILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledMask -> {(block_m, block_n): tables}

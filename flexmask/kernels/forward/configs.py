@@ -48,7 +48,7 @@ HOPPER_FORWARD_SCHEDULE = {128: (2, False), 64: (2, False)}
 def hopper_forward_block_m(head_dim: int, cm=None, terms=None) -> int:
     """Query rows per work item of the Hopper forward: 128 (two consumer warpgroups of 64 rows),
     or HOPPER_FORWARD_BLOCK_M's 192 (three, on the mask's tables retiled to 192 x 128:
-    masks.compiler.retiled), as FA4's SM90 forward does at D <= 64. Three warpgroups get 160
+    CompiledMask.retiled), as FA4's SM90 forward does at D <= 64. Three warpgroups get 160
     registers each, so 192 rows only where the kernel fits them (offline ptxas, section 4.7 of
     docs/performance.md): one loop over the tiles with P in bf16, two intervals per column, no
     column bias, no softcap or ALiBi (each spills 50-1700 bytes at 192 rows)."""

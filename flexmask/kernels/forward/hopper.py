@@ -44,7 +44,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...masks.compiler import retiled
 from ..common.launcher import FastLaunch
 from ..common.masking import mask_runs
 from ..common import scheduler
@@ -949,7 +948,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     `configs.hopper_forward_tc_bias` (never with a softcap, which would bend the tensor cores' -inf
     bias to -softcap). `terms`: the score terms (common.score_terms.ScoreTerms) or None.
     `block_m`: query rows per work item, 128 (two consumer warpgroups) or 192 (three, on the
-    mask's tables retiled to 192 x 128 once: masks.compiler.retiled); None takes
+    mask's tables retiled to 192 x 128 once: CompiledMask.retiled); None takes
     `configs.hopper_forward_block_m`."""
     d = q.shape[-1]
     default_stages, default_pingpong = configs.hopper_forward_schedule(d)
@@ -999,7 +998,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     v_desc, _ = _descriptor(v, HOPPER_BLOCK)
     kv_bytes = 2 * sk * d * k.element_size()  # one kv head's K and V
     programs = _num_sms(q.device.index or 0)
-    tables = retiled(cm, block_m, HOPPER_BLOCK)
+    tables = cm.retiled(block_m, HOPPER_BLOCK)
     work = work_list(tables, batch, hq, hkv, mask_map, kv_bytes, order, hoist=programs)
     n_items = work.numel()
     grid = (min(n_items, programs),)
