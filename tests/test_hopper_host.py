@@ -226,6 +226,8 @@ def test_block_m_argument_is_checked():
         forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), block_m=192, pingpong=True)
     with pytest.raises(ValueError, match=r"stages must be 2, 3 or 4, got 5"):  # got past block_m: 128 taken
         forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), pingpong=True, stages=5)
+    with pytest.raises(ValueError, match=r"stages must be 2, 3 or 4, got 5"):  # no tc_bias asked of one loop
+        forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), block_m=192, column_bias=True, stages=5)
 
 
 @pytest.mark.parametrize("head_dim, q_buffers, want", [(64, 1, True), (64, 2, False), (128, 1, False)])

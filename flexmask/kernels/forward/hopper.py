@@ -977,7 +977,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
             raise ValueError(f"tc_bias needs a mask of two intervals per column; this mask has {runs} runs")
         tc_bias = False
     if tc_bias is None:
-        tc_bias = configs.hopper_forward_tc_bias(d, q_buffers) and column_bias and not softcap
+        tc_bias = configs.hopper_forward_tc_bias(d, q_buffers) and column_bias and split_loops and not softcap
     if tc_bias and softcap:
         raise ValueError("tc_bias adds the mask to the raw scores, which the softcap would bend to -softcap; "
                          f"got tc_bias=True with softcap={terms.softcap!r}")
