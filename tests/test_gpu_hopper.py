@@ -76,6 +76,19 @@ def test_three_warpgroups(family, stages, column_bias):
         assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
 
 
+@pytest.mark.parametrize("d", [128, 64], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_q_released_after_the_walk(family, d, monkeypatch):
+    """configs.HOPPER_FORWARD_EARLY_Q off (the Q buffer released after the last O += P V, as
+    before): the same results as the reference, many short items (Sq > Sk, GQA)."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels.forward import configs as forward_configs
+
+    monkeypatch.setattr(forward_configs, "HOPPER_FORWARD_EARLY_Q", False)
+    _run(family, 2, 4, 2, 1500, 700, d, torch.bfloat16, "bhsd", seed=7)
+
+
 @pytest.mark.parametrize(
     "b,hq,hkv,sq,sk,d,dtype,layout,family",
     [

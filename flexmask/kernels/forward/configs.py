@@ -66,6 +66,14 @@ def hopper_forward_block_m(head_dim: int, cm=None, terms=None) -> int:
 HOPPER_FORWARD_BLOCK_M = {64: 192}
 
 
+# A consumer releases its Q buffer once the walk's last S = Q K^T has been waited for, before
+# the last O += P V and the epilogue, instead of after them: the producer then loads the next
+# item's Q (and its first K/V tiles) while they run. Short walks pay that latency per item
+# (docs/performance.md, section 4.2: an item's fixed cost 4.3 us against 1.8 us a FULL tile).
+# 128-row items only: with three warpgroups the branch spills 12 / 40 bytes (offline ptxas).
+HOPPER_FORWARD_EARLY_Q = True
+
+
 def hopper_forward_column_bias(head_dim: int, cm=None) -> bool:
     """Whether the Hopper forward masks PARTIAL tiles with a column bias where it can
     (forward_hopper._column_bias): at the head dims of HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS, for

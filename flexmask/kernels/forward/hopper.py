@@ -498,7 +498,7 @@ def _consumer(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-    NUM_RUNS: gl.constexpr,
+    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * WG_ROWS, (WG + 1) * WG_ROWS) of each q-block (two
     warpgroups of a 128-row block, three of a 192-row one). The warpgroups share the K/V stages
@@ -654,6 +654,8 @@ def _consumer(
                     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
                                                                   P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
+            if EARLY_Q:  # every S = Q K^T has been waited for: the next item's Q may load during the last O += P V
+                mbarrier.arrive(q_empty.index(q_idx), count=1)
             mbarrier.wait(v_ready.index(prev_idx), prev_phase)
             _take_turn(turns, WG, issued, PINGPONG)
             acc = warpgroup_mma(_p_operand(p_prev, dtype, p_layout, P_F32), v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
@@ -661,7 +663,11 @@ def _consumer(
             issued += 1
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev_idx), count=1)
-        mbarrier.arrive(q_empty.index(q_idx), count=1)
+        if EARLY_Q:
+            if n_tiles == 0:
+                mbarrier.arrive(q_empty.index(q_idx), count=1)
+        else:
+            mbarrier.arrive(q_empty.index(q_idx), count=1)
         item_count += 1
 
         # epilogue: O = acc / l (0 for rows that attend nothing), LSE in natural log
@@ -696,7 +702,7 @@ def _forward_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-    NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
+    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS  # consumer warpgroups: 2 (128 rows) or 3 (192)
@@ -746,21 +752,21 @@ def _forward_hopper_kernel(
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
             (_consumer, (2, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -775,14 +781,14 @@ def _forward_hopper_kernel(
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -1015,6 +1021,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         BLOCK_M=block_m, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
         TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
+        EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m == HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
         # the launch's registers a thread: 9 warps at 168, 13 warps (three consumers) at 152 (64K a CTA)
         num_warps=4, maxnreg=168 if block_m == HOPPER_BLOCK else 152,
     )

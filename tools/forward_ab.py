@@ -1,0 +1,82 @@
+"""A/B of one switch of the Hopper forward, both sides measured in one process: FA4's masks
+(benchmarks.peers' cases: causal, full, the 1024-key window, causal documents of 2K-8K), 2K, 8K and
+32K tokens a batch, bf16; best of two interleaved do_bench runs each, TFLOP/s on unmasked elements,
+and the largest difference between the two outputs. Switches:
+
+- `block_m` (D = 64, heads 16/16 and 32/8): 128-row work items (two consumer warpgroups, with the
+  options configs picks at 128 rows) against 192-row ones (three warpgroups, tables retiled);
+- `early_q` (D = 128 and 64, heads 16/16): configs.HOPPER_FORWARD_EARLY_Q off against on (the Q
+  buffer released before the walk's last O += P V instead of after the epilogue).
+
+    PYTHONPATH=$PWD python3 -m tools.forward_ab --switch block_m
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+import flexmask
+from flexmask.kernels.common.masking import mask_broadcast
+from flexmask.kernels.forward import configs
+from flexmask.kernels.forward import hopper as forward_hopper
+
+from benchmarks.cuda_guard import require_cuda
+from benchmarks.flops import attending_pairs, attention_flops
+from benchmarks.peers import PEER_FAMILIES, peer_case
+
+CASES = [(2048, 16), (8192, 4), (32768, 1)]
+SWITCHES = {  # name: (head dims, heads, the two sides' labels)
+    "block_m": ((64,), ((16, 16), (32, 8)), ("128 rows", "192 rows")),
+    "early_q": ((128, 64), ((16, 16),), ("Q late", "Q early")),
+}
+
+
+def _run(switch: str, side: int, q, k, v, cm, mask_map):
+    if switch == "block_m":
+        return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=(128, 192)[side])
+    configs.HOPPER_FORWARD_EARLY_Q = bool(side)
+    try:
+        return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map)
+    finally:
+        configs.HOPPER_FORWARD_EARLY_Q = True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--switch", choices=sorted(SWITCHES), default="block_m")
+    args = parser.parse_args(argv)
+    require_cuda("tools.forward_ab")
+    print(torch.cuda.get_device_name(), flush=True)
+    head_dims, heads, labels = SWITCHES[args.switch]
+    for d in head_dims:
+        for S, B in CASES:
+            for hq, hkv in heads:
+                for family in PEER_FAMILIES:
+                    case = peer_case(family, S, B)
+                    torch.manual_seed(0)
+                    q = torch.randn(B, hq, S, d, device="cuda", dtype=torch.bfloat16)
+                    k = torch.randn(B, hkv, S, d, device="cuda", dtype=torch.bfloat16)
+                    v = torch.randn_like(k)
+                    cm = flexmask.compile_mask(case.mask, S, S, device="cuda")
+                    mask_map = mask_broadcast(cm, B, hq, hkv)
+                    flops = attention_flops(attending_pairs(case.mask.intervals(S, S, "cuda"), S, B, hq), d)["fwd"]
+                    best, outs = {}, {}
+                    for side in (0, 1, 0, 1):
+                        run = lambda side=side: _run(args.switch, side, q, k, v, cm, mask_map)
+                        ms = triton.testing.do_bench(run, warmup=30, rep=200)
+                        best[side] = min(ms, best.get(side, float("inf")))
+                        outs.setdefault(side, run()[0])
+                    diff = float((outs[0].float() - outs[1].float()).abs().max())
+                    print(f"{family:20s} D={d:3d} S={S:6d} {hq}/{hkv}: {labels[0]} {best[0]:7.3f} ms "
+                          f"{flops / best[0] / 1e9:6.1f} TF, {labels[1]} {best[1]:7.3f} ms "
+                          f"{flops / best[1] / 1e9:6.1f} TF, x{best[0] / best[1]:.3f}; max|diff| {diff:.1e}",
+                          flush=True)
+                    del q, k, v, outs
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
