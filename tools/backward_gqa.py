@@ -4,7 +4,8 @@ best of two do_bench runs each, and the largest difference to the whole-group it
 work order and L2 share at 16/16 and 32/8 heads; `--ncu S HQ HKV`: one backward at S tokens
 (32K tokens a batch) between cudaProfilerStart/Stop; `--long`: causal documents of 2K-64K tokens
 (the context-parallel benchmark's, seed 0 + S) at 512K and 1M, 16/4 heads, forward and backward
-with the group split and whole, and the backward over the forward (issue 38's 2.6x target); for
+with the group split and whole and the split in the other work orders, and the backward over the
+forward (issue 38's 2.6x target); for
 
     ncu --clock-control none --profile-from-start off -k regex:backward_hopper --metrics ... \\
         python3 -m tools.backward_gqa --ncu 8192 32 8
@@ -101,13 +102,19 @@ def long_table(lengths=(524288, 1048576)) -> None:
         do = torch.randn_like(out)
         bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
         fwd_ms = triton.testing.do_bench(fwd, warmup=1, rep=1)
-        for split in (False, True, False, True):
-            configs.HOPPER_SPLIT_GROUP = split
+        for split, order in LONG_VARIANTS:
+            configs.HOPPER_SPLIT_GROUP, configs.HOPPER_BACKWARD_ORDER = split, order
+            backward_hopper._WORK_CACHE.clear()
             ms = triton.testing.do_bench(bwd, warmup=1, rep=1)
-            print(f"causal documents S={S:8d} 16/4 D=128 split={split!s:5s}: forward {fwd_ms:8.2f} ms, "
-                  f"backward {ms:8.2f} ms, {ms / fwd_ms:.2f}x", flush=True)
-        configs.HOPPER_SPLIT_GROUP = "auto"
+            print(f"causal documents S={S:8d} 16/4 D=128 split={split!s:5s} order={order:9s}: forward {fwd_ms:8.2f} "
+                  f"ms, backward {ms:8.2f} ms, {ms / fwd_ms:.2f}x", flush=True)
+        configs.HOPPER_SPLIT_GROUP, configs.HOPPER_BACKWARD_ORDER = "auto", "auto"
+        backward_hopper._WORK_CACHE.clear()
         del q, k, v, out, do
+
+
+# (split group, work order) of --long, twice each in turn; "auto" takes "index" from 512K keys
+LONG_VARIANTS = [(False, "auto"), (True, "auto"), (True, "heaviest"), (True, "bucketed")] * 2
 
 
 def main(argv=None) -> None:
