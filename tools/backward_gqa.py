@@ -3,7 +3,7 @@ with whole-group items and with the group split into items of 1, 2 or 4 query he
 best of two do_bench runs each, and the largest difference to the whole-group items' gradients; `--orders`: the
 work order and L2 share at 16/16 and 32/8 heads; `--ncu S HQ HKV`: one backward at S tokens
 (32K tokens a batch) between cudaProfilerStart/Stop; `--long`: causal documents of 2K-64K tokens
-(the context-parallel benchmark's, seed 0 + S) at 512K and 1M, 16/4 heads, forward and backward
+(the context-parallel benchmark's, seed 0 + S) at 128K, 512K and 1M, 16/4 heads, forward and backward
 with the group split and whole and the split in the other work orders, and the backward over the
 forward (issue 38's 2.6x target); for
 
@@ -87,7 +87,7 @@ def order_table() -> None:
             backward_hopper._WORK_CACHE.clear()
 
 
-def long_table(lengths=(524288, 1048576)) -> None:
+def long_table(lengths=(131072, 524288, 1048576)) -> None:
     from benchmarks.context_parallel import document_lengths
 
     for S in lengths:
@@ -120,7 +120,7 @@ LONG_VARIANTS = [(False, "auto"), (True, "auto"), (True, "heaviest"), (True, "bu
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--orders", action="store_true", help="work order and L2 share instead of the split")
-    parser.add_argument("--long", action="store_true", help="causal documents at 512K and 1M, 16/4 heads")
+    parser.add_argument("--long", action="store_true", help="causal documents at 128K, 512K and 1M, 16/4 heads")
     parser.add_argument("--ncu", nargs=3, type=int, metavar=("S", "HQ", "HKV"), help="one backward for ncu")
     args = parser.parse_args(argv)
     require_cuda("tools.backward_gqa")
