@@ -90,9 +90,39 @@ def test_bucketed_work_list_keeps_neighbours_together(mask_heads):
         assert torch.equal(backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes).long(), work)
     finally:
         backward_configs.HOPPER_BACKWARD_ORDER = original
-    with pytest.raises(ValueError, match=r"order must be one of \('heaviest', 'bucketed', 'index', 'auto'\), "
+    with pytest.raises(ValueError, match=r"order must be one of \('heaviest', 'bucketed', 'index', 'rows', 'auto'\), "
                                          r"got 'random'"):
         backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order="random")
+
+
+@pytest.mark.parametrize("q_bytes", [2 * 4096 * 128 * 2, 2 * 4096 * 128 * 2 * 24],
+                         ids=["heads_fit", "rows_split"])
+def test_rows_work_list_chunks_a_long_head(q_bytes):
+    """The "rows" order: a permutation; where one head's Q and dO exceed L2_SHARE_BYTES, chunks of
+    (head, kv-blocks whose rows fit) in order and heaviest first inside each; where heads fit, the
+    "heaviest" order itself."""
+    batch, hq, hkv, s = 1, 4, 2, 4096
+    cm = compile_mask(masks.document([300, 700, 1000, 2096], causal=True), s, s, device="cpu", block_m=128,
+                      block_n=128)
+    mask_map = mask_broadcast(cm, batch, hq, hkv)
+    nkb, group = cm.num_kv_blocks, hq // hkv
+    work = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order="rows").long()
+    heaviest = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order="heaviest").long()
+    assert torch.equal(work.sort().values, torch.arange(batch * hkv * nkb))
+    row_bytes = group * q_bytes * 128 // s
+    blocks = max(1, backward_hopper.L2_SHARE_BYTES // row_bytes)
+    if blocks >= nkb:
+        assert torch.equal(work, heaviest)
+        return
+    assert 1 < blocks < nkb, blocks
+    bhk, n = work // nkb, work % nkb
+    chunk = bhk * (-(-nkb // blocks)) + n // blocks
+    assert (chunk[:-1] <= chunk[1:]).all(), "chunks out of order"
+    counts = (cm.bwd_offsets[1:] - cm.bwd_offsets[:-1]).view(-1, nkb)[0] * group  # one mask row for every head
+    weight = counts[n]
+    same = chunk[:-1] == chunk[1:]
+    assert (weight[:-1][same] >= weight[1:][same]).all(), "not heaviest first inside a chunk"
+    assert not torch.equal(work, heaviest)
 
 
 def test_auto_order_takes_index_for_long_sequences(monkeypatch):

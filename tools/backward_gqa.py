@@ -3,8 +3,9 @@ with whole-group items and with the group split into items of 1, 2 or 4 query he
 best of two do_bench runs each, and the largest difference to the whole-group items' gradients; `--orders`: the
 work order and L2 share at 16/16 and 32/8 heads; `--ncu S HQ HKV`: one backward at S tokens
 (32K tokens a batch) between cudaProfilerStart/Stop; `--long`: causal documents of 2K-64K tokens
-(the context-parallel benchmark's, seed 0 + S) at 512K and 1M, 16/4 heads, forward and backward
-with the group split and whole, and the backward over the forward (issue 38's 2.6x target); for
+(the context-parallel benchmark's, seed 0 + S) at 128K, 512K and 1M, 16/4 heads, forward and backward
+with the group split and whole and the split in the other work orders, and the backward over the
+forward (issue 38's 2.6x target), after benchmarks.peers' 128K documents at 32/8 in each order; for
 
     ncu --clock-control none --profile-from-start off -k regex:backward_hopper --metrics ... \\
         python3 -m tools.backward_gqa --ncu 8192 32 8
@@ -86,7 +87,7 @@ def order_table() -> None:
             backward_hopper._WORK_CACHE.clear()
 
 
-def long_table(lengths=(524288, 1048576)) -> None:
+def long_table(lengths=(131072, 524288, 1048576)) -> None:
     from benchmarks.context_parallel import document_lengths
 
     for S in lengths:
@@ -101,19 +102,48 @@ def long_table(lengths=(524288, 1048576)) -> None:
         do = torch.randn_like(out)
         bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
         fwd_ms = triton.testing.do_bench(fwd, warmup=1, rep=1)
-        for split in (False, True, False, True):
-            configs.HOPPER_SPLIT_GROUP = split
+        for split, order in LONG_VARIANTS:
+            configs.HOPPER_SPLIT_GROUP, configs.HOPPER_BACKWARD_ORDER = split, order
+            backward_hopper._WORK_CACHE.clear()
             ms = triton.testing.do_bench(bwd, warmup=1, rep=1)
-            print(f"causal documents S={S:8d} 16/4 D=128 split={split!s:5s}: forward {fwd_ms:8.2f} ms, "
-                  f"backward {ms:8.2f} ms, {ms / fwd_ms:.2f}x", flush=True)
-        configs.HOPPER_SPLIT_GROUP = "auto"
+            print(f"causal documents S={S:8d} 16/4 D=128 split={split!s:5s} order={order:9s}: forward {fwd_ms:8.2f} "
+                  f"ms, backward {ms:8.2f} ms, {ms / fwd_ms:.2f}x", flush=True)
+        configs.HOPPER_SPLIT_GROUP, configs.HOPPER_BACKWARD_ORDER = "auto", "auto"
+        backward_hopper._WORK_CACHE.clear()
         del q, k, v, out, do
+
+
+# (split group, work order) of --long, twice each in turn; "auto" takes "index" from 512K keys
+LONG_VARIANTS = [(False, "auto"), (True, "auto"), (True, "heaviest"), (True, "bucketed"), (True, "rows")] * 2
+
+
+def peer_documents_table(S: int = 131072) -> None:
+    """benchmarks.peers' causal documents (2K-8K tokens) at S, 32/8 heads, D = 128: the backward in
+    each work order (peers.csv has it at 0.76x FA4 at 128K against 0.98x at 32K)."""
+    from benchmarks.peers import peer_case
+
+    case = peer_case("causal_document", S, 1)
+    torch.manual_seed(0)
+    q = torch.randn(1, 32, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    cm = flexmask.compile_mask(case.mask, S, S, device="cuda")
+    out = flexmask.attention(q, k, v, mask=cm)
+    do = torch.randn_like(out)
+    bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    for order in ("heaviest", "index", "bucketed", "rows") * 2:
+        configs.HOPPER_BACKWARD_ORDER = order
+        backward_hopper._WORK_CACHE.clear()
+        ms = triton.testing.do_bench(bwd, warmup=10, rep=100)
+        print(f"peers' causal documents S={S} 32/8 D=128 order={order:9s}: backward {ms:8.3f} ms", flush=True)
+    configs.HOPPER_BACKWARD_ORDER = "auto"
+    backward_hopper._WORK_CACHE.clear()
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--orders", action="store_true", help="work order and L2 share instead of the split")
-    parser.add_argument("--long", action="store_true", help="causal documents at 512K and 1M, 16/4 heads")
+    parser.add_argument("--long", action="store_true", help="causal documents at 128K, 512K and 1M, 16/4 heads")
     parser.add_argument("--ncu", nargs=3, type=int, metavar=("S", "HQ", "HKV"), help="one backward for ncu")
     args = parser.parse_args(argv)
     require_cuda("tools.backward_gqa")
@@ -128,6 +158,7 @@ def main(argv=None) -> None:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
     elif args.long:
+        peer_documents_table()
         long_table()
     elif args.orders:
         order_table()

@@ -93,7 +93,8 @@ def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per
 # INDEX_ORDER_MIN_KEYS keys, "heaviest" below. Measured (`python -m tools.backward_order`,
 # backward_order.csv, docs/performance.md section 5): causal documents 1.34x faster with "index"
 # at 512K and 1M (H200), but 0.95x at 32K and 0.98x at 128K (H100), and the one-GPU 256K
-# documents of the context-parallel benchmark 0.92x (H200); causal equal at 256K.
+# documents of the context-parallel benchmark 0.92x (H200); causal equal at 256K. "rows" (heaviest
+# first within chunks of kv-blocks whose rows fit in L2 where one head's do not) is not measured yet.
 HOPPER_BACKWARD_ORDER = "auto"
 INDEX_ORDER_MIN_KEYS = 1 << 19
 

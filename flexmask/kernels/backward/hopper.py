@@ -420,7 +420,7 @@ _WORK_CACHE: dict = {}  # id(bwd_offsets) -> (weak reference to it, {launch key:
 L2_SHARE_BYTES = 24 << 20  # Q/dO bytes that the programs running at one time should share
 
 
-BACKWARD_ORDERS = ("heaviest", "bucketed", "index")
+BACKWARD_ORDERS = ("heaviest", "bucketed", "index", "rows")
 
 
 def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, int, int],
@@ -431,8 +431,10 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
     tile count, "bucketed" by power-of-two bucket of it, index order inside a bucket, or "index":
     kv-blocks in index order (the items running at once then walk the same documents' q-blocks,
     whose Q, dO and dQ rows stay in L2; heaviest first interleaves every document of a long
-    sequence: tools.backward_order), or "auto": "index" from configs.INDEX_ORDER_MIN_KEYS keys,
-    "heaviest" below.
+    sequence: tools.backward_order), "rows": heaviest first within chunks of kv-blocks whose rows'
+    Q and dO fit in L2_SHARE_BYTES too, where one head's do not (the documents of those rows stay
+    in L2 and the heaviest items still start first), or "auto": "index" from
+    configs.INDEX_ORDER_MIN_KEYS keys, "heaviest" below.
     `hoist`: see forward_hopper.heaviest_first. Cached per tile table."""
     order = configs.HOPPER_BACKWARD_ORDER if order is None else order
     if order == "auto":  # long sequences: the running items' rows fit in L2 only in index order
@@ -456,6 +458,12 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
         per_item = counts[rows].view(batch * kv_heads, group, nkb).sum(1).reshape(-1).to(torch.int64)
         heads_per_chunk = max(1, L2_SHARE_BYTES // max(1, group * q_bytes))
         chunk = (torch.arange(batch * kv_heads, device=counts.device) // heads_per_chunk).repeat_interleave(nkb)
+        if order == "rows":  # kv-block n meets q rows near n (documents, windows): chunks of rows too
+            row_bytes = group * q_bytes * cm.block_n // max(1, cm.q_len)  # one kv-block's rows of Q and dO
+            blocks_per_chunk = max(1, L2_SHARE_BYTES // max(1, row_bytes))
+            row_chunks = -(-nkb // blocks_per_chunk)
+            n = torch.arange(nkb, device=counts.device).repeat(batch * kv_heads)
+            chunk = chunk * row_chunks + n // blocks_per_chunk
         max_weight = cm.num_q_blocks * group  # a kv-block meets <= NQB q-blocks per head
         rank = None
         if order == "bucketed":  # frexp's exponent: 0 for no tile, k + 1 for [2**k, 2**(k+1))
