@@ -5,6 +5,7 @@ quick look that needs none.
 
     PYTHONPATH=$PWD python -m tools.mask_mod_compile_time [--seq-len 4096] [--device cpu]
                                                           [--first-pass eager|compiled] [--profile]
+                                                          [--inductor-options JSON]
 
 On a GPU, `--first-pass eager` keeps the first pass of the scan eager at every size (the default
 compiles it for large masks: intervals.MASK_MOD_COMPILE_PAIRS); `--first-pass compiled` takes the
@@ -12,11 +13,16 @@ compiled pass at every size and on the CPU too (Inductor's C++ code there: the G
 where there is no GPU; its first call compiles). `--profile` adds one more compile of
 each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
 compile's time goes between the compiled pass, the eager operations and the host syncs.
+`--inductor-options` replaces the Inductor options of the compiled pass on CUDA
+(intervals._INLINE_PREDICATE), e.g. '{}' for Inductor's defaults or
+'{"triton.prefer_nd_tiling": true}' (2-D tiles: per-row and per-column terms computed once a
+tile row or column instead of per pair).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 
@@ -55,7 +61,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--first-pass", choices=("auto", "eager", "compiled"), default="auto")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--inductor-options", type=json.loads, default=None)
     args = ap.parse_args(argv)
+    if args.inductor_options is not None:
+        intervals._INLINE_PREDICATE = args.inductor_options
     if args.first_pass == "eager":
         intervals.MASK_MOD_COMPILE_PAIRS = float("inf")
     if args.first_pass == "compiled":
@@ -71,7 +80,8 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        print(f"{name:20s} S={args.seq_len} {args.device} {args.first_pass}: first {times[0] * 1e3:9.1f} ms, "
+        options = "" if args.inductor_options is None else f" {json.dumps(args.inductor_options)}"
+        print(f"{name:20s} S={args.seq_len} {args.device} {args.first_pass}{options}: first {times[0] * 1e3:9.1f} ms, "
               f"best {min(times) * 1e3:9.1f} ms of {args.repeats}")
         if args.profile:
             print(profiled(lambda: masks.from_mask_mod(fn, heads=heads, max_runs=16).intervals(
