@@ -59,6 +59,28 @@ def test_every_family(family, head_dim):
     _check(family, 2, 4, 2, 700, 700, torch.bfloat16, "bhsd", seed=1, d=head_dim)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole_group", "split"])
+@pytest.mark.parametrize("order", ["heaviest", "bucketed", "index", "rows"])
+def test_every_work_order(order, split, monkeypatch):
+    """Each work order of the backward's items (configs.HOPPER_BACKWARD_ORDER), with the GQA group
+    whole and split, on documents and a per-head mask; a small L2 share makes "rows" cut each
+    head's kv-blocks into several chunks."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels.backward import configs as backward_configs, hopper as backward_hopper
+
+    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_ORDER", order)
+    monkeypatch.setattr(backward_configs, "HOPPER_SPLIT_GROUP", split)
+    monkeypatch.setattr(backward_hopper, "L2_SHARE_BYTES", 1 << 18)
+    backward_hopper._WORK_CACHE.clear()
+    try:
+        _check("document", 2, 8, 2, 1500, 1500, torch.bfloat16, "bhsd", seed=3,
+               mask=masks.document([300, 700, 500], causal=True))
+        _check("random_eviction_per_head", 1, 4, 2, 1000, 1000, torch.bfloat16, "bshd", seed=4)
+    finally:
+        backward_hopper._WORK_CACHE.clear()
+
+
 @pytest.mark.parametrize("dq_pass", ["portable", "hopper"])
 @pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("family", FAMILIES, ids=str)
