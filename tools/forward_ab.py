@@ -1,11 +1,11 @@
 """A/B of one switch of the Hopper forward, both sides measured in one process: FA4's masks
-(benchmarks.peers' cases: causal, full, the 1024-key window, causal documents of 2K-8K), 2K, 8K and
-32K tokens a batch, bf16; best of two interleaved do_bench runs each, TFLOP/s on unmasked elements,
+(benchmarks.peers' cases: causal, full, the 1024-key window, causal documents of 2K-8K), 32K
+tokens a batch, bf16; best of two interleaved do_bench runs each, TFLOP/s on unmasked elements,
 and the largest difference between the two outputs. Switches:
 
-- `block_m` (D = 64, heads 16/16 and 32/8): 128-row work items (two consumer warpgroups, with the
+- `block_m` (D = 64, heads 16/16 and 32/8, S = 2K, 8K, 32K): 128-row work items (two consumer warpgroups, with the
   options configs picks at 128 rows) against 192-row ones (three warpgroups, tables retiled);
-- `early_q` (D = 128 and 64, heads 16/16): configs.HOPPER_FORWARD_EARLY_Q off against on (the Q
+- `early_q` (D = 128 and 64, heads 16/16, S = 512, 2K, 8K): configs.HOPPER_FORWARD_EARLY_Q off against on (the Q
   buffer released before the walk's last O += P V instead of after the epilogue).
 
     PYTHONPATH=$PWD python3 -m tools.forward_ab --switch block_m
@@ -27,10 +27,10 @@ from benchmarks.cuda_guard import require_cuda
 from benchmarks.flops import attending_pairs, attention_flops
 from benchmarks.peers import PEER_FAMILIES, peer_case
 
-CASES = [(2048, 16), (8192, 4), (32768, 1)]
-SWITCHES = {  # name: (head dims, heads, the two sides' labels)
-    "block_m": ((64,), ((16, 16), (32, 8)), ("128 rows", "192 rows")),
-    "early_q": ((128, 64), ((16, 16),), ("Q late", "Q early")),
+SWITCHES = {  # name: (head dims, heads, (S, batch) cases, the two sides' labels)
+    "block_m": ((64,), ((16, 16), (32, 8)), ((2048, 16), (8192, 4), (32768, 1)), ("128 rows", "192 rows")),
+    # short walks pay the item's fixed cost: 512 and 2K tokens, where per_call's forward trails cuDNN
+    "early_q": ((128, 64), ((16, 16),), ((512, 64), (2048, 16), (8192, 4)), ("Q late", "Q early")),
 }
 
 
@@ -50,9 +50,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     require_cuda("tools.forward_ab")
     print(torch.cuda.get_device_name(), flush=True)
-    head_dims, heads, labels = SWITCHES[args.switch]
+    head_dims, heads, cases, labels = SWITCHES[args.switch]
     for d in head_dims:
-        for S, B in CASES:
+        for S, B in cases:
             for hq, hkv in heads:
                 for family in PEER_FAMILIES:
                     case = peer_case(family, S, B)
