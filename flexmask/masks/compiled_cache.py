@@ -101,6 +101,8 @@ def _value_key(value):
     if isinstance(value, (list, tuple)):
         if all(v.__class__ is int for v in value):  # the common case (document lengths), in C
             return ("ints", tuple(value))
+        if all((r.__class__ is list or r.__class__ is tuple) and all(v.__class__ is int for v in r) for r in value):
+            return ("seq", tuple([("ints", tuple(r)) for r in value]))  # lengths per batch row, the same key
         return ("seq", tuple(_value_key(v) for v in value))
     if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.is_floating_point():
         if value.numel() * value.element_size() <= CONTENT_KEY_MAX_BYTES:
