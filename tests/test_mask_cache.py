@@ -78,6 +78,13 @@ def test_lengths_per_row_take_the_same_key_on_every_path():
     for bad, error in (([[300, True]], TypeError), ([[300, -1]], ValueError), ([[300], []], TypeError)):
         with pytest.raises(error, match="seqlens"):
             masks.document(bad)
+    # the lists are read at each call: lengths changed in place between two calls give another mask
+    lens = [[300, 700], [1000]]
+    before = masks.document(lens, causal=True)
+    lens[0][0], lens[0][1] = 400, 600
+    after = masks.document(lens, causal=True)
+    assert after.params()["seqlens"] == [[400, 600], [1000]] and before.params()["seqlens"] == [[300, 700], [1000]]
+    assert structural_key(after) != structural_key(before)
 
 
 def test_a_tensor_changed_in_place_is_not_served_stale(counted):

@@ -27,11 +27,19 @@ class Unkeyable(Exception):
 
 
 def structural_key(mask) -> tuple:
-    """A hashable key, equal for specs that say the same thing. Raises Unkeyable."""
+    """A hashable key, equal for specs that say the same thing. Raises Unkeyable. Kept on a spec
+    whose parameters hold no tensor (a tensor may change in place: its key is read every time)."""
+    key = mask.__dict__.get("_structural_key")
+    if key is not None:
+        return key
     kind = mask.kind
     if kind in ("and", "or"):
         return (kind, structural_key(mask.a), structural_key(mask.b))
-    return (kind, tuple((name, _value_key(value)) for name, value in sorted(mask.params().items())))
+    params = mask.params()
+    key = (kind, tuple((name, _value_key(value)) for name, value in sorted(params.items())))
+    if not torch.compiler.is_compiling() and not any(isinstance(value, torch.Tensor) for value in params.values()):
+        mask._structural_key = key
+    return key
 
 
 def traceable_key(mask) -> tuple | None:

@@ -281,7 +281,34 @@ def document(seqlens, causal: bool = True) -> Mask:
         ..##.                       ..###
         ..###                       ..###
     """
-    return _Simple("document", seqlens=_check_doc_lengths("seqlens", seqlens, 1), causal=bool(causal))
+    plain = None if torch.compiler.is_compiling() else _plain_lengths(seqlens)  # traced: no global state
+    spec = _DOCUMENTS.get((plain, bool(causal))) if plain is not None else None
+    if spec is None:
+        spec = _Simple("document", seqlens=_check_doc_lengths("seqlens", seqlens, 1), causal=bool(causal))
+        if plain is not None:
+            if len(_DOCUMENTS) >= _DOCUMENTS_KEPT:
+                _DOCUMENTS.pop(next(iter(_DOCUMENTS)))
+            _DOCUMENTS[plain, bool(causal)] = spec
+    return spec
+
+
+# document specs from plain lists, by their lengths: a mask written in the call (`mask=
+# masks.document(lens)` every step) is then one tuple conversion and a lookup, and the spec it finds
+# keeps its structural key (compiled_cache.structural_key), so finding its tables costs no key either
+_DOCUMENTS: dict = {}
+_DOCUMENTS_KEPT = 64
+
+
+def _plain_lengths(values) -> tuple | None:
+    """The lengths as a hashable tuple (of tuples, one per batch row) where `values` is a plain
+    list of ints or of lists of ints, else None (tensors, tuples, subclasses: built every time)."""
+    if values.__class__ is not list or not values:
+        return None
+    if all(v.__class__ is int for v in values):
+        return tuple(values)
+    if all(row.__class__ is list and all(v.__class__ is int for v in row) for row in values):
+        return tuple(map(tuple, values))
+    return None
 
 
 def prefix_lm(prefix_len: int) -> Mask:
