@@ -64,6 +64,29 @@ def test_int_and_bool_parameters_are_told_apart():
     assert structural_key(masks.document([40, 56], causal=True)) != structural_key(masks.document([40, 56], causal=1 == 0))
 
 
+def test_lengths_per_row_take_the_same_key_on_every_path():
+    """Document lengths per batch row: plain lists (the checks' and the key's fast paths) give the
+    spec and key that list subclasses (the general paths) give, and the same errors."""
+    class Row(list):
+        pass
+
+    fast = masks.document([[300, 700], [1000]], causal=True)
+    general = masks.document(Row([Row([300, 700]), Row([1000])]), causal=True)
+    assert fast.params() == general.params()
+    assert structural_key(fast) == structural_key(general)
+    assert structural_key(masks.document([(300, 700), [1000]])) == structural_key(fast)
+    for bad, error in (([[300, True]], TypeError), ([[300, -1]], ValueError), ([[300], []], TypeError)):
+        with pytest.raises(error, match="seqlens"):
+            masks.document(bad)
+    # the lists are read at each call: lengths changed in place between two calls give another mask
+    lens = [[300, 700], [1000]]
+    before = masks.document(lens, causal=True)
+    lens[0][0], lens[0][1] = 400, 600
+    after = masks.document(lens, causal=True)
+    assert after.params()["seqlens"] == [[400, 600], [1000]] and before.params()["seqlens"] == [[300, 700], [1000]]
+    assert structural_key(after) != structural_key(before)
+
+
 def test_a_tensor_changed_in_place_is_not_served_stale(counted):
     """A CPU tensor is keyed by its content: after an in-place write the same tensor object
     builds a mask with other tables, and attention follows the new content."""

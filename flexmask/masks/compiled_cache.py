@@ -27,11 +27,19 @@ class Unkeyable(Exception):
 
 
 def structural_key(mask) -> tuple:
-    """A hashable key, equal for specs that say the same thing. Raises Unkeyable."""
+    """A hashable key, equal for specs that say the same thing. Raises Unkeyable. Kept on a spec
+    whose parameters hold no tensor (a tensor may change in place: its key is read every time)."""
+    key = mask.__dict__.get("_structural_key")
+    if key is not None:
+        return key
     kind = mask.kind
     if kind in ("and", "or"):
         return (kind, structural_key(mask.a), structural_key(mask.b))
-    return (kind, tuple((name, _value_key(value)) for name, value in sorted(mask.params().items())))
+    params = mask.params()
+    key = (kind, tuple((name, _value_key(value)) for name, value in sorted(params.items())))
+    if not torch.compiler.is_compiling() and not any(isinstance(value, torch.Tensor) for value in params.values()):
+        mask._structural_key = key
+    return key
 
 
 def traceable_key(mask) -> tuple | None:
@@ -101,6 +109,8 @@ def _value_key(value):
     if isinstance(value, (list, tuple)):
         if all(v.__class__ is int for v in value):  # the common case (document lengths), in C
             return ("ints", tuple(value))
+        if all((r.__class__ is list or r.__class__ is tuple) and all(v.__class__ is int for v in r) for r in value):
+            return ("seq", tuple([("ints", tuple(r)) for r in value]))  # lengths per batch row, the same key
         return ("seq", tuple(_value_key(v) for v in value))
     if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.is_floating_point():
         if value.numel() * value.element_size() <= CONTENT_KEY_MAX_BYTES:

@@ -167,6 +167,11 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
 
 def _check_lengths(name: str, values, minimum: int = 0) -> list:
     """A list of non-negative ints, or a list of such lists (one per batch row)."""
+    if values.__class__ is list and values and all(row.__class__ is list and row for row in values):
+        # one list of ints per batch row, the common case: checked in C (a mask written in the call
+        # is built every call; the general checks below cost ~2 us a row)
+        if all(all(v.__class__ is int for v in row) and min(row) >= minimum for row in values):
+            return [list(row) for row in values]
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) == 0:
@@ -276,7 +281,34 @@ def document(seqlens, causal: bool = True) -> Mask:
         ..##.                       ..###
         ..###                       ..###
     """
-    return _Simple("document", seqlens=_check_doc_lengths("seqlens", seqlens, 1), causal=bool(causal))
+    plain = None if torch.compiler.is_compiling() else _plain_lengths(seqlens)  # traced: no global state
+    spec = _DOCUMENTS.get((plain, bool(causal))) if plain is not None else None
+    if spec is None:
+        spec = _Simple("document", seqlens=_check_doc_lengths("seqlens", seqlens, 1), causal=bool(causal))
+        if plain is not None:
+            if len(_DOCUMENTS) >= _DOCUMENTS_KEPT:
+                _DOCUMENTS.pop(next(iter(_DOCUMENTS)))
+            _DOCUMENTS[plain, bool(causal)] = spec
+    return spec
+
+
+# document specs from plain lists, by their lengths: a mask written in the call (`mask=
+# masks.document(lens)` every step) is then one tuple conversion and a lookup, and the spec it finds
+# keeps its structural key (compiled_cache.structural_key), so finding its tables costs no key either
+_DOCUMENTS: dict = {}
+_DOCUMENTS_KEPT = 64
+
+
+def _plain_lengths(values) -> tuple | None:
+    """The lengths as a hashable tuple (of tuples, one per batch row) where `values` is a plain
+    list of ints or of lists of ints, else None (tensors, tuples, subclasses: built every time)."""
+    if values.__class__ is not list or not values:
+        return None
+    if all(v.__class__ is int for v in values):
+        return tuple(values)
+    if all(row.__class__ is list and all(v.__class__ is int for v in row) for row in values):
+        return tuple(map(tuple, values))
+    return None
 
 
 def prefix_lm(prefix_len: int) -> Mask:
