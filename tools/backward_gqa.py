@@ -33,13 +33,14 @@ ORDER_VARIANTS = [("heaviest", 24 << 20), ("index", 24 << 20), ("bucketed", 24 <
                   ("heaviest", 96 << 20)]
 
 
-def _backward(S: int, B: int, HQ: int, HKV: int, D: int = 128):
-    """A closure running one causal backward (the forward's graph kept), and its FLOPs."""
+def _backward(S: int, B: int, HQ: int, HKV: int, D: int = 128, mask=None):
+    """A closure running one backward (the forward's graph kept) of `mask` (default causal), and
+    the causal FLOPs."""
     torch.manual_seed(0)
     q = torch.randn(B, HQ, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(B, HKV, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
-    cm = flexmask.compile_mask(masks.causal(), S, S, device="cuda")
+    cm = flexmask.compile_mask(masks.causal() if mask is None else mask, S, S, device="cuda")
     out = flexmask.attention(q, k, v, mask=cm)
     do = torch.randn_like(out)
     return (lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)), 2.5 * 4 * B * HQ * S * S * D / 2
@@ -122,15 +123,7 @@ def peer_documents_table(S: int = 131072) -> None:
     each work order (peers.csv has it at 0.76x FA4 at 128K against 0.98x at 32K)."""
     from benchmarks.peers import peer_case
 
-    case = peer_case("causal_document", S, 1)
-    torch.manual_seed(0)
-    q = torch.randn(1, 32, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, 8, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    cm = flexmask.compile_mask(case.mask, S, S, device="cuda")
-    out = flexmask.attention(q, k, v, mask=cm)
-    do = torch.randn_like(out)
-    bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    bwd, _ = _backward(S, 1, 32, 8, mask=peer_case("causal_document", S, 1).mask)
     for order in ("heaviest", "index", "bucketed", "rows") * 2:
         configs.HOPPER_BACKWARD_ORDER = order
         backward_hopper._WORK_CACHE.clear()
