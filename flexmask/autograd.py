@@ -20,16 +20,24 @@ from torch import Tensor
 
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.dispatch import attention_backward, attention_forward
+from .masks.compiler import retiled
+
+
+class _Tables(SimpleNamespace):
+    """The slice of a CompiledMask that the kernels read, rebuilt from the op's arguments."""
+
+    def retiled(self, block_m: int, block_n: int):
+        """The mask's tables at another tile, kept with its intervals tensor (masks.compiler.retiled)."""
+        return retiled(self, block_m, block_n)
 
 
 def _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
             mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q_len, kv_len):
-    """The slice of a CompiledMask that the kernels read, rebuilt from the op's arguments."""
-    return SimpleNamespace(
+    return _Tables(
         kernel_intervals=intervals, fwd_offsets=fwd_offsets, fwd_num_full=fwd_num_full, fwd_blocks=fwd_blocks,
         bwd_offsets=bwd_offsets, bwd_num_full=bwd_num_full, bwd_blocks=bwd_blocks,
         batch=mask_batch, heads=mask_heads, block_m=tile_m, block_n=tile_n, num_tiles_visited=tiles_visited,
-        num_q_blocks=-(-q_len // tile_m), num_kv_blocks=-(-kv_len // tile_n),
+        q_len=q_len, kv_len=kv_len, num_q_blocks=-(-q_len // tile_m), num_kv_blocks=-(-kv_len // tile_n),
     )
 
 

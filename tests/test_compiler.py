@@ -1032,6 +1032,30 @@ def test_retiled_tables_exact(family, sq, sk, on_device):
     assert cm.retiled(128, 128) is cm
 
 
+def test_retiled_from_the_ops_view():
+    """The custom op hands the kernels a view of the tables rebuilt from its arguments (no
+    CompiledMask): its `retiled` finds the CompiledMask's own retiled tables (both are kept with
+    the intervals tensor), and builds equal ones for a view of a mask never retiled."""
+    from flexmask.autograd import _tables
+
+    def _table_view(cm):
+        return _tables(cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, cm.bwd_offsets,
+                       cm.bwd_num_full, cm.bwd_blocks, cm.batch, cm.heads, cm.block_m, cm.block_n,
+                       cm.num_tiles_visited, cm.q_len, cm.kv_len)
+
+    sq, sk = 500, 389
+    cm = compile_spec(make_mask("document", sq, sk, batch=2, heads=2), sq, sk, torch.device("cpu"), 128, 128)
+    view = _table_view(cm)
+    tiles = cm.retiled(192, 128)
+    assert view.retiled(192, 128) is tiles
+    assert view.retiled(128, 128) is view
+    fresh = compile_spec(make_mask("causal", sq, sk, batch=2, heads=2), sq, sk, torch.device("cpu"), 128, 128)
+    built = _table_view(fresh).retiled(192, 128)
+    assert torch.equal(built.intervals, fresh.intervals)
+    assert torch.equal(built.tile_classes(), fresh.retiled(192, 128).tile_classes())
+    assert fresh.retiled(192, 128) is built
+
+
 def test_retiled_k_runs():
     """A mask of k runs per column retiles through the torch path, exactly."""
     sq = sk = 400

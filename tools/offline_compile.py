@@ -105,7 +105,7 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
                   EARLY_Q=forward_configs.HOPPER_FORWARD_EARLY_Q and block_m == 128, num_warps=4)
     if runs > 2:
         consts.update(COLUMN_BIAS=False, TC_BIAS=False)
-    maxnreg = 168 if block_m == 128 else 152  # as attention_forward_hopper launches it
+    maxnreg = 168 if block_m == 128 else 128  # as attention_forward_hopper launches it
     return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": maxnreg},
                            source_cls=GluonASTSource)
 

@@ -36,10 +36,10 @@ would reserve more than MAX_UNCOUNTED_LIST_BYTES, the tiles are counted first (o
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .compiler_kernels import build_tables_device
 from .device_plan import device_plan
@@ -102,23 +102,9 @@ class CompiledMask:
         return _cdiv(self.kv_len, self.block_n)
 
     def retiled(self, block_m: int, block_n: int, on_device: bool | None = None) -> "CompiledMask":
-        """The same mask's tables at another tile, built from its intervals on first use and kept
-        with it (the Hopper forward at D = 64 walks 192-row q-blocks of a mask compiled at 128 x
-        128). On a GPU (or with on_device=True) with two intervals per column, no host sync: every
-        new tile that is visited contains an attended pair of a visited old tile, and an old tile
-        meets at most cdiv(old, new) + 1 new ones along each axis, so that many times
-        num_tiles_visited bound the lists. k runs take build_tables' torch path (two host syncs,
-        once). Inside a CUDA graph's capture a new tiling is built but not kept (its tables are
-        written at each replay, not for eager calls)."""
-        if (block_m, block_n) == (self.block_m, self.block_n):
-            return self
-        kept = _RETILED.setdefault(self, {})
-        if (block_m, block_n) not in kept:
-            tiles = _retile(self, block_m, block_n, on_device)
-            if self.intervals.is_cuda and torch._C._cuda_isCurrentStreamCapturing():
-                return tiles
-            kept[block_m, block_n] = tiles
-        return kept[block_m, block_n]
+        """The same mask's tables at another tile (the Hopper forward at D = 64 walks 192-row
+        q-blocks of a mask compiled at 128 x 128): `retiled(self, ...)`."""
+        return retiled(self, block_m, block_n, on_device)
 
     def tile_classes(self) -> torch.Tensor:
         """int8 [Bm, Hm, NQB, NKB] of SKIP/PARTIAL/FULL (exact). O(tiles): for tests and plots."""
@@ -259,22 +245,52 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
                         source=mask, **tables)
 
 
-_RETILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # CompiledMask -> {(block_m, block_n): tables}
+# kernel_intervals -> {(block_m, block_n): CompiledMask}: keyed by the tensor, which a
+# CompiledMask and the custom op's view of it (flexmask/autograd.py) share
+_RETILED = WeakIdKeyDictionary()
 
 
-def _retile(cm: CompiledMask, block_m: int, block_n: int, on_device: bool | None) -> CompiledMask:
-    device_path = cm.intervals.is_cuda if on_device is None else on_device
-    if not device_path or cm.runs > 2:
-        return build_tables(cm.intervals, cm.q_len, cm.kv_len, block_m, block_n, source=cm.source, on_device=False)
+def retiled(tables, block_m: int, block_n: int, on_device: bool | None = None) -> CompiledMask:
+    """The tables of a mask at another tile, built from its intervals on first use and kept as
+    long as its `kernel_intervals` tensor lives. `tables`: a CompiledMask, or any object with
+    its kernel_intervals, q_len, kv_len, block_m, block_n and num_tiles_visited (the custom op's
+    view). On a GPU (or with on_device=True) with two intervals per column, no host sync: every
+    new tile that is visited contains an attended pair of a visited old tile, and an old tile
+    meets at most cdiv(old, new) + 1 new ones along each axis, so that many times
+    num_tiles_visited bound the lists. k runs take build_tables' torch path (two host syncs,
+    once). Inside a CUDA graph's capture a new tiling is built but not kept (its tables are
+    written at each replay, not for eager calls)."""
+    if (block_m, block_n) == (tables.block_m, tables.block_n):
+        return tables
+    planar = tables.kernel_intervals
+    kept = _RETILED.setdefault(planar, {})
+    if (block_m, block_n) not in kept:
+        tiles = _retile(tables, block_m, block_n, on_device)
+        if planar.is_cuda and torch._C._cuda_isCurrentStreamCapturing():
+            return tiles
+        kept[block_m, block_n] = tiles
+    return kept[block_m, block_n]
+
+
+def _retile(cm, block_m: int, block_n: int, on_device: bool | None) -> CompiledMask:
+    planar = cm.kernel_intervals  # [Bm*Hm, 2K, kv_len]
+    intervals = getattr(cm, "intervals", None)
+    if intervals is None:  # the op's view carries the planar tables only
+        intervals = planar.view(cm.batch, cm.heads, *planar.shape[1:]).transpose(-1, -2)
+    source = getattr(cm, "source", None)
+    device_path = planar.is_cuda if on_device is None else on_device
+    if not device_path or planar.shape[1] > 4:
+        return build_tables(intervals.contiguous(), cm.q_len, cm.kv_len, block_m, block_n, source=source,
+                            on_device=False)
     rows = cm.batch * cm.heads
     n_tiles = rows * _cdiv(cm.q_len, block_m) * _cdiv(cm.kv_len, block_n)
     meets_m = 1 if block_m == cm.block_m else _cdiv(cm.block_m, block_m) + 1
     meets_n = 1 if block_n == cm.block_n else _cdiv(cm.block_n, block_n) + 1
     capacity = min(n_tiles, meets_m * meets_n * cm.num_tiles_visited)
     tables = build_tables_device(cm.q_len, cm.kv_len, block_m, block_n, rows, capacity,
-                                 intervals=cm.intervals.contiguous())
+                                 intervals=intervals.contiguous())
     return CompiledMask(q_len=cm.q_len, kv_len=cm.kv_len, block_m=block_m, block_n=block_n,
-                        num_tiles_visited=capacity, source=cm.source, **tables)
+                        num_tiles_visited=capacity, source=source, **tables)
 
 
 _LIST_BYTES_PER_TILE = 9  # fwd_blocks, bwd_blocks (int32) and bwd_exact (int8)
