@@ -198,20 +198,27 @@ def test_column_bias_rule(mask, head_dim, want):
     assert forward_configs.hopper_forward_column_bias(head_dim, cm) is want
 
 
-@pytest.mark.parametrize("mask, head_dim, terms, want", [
-    (masks.causal(), 64, None, 192),  # three consumer warpgroups, as FA4's SM90 forward at D <= 64
-    (masks.document([100, 156]), 64, None, 192),
-    (masks.causal(), 128, None, 128),  # 128 rows of D = 128 already fill the registers
-    (masks.random_eviction(64, seed=1), 64, None, 128),  # the column bias wants two warpgroups
-    (masks.column_runs([[0, 100, 200]] * 256, [[50, 150, 250]] * 256), 64, None, 128),  # k runs spill at 192
-    (masks.causal(), 64, ScoreTerms(softcap=30.0), 128),  # the softcap spills at 192
-    (masks.causal(), 64, ScoreTerms(alibi_slopes=torch.ones(2)), 128),
-    (masks.causal(), 64, ScoreTerms(sinks=torch.zeros(2)), 192),  # sinks only change each row's start
+_RUNS = [[0, 100, 200]] * 8192, [[50, 150, 250]] * 8192  # three runs per column
+
+
+@pytest.mark.parametrize("mask, seq, head_dim, terms, want", [
+    (masks.causal(), 8192, 64, None, 192),  # three consumer warpgroups, as FA4's SM90 forward at D <= 64
+    (masks.document([4096, 4096], causal=False), 8192, 64, None, 192),
+    (masks.document([4096, 4096]), 8192, 64, None, 128),  # causal documents of 32 tiles: walks of 16.5
+    (masks.causal(), 2048, 64, None, 128),  # walks of 8.5 tiles on average: an item's fixed cost wins
+    (masks.sliding_window(1024), 8192, 64, None, 128),  # walks of 9 tiles
+    (masks.causal(), 8192, 128, None, 128),  # 128 rows of D = 128 already fill the registers
+    (masks.random_eviction(64, seed=1), 8192, 64, None, 128),  # the column bias wants two warpgroups
+    (masks.column_runs(*_RUNS), 8192, 64, None, 128),  # k runs spill at 192
+    (masks.causal(), 8192, 64, ScoreTerms(softcap=30.0), 128),  # the softcap spills at 192
+    (masks.causal(), 8192, 64, ScoreTerms(alibi_slopes=torch.ones(2)), 128),
+    (masks.causal(), 8192, 64, ScoreTerms(sinks=torch.zeros(2)), 192),  # sinks only change each row's start
 ])
-def test_block_m_rule(mask, head_dim, terms, want):
+def test_block_m_rule(mask, seq, head_dim, terms, want):
     """192 query rows a work item (three consumer warpgroups) at D = 64 where the kernel fits
-    them in 160 registers (forward_configs.hopper_forward_block_m), else 128."""
-    cm = compile_mask(mask, 256, 256, device="cpu", block_m=128, block_n=128)
+    them in 160 registers and the walks are long enough to pay the third warpgroup
+    (forward_configs.hopper_forward_block_m), else 128."""
+    cm = compile_mask(mask, seq, seq, device="cpu", block_m=128, block_n=128)
     assert forward_configs.hopper_forward_block_m(head_dim, cm, terms) == want
 
 
@@ -228,6 +235,9 @@ def test_block_m_argument_is_checked():
         forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), pingpong=True, stages=5)
     with pytest.raises(ValueError, match=r"stages must be 2, 3 or 4, got 5"):  # no tc_bias asked of one loop
         forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), block_m=192, column_bias=True, stages=5)
+    q128 = torch.randn(1, 2, 128, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"stages=3 with q_buffers=1 at head dim 128 needs 262144 bytes"):
+        forward_hopper.attention_forward_hopper(q128, q128, q128, cm, 0.125, (0, 1, 0), stages=3)
 
 
 @pytest.mark.parametrize("head_dim, q_buffers, want", [(64, 1, True), (64, 2, False), (128, 1, False)])

@@ -51,12 +51,15 @@ def hopper_forward_block_m(head_dim: int, cm=None, terms=None) -> int:
     CompiledMask.retiled), as FA4's SM90 forward does at D <= 64. Three warpgroups get 160
     registers each, so 192 rows only where the kernel fits them (offline ptxas, section 4.7 of
     docs/performance.md): one loop over the tiles with P in bf16, two intervals per column, no
-    column bias, no softcap or ALiBi (each spills 50-1700 bytes at 192 rows)."""
+    column bias, no softcap or ALiBi (each spills 50-1700 bytes at 192 rows); and only for walks of
+    HOPPER_FORWARD_M192_MIN_WALK tiles or more."""
     if head_dim not in HOPPER_FORWARD_BLOCK_M:
         return 128
     if cm is not None and (mask_runs(cm) > 2 or hopper_forward_column_bias(head_dim, cm)):
         return 128
     if terms is not None and (terms.softcap > 0 or terms.alibi_slopes is not None):
+        return 128
+    if cm is not None and cm.num_tiles_visited < HOPPER_FORWARD_M192_MIN_WALK * cm.batch * cm.heads * cm.num_q_blocks:
         return 128
     return HOPPER_FORWARD_BLOCK_M[head_dim]
 
@@ -64,6 +67,12 @@ def hopper_forward_block_m(head_dim: int, cm=None, terms=None) -> int:
 # FA4's SM90 forward takes 192 x 128 tiles at D = 64 (three MMA warpgroups of 160 registers):
 # more rows share each K/V tile and a third warpgroup's products fill the softmax gaps.
 HOPPER_FORWARD_BLOCK_M = {64: 192}
+# ... where a q-block's walk has at least this many 128 x 128 tiles on average (the host's tile
+# count, no sync): an item's fixed cost is paid by three warpgroups, so short walks lose (H100,
+# 16/16 and 32/8: sliding_window_1024 (9 tiles) 0.87-0.91x, causal 2K (8.5) 0.90-0.93x,
+# causal_document 2K-8K documents level, causal 8K 1.01-1.04x, full and causal 32K 1.04-1.11x;
+# docs/performance.md 4.7)
+HOPPER_FORWARD_M192_MIN_WALK = 24
 
 
 # A consumer releases its Q buffer once the walk's last S = Q K^T has been waited for, before

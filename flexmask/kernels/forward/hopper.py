@@ -939,6 +939,15 @@ def supports(q, k, v, cm) -> bool:
     return q_view is not None and k_view is not None and v_view is not None and k_view[2] == v_view[2]
 
 
+HOPPER_SHARED_BYTES = 232448  # an sm_90 block's shared memory (227 KB, opted in)
+
+
+def _tile_bytes(d: int, block_m: int, stages: int, q_buffers: int) -> int:
+    """Shared memory of the forward's bf16/fp16 tiles: Q (per buffer), the K/V stages and O's
+    epilogue buffer (the barriers and bias buffers come on top)."""
+    return 2 * d * (q_buffers * block_m + stages * 2 * HOPPER_BLOCK + block_m)
+
+
 def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int, int], stages: int | None = None,
                              order: str = "chunked", q_buffers: int | None = None, pingpong: bool | None = None,
                              column_bias: bool | None = None, tc_bias: bool | None = None, terms=None,
@@ -994,6 +1003,10 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         raise ValueError(f"q_buffers must be 1 or 2, got {q_buffers!r}")
     if stages not in (2, 3, 4):
         raise ValueError(f"stages must be 2, 3 or 4, got {stages!r}")
+    if _tile_bytes(d, block_m, stages, q_buffers) > HOPPER_SHARED_BYTES:
+        raise ValueError(f"stages={stages} with q_buffers={q_buffers} at head dim {d} needs "
+                         f"{_tile_bytes(d, block_m, stages, q_buffers)} bytes of shared memory for its tiles, "
+                         f"more than an SM's {HOPPER_SHARED_BYTES}: at head dim 128 take stages=2")
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
