@@ -126,20 +126,25 @@ def test_rows_work_list_chunks_a_long_head(q_bytes):
 
 
 def test_auto_order_takes_index_for_long_sequences(monkeypatch):
-    """The default order, "auto": "heaviest" below configs.INDEX_ORDER_MIN_KEYS keys, "index" from
-    there (measured: index 1.34x at 512K-1M documents, slower at 32K-256K)."""
+    """The default order, "auto": "rows" below configs.INDEX_ORDER_MIN_KEYS keys, "index" from
+    there (measured: index 1.34x at 512K-1M documents, slower at 32K-256K; rows 1.03-1.07x
+    heaviest at 128K). "rows" is "heaviest" where one head's rows fit in L2."""
     assert backward_configs.HOPPER_BACKWARD_ORDER == "auto"
     batch, hq, hkv, s = 2, 4, 2, 2000
     cm = compile_mask(masks.document([300, 700, 1000]), s, s, device="cpu", block_m=128, block_n=128)
     mask_map = mask_broadcast(cm, batch, hq, hkv)
-    q_bytes = 2 * s * 128 * 2 * 64
+    q_bytes = 2 * s * 128 * 2 * 64  # a head's rows exceed the L2 share
     lists = {order: backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order=order)
-             for order in ("heaviest", "index")}
-    assert not torch.equal(lists["heaviest"], lists["index"])
-    for min_keys, want in ((cm.num_kv_blocks * 128 + 1, "heaviest"), (cm.num_kv_blocks * 128, "index")):
+             for order in ("heaviest", "index", "rows")}
+    assert not torch.equal(lists["rows"], lists["index"])
+    assert not torch.equal(lists["rows"], lists["heaviest"])
+    for min_keys, want in ((cm.num_kv_blocks * 128 + 1, "rows"), (cm.num_kv_blocks * 128, "index")):
         monkeypatch.setattr(backward_configs, "INDEX_ORDER_MIN_KEYS", min_keys)
         got = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes)
         assert torch.equal(got, lists[want]), (min_keys, want)
+    small = 2 * s * 128 * 2  # a head fits: "rows" is "heaviest"
+    assert torch.equal(backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, small, order="rows"),
+                       backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, small, order="heaviest"))
 
 
 @pytest.mark.parametrize("hoist", [0, 5])

@@ -90,11 +90,13 @@ def backward_fused_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per
 # inside a bucket, or "index": kv-blocks in index order, so that the programs running at one time
 # hold neighbouring kv-blocks, which walk the same q-blocks (documents: with "heaviest" they hold
 # the first kv-blocks of every document, whose Q/dO/dQ do not fit in L2). "auto": "index" from
-# INDEX_ORDER_MIN_KEYS keys, "heaviest" below. Measured (`python -m tools.backward_order`,
+# INDEX_ORDER_MIN_KEYS keys, "rows" below. Measured (`python -m tools.backward_order`,
 # backward_order.csv, docs/performance.md section 5): causal documents 1.34x faster with "index"
 # at 512K and 1M (H200), but 0.95x at 32K and 0.98x at 128K (H100), and the one-GPU 256K
 # documents of the context-parallel benchmark 0.92x (H200); causal equal at 256K. "rows" (heaviest
-# first within chunks of kv-blocks whose rows fit in L2 where one head's do not) is not measured yet.
+# first within chunks of kv-blocks whose rows fit in L2 where one head's do not; "heaviest" where
+# a head fits, up to ~32K): 128K documents 1.07x "heaviest" at 32/8 and 1.03x at 16/4, 0.98-0.99x
+# "index" at 512K-1M (H100, tools.backward_gqa --long).
 HOPPER_BACKWARD_ORDER = "auto"
 INDEX_ORDER_MIN_KEYS = 1 << 19
 

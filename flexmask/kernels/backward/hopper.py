@@ -434,11 +434,11 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
     sequence: tools.backward_order), "rows": heaviest first within chunks of kv-blocks whose rows'
     Q and dO fit in L2_SHARE_BYTES too, where one head's do not (the documents of those rows stay
     in L2 and the heaviest items still start first), or "auto": "index" from
-    configs.INDEX_ORDER_MIN_KEYS keys, "heaviest" below.
+    configs.INDEX_ORDER_MIN_KEYS keys, "rows" below (which is "heaviest" where a head fits).
     `hoist`: see forward_hopper.heaviest_first. Cached per tile table."""
     order = configs.HOPPER_BACKWARD_ORDER if order is None else order
     if order == "auto":  # long sequences: the running items' rows fit in L2 only in index order
-        order = "index" if cm.num_kv_blocks * cm.block_n >= configs.INDEX_ORDER_MIN_KEYS else "heaviest"
+        order = "index" if cm.num_kv_blocks * cm.block_n >= configs.INDEX_ORDER_MIN_KEYS else "rows"
     if order not in BACKWARD_ORDERS:
         raise ValueError(f"order must be one of {BACKWARD_ORDERS + ('auto',)}, got {order!r}")
     entry = _WORK_CACHE.get(id(cm.bwd_offsets))
