@@ -29,8 +29,8 @@ from benchmarks.cuda_guard import require_cuda
 SPLIT_CASES = [(8192, 4, 32, 8, 128), (8192, 4, 16, 16, 128), (32768, 1, 32, 8, 128), (8192, 4, 64, 8, 64),
                (32768, 1, 64, 8, 64), (8192, 4, 32, 8, 64), (1024, 16, 32, 8, 128), (2048, 8, 32, 8, 128),
                (4096, 4, 32, 8, 128), (512, 32, 32, 8, 128), (131072, 1, 32, 8, 128)]
-ORDER_VARIANTS = [("heaviest", 24 << 20), ("index", 24 << 20), ("bucketed", 24 << 20), ("heaviest", 8 << 20),
-                  ("heaviest", 96 << 20)]
+ORDER_VARIANTS = [("heaviest", 24 << 20), ("index", 24 << 20), ("bucketed", 24 << 20), ("rows", 24 << 20),
+                  ("heaviest", 8 << 20), ("heaviest", 96 << 20)]
 
 
 def _backward(S: int, B: int, HQ: int, HKV: int, D: int = 128, mask=None):
