@@ -120,13 +120,17 @@ def intervals_mask_mod(intervals: torch.Tensor, heads: int) -> tuple[Callable, l
     if hm != 1 and heads % hm != 0:
         raise ValueError(f"intervals with {hm} heads do not fit {heads} query heads")
     per_batch, per_head, group = bm > 1, hm > 1, heads // hm
-    lts, lte, uts, ute = planes = [intervals[..., i].contiguous() for i in range(4)]  # [Bm, Hm, S]
+    # the broadcast dimensions dropped, so that every index is one of the function's arguments:
+    # FlexAttention's FLASH backend traces the mask_mod with CuTe, which indexes by its own
+    # values only (a literal 0 there failed: "Expected TensorSSA, but got int")
+    planes = [intervals[..., i] for i in range(4)]  # [Bm, Hm, S]
+    planes = [(p if per_head else p[:, 0]) for p in planes]
+    lts, lte, uts, ute = planes = [(p if per_batch else p[0]).contiguous() for p in planes]
 
     def mask_mod(b, h, q_idx, kv_idx):
-        bi = b if per_batch else 0
-        hi = (h // group if group > 1 else h) if per_head else 0
-        lower = (q_idx >= lts[bi, hi, kv_idx]) & (q_idx < lte[bi, hi, kv_idx])
-        upper = (q_idx >= uts[bi, hi, kv_idx]) & (q_idx < ute[bi, hi, kv_idx])
+        at = ((b,) if per_batch else ()) + (((h // group if group > 1 else h),) if per_head else ()) + (kv_idx,)
+        lower = (q_idx >= lts[at]) & (q_idx < lte[at])
+        upper = (q_idx >= uts[at]) & (q_idx < ute[at])
         return ~(lower | upper)
 
     return mask_mod, planes

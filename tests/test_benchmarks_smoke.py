@@ -63,6 +63,26 @@ def test_flex_mask_mods_match_the_intervals():
         assert torch.equal(providers.dense_mask(iv, s, heads, rows_per_chunk=13).expand_as(want), want)
 
 
+def test_intervals_mask_mod_of_kv_heads_and_broadcast_dimensions():
+    """intervals_mask_mod of a mask with one row per KV head (query head h reads h // group) and of
+    one that broadcasts over batch and heads (no literal index into its tables: the FLASH backend's
+    CuTe tracing takes only the function's own arguments as indices)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    s, batch, heads = 61, 2, 4
+    gen = torch.Generator().manual_seed(3)
+    ends = torch.randint(0, s + 1, (batch, 2, s, 4), generator=gen).sort(-1).values.to(torch.int32)
+    want = intervals_to_dense(ends, s)  # [B, 2, S, S]
+    mask_mod, planes = providers.intervals_mask_mod(ends, heads)
+    got = create_mask(mask_mod, batch, heads, s, s, device="cpu")
+    assert torch.equal(got, want.repeat_interleave(2, dim=1))
+    assert all(p.shape == (batch, 2, s) for p in planes)
+    mask_mod, planes = providers.intervals_mask_mod(ends[:1, :1], heads)
+    assert all(p.shape == (s,) for p in planes)
+    got = create_mask(mask_mod, batch, heads, s, s, device="cpu")
+    assert torch.equal(got, want[:1, :1].expand(batch, heads, s, s))
+
+
 def test_readme_table_is_generated_between_the_markers(tmp_path):
     env = {"date": "2026-11-22T00:00:00+00:00", "gpu": "Test GPU", "torch": "2.11", "triton": "3.6",
            "command": "python -m benchmarks.run --shapes 8K:128", "mode": "gpu"}
