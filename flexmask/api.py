@@ -13,6 +13,7 @@ from torch import Tensor
 from .autograd import _backward_impl, _forward_impl, attention_eager, attention_fwd, op_outputs
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.common.tiles import default_tile, is_valid_tile
+from .kernels.decode import configs as decode_configs
 from .kernels.decode.split_kv import decode_forward, decode_fwd
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
@@ -103,24 +104,26 @@ def _check_qkv(q, k, v) -> None:
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
-    if k.shape[:3] == v.shape[:3] and k.shape[3] != v.shape[3]:
-        raise ValueError(f"v's head dim Dv must equal D (the head dim of q and k), got Dv={v.shape[3]}, D={k.shape[3]}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (B, Hkv, Sk, D), got k={tuple(k.shape)}, v={tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got q={q.shape[0]}, k={k.shape[0]}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must have the same head dim, got q={q.shape[3]}, k={k.shape[3]}")
-    hq, hkv = q.shape[1], k.shape[1]
+    device = q.device
+    if k.device != device or v.device != device:
+        raise ValueError(f"q, k and v must be on one device, got q={device}, k={k.device}, v={v.device}")
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if ks != vs:
+        if ks[:3] == vs[:3]:
+            raise ValueError(f"v's head dim Dv must equal D (the head dim of q and k), got Dv={vs[3]}, D={ks[3]}")
+        raise ValueError(f"k and v must have the same shape (B, Hkv, Sk, D), got k={tuple(ks)}, v={tuple(vs)}")
+    if qs[0] != ks[0]:
+        raise ValueError(f"q and k must have the same batch size, got q={qs[0]}, k={ks[0]}")
+    if qs[3] != ks[3]:
+        raise ValueError(f"q and k must have the same head dim, got q={qs[3]}, k={ks[3]}")
+    hq, hkv = qs[1], ks[1]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"the number of query heads must be a multiple of the KV heads, got Hq={hq}, Hkv={hkv}")
-    if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {q.shape[3]}")
-    if q.device.type != "cuda" and not _interpreting():
+    if not 1 <= qs[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {qs[3]}")
+    if device.type != "cuda" and not _interpreting():
         raise ValueError(
-            f"q is on {q.device}: the flexmask kernels run on CUDA, or on the CPU only under the Triton "
+            f"q is on {device}: the flexmask kernels run on CUDA, or on the CPU only under the Triton "
             f"interpreter (set TRITON_INTERPRET=1 before importing flexmask)"
         )
 
@@ -360,10 +363,10 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         alibi_slopes = alibi_slopes.detach().contiguous()  # no gradient to the slopes
     if sinks is not None:
         sinks = sinks.contiguous()
-    terms = ScoreTerms(softcap, alibi_slopes, sinks)
-    terms = terms if terms.active else None
+    terms = None if softcap == 0 and alibi_slopes is None and sinks is None else ScoreTerms(softcap, alibi_slopes, sinks)
 
-    if torch.compiler.is_compiling() and not isinstance(mask, CompiledMask):
+    compiling = torch.compiler.is_compiling()
+    if compiling and not isinstance(mask, CompiledMask):
         key = None if mask is None else traceable_key(mask)
         if mask is None or (key is not None and _is_literal(key)):  # by key: no tables in the graph
             q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
@@ -372,7 +375,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
             out, lse = attention_by_key(q, k, v, "None" if key is None else _key_string(key), float(scale),
                                         int(deterministic), int(split_kv), softcap, alibi_slopes, sinks)
             return (out, lse) if return_lse else out
-    if isinstance(mask, CompiledMask) or not torch.compiler.is_compiling():
+    if isinstance(mask, CompiledMask) or not compiling:
         tables = _table_args(_resolve_mask(mask, sq, sk, q.device))
     else:  # a spec holding a tensor or a symbolic size, inside torch.compile: tables as constants
         # the tables are constants of one length: a symbolic length (dynamic shapes, after a new
@@ -381,16 +384,16 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         tables = (_spec_table_args(mask, *lengths, q.device) if key is None
                   else _key_table_args(key, *lengths, q.device))
     _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     plan = _split_kv_plan(q, k, v, tables, terms)
     if plan is not None:  # few queries, long keys, no gradient: Flash-Decoding
-        if torch.compiler.is_compiling():  # the op only for the compiler
+        if compiling:  # the op only for the compiler
             out, lse = decode_fwd(q, k, v, *tables[:4], *tables[7:11], float(scale), softcap, alibi_slopes, sinks)
         else:
             out, lse = decode_forward(q, k, v, *tables[:4], *tables[7:11], float(scale), plan, softcap, alibi_slopes,
                                       sinks)
         return (out, lse) if return_lse else out
-    if torch.compiler.is_compiling():  # the op only for the compiler
+    if compiling:  # the op only for the compiler
         out, lse = attention_fwd(q, k, v, *tables, float(scale), int(deterministic), softcap, alibi_slopes, sinks)
     elif terms is None:
         out, lse = attention_eager(q, k, v, *tables, float(scale), int(deterministic))
@@ -404,6 +407,8 @@ def _split_kv_plan(q, k, v, tables, terms=None):
     """The split-KV forward's plan, or None for the q-block path: split-KV serves small Sq when no
     gradient is needed (kernels/dispatch.split_kv_plan decides by shape); with gradients (to q, k,
     v or the sinks) the q-block path runs (it saves what the backward needs)."""
+    if q.shape[2] > max(decode_configs.DECODE_MAX_Q, decode_configs.CPU_DECODE_MAX_Q):  # on any device
+        return None
     sinks = terms.sinks if terms is not None else None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):

@@ -42,6 +42,8 @@ def _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_n
 
 
 def _terms(softcap, alibi_slopes, sinks) -> ScoreTerms | None:
+    if softcap == 0 and alibi_slopes is None and sinks is None:  # every call without terms
+        return None
     terms = ScoreTerms(float(softcap), alibi_slopes, sinks)
     return terms if terms.active else None
 
