@@ -263,7 +263,9 @@ def retiled(tables, block_m: int, block_n: int, on_device: bool | None = None) -
     if (block_m, block_n) == (tables.block_m, tables.block_n):
         return tables
     planar = tables.kernel_intervals
-    kept = _RETILED.setdefault(planar, {})
+    kept = _RETILED.get(planar)
+    if kept is None:
+        kept = _RETILED[planar] = {}
     if (block_m, block_n) not in kept:
         tiles = _retile(tables, block_m, block_n, on_device)
         if planar.is_cuda and torch._C._cuda_isCurrentStreamCapturing():

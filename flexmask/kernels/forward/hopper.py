@@ -744,6 +744,8 @@ def _forward_hopper_kernel(
         mbarrier.arrive(turns.index(0), count=1)  # warpgroup 0 takes the first turn
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns)
 
+    # The consumers' argument lists are written out in full: Gluon's frontend takes neither
+    # `(0, *args)` nor `(0,) + args` here, and constexprs passed inside a tuple arrive as tensors.
     if NUM_WG == 3:  # a 192-row block (D = 64): three consumers of 160 registers
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
