@@ -342,7 +342,7 @@ def test_evaluated_in_blocks():
     seen = []
 
     def recorded(b, h, q, kv):
-        assert q.dtype == kv.dtype == b.dtype == h.dtype == torch.int64 and b.dim() == h.dim() == 0
+        assert q.dtype == kv.dtype == torch.int32 and b.dtype == h.dtype == torch.int64 and b.dim() == h.dim() == 0
         assert q.dim() == kv.dim() == 2 and q.shape[1] == 1 and kv.shape[0] == 1
         seen.append((q.shape[0], kv.shape[1]))
         return (kv <= q) & (q - kv <= 1500)
@@ -564,7 +564,7 @@ def test_bad_arguments():
         with pytest.raises(error, match="max_runs"):
             masks.from_mask_mod(causal, max_runs=bad)
     masks.from_mask_mod(causal, max_runs=16)
-    with pytest.raises(TypeError, match="must return a bool tensor.*int64"):
+    with pytest.raises(TypeError, match="must return a bool tensor.*int32"):
         masks.from_mask_mod(lambda b, h, q, kv: kv - q).to_dense(4, 4)
     with pytest.raises(ValueError, match=r"returned shape \(3,\)"):
         masks.from_mask_mod(lambda b, h, q, kv: torch.ones(3, dtype=torch.bool)).to_dense(4, 4)

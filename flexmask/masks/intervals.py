@@ -631,7 +631,9 @@ def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
     shape with a leading pairs dimension: one (b, h) pair from 0-d b and h (q_idx [rows, 1] or
     [rows, cols], kv_idx [1, cols]), or every pair at once from b and h [pairs, 1, 1] (q_idx
     [1, rows, 1] or [pairs, rows, cols], kv_idx [1, 1, cols])."""
-    out = fn(b, h, q_idx, kv_idx)
+    # int32 indices, as FlexAttention's kernels give them: a predicate's divisions and remainders
+    # (NATTEN's row and column of a token) in 32-bit arithmetic, not int64
+    out = fn(b, h, q_idx.to(torch.int32), kv_idx.to(torch.int32))
     if not isinstance(out, torch.Tensor):
         if not isinstance(out, bool):
             raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {type(out).__name__}")
