@@ -277,8 +277,10 @@ cases += [("backward_k_runs", 128, 16, lambda: oc._hopper_backward(2, 128, True,
           ("dq_k_runs", 128, 16, lambda: oc._hopper_dq(2, 128, runs=16))]
 for name, d, variant, build in cases:
     kernel = build()
+    ptx = kernel.asm["ptx"]
     print(json.dumps({"name": name, "d": d, "variant": variant, "shared": kernel.metadata.shared,
-                      "report": oc.report(name, kernel)}))
+                      "report": oc.report(name, kernel), "atomics": ptx.count("atom.global"),
+                      "bulk_reductions": ptx.count("cp.reduce.async.bulk")}))
 """
 
 
@@ -298,6 +300,13 @@ def test_hopper_kernels_compile_for_sm90():
             assert "8 bytes spill stores" in r["report"], r
         elif r["name"] in ("forward", "dq"):
             assert "0 bytes spill stores" in r["report"], r
+    # a split item adds its dK/dV into the group's fp32 sums by bulk reductions (8 boxes at D = 128,
+    # 4 at 64, in each of the two consumer warpgroups), no per-element atomics: the same atomics as
+    # the whole-group kernel (the scheduler's)
+    whole = {r["d"]: r for r in results if r["name"] == "backward" and r["variant"] is True}
+    for r in (r for r in results if r["name"] == "backward_split"):
+        assert r["atomics"] == whole[r["d"]]["atomics"], (r, whole[r["d"]])
+        assert r["bulk_reductions"] == whole[r["d"]]["bulk_reductions"] + 2 * 2 * r["d"] // 32, (r, whole[r["d"]])
 
 
 def test_backward_work_list_hoist():

@@ -125,10 +125,12 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     dqd = bh._dq_descriptor(torch.empty(8, 1024, head_dim), q_step)
     i32 = torch.empty(8, dtype=torch.int32)
     dkv = torch.empty(2, 2, 1024, head_dim) if split else k
-    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, STATS=torch.empty(8), DK=dkv, DV=dkv,
+    sums = fh.tma_descriptor(dkv, (8, 1024, head_dim), (1024 * head_dim, head_dim, 1), (1, 64, 32)) if split else dqd
+    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, sums_desc=sums, STATS=torch.empty(8),
+                DK=dkv, DV=dkv,
                 INTV=i32, WORK=i32, COUNTER=i32, BWD_OFFSETS=i32, BWD_NUM_FULL=i32, BWD_BLOCKS=i32, n_items=1000,
                 stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
-                Sq=1000, Sk=1000, NKB=7, HQ=4, ITEM_HEADS=4 if split else 2, HEADS_PER_ITEM=1 if split else 2,
+                Sq=1000, Sk=1000, NKB=7, HQ=4, B_HKV=4, ITEM_HEADS=4 if split else 2, HEADS_PER_ITEM=1 if split else 2,
                 GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
     term_args, term_consts = _backward_terms(terms)

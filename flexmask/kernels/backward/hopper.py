@@ -31,8 +31,8 @@ by 1 - tanh^2 (its derivative; tanh recomputed from the raw product). Sinks need
 the LSE already counts them, and their gradient comes from the preprocess (two_pass.preprocess).
 Under GQA from configs.SPLIT_GROUP_MIN_ROWS query rows an item holds one query head
 (`splits_group`): a whole group per item ran four heads' Q, dO and dQ rows through L2 at once
-(docs/performance.md, section 5), so each item adds its dK/dV into fp32 sums of the group, cast
-after the kernel. The dQ sums, and those dK/dV sums, run in whatever order the reductions land:
+(docs/performance.md, section 5), so each item adds its dK/dV into fp32 sums of the group by TMA
+bulk reductions (`_add_to_sums`), cast after the kernel. The dQ sums, and those dK/dV sums, run in whatever order the reductions land:
 not bitwise reproducible, like the portable fused path; `deterministic=True` keeps the two-pass
 path, whose dK/dV items hold whole groups.
 
@@ -126,6 +126,57 @@ def _step_words(lts, lte, uts, ute, start_m, Q_STEP: gl.constexpr, NUM_RUNS: gl.
 
 
 @gluon.jit
+def _halves(x):
+    """[R, 2W] as its two [R, W] column halves."""
+    R: gl.constexpr = x.shape[0]
+    W: gl.constexpr = x.shape[1] // 2
+    return gl.split(gl.permute(gl.reshape(x, [R, 2, W]), (0, 2, 1)))
+
+
+@gluon.jit
+def _add_boxes(sums_desc, bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0, col0):
+    """Bulk-add the [ROWS, 32] `parts` (consecutive 32-column boxes of one tensor from `col0`) at
+    (bhk, row0): through `per_round` shared buffers from bufs[base], waiting for the previous round's
+    reads before a buffer is written again."""
+    for j in gl.static_range(len(parts)):
+        if (first + j) % per_round == 0:
+            tma.store_wait(0)
+        buf = bufs.index(base + (first + j) % per_round)  # [1, ROWS, 32], the descriptor's box
+        buf.reshape([parts[j].shape[0], parts[j].shape[1]]).store(parts[j])
+        fence_async_shared()
+        _tma_reduce_add(sums_desc, [bhk, row0, col0 + 32 * j], buf)
+
+
+@gluon.jit
+def _add_to_sums(sums_desc, dq_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr, Q_STEP: gl.constexpr):
+    """Add a split item's [ROWS, HEAD_DIM] fp32 dK and dV into the group's sums ([2, B, Hkv, Sk, D]
+    under `sums_desc`, dV B * Hkv heads on) by TMA bulk reductions, in 32-column boxes staged in
+    this warpgroup's half of the dQ buffers (free between items: the walk waits for their reads
+    before it writes them again), as FA3's GQA epilogue adds them; rows past Sk fall outside the
+    descriptor. Per-element fp32 atomics took 128 instructions a thread and a tensor."""
+    ROWS: gl.constexpr = dk.shape[0]
+    HEAD_DIM: gl.constexpr = dk.shape[1]
+    PER_WG: gl.constexpr = 2 * Q_STEP // ROWS  # the dQ buffers hold 4 x [Q_STEP, 32]: half each
+    bufs = dq_smem._reinterpret(gl.float32, [2 * PER_WG, 1, ROWS, 32], sums_desc.layout)
+    mine = WG * PER_WG
+    BOXES: gl.constexpr = HEAD_DIM // 32
+    if HEAD_DIM == 128:
+        k_lo, k_hi = _halves(dk)
+        v_lo, v_hi = _halves(dv)
+        k0, k1 = _halves(k_lo)
+        k2, k3 = _halves(k_hi)
+        v0, v1 = _halves(v_lo)
+        v2, v3 = _halves(v_hi)
+        _add_boxes(sums_desc, bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0, 0)
+        _add_boxes(sums_desc, bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0, 0)
+    else:
+        k0, k1 = _halves(dk)
+        v0, v1 = _halves(dv)
+        _add_boxes(sums_desc, bufs, mine, (k0, k1), 0, PER_WG, bhk, row0, 0)
+        _add_boxes(sums_desc, bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0, 0)
+
+
+@gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
@@ -188,11 +239,11 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_k
 
 @gluon.jit
 def _consumer(
-    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
+    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
-    tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
+    Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+    sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
 ):
@@ -330,16 +381,15 @@ def _consumer(
         item_count += 1
 
         # epilogue: this warpgroup's rows of dK (scaled) and dV
-        om = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
-        od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-        rows64 = gl.expand_dims(om.to(gl.int64), 1)
-        p_dk = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + rows64 * stride_dkn + gl.expand_dims(od, 0)
-        p_dv = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + rows64 * stride_dvn + gl.expand_dims(od, 0)
         if SPLIT_GROUP:  # this query head's share of its kv head's dK/dV, added to the fp32 sums
-            keep = gl.expand_dims(om < Sk, 1) & gl.expand_dims(od < HEAD_DIM, 0)
-            gl.atomic_add(p_dk, dk * sm_scale, mask=keep, sem="relaxed")
-            gl.atomic_add(p_dv, dv, mask=keep, sem="relaxed")
+            _add_to_sums(sums_desc, dq_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
+                         n * KV_BLOCK + WG * ROWS, WG, Q_STEP)
         else:
+            om = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
+            od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+            rows64 = gl.expand_dims(om.to(gl.int64), 1)
+            p_dk = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + rows64 * stride_dkn + gl.expand_dims(od, 0)
+            p_dv = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + rows64 * stride_dvn + gl.expand_dims(od, 0)
             keep = gl.expand_dims(om < Sk, 1)
             gl.store(p_dk, (dk * sm_scale).to(dtype), mask=keep)
             gl.store(p_dv, dv.to(dtype), mask=keep)
@@ -349,10 +399,10 @@ def _consumer(
 
 @gluon.jit
 def _backward_hopper_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, STATS, DK, DV,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, STATS, DK, DV,
     INTV, WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
@@ -394,16 +444,16 @@ def _backward_hopper_kernel(
     bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty)
 
     gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
+        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                     Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP)),
-        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, bars,
+        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                     Sq, Sk, NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
@@ -554,15 +604,19 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     grid = (min(n_items, programs),)
     mb, mdiv, mh = mask_map
     dk_out, dv_out = dk, dv
-    if split:  # fp32 sums of the group's heads, cast into dk and dv after the kernel
-        dk, dv = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device).unbind(0)
     if not with_dq:  # the kernel still takes a descriptor: one over a single box, never used
         dq_acc = torch.empty(1, q_step, 32, dtype=torch.float32, device=q.device)
+    dq_desc = _dq_descriptor(dq_acc, q_step)
+    sums_desc = dq_desc  # (unused without the split)
+    if split:  # fp32 sums of the group's heads, cast into dk and dv after the kernel
+        sums = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device)
+        dk, dv = sums.unbind(0)
+        sums_desc = tma_descriptor(sums, (2 * batch * hkv, sk, d), (sk * d, d, 1), (1, KV_ROWS // 2, 32))
     _BACKWARD_HOPPER_LAUNCH(grid,
-        q_desc, k_desc, v_desc, do_desc, _dq_descriptor(dq_acc, q_step), stats, dk, dv,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats, dk, dv,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        sq, sk, cm.num_kv_blocks, hq, item_heads, hq // item_heads, hq // hkv, mb, mdiv, mh,
+        sq, sk, cm.num_kv_blocks, hq, batch * hkv, item_heads, hq // item_heads, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
