@@ -206,15 +206,22 @@ def test_split_group_rule(monkeypatch):
 
 
 def test_split_heads_setting(monkeypatch):
-    """Query heads per split item: 1 by default, any divisor of the group; anything else is a
-    ValueError naming the setting, the group and the value."""
-    assert backward_hopper.split_heads(32, 8) == 1
+    """Query heads per split item: "auto" by default (two at head dim 64 in groups of 8 or more, one
+    elsewhere), any divisor of the group; anything else is a ValueError naming the setting, the
+    group and the value."""
+    assert backward_hopper.split_heads(32, 8, 128) == 1
+    assert backward_hopper.split_heads(32, 8, 64) == 1  # a group of 4
+    assert backward_hopper.split_heads(64, 8, 64) == 2
+    assert backward_hopper.split_heads(64, 8, 128) == 1
+    assert backward_hopper.split_heads(72, 8, 64) == 1  # a group of 9: two heads do not divide it
+    monkeypatch.setattr(backward_configs, "SPLIT_TWO_HEADS_MIN_GROUP", 4)
+    assert backward_hopper.split_heads(32, 8, 64) == 2
     monkeypatch.setattr(backward_configs, "SPLIT_GROUP_HEADS", 2)
-    assert backward_hopper.split_heads(32, 8) == 2
+    assert backward_hopper.split_heads(32, 8, 128) == 2
     for bad in (3, 0, 8, True, "2"):
         monkeypatch.setattr(backward_configs, "SPLIT_GROUP_HEADS", bad)
         with pytest.raises(ValueError, match=f"SPLIT_GROUP_HEADS.*group \\(4 query heads per kv head\\), got {bad!r}"):
-            backward_hopper.split_heads(32, 8)
+            backward_hopper.split_heads(32, 8, 128)
 
 
 def test_split_work_list_has_one_query_head_per_item():

@@ -69,7 +69,7 @@ def split_table() -> None:
             cells.append(f"{name} {best[variant]:8.3f} ms {flops / best[variant] / 1e9:6.1f} TF "
                          f"x{best[0] / best[variant]:.3f} |d| {diff:.1e}")
         print(f"S={S:6d} B={B:2d} {HQ}/{HKV} D={D}: " + "  ".join(cells), flush=True)
-        configs.HOPPER_SPLIT_GROUP, configs.SPLIT_GROUP_HEADS = "auto", 1
+        configs.HOPPER_SPLIT_GROUP, configs.SPLIT_GROUP_HEADS = "auto", "auto"
 
 
 def order_table() -> None:

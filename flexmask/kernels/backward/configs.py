@@ -102,12 +102,16 @@ INDEX_ORDER_MIN_KEYS = 1 << 19
 
 # The Hopper backward's GQA items (backward/hopper.py, splits_group): "auto" gives each query head
 # its own items, their dK/dV summed in fp32, from SPLIT_GROUP_MIN_ROWS query rows; True / False
-# always / never; SPLIT_GROUP_HEADS query heads per item where it splits (a divisor of the group).
+# always / never; SPLIT_GROUP_HEADS query heads per item where it splits (a divisor of the group),
+# or "auto": two at head dim 64 where the group has SPLIT_TWO_HEADS_MIN_GROUP heads or more (half
+# the fp32 sums' bytes; 64/8 at D = 64: 1.01-1.05x one head in three runs, H100 and H200, 8K and
+# 32K; level at 32/8, and two lose at D = 128: docs/performance.md, section 5), else one.
 # The floor: at 32/8 and 1K the split is 1.03x on an H100 but 0.93x on an H200, level there at 2K
 # (the sums' fp32 atomics cost 9-25% of a backward below 2K: docs/performance.md section 5).
 HOPPER_SPLIT_GROUP = "auto"
 SPLIT_GROUP_MIN_ROWS = 2048
-SPLIT_GROUP_HEADS = 1
+SPLIT_GROUP_HEADS = "auto"
+SPLIT_TWO_HEADS_MIN_GROUP = 8
 
 # Query rows per step of the Hopper backward, by head dim (backward/hopper.py, q_rows): at D = 64 a
 # whole 128-row table tile per step, as FA4's SM90 backward (m_block_size 128 at D <= 64).

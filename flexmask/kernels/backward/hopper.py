@@ -539,13 +539,16 @@ def splits_group(q_heads: int, kv_heads: int, sq: int) -> bool:
     return rule is True or sq >= configs.SPLIT_GROUP_MIN_ROWS
 
 
-def split_heads(q_heads: int, kv_heads: int) -> int:
-    """Query heads per work item where the group is split: configs.SPLIT_GROUP_HEADS (1 by
-    default), a divisor of the group."""
+def split_heads(q_heads: int, kv_heads: int, head_dim: int) -> int:
+    """Query heads per work item where the group is split: configs.SPLIT_GROUP_HEADS, "auto" (two
+    at head dim 64 in groups of configs.SPLIT_TWO_HEADS_MIN_GROUP or more, else one) or a divisor
+    of the group."""
     heads, group = configs.SPLIT_GROUP_HEADS, q_heads // kv_heads
+    if heads == "auto":
+        return 2 if head_dim == 64 and group >= configs.SPLIT_TWO_HEADS_MIN_GROUP and group % 2 == 0 else 1
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or group % heads:
-        raise ValueError(f"configs.SPLIT_GROUP_HEADS must be a positive divisor of the GQA group ({group} query "
-                         f"heads per kv head), got {heads!r}")
+        raise ValueError(f"configs.SPLIT_GROUP_HEADS must be 'auto' or a positive divisor of the GQA group ({group} "
+                         f"query heads per kv head), got {heads!r}")
     return heads
 
 
@@ -598,7 +601,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     programs = _num_sms(q.device.index or 0)
     with_dq = dq_acc is not None
     split = with_dq and splits_group(hq, hkv, sq)
-    item_heads = hq // split_heads(hq, hkv) if split else hkv
+    item_heads = hq // split_heads(hq, hkv, d) if split else hkv
     work = backward_work_list(cm, batch, hq, item_heads, mask_map, q_bytes, hoist=programs)
     n_items = work.numel()
     grid = (min(n_items, programs),)
