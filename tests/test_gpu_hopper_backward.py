@@ -164,6 +164,17 @@ def test_gqa_items_split_or_whole(split, per_item, b, hq, hkv, sq, sk, d, layout
     _check(family, b, hq, hkv, sq, sk, torch.bfloat16, layout, seed=sq + hq, d=d)
 
 
+def test_default_items_of_two_heads():
+    """The defaults at head dim 64 in a GQA group of 8 from SPLIT_GROUP_MIN_ROWS rows: split items
+    of two query heads each (configs.SPLIT_GROUP_HEADS = "auto"), matching the reference."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels.backward import hopper
+
+    assert hopper.splits_group(16, 2, 2053) and hopper.split_heads(16, 2, 64) == 2
+    _check("document", 1, 16, 2, 2053, 2053, torch.bfloat16, "bhsd", seed=11, d=64)
+
+
 def test_do_in_another_layout():
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
