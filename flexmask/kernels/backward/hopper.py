@@ -29,12 +29,13 @@ off: with softcap or ALiBi, S becomes the scores in log2 units (forward_hopper._
 every step, FULL ones included, before the mask and P = exp2(S - lse); the softcap multiplies dS
 by 1 - tanh^2 (its derivative; tanh recomputed from the raw product). Sinks need nothing here:
 the LSE already counts them, and their gradient comes from the preprocess (two_pass.preprocess).
-Under GQA from configs.SPLIT_GROUP_MIN_ROWS query rows an item holds one query head
-(`splits_group`): a whole group per item ran four heads' Q, dO and dQ rows through L2 at once
-(docs/performance.md, section 5), so each item adds its dK/dV into fp32 sums of the group by TMA
-bulk reductions (`_add_to_sums`), cast after the kernel. The dQ sums, and those dK/dV sums, run in whatever order the reductions land:
-not bitwise reproducible, like the portable fused path; `deterministic=True` keeps the two-pass
-path, whose dK/dV items hold whole groups.
+Under GQA from configs.SPLIT_GROUP_MIN_ROWS query rows an item holds one query head, or two
+(`splits_group`, `split_heads`): a whole group per item ran four heads' Q, dO and dQ rows through
+L2 at once (docs/performance.md, section 5), so each item adds its dK/dV into fp32 sums of the
+group by TMA bulk reductions (`_add_to_sums`), cast after the kernel. The dQ sums, and those
+dK/dV sums, run in whatever order the reductions land: not bitwise reproducible, like the
+portable fused path; `deterministic=True` keeps the two-pass path, whose dK/dV items hold whole
+groups.
 
 Gluon kernels do not run under the CPU interpreter: CPU tests cover the host side and an
 offline sm_90 compile; tests/test_gpu_hopper_backward.py checks the kernel on a GPU.
@@ -134,8 +135,8 @@ def _halves(x):
 
 
 @gluon.jit
-def _add_boxes(sums_desc, bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0, col0):
-    """Bulk-add the [ROWS, 32] `parts` (consecutive 32-column boxes of one tensor from `col0`) at
+def _add_boxes(sums_desc, bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0):
+    """Bulk-add the [ROWS, 32] `parts` (the 32-column boxes of one tensor, in order) at
     (bhk, row0): through `per_round` shared buffers from bufs[base], waiting for the previous round's
     reads before a buffer is written again."""
     for j in gl.static_range(len(parts)):
@@ -144,7 +145,7 @@ def _add_boxes(sums_desc, bufs, base, parts, first: gl.constexpr, per_round: gl.
         buf = bufs.index(base + (first + j) % per_round)  # [1, ROWS, 32], the descriptor's box
         buf.reshape([parts[j].shape[0], parts[j].shape[1]]).store(parts[j])
         fence_async_shared()
-        _tma_reduce_add(sums_desc, [bhk, row0, col0 + 32 * j], buf)
+        _tma_reduce_add(sums_desc, [bhk, row0, 32 * j], buf)
 
 
 @gluon.jit
@@ -167,13 +168,13 @@ def _add_to_sums(sums_desc, dq_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr,
         k2, k3 = _halves(k_hi)
         v0, v1 = _halves(v_lo)
         v2, v3 = _halves(v_hi)
-        _add_boxes(sums_desc, bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0, 0)
-        _add_boxes(sums_desc, bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0, 0)
+        _add_boxes(sums_desc, bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0)
+        _add_boxes(sums_desc, bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0)
     else:
         k0, k1 = _halves(dk)
         v0, v1 = _halves(dv)
-        _add_boxes(sums_desc, bufs, mine, (k0, k1), 0, PER_WG, bhk, row0, 0)
-        _add_boxes(sums_desc, bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0, 0)
+        _add_boxes(sums_desc, bufs, mine, (k0, k1), 0, PER_WG, bhk, row0)
+        _add_boxes(sums_desc, bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0)
 
 
 @gluon.jit
