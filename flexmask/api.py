@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .autograd import _backward_impl, _forward_impl, attention_eager, attention_fwd, op_outputs
+from .autograd import _backward_impl, _forward_impl, _terms, attention_eager, attention_fwd, op_outputs
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.common.tiles import default_tile, is_valid_tile
 from .kernels.decode import configs as decode_configs
@@ -363,7 +363,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         alibi_slopes = alibi_slopes.detach().contiguous()  # no gradient to the slopes
     if sinks is not None:
         sinks = sinks.contiguous()
-    terms = None if softcap == 0 and alibi_slopes is None and sinks is None else ScoreTerms(softcap, alibi_slopes, sinks)
+    terms = _terms(softcap, alibi_slopes, sinks)
 
     compiling = torch.compiler.is_compiling()
     if compiling and not isinstance(mask, CompiledMask):
