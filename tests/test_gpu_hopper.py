@@ -121,40 +121,6 @@ def test_q_released_after_the_walk(family, d, monkeypatch):
     _run(family, 2, 4, 2, 1500, 700, d, torch.bfloat16, "bhsd", seed=7)
 
 
-@pytest.mark.parametrize("block_m", [128, 192], ids=lambda m: f"M{m}")
-@pytest.mark.parametrize("d", [128, 64], ids=lambda d: f"D{d}")
-@pytest.mark.parametrize("family", FAMILIES + ("natten",), ids=str)
-def test_wait_in_a_block_of_its_own(family, d, block_m, monkeypatch):
-    """configs.HOPPER_FORWARD_WAIT_BLOCK on (the wait for O += P V behind its own branch): the
-    same results as the reference, every loop of the consumer (one loop, the two loops at D = 64,
-    three warpgroups at 192 rows, 16 runs a column), GQA, Sq > Sk and Sq < Sk."""
-    if not _hopper():
-        pytest.skip("needs a Hopper GPU")
-    if block_m == 192 and (d != 64 or family == "natten"):
-        pytest.skip("192-row items are a D = 64 schedule of two-interval masks")
-    from flexmask import masks
-    from flexmask.kernels.forward import configs as forward_configs
-    from flexmask.kernels.forward import hopper as forward_hopper
-    from flexmask.kernels.common.masking import mask_broadcast
-
-    monkeypatch.setattr(forward_configs, "HOPPER_FORWARD_WAIT_BLOCK", True)
-    shapes = ((1, 4, 2, 1024, 1024), (1, 6, 3, 130, 1024)) if family == "natten" else \
-        ((2, 4, 2, 1500, 700), (1, 6, 3, 130, 1000))
-    for b, hq, hkv, sq, sk in shapes:
-        q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=8))
-        if family == "natten":
-            mask = masks.natten(32, 32, 7)
-        else:
-            mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=8)
-        cm = compile_mask(mask, sq, sk, device="cuda")
-        out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_broadcast(cm, b, hq, hkv),
-                                                           block_m=block_m)
-        (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask, scale=0.125)
-        floor = default_floor(torch.bfloat16)
-        assert_close_to_reference(out, ref_o, low_o, floor, "out")
-        assert_close_to_reference(lse, ref_lse, low_lse, floor, "lse")
-
-
 @pytest.mark.parametrize(
     "b,hq,hkv,sq,sk,d,dtype,layout,family",
     [

@@ -301,33 +301,3 @@ def test_work_list_hoist_puts_the_heaviest_documents_first():
     assert (tiles[:first] > fifth).all() and (tiles[:first - 1] >= tiles[1:first]).all()
     rest = plain[~torch.isin(plain, work[:first])]
     assert torch.equal(work[first:], rest), "the others keep the chunked order"
-
-
-_OVERLAP = """
-import json
-from tools import offline_compile as oc
-
-for d, block_m, wait_block in ((128, 128, False), (128, 128, True), (64, 128, True), (64, 192, True)):
-    kernel = oc._hopper_forward(d, 2, block_m=block_m, wait_block=wait_block)
-    print(json.dumps({"d": d, "block_m": block_m, "wait_block": wait_block,
-                      "beside": oc.softmax_beside_products(kernel), "report": oc.report("", kernel)}))
-"""
-
-
-def test_wait_block_puts_the_softmax_beside_the_products():
-    """In the SASS (offline, sm_90): with the wait for O += P V in the softmax's basic block,
-    ptxas puts it above every exponential of the D = 128 walk; in a block of its own
-    (HOPPER_FORWARD_WAIT_BLOCK), all 64 of P's and the two of the rescale run beside that product
-    in every walk loop (two consumers at 128 rows, three at 192), with no new spills."""
-    pytest.importorskip("triton.experimental.gluon")
-    from conftest import compile_for_sm90
-
-    results = compile_for_sm90(_OVERLAP, timeout=900)
-    assert len(results) == 4, results
-    inline, *blocks = results
-    assert inline["beside"] == [0, 0], inline  # main's schedule, as ptxas leaves it
-    for r in blocks:
-        assert len(r["beside"]) >= r["block_m"] // 64, r  # a loop per consumer warpgroup at least
-        assert min(r["beside"]) >= 66, r
-        spills = "8 bytes spill stores" if r["block_m"] == 192 else "0 bytes spill stores"
-        assert spills in r["report"], r

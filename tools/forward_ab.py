@@ -6,10 +6,7 @@ and the largest difference between the two outputs. Switches:
 - `block_m` (D = 64, heads 16/16 and 32/8, S = 2K, 8K, 32K): 128-row work items (two consumer warpgroups, with the
   options configs picks at 128 rows) against 192-row ones (three warpgroups, tables retiled);
 - `early_q` (D = 128 and 64, heads 16/16, S = 512, 2K, 8K): configs.HOPPER_FORWARD_EARLY_Q off against on (the Q
-  buffer released before the walk's last O += P V instead of after the epilogue);
-- `wait_block` (D = 128 and 64, heads 16/16 and 32/8, S = 2K, 8K, 32K; FA4's masks and a NATTEN 9 x 9 mask of 16
-  runs a column): configs.HOPPER_FORWARD_WAIT_BLOCK off against on (the wait for the previous O += P V in a basic
-  block of its own, below the softmax's exponentials).
+  buffer released before the walk's last O += P V instead of after the epilogue).
 
     PYTHONPATH=$PWD python3 -m tools.forward_ab --switch block_m
 """
@@ -34,35 +31,17 @@ SWITCHES = {  # name: (head dims, heads, (S, batch) cases, the two sides' labels
     "block_m": ((64,), ((16, 16), (32, 8)), ((2048, 16), (8192, 4), (32768, 1)), ("128 rows", "192 rows")),
     # short walks pay the item's fixed cost: 512 and 2K tokens, where per_call's forward trails cuDNN
     "early_q": ((128, 64), ((16, 16),), ((512, 64), (2048, 16), (8192, 4)), ("Q late", "Q early")),
-    "wait_block": ((128, 64), ((16, 16), (32, 8)), ((2048, 16), (8192, 4), (32768, 1)), ("wait inline", "wait block")),
 }
-# the switches that change a module-level setting of configs, with the value main runs
-SETTINGS = {"early_q": ("HOPPER_FORWARD_EARLY_Q", True), "wait_block": ("HOPPER_FORWARD_WAIT_BLOCK", False)}
-# a k-run mask beside FA4's: the forward's spills differ there (offline ptxas), so its A/B must see one
-NATTEN_WIDTH = 128
-
-
-def _cases(switch: str, S: int, B: int):
-    """(family, mask, attending pairs of one batch row and mask head) of the switch's A/B."""
-    for family in PEER_FAMILIES:
-        mask = peer_case(family, S, B).mask
-        yield family, mask, lambda hq, mask=mask: attending_pairs(mask.intervals(S, S, "cuda"), S, B, hq)
-    if switch == "wait_block":
-        from flexmask import masks
-
-        kernel = 9  # every query keeps a whole (clamped) 9 x 9 window
-        yield "natten_9x9", masks.natten(S // NATTEN_WIDTH, NATTEN_WIDTH, kernel), lambda hq: S * kernel**2 * B * hq
 
 
 def _run(switch: str, side: int, q, k, v, cm, mask_map):
     if switch == "block_m":
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=(128, 192)[side])
-    name, main_value = SETTINGS[switch]
-    setattr(configs, name, bool(side))
+    configs.HOPPER_FORWARD_EARLY_Q = bool(side)
     try:
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map)
     finally:
-        setattr(configs, name, main_value)
+        configs.HOPPER_FORWARD_EARLY_Q = True
 
 
 def main(argv=None) -> int:
@@ -75,14 +54,15 @@ def main(argv=None) -> int:
     for d in head_dims:
         for S, B in cases:
             for hq, hkv in heads:
-                for family, mask, pairs in _cases(args.switch, S, B):
+                for family in PEER_FAMILIES:
+                    case = peer_case(family, S, B)
                     torch.manual_seed(0)
                     q = torch.randn(B, hq, S, d, device="cuda", dtype=torch.bfloat16)
                     k = torch.randn(B, hkv, S, d, device="cuda", dtype=torch.bfloat16)
                     v = torch.randn_like(k)
-                    cm = flexmask.compile_mask(mask, S, S, device="cuda")
+                    cm = flexmask.compile_mask(case.mask, S, S, device="cuda")
                     mask_map = mask_broadcast(cm, B, hq, hkv)
-                    flops = attention_flops(pairs(hq), d)["fwd"]
+                    flops = attention_flops(attending_pairs(case.mask.intervals(S, S, "cuda"), S, B, hq), d)["fwd"]
                     best, outs = {}, {}
                     for side in (0, 1, 0, 1):
                         run = lambda side=side: _run(args.switch, side, q, k, v, cm, mask_map)

@@ -12,9 +12,6 @@ overflows before any device time is spent.
     python -m tools.offline_compile digest     # the Hopper kernels' instruction streams (count and hash, the
                                                     # parameter loads left out): run at two commits, equal
                                                     # digests mean a change compiled to the same code
-    python -m tools.offline_compile overlap    # the Hopper forward's exponentials between the wait for S and the
-                                                    # wait for the previous O += P V, per walk loop, with the
-                                                    # wait in the softmax's block and in a block of its own
 """
 
 from __future__ import annotations
@@ -79,7 +76,7 @@ def _score_terms(terms: str | None, tensor) -> tuple[dict, dict]:
 
 def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
                     column_bias: bool | None = None, tc_bias: bool | None = None, terms: str | None = None,
-                    runs: int = 2, block_m: int | None = None, wait_block: bool | None = None):
+                    runs: int = 2, block_m: int | None = None):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.forward import hopper as fh
 
@@ -105,9 +102,7 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
     consts = dict(BLOCK_M=block_m, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
                   COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim, block_m),
                   TC_BIAS=bool(tc_bias), **term_consts, NUM_RUNS=runs,
-                  EARLY_Q=forward_configs.HOPPER_FORWARD_EARLY_Q and block_m == 128,
-                  WAIT_BLOCK=forward_configs.HOPPER_FORWARD_WAIT_BLOCK if wait_block is None else wait_block,
-                  num_warps=4)
+                  EARLY_Q=forward_configs.HOPPER_FORWARD_EARLY_Q and block_m == 128, num_warps=4)
     if runs > 2:
         consts.update(COLUMN_BIAS=False, TC_BIAS=False)
     maxnreg = 168 if block_m == 128 else 128  # as attention_forward_hopper launches it
@@ -296,41 +291,6 @@ def instruction_digest(kernel) -> str:
     return f"{len(ops)} instructions, sha {digest}, shared {kernel.metadata.shared} B"
 
 
-def sass(kernel) -> str:
-    """The kernel's SASS, disassembled by Triton's bundled nvdisasm (no GPU needed)."""
-    import subprocess
-    import tempfile
-
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-
-
-def softmax_beside_products(kernel) -> list[int]:
-    """For each wait for a step's S (`WARPGROUP.DEPBAR.LE gsb0, 0x1`: the previous tile's
-    O += P V may still run) in the forward's walk, the exponentials (MUFU.EX2) issued before the
-    next full wait (`0x0`, the wait for that O += P V): the softmax work that overlaps the
-    product. A wait for S directly followed by the full wait (a branch that never runs) is left out."""
-    wait_s, wait_all = "WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0"
-    code = [line for line in sass(kernel).splitlines() if line.strip().startswith("/*")]
-    kept = [line for i, line in enumerate(code)  # drop the never-run branch's two waits in a row
-            if not (wait_s in line and i + 1 < len(code) and wait_all in code[i + 1])
-            and not (wait_all in line and i > 0 and wait_s in code[i - 1])]
-    counts, current = [], None
-    for line in kept:
-        if wait_s in line:
-            current = 0
-        elif wait_all in line:
-            if current is not None:
-                counts.append(current)
-            current = None
-        elif "MUFU.EX2" in line and current is not None:
-            current += 1
-    return counts
-
-
 def _classify(family: int):
     """The mask compiler's classify kernel (kernels/compile_kernels.py) for one FAMILY code."""
     from flexmask.masks import compiler_kernels as ck
@@ -371,7 +331,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m tools.offline_compile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="forward", choices=("forward", "backward", "compiler", "portable", "k_runs", "digest", "overlap"),
+    ap.add_argument("what", nargs="?", default="forward", choices=("forward", "backward", "compiler", "portable", "k_runs", "digest"),
                     help="which kernels to compile (default: the Hopper forward)")
     what = ap.parse_args(argv).what
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
@@ -383,13 +343,6 @@ def main(argv=None) -> int:
         print(report("shift_to_cache", _shift()), flush=True)
         for kernel in ("keys", "merge", "final"):
             print(report(f"random_eviction {kernel}", _eviction(kernel)), flush=True)
-        return 0
-    if what == "overlap":
-        for d, bm, runs in ((128, 128, 2), (64, 128, 2), (64, 192, 2), (128, 128, 16), (64, 128, 16)):
-            for wait_block in (False, True):
-                kernel = _hopper_forward(d, 2, runs=runs, block_m=bm, wait_block=wait_block)
-                print(f"forward_hopper D={d} block_m={bm} runs={runs} wait_block={wait_block}: exponentials beside "
-                      f"O += P V per loop {softmax_beside_products(kernel)}; {report('', kernel)}", flush=True)
         return 0
     if what == "digest":
         for d in (64, 128):
