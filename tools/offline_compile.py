@@ -111,8 +111,9 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
-                     runs: int = 2, split: bool = False):
-    """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums."""
+                     runs: int = 2, split: bool = False, dq_beside: bool = False):
+    """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
+    `dq_beside`: configs.HOPPER_BACKWARD_DQ_BESIDE (its dQ product under the wait for dV and dK)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper as bh
     from flexmask.kernels.forward import hopper as fh
@@ -136,7 +137,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
-                  num_warps=4)
+                  DQ_BESIDE=dq_beside, num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
