@@ -149,8 +149,9 @@ def _backward_terms(terms: str | None) -> tuple[dict, dict]:
     return args, consts
 
 
-def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2):
-    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py)."""
+def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2, wait_block: bool = False):
+    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py); `wait_block`:
+    configs.HOPPER_DQ_WAIT_BLOCK (the wait for dP in a block of its own)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper_dq as bq
     from flexmask.kernels.forward import hopper as fh
@@ -168,7 +169,7 @@ def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs:
     term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, **term_consts, NUM_RUNS=runs,
-                  num_warps=4)
+                  DQ_WAIT_BLOCK=wait_block, num_warps=4)
     return compile_offline(bq._dq_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

@@ -124,6 +124,13 @@ HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 # --dq-beside) measures it. Head dim 64 keeps its turns (one warpgroup takes dQ every other step).
 HOPPER_BACKWARD_DQ_BESIDE = False
 
+# The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP
+# in a basic block of its own (`if Sk > 0`, its else a wait that never runs), so that ptxas cannot
+# hoist it above P's exponentials (offline SASS, python -m tools.offline_compile waits: 0 of a half
+# step's 32 MUFU.EX2 between the waits for S and dP at D = 128, 1 at 64; all 32 with the switch;
+# no spills either way). Off until a GPU A/B (tools.backward_gqa --dq-pass-block) measures it.
+HOPPER_DQ_WAIT_BLOCK = False
+
 
 # TMA descriptors are built inside each program, a fixed cost that only a long walk pays back
 TMA_MIN_TILES_PER_PROGRAM = 16
