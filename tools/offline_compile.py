@@ -12,6 +12,9 @@ overflows before any device time is spent.
     python -m tools.offline_compile digest     # the Hopper kernels' instruction streams (count and hash, the
                                                     # parameter loads left out): run at two commits, equal
                                                     # digests mean a change compiled to the same code
+    python -m tools.offline_compile waits      # the backward's and dQ pass's wgmma waits in SASS, their switches
+                                                    # off and on (HOPPER_BACKWARD_DQ_BESIDE, HOPPER_DQ_WAIT_BLOCK):
+                                                    # full waits a step, MUFU.EX2 between the waits for S and dP
 """
 
 from __future__ import annotations
@@ -111,8 +114,9 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
-                     runs: int = 2, split: bool = False):
-    """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums."""
+                     runs: int = 2, split: bool = False, dq_beside: bool = False):
+    """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
+    `dq_beside`: configs.HOPPER_BACKWARD_DQ_BESIDE (its dQ product under the wait for dV and dK)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper as bh
     from flexmask.kernels.forward import hopper as fh
@@ -136,7 +140,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
-                  num_warps=4)
+                  DQ_BESIDE=dq_beside, num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
@@ -148,8 +152,9 @@ def _backward_terms(terms: str | None) -> tuple[dict, dict]:
     return args, consts
 
 
-def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2):
-    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py)."""
+def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2, wait_block: bool = False):
+    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py); `wait_block`:
+    configs.HOPPER_DQ_WAIT_BLOCK (the wait for dP in a block of its own)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper_dq as bq
     from flexmask.kernels.forward import hopper as fh
@@ -167,7 +172,7 @@ def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs:
     term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, **term_consts, NUM_RUNS=runs,
-                  num_warps=4)
+                  DQ_WAIT_BLOCK=wait_block, num_warps=4)
     return compile_offline(bq._dq_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
@@ -291,6 +296,53 @@ def instruction_digest(kernel) -> str:
     return f"{len(ops)} instructions, sha {digest}, shared {kernel.metadata.shared} B"
 
 
+def sass(kernel) -> str:
+    """nvdisasm's listing of a compiled kernel's cubin (Triton's bundled nvdisasm), in address order."""
+    import subprocess
+    import tempfile
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def wgmma_waits(listing: str) -> list[tuple[int, int]]:
+    """The wgmma waits of a SASS listing (`WARPGROUP.DEPBAR.LE gsb0, N`: wait until at most N groups
+    of wgmma are pending), in address order, each as (N, MUFU.EX2 from it to the next wait)."""
+    import re
+
+    waits = []
+    for line in listing.splitlines():
+        wait = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", line)
+        if wait:
+            waits.append([int(wait.group(1), 16), 0])
+        elif "MUFU.EX2" in line and waits:
+            waits[-1][1] += 1
+    return [tuple(w) for w in waits]
+
+
+def exponentials_between_waits(listing: str) -> list[int]:
+    """For each wait that leaves one wgmma group pending (the Hopper backward's and dQ pass's wait
+    for S = Q K^T while dP = dO V^T runs; one a step, one a half step in the dQ pass), the MUFU.EX2
+    between it and the next wait (the wait for dP): P's exponentials that run beside dP's product.
+    In address order, so a block that ptxas lays out elsewhere (a retry loop) is not counted."""
+    return [ex2 for pending, ex2 in wgmma_waits(listing) if pending == 1]
+
+
+def full_waits_per_step(listing: str) -> list[int]:
+    """For each wait for S (one group left pending: once a step of each consumer's loop), the full
+    waits (`gsb0, 0x0`) after it up to the next wait for S or the listing's end."""
+    counts = []
+    for pending, _ in wgmma_waits(listing):
+        if pending == 1:
+            counts.append(0)
+        elif pending == 0 and counts:
+            counts[-1] += 1
+    return counts
+
+
 def _classify(family: int):
     """The mask compiler's classify kernel (kernels/compile_kernels.py) for one FAMILY code."""
     from flexmask.masks import compiler_kernels as ck
@@ -331,7 +383,8 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m tools.offline_compile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="forward", choices=("forward", "backward", "compiler", "portable", "k_runs", "digest"),
+    ap.add_argument("what", nargs="?", default="forward",
+                    choices=("forward", "backward", "compiler", "portable", "k_runs", "digest", "waits"),
                     help="which kernels to compile (default: the Hopper forward)")
     what = ap.parse_args(argv).what
     os.environ.pop("TRITON_INTERPRET", None)  # Gluon kernels ignore it; plain @triton.jit ones would interpret
@@ -351,6 +404,22 @@ def main(argv=None) -> int:
             for with_dq in (True, False):
                 print(f"backward_hopper D={d} with_dq={with_dq}: "
                       f"{instruction_digest(_hopper_backward(2, d, with_dq))}", flush=True)
+            print(f"backward_hopper D={d} split: {instruction_digest(_hopper_backward(2, d, True, split=True))}",
+                  flush=True)
+        return 0
+    if what == "waits":
+        for d in (128, 64):
+            for on in (False, True):
+                kernel = _hopper_dq(2, d, wait_block=on)
+                print(f"backward_hopper_dq D={d} wait_block={on}: MUFU.EX2 between the waits for S and dP "
+                      f"{exponentials_between_waits(sass(kernel))}; {report('', kernel)[2:]}", flush=True)
+            for split in (False, True):
+                for on in (False, True):
+                    kernel = _hopper_backward(2, d, True, split=split, dq_beside=on)
+                    listing = sass(kernel)
+                    print(f"backward_hopper D={d} split={split} dq_beside={on}: full waits a step "
+                          f"{full_waits_per_step(listing)}, MUFU.EX2 between the waits for S and dP "
+                          f"{exponentials_between_waits(listing)}; {report('', kernel)[2:]}", flush=True)
         return 0
     if what == "k_runs":
         for d in (64, 128):

@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from . import configs
 from .hopper import LOG2E, _like_q
 from ..common.launcher import FastLaunch
 from ..common.masking import mask_runs
@@ -86,10 +87,11 @@ def _consumer(
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, DQ_WAIT_BLOCK: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
-    SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
+    SOFTCAP, HAS_ALIBI: the score terms (module docstring). DQ_WAIT_BLOCK: the wait for dP in a
+    block of its own (configs.HOPPER_DQ_WAIT_BLOCK)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -149,7 +151,18 @@ def _consumer(
                     if is_partial:  # -inf where masked or past Sk
                         qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps, NUM_RUNS)
                     p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))
-                dp = warpgroup_mma_wait(0, deps=(dp,))
+                if DQ_WAIT_BLOCK:
+                    # the wait for dP in a basic block of its own, which ptxas leaves below P's
+                    # exponentials (in line, it hoisted the wait above them). Sk > 0 wherever a
+                    # tile is walked, but it is a runtime value, so both arms stay; the else's wait
+                    # also names P (unchanged by it), else LLVM merges the two equal arms
+                    if Sk > 0:
+                        dp_done = warpgroup_mma_wait(0, deps=(dp,))
+                    else:
+                        dp_done, _ = warpgroup_mma_wait(0, deps=(dp, p))
+                    dp = dp_done
+                else:
+                    dp = warpgroup_mma_wait(0, deps=(dp,))
                 ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), ds_layout)
                 acc = warpgroup_mma(ds, k_half, acc, is_async=True)
                 acc, ds = warpgroup_mma_wait(0, deps=(acc, ds))
@@ -177,7 +190,8 @@ def _dq_hopper_kernel(
     qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, DQ_WAIT_BLOCK: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # [2, 1, BLOCK_M / 2, HEAD_DIM]
@@ -207,13 +221,13 @@ def _dq_hopper_kernel(
                      stride_dqb, stride_dqh, stride_dqm,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS, DQ_WAIT_BLOCK)),
         (_consumer, (1, q_smem, do_smem, k_bufs, v_bufs, bars,
                      DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      stride_dqb, stride_dqh, stride_dqm,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS, DQ_WAIT_BLOCK)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_bufs, v_bufs, bars,
                      WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -223,10 +237,13 @@ def _dq_hopper_kernel(
 
 
 def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int, int], stages: int = 2,
-              terms=None) -> None:
+              terms=None, wait_block: bool | None = None) -> None:
     """dQ of the deterministic path into `dq` (q's shape and dtype), from backward.py's
     preprocess statistics `stats` [B * Hq, 2, Sq] (LSE in log2, delta). Takes what
-    backward_hopper.supports takes. `terms`: the forward's score terms or None."""
+    backward_hopper.supports takes. `terms`: the forward's score terms or None. `wait_block`: the
+    wait for dP in a block of its own (default configs.HOPPER_DQ_WAIT_BLOCK, read at each call)."""
+    if wait_block is None:
+        wait_block = configs.HOPPER_DQ_WAIT_BLOCK
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     q_desc, (qxb, qxh, qch) = _descriptor(q, HOPPER_BLOCK // 2)
@@ -246,8 +263,8 @@ def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are in the LSE
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages,
-        SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"], NUM_RUNS=mask_runs(cm), num_warps=4,
-        maxnreg=168,
+        SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"], NUM_RUNS=mask_runs(cm),
+        DQ_WAIT_BLOCK=bool(wait_block), num_warps=4, maxnreg=168,
     )
 
 
