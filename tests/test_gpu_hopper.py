@@ -209,7 +209,7 @@ SCHEDULES = [(128, 2, True, 1, False), (128, 2, False, 1, True),
 @pytest.mark.parametrize("family", FAMILIES, ids=str)
 def test_schedules(family, schedule):
     """attention_forward_hopper with more K/V stages, with the consumer warpgroups' ping-pong
-    (turns taken through shared-memory barriers) and with or without the column bias on PARTIAL
+    (turns taken through named barriers) and with or without the column bias on PARTIAL
     tiles, against the reference: every family, many short work items (Sq > Sk, GQA) so that the
     turns cross item boundaries."""
     if not _hopper():

@@ -6,7 +6,9 @@ and the largest difference between the two outputs. Switches:
 - `block_m` (D = 64, heads 16/16 and 32/8, S = 2K, 8K, 32K): 128-row work items (two consumer warpgroups, with the
   options configs picks at 128 rows) against 192-row ones (three warpgroups, tables retiled);
 - `early_q` (D = 128 and 64, heads 16/16, S = 512, 2K, 8K): configs.HOPPER_FORWARD_EARLY_Q off against on (the Q
-  buffer released before the walk's last O += P V instead of after the epilogue).
+  buffer released before the walk's last O += P V instead of after the epilogue);
+- `pingpong` (D = 128 and 64, heads 16/16 and 32/8, S = 2K, 8K, 32K; 128-row items on both sides): the two
+  consumer warpgroups issuing their products independently against taking turns (FA4's scheduler barrier).
 
     PYTHONPATH=$PWD python3 -m tools.forward_ab --switch block_m
 """
@@ -31,12 +33,15 @@ SWITCHES = {  # name: (head dims, heads, (S, batch) cases, the two sides' labels
     "block_m": ((64,), ((16, 16), (32, 8)), ((2048, 16), (8192, 4), (32768, 1)), ("128 rows", "192 rows")),
     # short walks pay the item's fixed cost: 512 and 2K tokens, where per_call's forward trails cuDNN
     "early_q": ((128, 64), ((16, 16),), ((512, 64), (2048, 16), (8192, 4)), ("Q late", "Q early")),
+    "pingpong": ((128, 64), ((16, 16), (32, 8)), ((2048, 16), (8192, 4), (32768, 1)), ("no turns", "turns")),
 }
 
 
 def _run(switch: str, side: int, q, k, v, cm, mask_map):
     if switch == "block_m":
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=(128, 192)[side])
+    if switch == "pingpong":
+        return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=128, pingpong=bool(side))
     configs.HOPPER_FORWARD_EARLY_Q = bool(side)
     try:
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map)

@@ -55,6 +55,9 @@ PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the one-warp TMA pro
 CONSUMER_REGS = gl.constexpr(240)  # the second consumer warpgroup (the first gets what is left)
 CONSUMER_REGS_3 = gl.constexpr(160)  # consumers 2 and 3 of a 192-row block: 3 x 128 x 160 + 32 x 24 fit 64K
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma row slab
+# named barriers 14 and 15: the ping-pong turns of consumer warpgroups 0 and 1 (Triton's warp
+# specialization numbers its own from 0 up)
+TURN_BARRIER = gl.constexpr(14)
 FINITE_FLOOR = gl.constexpr(-1.0e30)  # the running maximum starts here: exp2(-inf - max) is 0, never NaN
 
 
@@ -104,7 +107,7 @@ def _producer(
     """One warp: claims work items (scheduler.py) and hands them to the consumers, then TMA loads
     of each item's Q block and of its K and V tiles in walk order. With Q_BUFS = 2 the next
     item's Q goes into the other buffer while this item's walk ends."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, _ = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty = bars
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
     kv_count = 0
     item_count = 0
@@ -308,7 +311,7 @@ def _p_operand(p_prev, dtype: gl.constexpr, p_layout: gl.constexpr, AS_F32: gl.c
 
 
 @gluon.jit
-def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued, prev_idx, prev_phase, p_prev,
+def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx, prev_phase, p_prev,
                     acc, WG: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_F32: gl.constexpr,
                     s_layout: gl.constexpr, p_layout: gl.constexpr, bias_a=None, bias_b=None,
                     TC_BIAS: gl.constexpr = False):
@@ -323,13 +326,13 @@ def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, i
     mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
     k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
     mbarrier.wait(v_ready.index(prev_idx), prev_phase)
-    _take_turn(turns, WG, issued, PINGPONG)
+    _take_turn(WG, PINGPONG)
     s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
     if TC_BIAS:
         s = warpgroup_mma(bias_a, bias_b.permute((1, 0)), s, is_async=True)
     acc = warpgroup_mma(_p_operand(p_prev, q_view.dtype, p_layout, P_F32),
                         v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-    _pass_turn(turns, WG, PINGPONG)
+    _pass_turn(WG, PINGPONG)
     return s, acc, s_idx
 
 
@@ -426,20 +429,42 @@ def _term_softmax_step(s, m_i, l_i, qk_scale, TERMS: gl.constexpr):
 
 
 @gluon.jit
-def _take_turn(turns, WG: gl.constexpr, issued, PINGPONG: gl.constexpr):
-    """With PINGPONG, wait until the other consumer warpgroup has issued its matrix products of
-    the same step (warpgroup 0 goes first): the two then reach the tensor cores alternately, so
-    one's softmax runs while the other's products do, instead of both waiting for the tensor
-    cores and then both computing softmax (FlashAttention-3's ping-pong schedule)."""
-    if PINGPONG:
-        mbarrier.wait(turns.index(WG), issued & 1)
+def _named_barrier(BARRIER: gl.constexpr, ARRIVE: gl.constexpr):
+    """`bar.sync` (or, ARRIVE, `bar.arrive`) on named barrier BARRIER for the two consumer
+    warpgroups' 256 threads: a hardware barrier, no shared memory and no polling."""
+    one = gl.full([1], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))  # one per thread
+    if ARRIVE:
+        if BARRIER == TURN_BARRIER:
+            gl.inline_asm_elementwise("bar.arrive 14, 256; mov.b32 $0, $1;", "=r,r", [one], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.arrive 15, 256; mov.b32 $0, $1;", "=r,r", [one], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+    else:
+        if BARRIER == TURN_BARRIER:
+            gl.inline_asm_elementwise("bar.sync 14, 256; mov.b32 $0, $1;", "=r,r", [one], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.sync 15, 256; mov.b32 $0, $1;", "=r,r", [one], dtype=gl.int32,
+                                      is_pure=False, pack=1)
 
 
 @gluon.jit
-def _pass_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+def _take_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """With PINGPONG, wait until the other consumer warpgroup has issued its matrix products of
+    the same step (warpgroup 0 goes first): the two then reach the tensor cores alternately, so
+    one's softmax runs while the other's products do, instead of both waiting for the tensor
+    cores and then both computing softmax (FlashAttention-3's ping-pong schedule, on named
+    barriers TURN_BARRIER + WG as FA4's SM90 forward orders its two MMA warpgroups)."""
+    if PINGPONG:
+        _named_barrier(TURN_BARRIER + WG, False)
+
+
+@gluon.jit
+def _pass_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Hand the turn to the other warpgroup once this one's products are issued (not finished)."""
     if PINGPONG:
-        mbarrier.arrive(turns.index(1 - WG), count=1)
+        _named_barrier(TURN_BARRIER + 1 - WG, True)
 
 
 @gluon.jit
@@ -506,7 +531,7 @@ def _consumer(
     while another's matrix products do.
     With SOFTCAP or HAS_ALIBI (TERMS) every tile's S goes through `_term_scores` (the kv-block
     of each step then known to the consumer too); HAS_SINKS changes only each row's start."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = WG_ROWS
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
@@ -527,7 +552,8 @@ def _consumer(
         _ones_column(ones_smem.index(WG), ROWS)
     kv_count = 0
     item_count = 0
-    issued = 0  # steps whose products this warpgroup has issued (the ping-pong turns it has taken)
+    if PINGPONG and WG == 1:
+        _named_barrier(TURN_BARRIER, True)  # warpgroup 0 takes the first turn
     # the producer loaded the item and its walk bounds (work list -> offsets) ahead of the walk
     entry, t_lo, t_mid, t_hi = scheduler.receive(item_slots, item_ready, item_empty, 0, num_warps)
     while entry >= 0:
@@ -556,10 +582,9 @@ def _consumer(
             s_idx = kv_count % STAGES
             mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
             k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-            _take_turn(turns, WG, issued, PINGPONG)
+            _take_turn(WG, PINGPONG)
             s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-            _pass_turn(turns, WG, PINGPONG)
-            issued += 1
+            _pass_turn(WG, PINGPONG)
             words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)  # while the product runs
             bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
             s = warpgroup_mma_wait(0, deps=(s,))
@@ -588,11 +613,10 @@ def _consumer(
                         n_cur = n_next  # this tile's kv-block, loaded one tile ahead
                     else:
                         n_cur = 0
-                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
+                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count,
                                                     prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
                                                     s_layout, p_layout, ones_smem.index(WG),
                                                     bias_bufs.index(WG * 2 + i % 2), TC_BIAS)
-                    issued += 1
                     # while the products run: this tile's row words, the next one's intervals
                     words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)
                     bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
@@ -621,10 +645,9 @@ def _consumer(
                         n_cur = gl.load(FWD_BLOCKS + t_lo + i - n_partial)  # this FULL tile's kv-block
                     else:
                         n_cur = 0
-                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
+                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count,
                                                     prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
                                                     s_layout, p_layout)
-                    issued += 1
                     s = warpgroup_mma_wait(1, deps=(s,))
                     mbarrier.arrive(k_empty.index(s_idx), count=1)
                     if TERMS:  # FULL tiles too: the terms apply everywhere, only the mask is PARTIAL's
@@ -638,10 +661,9 @@ def _consumer(
                 for i in range(1, n_tiles):
                     n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
                     lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial, NUM_RUNS)
-                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, turns, kv_count, issued,
+                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count,
                                                     prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
                                                     s_layout, p_layout)
-                    issued += 1
                     words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)  # while the products run
                     bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
                     s = warpgroup_mma_wait(1, deps=(s,))
@@ -657,10 +679,9 @@ def _consumer(
             if EARLY_Q:  # every S = Q K^T has been waited for: the next item's Q may load during the last O += P V
                 mbarrier.arrive(q_empty.index(q_idx), count=1)
             mbarrier.wait(v_ready.index(prev_idx), prev_phase)
-            _take_turn(turns, WG, issued, PINGPONG)
+            _take_turn(WG, PINGPONG)
             acc = warpgroup_mma(_p_operand(p_prev, dtype, p_layout, P_F32), v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-            _pass_turn(turns, WG, PINGPONG)
-            issued += 1
+            _pass_turn(WG, PINGPONG)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev_idx), count=1)
         if EARLY_Q:
@@ -731,18 +752,8 @@ def _forward_hopper_kernel(
     ones_smem = gl.allocate_shared_memory(dtype, [NUM_WG if TC_BIAS else 1, WG_ROWS, 16], ab_layout)
     bias_bufs = gl.allocate_shared_memory(dtype, [2 * NUM_WG if TC_BIAS else 1, BLOCK_N, 16], ab_layout)
     tc_bufs = (ones_smem, bias_bufs)
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose products go next
-    if PINGPONG:
-        # Only when used: unused, the barriers are dead after their init and Triton gives their bytes
-        # to the first consumer's layout-conversion scratch (the PARTIAL tiles' row words) while they
-        # are still valid mbarriers, never invalidated, which PTX leaves undefined. Suspected cause of
-        # the rare wrong q-block on a time-sliced GPU (docs/performance.md, section 5).
-        mbarrier.init(turns.index(0), count=1)
-        mbarrier.init(turns.index(1), count=1)
     fence_async_shared()
-    if PINGPONG:
-        mbarrier.arrive(turns.index(0), count=1)  # warpgroup 0 takes the first turn
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty, turns)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty)
 
     # The consumers' argument lists are written out in full: Gluon's frontend takes neither
     # `(0, *args)` nor `(0,) + args` here, and constexprs passed inside a tuple arrive as tensors.
