@@ -235,30 +235,6 @@ _SWITCH_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["whole_group", "split"])
-@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,layout,family", _SWITCH_SHAPES)
-def test_dq_beside(b, hq, hkv, sq, sk, d, layout, family, split, monkeypatch):
-    """configs.HOPPER_BACKWARD_DQ_BESIDE on (dQ issued with dV and dK, one wait for the three, at
-    D = 128): close to the reference with whole-group and split items; with whole-group items dK
-    and dV are bitwise those of the switch off (dQ's bulk reductions land in any order)."""
-    if not _hopper():
-        pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels.backward import configs
-
-    monkeypatch.setattr(configs, "HOPPER_SPLIT_GROUP", split)
-    monkeypatch.setattr(configs, "HOPPER_BACKWARD_DQ_BESIDE", True)
-    _check(family, b, hq, hkv, sq, sk, torch.bfloat16, layout, seed=sq + hq, d=d)
-    if not split:
-        q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=5, layout=layout))
-        do = torch.randn_like(q)
-        cm = compile_mask(make_mask(family, sq, sk, batch=b, heads=hq, seed=5), sq, sk, device="cuda")
-        on = _grads(q, k, v, do, cm, d ** -0.5, "hopper")
-        monkeypatch.setattr(configs, "HOPPER_BACKWARD_DQ_BESIDE", False)
-        off = _grads(q, k, v, do, cm, d ** -0.5, "hopper")
-        for name, a, c in zip(("dk", "dv"), on[1:], off[1:]):
-            assert torch.equal(a, c), f"{name}: DQ_BESIDE changed it"
-
-
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,layout,family", _SWITCH_SHAPES)
 def test_dq_pass_wait_block(b, hq, hkv, sq, sk, d, layout, family, monkeypatch):
     """configs.HOPPER_DQ_WAIT_BLOCK on (the dQ pass's wait for dP in a block of its own): close to

@@ -335,22 +335,19 @@ _WAIT_SCHEDULES = """
 import json
 from tools import offline_compile as oc
 
-cases = [("dq", 128, False, lambda: oc._hopper_dq(2, 128)), ("dq", 128, True, lambda: oc._hopper_dq(2, 128, wait_block=True)),
-         ("backward", 128, False, lambda: oc._hopper_backward(2, 128, True)),
-         ("backward", 128, True, lambda: oc._hopper_backward(2, 128, True, dq_beside=True))]
+cases = [("dq", 128, False, lambda: oc._hopper_dq(2, 128)), ("dq", 128, True, lambda: oc._hopper_dq(2, 128, wait_block=True))]
 for name, d, on, build in cases:
     kernel = build()
     listing = oc.sass(kernel)
     print(json.dumps({"name": name, "d": d, "on": on, "ex2": oc.exponentials_between_waits(listing),
-                      "full": oc.full_waits_per_step(listing), "report": oc.report(name, kernel)}))
+                      "report": oc.report(name, kernel)}))
 """
 
 
 @pytest.fixture(scope="module")
 def wait_schedules():
-    """{(kernel, switch on): SASS figures} of the dQ pass (configs.HOPPER_DQ_WAIT_BLOCK) and the
-    backward (configs.HOPPER_BACKWARD_DQ_BESIDE) at D = 128, each switch off and on, compiled once
-    for the module (conftest.compile_for_sm90)."""
+    """{(kernel, switch on): SASS figures} of the dQ pass (configs.HOPPER_DQ_WAIT_BLOCK) at D = 128,
+    off and on, compiled once for the module (conftest.compile_for_sm90)."""
     pytest.importorskip("triton.experimental.gluon")
     return {(r["name"], r["on"]): r for r in compile_for_sm90(_WAIT_SCHEDULES, timeout=600)}
 
@@ -371,13 +368,3 @@ def test_dq_pass_wait_block_keeps_the_exponentials_before_the_wait_for_dp(wait_s
     assert _spill_bytes(on["report"]) == 0, on
     assert len(off["ex2"]) == 4 and max(off["ex2"]) < 32, off
 
-
-def test_backward_dq_beside_waits_once_for_three_products(wait_schedules):
-    """configs.HOPPER_BACKWARD_DQ_BESIDE: at D = 128 each consumer's step has two full wgmma waits
-    (dP; dV, dK and dQ together) where main's has three (dP; dV and dK; dQ), P's exponentials stay
-    between the waits for S and dP, and the spills do not grow."""
-    off, on = wait_schedules[("backward", False)], wait_schedules[("backward", True)]
-    assert off["full"] == [3, 3], off
-    assert on["full"] == [2, 2], on
-    assert on["ex2"] == off["ex2"] == [32, 32], (off, on)
-    assert _spill_bytes(on["report"]) <= _spill_bytes(off["report"]), (off, on)

@@ -12,9 +12,8 @@ overflows before any device time is spent.
     python -m tools.offline_compile digest     # the Hopper kernels' instruction streams (count and hash, the
                                                     # parameter loads left out): run at two commits, equal
                                                     # digests mean a change compiled to the same code
-    python -m tools.offline_compile waits      # the backward's and dQ pass's wgmma waits in SASS, their switches
-                                                    # off and on (HOPPER_BACKWARD_DQ_BESIDE, HOPPER_DQ_WAIT_BLOCK):
-                                                    # full waits a step, MUFU.EX2 between the waits for S and dP
+    python -m tools.offline_compile waits      # the dQ pass's wgmma waits in SASS, HOPPER_DQ_WAIT_BLOCK off and
+                                                    # on: MUFU.EX2 between the waits for S and dP
 """
 
 from __future__ import annotations
@@ -114,9 +113,8 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
-                     runs: int = 2, split: bool = False, dq_beside: bool = False):
-    """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
-    `dq_beside`: configs.HOPPER_BACKWARD_DQ_BESIDE (its dQ product under the wait for dV and dK)."""
+                     runs: int = 2, split: bool = False):
+    """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper as bh
     from flexmask.kernels.forward import hopper as fh
@@ -140,7 +138,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
-                  DQ_BESIDE=dq_beside, num_warps=4)
+                  num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
@@ -331,18 +329,6 @@ def exponentials_between_waits(listing: str) -> list[int]:
     return [ex2 for pending, ex2 in wgmma_waits(listing) if pending == 1]
 
 
-def full_waits_per_step(listing: str) -> list[int]:
-    """For each wait for S (one group left pending: once a step of each consumer's loop), the full
-    waits (`gsb0, 0x0`) after it up to the next wait for S or the listing's end."""
-    counts = []
-    for pending, _ in wgmma_waits(listing):
-        if pending == 1:
-            counts.append(0)
-        elif pending == 0 and counts:
-            counts[-1] += 1
-    return counts
-
-
 def _classify(family: int):
     """The mask compiler's classify kernel (kernels/compile_kernels.py) for one FAMILY code."""
     from flexmask.masks import compiler_kernels as ck
@@ -413,13 +399,6 @@ def main(argv=None) -> int:
                 kernel = _hopper_dq(2, d, wait_block=on)
                 print(f"backward_hopper_dq D={d} wait_block={on}: MUFU.EX2 between the waits for S and dP "
                       f"{exponentials_between_waits(sass(kernel))}; {report('', kernel)[2:]}", flush=True)
-            for split in (False, True):
-                for on in (False, True):
-                    kernel = _hopper_backward(2, d, True, split=split, dq_beside=on)
-                    listing = sass(kernel)
-                    print(f"backward_hopper D={d} split={split} dq_beside={on}: full waits a step "
-                          f"{full_waits_per_step(listing)}, MUFU.EX2 between the waits for S and dP "
-                          f"{exponentials_between_waits(listing)}; {report('', kernel)[2:]}", flush=True)
         return 0
     if what == "k_runs":
         for d in (64, 128):

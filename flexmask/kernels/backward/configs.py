@@ -117,13 +117,6 @@ SPLIT_TWO_HEADS_MIN_GROUP = 8
 # whole 128-row table tile per step, as FA4's SM90 backward (m_block_size 128 at D <= 64).
 HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 
-# The Hopper backward's dQ product at head dim 128 (backward/hopper.py, DQ_BESIDE): issued right
-# behind dV and dK (after the wait for both warpgroups' dS), one wgmma wait for the three products
-# instead of one for dV and dK and another for dQ: two full waits a step where there were three
-# (offline SASS: python -m tools.offline_compile waits). Off until a GPU A/B (tools.backward_gqa
-# --dq-beside) measures it. Head dim 64 keeps its turns (one warpgroup takes dQ every other step).
-HOPPER_BACKWARD_DQ_BESIDE = False
-
 # The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP
 # in a basic block of its own (`if Sk > 0`, its else a wait that never runs), so that ptxas cannot
 # hoist it above P's exponentials (offline SASS, python -m tools.offline_compile waits: 0 of a half
