@@ -12,8 +12,9 @@ overflows before any device time is spent.
     python -m tools.offline_compile digest     # the Hopper kernels' instruction streams (count and hash, the
                                                     # parameter loads left out): run at two commits, equal
                                                     # digests mean a change compiled to the same code
-    python -m tools.offline_compile waits      # the dQ pass's wgmma waits in SASS, HOPPER_DQ_WAIT_BLOCK off and
-                                                    # on: MUFU.EX2 between the waits for S and dP
+    python -m tools.offline_compile waits      # the dQ pass's wgmma waits in SASS, its wait block off and on
+                                                    # (configs.hopper_dq_wait_block): MUFU.EX2 between the
+                                                    # waits for S and dP, registers and spills
 """
 
 from __future__ import annotations
@@ -150,9 +151,20 @@ def _backward_terms(terms: str | None) -> tuple[dict, dict]:
     return args, consts
 
 
-def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2, wait_block: bool = False):
-    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py); `wait_block`:
-    configs.HOPPER_DQ_WAIT_BLOCK (the wait for dP in a block of its own)."""
+def _dq_wait_block(head_dim: int, terms: str | None) -> bool:
+    """configs.hopper_dq_wait_block for an offline compile's `terms` (_score_terms' names)."""
+    from flexmask.kernels.backward import configs as bc
+    from flexmask.kernels.common.score_terms import ScoreTerms
+
+    softcap, alibi = terms in ("softcap", "all"), terms in ("alibi", "all")
+    return bc.hopper_dq_wait_block(head_dim, ScoreTerms(softcap=30.0 if softcap else 0.0,
+                                                        alibi_slopes=torch.empty(1) if alibi else None))
+
+
+def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2,
+               wait_block: bool | None = None):
+    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py); `wait_block`: the wait for
+    dP in a block of its own (None: configs.hopper_dq_wait_block's rule, as dq_hopper launches it)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper_dq as bq
     from flexmask.kernels.forward import hopper as fh
@@ -169,6 +181,8 @@ def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs:
                 sm_scale=0.3)  # as launched
     term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
+    if wait_block is None:
+        wait_block = _dq_wait_block(head_dim, terms)
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, **term_consts, NUM_RUNS=runs,
                   DQ_WAIT_BLOCK=wait_block, num_warps=4)
     return compile_offline(bq._dq_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
@@ -386,7 +400,10 @@ def main(argv=None) -> int:
     if what == "digest":
         for d in (64, 128):
             print(f"forward_hopper D={d}: {instruction_digest(_hopper_forward(d, 2))}", flush=True)
-            print(f"backward_hopper_dq D={d}: {instruction_digest(_hopper_dq(2, d))}", flush=True)
+            for on in (False, True):  # off: the dQ pass before the rule, to compare with older digests
+                mark = " (default)" if on == _dq_wait_block(d, None) else ""
+                print(f"backward_hopper_dq D={d} wait_block={on}{mark}: "
+                      f"{instruction_digest(_hopper_dq(2, d, wait_block=on))}", flush=True)
             for with_dq in (True, False):
                 print(f"backward_hopper D={d} with_dq={with_dq}: "
                       f"{instruction_digest(_hopper_backward(2, d, with_dq))}", flush=True)
@@ -395,10 +412,13 @@ def main(argv=None) -> int:
         return 0
     if what == "waits":
         for d in (128, 64):
-            for on in (False, True):
-                kernel = _hopper_dq(2, d, wait_block=on)
-                print(f"backward_hopper_dq D={d} wait_block={on}: MUFU.EX2 between the waits for S and dP "
-                      f"{exponentials_between_waits(sass(kernel))}; {report('', kernel)[2:]}", flush=True)
+            for terms in (None, "all"):  # all: softcap and ALiBi (the dQ pass takes no sinks)
+                for on in (False, True):
+                    kernel = _hopper_dq(2, d, terms, wait_block=on)
+                    mark = " (default)" if on == _dq_wait_block(d, terms) else ""
+                    print(f"backward_hopper_dq D={d} terms={terms} wait_block={on}{mark}: MUFU.EX2 between the "
+                          f"waits for S and dP {exponentials_between_waits(sass(kernel))}; {report('', kernel)[2:]}",
+                          flush=True)
         return 0
     if what == "k_runs":
         for d in (64, 128):
