@@ -235,48 +235,39 @@ _SWITCH_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["whole_group", "split"])
-@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,layout,family", _SWITCH_SHAPES)
-def test_dq_beside(b, hq, hkv, sq, sk, d, layout, family, split, monkeypatch):
-    """configs.HOPPER_BACKWARD_DQ_BESIDE on (dQ issued with dV and dK, one wait for the three, at
-    D = 128): close to the reference with whole-group and split items; with whole-group items dK
-    and dV are bitwise those of the switch off (dQ's bulk reductions land in any order)."""
-    if not _hopper():
-        pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels.backward import configs
-
-    monkeypatch.setattr(configs, "HOPPER_SPLIT_GROUP", split)
-    monkeypatch.setattr(configs, "HOPPER_BACKWARD_DQ_BESIDE", True)
-    _check(family, b, hq, hkv, sq, sk, torch.bfloat16, layout, seed=sq + hq, d=d)
-    if not split:
-        q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=5, layout=layout))
-        do = torch.randn_like(q)
-        cm = compile_mask(make_mask(family, sq, sk, batch=b, heads=hq, seed=5), sq, sk, device="cuda")
-        on = _grads(q, k, v, do, cm, d ** -0.5, "hopper")
-        monkeypatch.setattr(configs, "HOPPER_BACKWARD_DQ_BESIDE", False)
-        off = _grads(q, k, v, do, cm, d ** -0.5, "hopper")
-        for name, a, c in zip(("dk", "dv"), on[1:], off[1:]):
-            assert torch.equal(a, c), f"{name}: DQ_BESIDE changed it"
-
-
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,layout,family", _SWITCH_SHAPES)
 def test_dq_pass_wait_block(b, hq, hkv, sq, sk, d, layout, family, monkeypatch):
-    """configs.HOPPER_DQ_WAIT_BLOCK on (the dQ pass's wait for dP in a block of its own): close to
-    the reference, bitwise reproducible, and bitwise the dQ of the switch off (only where the wait
-    sits moves, not what is summed)."""
+    """The dQ pass's wait for dP in a block of its own, forced on at both head dims
+    (configs.HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS): close to the reference, bitwise reproducible, and
+    bitwise the gradients of it off (only where the wait sits moves, not what is summed)."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     from flexmask.kernels import dispatch
     from flexmask.kernels.backward import configs
 
     monkeypatch.setattr(dispatch, "HOPPER_DQ_IN_TWO_PASS", True)
-    monkeypatch.setattr(configs, "HOPPER_DQ_WAIT_BLOCK", True)
+    monkeypatch.setattr(configs, "HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS", frozenset({64, 128}))
     _check(family, b, hq, hkv, sq, sk, torch.bfloat16, layout, seed=sq + hq, d=d, kernel="two-pass")
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=5, layout=layout))
     do = torch.randn_like(q)
     cm = compile_mask(make_mask(family, sq, sk, batch=b, heads=hq, seed=5), sq, sk, device="cuda")
     on = _grads(q, k, v, do, cm, d ** -0.5, "two-pass")
-    monkeypatch.setattr(configs, "HOPPER_DQ_WAIT_BLOCK", False)
+    monkeypatch.setattr(configs, "HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS", frozenset())
     off = _grads(q, k, v, do, cm, d ** -0.5, "two-pass")
     for name, a, c in zip(("dq", "dk", "dv"), on, off):
-        assert torch.equal(a, c), f"{name}: DQ_WAIT_BLOCK changed it"
+        assert torch.equal(a, c), f"{name}: the wait block changed it"
+
+
+def test_default_deterministic_backward_at_64_takes_the_wait_block():
+    """The deterministic backward at D = 64 with the defaults runs the Hopper dQ pass with its wait
+    block (configs.hopper_dq_wait_block) and matches the reference (causal GQA, odd Sq; the families
+    at D = 64 in test_deterministic_path_with_hopper_dkdv run the same default)."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels import dispatch
+    from flexmask.kernels.backward import configs
+
+    q = torch.empty(1, 8, 1537, 64, device="cuda", dtype=torch.bfloat16)
+    cm = compile_mask(masks.causal(), 1537, 1537, device="cuda")
+    assert dispatch.two_pass_dq_path(q, cm) == "hopper" and configs.hopper_dq_wait_block(64, None)
+    _check("causal", 1, 8, 2, 1537, 1537, torch.bfloat16, "bshd", seed=7, d=64, kernel="two-pass")

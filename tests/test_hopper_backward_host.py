@@ -331,28 +331,41 @@ def test_backward_work_list_hoist():
     assert torch.equal(work[first:], plain[~torch.isin(plain, work[:first])])
 
 
+
+def test_dq_pass_wait_block_rule(monkeypatch):
+    """configs.hopper_dq_wait_block: on at D = 64 (HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS, read at each
+    call), off at 128 and with softcap or ALiBi; sinks alone keep it (the LSE counts them)."""
+    from flexmask.kernels.common.score_terms import ScoreTerms
+
+    rule = backward_configs.hopper_dq_wait_block
+    assert rule(64, None) and rule(64, ScoreTerms()) and rule(64, ScoreTerms(sinks=torch.zeros(4)))
+    assert not rule(128, None)
+    assert not rule(64, ScoreTerms(softcap=30.0))
+    assert not rule(64, ScoreTerms(alibi_slopes=torch.ones(4), sinks=torch.zeros(4)))
+    monkeypatch.setattr(backward_configs, "HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS", frozenset({64, 128}))
+    assert rule(128, None) and not rule(128, ScoreTerms(softcap=30.0))
+    monkeypatch.setattr(backward_configs, "HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS", frozenset())
+    assert not rule(64, None)
+
+
 _WAIT_SCHEDULES = """
 import json
 from tools import offline_compile as oc
 
-cases = [("dq", 128, False, lambda: oc._hopper_dq(2, 128)), ("dq", 128, True, lambda: oc._hopper_dq(2, 128, wait_block=True)),
-         ("backward", 128, False, lambda: oc._hopper_backward(2, 128, True)),
-         ("backward", 128, True, lambda: oc._hopper_backward(2, 128, True, dq_beside=True))]
-for name, d, on, build in cases:
-    kernel = build()
-    listing = oc.sass(kernel)
-    print(json.dumps({"name": name, "d": d, "on": on, "ex2": oc.exponentials_between_waits(listing),
-                      "full": oc.full_waits_per_step(listing), "report": oc.report(name, kernel)}))
+for d, wait_block in ((64, None), (128, None), (128, True)):
+    kernel = oc._hopper_dq(2, d, wait_block=wait_block)
+    print(json.dumps({"d": d, "wait_block": wait_block, "ex2": oc.exponentials_between_waits(oc.sass(kernel)),
+                      "report": oc.report("dq", kernel)}))
 """
 
 
 @pytest.fixture(scope="module")
 def wait_schedules():
-    """{(kernel, switch on): SASS figures} of the dQ pass (configs.HOPPER_DQ_WAIT_BLOCK) and the
-    backward (configs.HOPPER_BACKWARD_DQ_BESIDE) at D = 128, each switch off and on, compiled once
-    for the module (conftest.compile_for_sm90)."""
+    """{(head dim, wait_block): SASS figures} of the dQ pass, wait_block None taking
+    configs.hopper_dq_wait_block's rule as dq_hopper does, compiled once for the module
+    (conftest.compile_for_sm90)."""
     pytest.importorskip("triton.experimental.gluon")
-    return {(r["name"], r["on"]): r for r in compile_for_sm90(_WAIT_SCHEDULES, timeout=600)}
+    return {(r["d"], r["wait_block"]): r for r in compile_for_sm90(_WAIT_SCHEDULES, timeout=600)}
 
 
 def _spill_bytes(report: str) -> int:
@@ -361,23 +374,21 @@ def _spill_bytes(report: str) -> int:
     return int(re.search(r"(\d+) bytes spill stores", report).group(1))
 
 
-def test_dq_pass_wait_block_keeps_the_exponentials_before_the_wait_for_dp(wait_schedules):
-    """configs.HOPPER_DQ_WAIT_BLOCK: with the wait for dP in a block of its own, all 32 of a half
-    step's exponentials (64 x 64 scores over 128 threads) run between the waits for S and dP, in
-    both warpgroups and both halves of a tile, with no spills. Off, ptxas hoists the wait for dP
-    above them (main's schedule; if a new ptxas stops doing so, the switch has nothing to fix)."""
-    off, on = wait_schedules[("dq", False)], wait_schedules[("dq", True)]
+def test_dq_pass_default_at_64_keeps_the_exponentials_before_the_wait_for_dp(wait_schedules):
+    """The dQ pass at D = 64 with the defaults has its wait for dP in a block of its own: all 32 of
+    a half step's exponentials (64 x 64 scores over 128 threads) run between the waits for S and
+    dP, in both warpgroups and both halves of a tile, with no spills (in line, ptxas hoists the
+    wait above all but one)."""
+    r = wait_schedules[(64, None)]
+    assert r["ex2"] == [32] * 4, r
+    assert _spill_bytes(r["report"]) == 0, r
+
+
+def test_dq_pass_default_at_128_keeps_the_wait_in_line(wait_schedules):
+    """At D = 128 the default keeps main's schedule, ptxas's wait for dP above the exponentials
+    (if a new ptxas stops hoisting it, the block has nothing to fix there); forced on, all 32 run
+    between the waits, with no spills."""
+    default, on = wait_schedules[(128, None)], wait_schedules[(128, True)]
+    assert len(default["ex2"]) == 4 and max(default["ex2"]) < 32, default
     assert on["ex2"] == [32] * 4, on
     assert _spill_bytes(on["report"]) == 0, on
-    assert len(off["ex2"]) == 4 and max(off["ex2"]) < 32, off
-
-
-def test_backward_dq_beside_waits_once_for_three_products(wait_schedules):
-    """configs.HOPPER_BACKWARD_DQ_BESIDE: at D = 128 each consumer's step has two full wgmma waits
-    (dP; dV, dK and dQ together) where main's has three (dP; dV and dK; dQ), P's exponentials stay
-    between the waits for S and dP, and the spills do not grow."""
-    off, on = wait_schedules[("backward", False)], wait_schedules[("backward", True)]
-    assert off["full"] == [3, 3], off
-    assert on["full"] == [2, 2], on
-    assert on["ex2"] == off["ex2"] == [32, 32], (off, on)
-    assert _spill_bytes(on["report"]) <= _spill_bytes(off["report"]), (off, on)

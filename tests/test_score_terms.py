@@ -422,6 +422,8 @@ def test_hopper_launchers_pass_the_terms(hopper_launches, which, d):
             assert kwargs["TC_BIAS"] is (d == 64 and not softcap)
         else:
             assert "HAS_SINKS" not in kwargs
+    # the dQ pass's wait block by configs.hopper_dq_wait_block: D = 64, not with softcap or ALiBi
+    assert rec.dq.calls[0][1]["DQ_WAIT_BLOCK"] is (d == 64 and not softcap and not alibi)
 
 
 def test_hopper_forward_refuses_tc_bias_with_a_softcap():

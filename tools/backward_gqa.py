@@ -6,14 +6,14 @@ work order and L2 share at 16/16 and 32/8 heads; `--ncu S HQ HKV`: one backward 
 (the context-parallel benchmark's, seed 0 + S) at 128K, 512K and 1M, 16/4 heads, forward and backward
 with the group split and whole and the split in the other work orders, and the backward over the
 forward (issue 38's 2.6x target), after benchmarks.peers' 128K documents at 32/8 in each order;
-`--dq-beside`, `--dq-pass-block`: A/B of configs.HOPPER_BACKWARD_DQ_BESIDE (the default backward) and
-configs.HOPPER_DQ_WAIT_BLOCK (the deterministic one's dQ pass), off and on interleaved in one process,
-causal and full, 8K and 32K, 16/16 and 32/8 heads, D = 128 and 64; for
+`--dq-pass-block`: A/B of the deterministic backward's dQ pass with its wait block off and on
+(configs.hopper_dq_wait_block), interleaved in one process, causal and full, 8K and 32K, 16/16 and
+32/8 heads, at `--head-dims` (default 128,64); for
 
     ncu --clock-control none --profile-from-start off -k regex:backward_hopper --metrics ... \\
         python3 -m tools.backward_gqa --ncu 8192 32 8
 
-    PYTHONPATH=$PWD python3 -m tools.backward_gqa [--orders | --long | --dq-beside | --dq-pass-block]
+    PYTHONPATH=$PWD python3 -m tools.backward_gqa [--orders | --long | --dq-pass-block [--head-dims 64]]
 """
 
 from __future__ import annotations
@@ -136,37 +136,33 @@ def peer_documents_table(S: int = 131072) -> None:
     backward_hopper._WORK_CACHE.clear()
 
 
-# --dq-beside / --dq-pass-block: (config switch, deterministic path) of each A/B
-SWITCHES = {"dq_beside": ("HOPPER_BACKWARD_DQ_BESIDE", False), "dq_pass_block": ("HOPPER_DQ_WAIT_BLOCK", True)}
-SWITCH_CASES = [(S, mask, HQ, HKV, D) for D in (128, 64) for S in (8192, 32768) for mask in ("causal", "full")
-                for HQ, HKV in ((16, 16), (32, 8))]
+# the dQ pass's wait block on neither / both head dims (configs.HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS)
+WAIT_BLOCK_SIDES = {False: frozenset(), True: frozenset({64, 128})}
 
 
-def switch_table(switch: str) -> None:
-    """A/B of one of the backward's config switches (SWITCHES) in one process: per case the
-    backward with it off, on, off, on, best of each (do_bench), the ratio off / on and the largest
-    |difference| of dq, dk and dv between the two sides (0 expected for the deterministic path;
-    the fused path's dQ, and its split items' dK/dV, are summed in the order their bulk reductions
-    land). 32K tokens a batch, bf16."""
-    name, deterministic = SWITCHES[switch]
-    for S, mask, HQ, HKV, D in SWITCH_CASES:
-        if switch == "dq_beside" and D != 128:  # the switch is D = 128's: the same kernel on both sides
-            continue
-        bwd, flops = _backward(S, 32768 // S, HQ, HKV, D, mask=getattr(masks, mask)(), deterministic=deterministic)
+def dq_pass_block_table(head_dims=(128, 64)) -> None:
+    """A/B of the dQ pass's wait block in one process: per case the deterministic backward with it
+    off, on, off, on, best of each (do_bench), the ratio off / on and the largest |difference| of
+    dq, dk and dv between the two sides (0 expected). 32K tokens a batch, bf16."""
+    cases = [(S, mask, HQ, HKV, D) for D in head_dims for S in (8192, 32768) for mask in ("causal", "full")
+             for HQ, HKV in ((16, 16), (32, 8))]
+    default = configs.HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS
+    for S, mask, HQ, HKV, D in cases:
+        bwd, flops = _backward(S, 32768 // S, HQ, HKV, D, mask=getattr(masks, mask)(), deterministic=True)
         if mask == "full":
             flops *= 2
         best, grads = {}, {}
         try:
             for on in (False, True) * 2:
-                setattr(configs, name, on)
+                configs.HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS = WAIT_BLOCK_SIDES[on]
                 ms = triton.testing.do_bench(bwd, warmup=25, rep=100)
                 best[on] = min(ms, best.get(on, float("inf")))
                 if on not in grads:
                     grads[on] = [t.clone() for t in bwd()]
         finally:
-            setattr(configs, name, False)
+            configs.HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS = default
         diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(grads[True], grads[False])]
-        print(f"{switch} S={S:6d} {mask:6s} {HQ}/{HKV} D={D:3d}: off {best[False]:8.3f} ms "
+        print(f"dq_pass_block S={S:6d} {mask:6s} {HQ}/{HKV} D={D:3d}: off {best[False]:8.3f} ms "
               f"{flops / best[False] / 1e9:6.1f} TF, on {best[True]:8.3f} ms {flops / best[True] / 1e9:6.1f} TF, "
               f"off/on x{best[False] / best[True]:.3f}; max |on - off| dq {diffs[0]:.1e} dk {diffs[1]:.1e} "
               f"dv {diffs[2]:.1e}", flush=True)
@@ -179,10 +175,9 @@ def main(argv=None) -> None:
     parser.add_argument("--orders", action="store_true", help="work order and L2 share instead of the split")
     parser.add_argument("--long", action="store_true", help="causal documents at 128K, 512K and 1M, 16/4 heads")
     parser.add_argument("--ncu", nargs=3, type=int, metavar=("S", "HQ", "HKV"), help="one backward for ncu")
-    parser.add_argument("--dq-beside", action="store_true",
-                        help="A/B of configs.HOPPER_BACKWARD_DQ_BESIDE (the default backward), off and on interleaved")
     parser.add_argument("--dq-pass-block", action="store_true",
-                        help="A/B of configs.HOPPER_DQ_WAIT_BLOCK (the deterministic backward), off and on interleaved")
+                        help="A/B of the dQ pass's wait block (the deterministic backward), off and on interleaved")
+    parser.add_argument("--head-dims", default="128,64", help="--dq-pass-block's head dims (default 128,64)")
     args = parser.parse_args(argv)
     require_cuda("tools.backward_gqa")
     print(torch.cuda.get_device_name(), flush=True)
@@ -195,9 +190,8 @@ def main(argv=None) -> None:
         bwd()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-    elif args.dq_beside or args.dq_pass_block:
-        for switch in [s for s in SWITCHES if getattr(args, s)]:
-            switch_table(switch)
+    elif args.dq_pass_block:
+        dq_pass_block_table(tuple(int(d) for d in args.head_dims.split(",")))
     elif args.long:
         peer_documents_table()
         long_table()

@@ -12,9 +12,9 @@ overflows before any device time is spent.
     python -m tools.offline_compile digest     # the Hopper kernels' instruction streams (count and hash, the
                                                     # parameter loads left out): run at two commits, equal
                                                     # digests mean a change compiled to the same code
-    python -m tools.offline_compile waits      # the backward's and dQ pass's wgmma waits in SASS, their switches
-                                                    # off and on (HOPPER_BACKWARD_DQ_BESIDE, HOPPER_DQ_WAIT_BLOCK):
-                                                    # full waits a step, MUFU.EX2 between the waits for S and dP
+    python -m tools.offline_compile waits      # the dQ pass's wgmma waits in SASS, its wait block off and on
+                                                    # (configs.hopper_dq_wait_block): MUFU.EX2 between the
+                                                    # waits for S and dP, registers and spills
 """
 
 from __future__ import annotations
@@ -114,9 +114,8 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
-                     runs: int = 2, split: bool = False, dq_beside: bool = False):
-    """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
-    `dq_beside`: configs.HOPPER_BACKWARD_DQ_BESIDE (its dQ product under the wait for dV and dK)."""
+                     runs: int = 2, split: bool = False):
+    """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper as bh
     from flexmask.kernels.forward import hopper as fh
@@ -140,7 +139,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
-                  DQ_BESIDE=dq_beside, num_warps=4)
+                  num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
@@ -152,9 +151,20 @@ def _backward_terms(terms: str | None) -> tuple[dict, dict]:
     return args, consts
 
 
-def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2, wait_block: bool = False):
-    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py); `wait_block`:
-    configs.HOPPER_DQ_WAIT_BLOCK (the wait for dP in a block of its own)."""
+def _dq_wait_block(head_dim: int, terms: str | None) -> bool:
+    """configs.hopper_dq_wait_block for an offline compile's `terms` (_score_terms' names)."""
+    from flexmask.kernels.backward import configs as bc
+    from flexmask.kernels.common.score_terms import ScoreTerms
+
+    softcap, alibi = terms in ("softcap", "all"), terms in ("alibi", "all")
+    return bc.hopper_dq_wait_block(head_dim, ScoreTerms(softcap=30.0 if softcap else 0.0,
+                                                        alibi_slopes=torch.empty(1) if alibi else None))
+
+
+def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2,
+               wait_block: bool | None = None):
+    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py); `wait_block`: the wait for
+    dP in a block of its own (None: configs.hopper_dq_wait_block's rule, as dq_hopper launches it)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper_dq as bq
     from flexmask.kernels.forward import hopper as fh
@@ -171,6 +181,8 @@ def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs:
                 sm_scale=0.3)  # as launched
     term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
+    if wait_block is None:
+        wait_block = _dq_wait_block(head_dim, terms)
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, **term_consts, NUM_RUNS=runs,
                   DQ_WAIT_BLOCK=wait_block, num_warps=4)
     return compile_offline(bq._dq_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
@@ -331,18 +343,6 @@ def exponentials_between_waits(listing: str) -> list[int]:
     return [ex2 for pending, ex2 in wgmma_waits(listing) if pending == 1]
 
 
-def full_waits_per_step(listing: str) -> list[int]:
-    """For each wait for S (one group left pending: once a step of each consumer's loop), the full
-    waits (`gsb0, 0x0`) after it up to the next wait for S or the listing's end."""
-    counts = []
-    for pending, _ in wgmma_waits(listing):
-        if pending == 1:
-            counts.append(0)
-        elif pending == 0 and counts:
-            counts[-1] += 1
-    return counts
-
-
 def _classify(family: int):
     """The mask compiler's classify kernel (kernels/compile_kernels.py) for one FAMILY code."""
     from flexmask.masks import compiler_kernels as ck
@@ -400,7 +400,10 @@ def main(argv=None) -> int:
     if what == "digest":
         for d in (64, 128):
             print(f"forward_hopper D={d}: {instruction_digest(_hopper_forward(d, 2))}", flush=True)
-            print(f"backward_hopper_dq D={d}: {instruction_digest(_hopper_dq(2, d))}", flush=True)
+            for on in (False, True):  # off: the dQ pass before the rule, to compare with older digests
+                mark = " (default)" if on == _dq_wait_block(d, None) else ""
+                print(f"backward_hopper_dq D={d} wait_block={on}{mark}: "
+                      f"{instruction_digest(_hopper_dq(2, d, wait_block=on))}", flush=True)
             for with_dq in (True, False):
                 print(f"backward_hopper D={d} with_dq={with_dq}: "
                       f"{instruction_digest(_hopper_backward(2, d, with_dq))}", flush=True)
@@ -409,17 +412,13 @@ def main(argv=None) -> int:
         return 0
     if what == "waits":
         for d in (128, 64):
-            for on in (False, True):
-                kernel = _hopper_dq(2, d, wait_block=on)
-                print(f"backward_hopper_dq D={d} wait_block={on}: MUFU.EX2 between the waits for S and dP "
-                      f"{exponentials_between_waits(sass(kernel))}; {report('', kernel)[2:]}", flush=True)
-            for split in (False, True):
+            for terms in (None, "all"):  # all: softcap and ALiBi (the dQ pass takes no sinks)
                 for on in (False, True):
-                    kernel = _hopper_backward(2, d, True, split=split, dq_beside=on)
-                    listing = sass(kernel)
-                    print(f"backward_hopper D={d} split={split} dq_beside={on}: full waits a step "
-                          f"{full_waits_per_step(listing)}, MUFU.EX2 between the waits for S and dP "
-                          f"{exponentials_between_waits(listing)}; {report('', kernel)[2:]}", flush=True)
+                    kernel = _hopper_dq(2, d, terms, wait_block=on)
+                    mark = " (default)" if on == _dq_wait_block(d, terms) else ""
+                    print(f"backward_hopper_dq D={d} terms={terms} wait_block={on}{mark}: MUFU.EX2 between the "
+                          f"waits for S and dP {exponentials_between_waits(sass(kernel))}; {report('', kernel)[2:]}",
+                          flush=True)
         return 0
     if what == "k_runs":
         for d in (64, 128):

@@ -117,19 +117,24 @@ SPLIT_TWO_HEADS_MIN_GROUP = 8
 # whole 128-row table tile per step, as FA4's SM90 backward (m_block_size 128 at D <= 64).
 HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 
-# The Hopper backward's dQ product at head dim 128 (backward/hopper.py, DQ_BESIDE): issued right
-# behind dV and dK (after the wait for both warpgroups' dS), one wgmma wait for the three products
-# instead of one for dV and dK and another for dQ: two full waits a step where there were three
-# (offline SASS: python -m tools.offline_compile waits). Off until a GPU A/B (tools.backward_gqa
-# --dq-beside) measures it. Head dim 64 keeps its turns (one warpgroup takes dQ every other step).
-HOPPER_BACKWARD_DQ_BESIDE = False
-
 # The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP
 # in a basic block of its own (`if Sk > 0`, its else a wait that never runs), so that ptxas cannot
 # hoist it above P's exponentials (offline SASS, python -m tools.offline_compile waits: 0 of a half
-# step's 32 MUFU.EX2 between the waits for S and dP at D = 128, 1 at 64; all 32 with the switch;
-# no spills either way). Off until a GPU A/B (tools.backward_gqa --dq-pass-block) measures it.
-HOPPER_DQ_WAIT_BLOCK = False
+# step's 32 MUFU.EX2 between the waits for S and dP at D = 128, 1 at 64; all 32 with it). On an
+# H200 (python -m tools.backward_gqa --dq-pass-block, off / on, causal and full, 8K and 32K, 16/16
+# and 32/8) it gains at D = 64, 1.001-1.032x in 8 of 8 rows, and is mixed at 128, 0.970-1.021x:
+# docs/performance.md section 5. Not with softcap or ALiBi: the A/B timed neither, and with both at
+# D = 128 the block spills (offline, 36/36 -> 60/112 bytes stored/loaded; none at 64 either way).
+# The sinks are in the LSE: the dQ pass's kernel is the same with or without them.
+HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS = frozenset({64})
+
+
+def hopper_dq_wait_block(head_dim: int, terms=None) -> bool:
+    """Whether the Hopper dQ pass puts its wait for dP in a block of its own
+    (HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS, read at each call); `terms`: the forward's score terms or None."""
+    if terms is not None and (terms.softcap > 0 or terms.alibi_slopes is not None):
+        return False
+    return head_dim in HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS
 
 
 # TMA descriptors are built inside each program, a fixed cost that only a long walk pays back

@@ -178,21 +178,6 @@ def _add_to_sums(sums_desc, dq_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr,
 
 
 @gluon.jit
-def _reduce_dq(dq, dq_desc, dq_smem, bh, start_m, dq_col, WG: gl.constexpr, BOX: gl.constexpr):
-    """Add a step's [Q_STEP, 2 * BOX] fp32 dQ part into the dQ buffer at (bh, start_m, dq_col) by
-    two TMA bulk reductions of BOX columns, staged in this warpgroup's two dQ buffers."""
-    Q_STEP: gl.constexpr = dq.shape[0]
-    dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
-    tma.store_wait(0)  # the previous reductions have read the buffers
-    dq_smem.index(2 * WG).reshape([Q_STEP, BOX]).store(dq_lo)
-    dq_smem.index(2 * WG + 1).reshape([Q_STEP, BOX]).store(dq_hi)
-    fence_async_shared()
-    # rows past Sq fall outside the descriptor and are dropped
-    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], dq_smem.index(2 * WG))
-    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], dq_smem.index(2 * WG + 1))
-
-
-@gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
@@ -262,13 +247,11 @@ def _consumer(
     sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
-    DQ_BESIDE: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SPLIT_GROUP:
     items of one query head, whose dK/dV are added into fp32 sums (DK, DV) with the other heads
-    of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring). DQ_BESIDE: the dQ
-    product under the wait for dV and dK (configs.HOPPER_BACKWARD_DQ_BESIDE; head dim 128)."""
+    of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
     kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
@@ -369,40 +352,30 @@ def _consumer(
                 fence_async_shared()
                 if WITH_DQ:
                     mbarrier.arrive(ds_ready, count=1)
-                if DQ_BESIDE and WITH_DQ and SPLIT_DQ:
-                    # DQ_BESIDE (head dim 128): dQ[:, cols] = dS K[:, cols] issued right behind dV and
-                    # dK, one wait for the three (two full waits a step, not three). dQ reads both
-                    # warpgroups' dS: ds_ready is waited for after dV and dK are issued (they read
-                    # only this warpgroup's half), before dQ is; ds_free once dQ has read it.
-                    # (At 64, dQ in turns would issue dV and dK in both arms of a runtime branch:
-                    # 144 -> 244 spill bytes offline, so 64 keeps the waits as they are.)
-                    dv = warpgroup_mma(p_cols.permute((1, 0)), do_view, dv, is_async=True)  # P^T dO
-                    dk = warpgroup_mma(ds_cols.permute((1, 0)), q_view, dk, is_async=True)  # dS^T Q
+                dv = warpgroup_mma(p_cols.permute((1, 0)), do_view, dv, is_async=True)  # P^T dO
+                dk = warpgroup_mma(ds_cols.permute((1, 0)), q_view, dk, is_async=True)  # dS^T Q
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(q_empty.index(s), count=1)
+                if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
+                    # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
                     mbarrier.wait(ds_ready, step & 1)
-                    k_cols = k_all.slice(WG * DQ_N, DQ_N, dim=1)  # [KV_BLOCK, DQ_N]: B of this warpgroup's dQ columns
+                    if SPLIT_DQ:
+                        k_cols = k_all.slice(WG * DQ_N, DQ_N, dim=1)  # [KV_BLOCK, DQ_N]: B of this warpgroup's dQ columns
+                    else:
+                        k_cols = k_all
                     dq = warpgroup_mma(ds_all, k_cols, gl.zeros([Q_STEP, DQ_N], gl.float32, layout=dq_layout),
                                        use_acc=False, is_async=True)
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-                    mbarrier.arrive(q_empty.index(s), count=1)
+                    dq = warpgroup_mma_wait(0, deps=(dq,))
                     mbarrier.arrive(ds_free, count=1)
-                    _reduce_dq(dq, dq_desc, dq_smem, bh, start_m, dq_col, WG, BOX)
-                else:
-                    dv = warpgroup_mma(p_cols.permute((1, 0)), do_view, dv, is_async=True)  # P^T dO
-                    dk = warpgroup_mma(ds_cols.permute((1, 0)), q_view, dk, is_async=True)  # dS^T Q
-                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                    mbarrier.arrive(q_empty.index(s), count=1)
-                    if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
-                        # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
-                        mbarrier.wait(ds_ready, step & 1)
-                        if SPLIT_DQ:
-                            k_cols = k_all.slice(WG * DQ_N, DQ_N, dim=1)  # [KV_BLOCK, DQ_N]: B of this warpgroup's dQ columns
-                        else:
-                            k_cols = k_all
-                        dq = warpgroup_mma(ds_all, k_cols, gl.zeros([Q_STEP, DQ_N], gl.float32, layout=dq_layout),
-                                           use_acc=False, is_async=True)
-                        dq = warpgroup_mma_wait(0, deps=(dq,))
-                        mbarrier.arrive(ds_free, count=1)
-                        _reduce_dq(dq, dq_desc, dq_smem, bh, start_m, dq_col, WG, BOX)
+                    # two boxes of BOX columns
+                    dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
+                    tma.store_wait(0)  # the previous reductions have read the buffers
+                    dq_smem.index(2 * WG).reshape([Q_STEP, BOX]).store(dq_lo)
+                    dq_smem.index(2 * WG + 1).reshape([Q_STEP, BOX]).store(dq_hi)
+                    fence_async_shared()
+                    # rows past Sq fall outside the descriptor and are dropped
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], dq_smem.index(2 * WG))
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], dq_smem.index(2 * WG + 1))
                 step += 1
                 start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
@@ -435,8 +408,7 @@ def _backward_hopper_kernel(
     qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, DQ_BESIDE: gl.constexpr,
-    num_warps: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -478,15 +450,13 @@ def _backward_hopper_kernel(
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP,
-                     DQ_BESIDE)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP,
-                     DQ_BESIDE)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -613,16 +583,13 @@ def _dq_descriptor(dq_acc: torch.Tensor, q_step: int):
 
 
 def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_map: tuple[int, int, int],
-                    stages: int = 2, terms=None, dq_beside: bool | None = None) -> None:
+                    stages: int = 2, terms=None) -> None:
     """dK, dV into `dk`, `dv` and scaled-free dQ sums into the zeroed fp32 `dq_acc`
     [B * Hq, Sq, D] (backward.py's preprocess made `stats` and zeroed it; its conversion kernel
     scales and casts it); `dq_acc=None` leaves dQ out, and dK/dV are then bitwise reproducible
     (each work item sums its own rows in walk order). Call only when `supports` says yes. `terms`:
     the forward's score terms (common.score_terms.ScoreTerms) or None; the sinks' gradient is the
-    preprocess's. `dq_beside`: the dQ product issued with dV and dK under one wait (head dim 128;
-    default configs.HOPPER_BACKWARD_DQ_BESIDE, read at each call)."""
-    if dq_beside is None:
-        dq_beside = configs.HOPPER_BACKWARD_DQ_BESIDE
+    preprocess's."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, stats)
@@ -657,7 +624,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        NUM_RUNS=mask_runs(cm), DQ_BESIDE=bool(dq_beside) and with_dq and d == 128, num_warps=4, maxnreg=168,
+        NUM_RUNS=mask_runs(cm), num_warps=4, maxnreg=168,
     )
     if split:
         dk_out.copy_(dk)

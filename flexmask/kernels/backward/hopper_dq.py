@@ -91,7 +91,7 @@ def _consumer(
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     SOFTCAP, HAS_ALIBI: the score terms (module docstring). DQ_WAIT_BLOCK: the wait for dP in a
-    block of its own (configs.HOPPER_DQ_WAIT_BLOCK)."""
+    block of its own (configs.hopper_dq_wait_block)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -241,10 +241,10 @@ def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int
     """dQ of the deterministic path into `dq` (q's shape and dtype), from backward.py's
     preprocess statistics `stats` [B * Hq, 2, Sq] (LSE in log2, delta). Takes what
     backward_hopper.supports takes. `terms`: the forward's score terms or None. `wait_block`: the
-    wait for dP in a block of its own (default configs.HOPPER_DQ_WAIT_BLOCK, read at each call)."""
-    if wait_block is None:
-        wait_block = configs.HOPPER_DQ_WAIT_BLOCK
+    wait for dP in a block of its own (None: configs.hopper_dq_wait_block's rule)."""
     batch, hq, sq, d = q.shape
+    if wait_block is None:
+        wait_block = configs.hopper_dq_wait_block(d, terms)
     hkv, sk = k.shape[1], k.shape[2]
     q_desc, (qxb, qxh, qch) = _descriptor(q, HOPPER_BLOCK // 2)
     do_desc, _ = _descriptor(_like_q(do, q), HOPPER_BLOCK // 2)  # one set of coordinates serves Q and dO
