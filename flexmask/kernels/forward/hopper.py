@@ -58,9 +58,6 @@ WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma row s
 # named barriers 14 and 15: the ping-pong turns of consumer warpgroups 0 and 1 (Triton's warp
 # specialization numbers its own from 0 up)
 TURN_BARRIER = gl.constexpr(14)
-# timing probe (wrong output by design; docs/performance.md 4.10): 1 no softmax (P = S), 2 no O
-# rescale, 3 no O += P V in the walk, 5 no row max or sum (P = exp2(S - a constant))
-_PROBE = gl.constexpr(int(__import__("os").environ.get("FLEXMASK_FORWARD_PROBE", "0")))
 FINITE_FLOOR = gl.constexpr(-1.0e30)  # the running maximum starts here: exp2(-inf - max) is 0, never NaN
 
 
@@ -333,9 +330,8 @@ def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx
     s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
     if TC_BIAS:
         s = warpgroup_mma(bias_a, bias_b.permute((1, 0)), s, is_async=True)
-    if _PROBE != 3:
-        acc = warpgroup_mma(_p_operand(p_prev, q_view.dtype, p_layout, P_F32),
-                            v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    acc = warpgroup_mma(_p_operand(p_prev, q_view.dtype, p_layout, P_F32),
+                        v_bufs.index(prev_idx).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
     _pass_turn(WG, PINGPONG)
     return s, acc, s_idx
 
@@ -347,8 +343,7 @@ def _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES: gl.cons
     rescale O by alpha and keep this tile's P for the next step. Returns (O, P, stage, phase)."""
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev_idx), count=1)
-    if _PROBE != 2:
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return acc, _p_carried(p, dtype, p_layout, P_F32), s_idx, (kv_count // STAGES) & 1
 
 
@@ -676,15 +671,8 @@ def _consumer(
                     if TERMS:
                         s = _term_scores(s, row0, n * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                                          ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
-                    if _PROBE == 1:
-                        p = s
-                        alpha = gl.full([ROWS], 1.0, gl.float32, layout=row_layout)
-                    elif _PROBE == 5:
-                        p = gl.exp2(s * qk_scale - 8.0)
-                        alpha = gl.full([ROWS], 1.0, gl.float32, layout=row_layout)
-                    else:
-                        p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
-                                                                  ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
+                    p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
+                                                              ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
                     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
                                                                   P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
