@@ -350,10 +350,10 @@ def _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES: gl.cons
 @gluon.jit
 def _scaled_softmax_step(t, m_i, l_i):
     """_softmax_step for scores already scaled (and masked by a -inf bias)."""
-    m_new = gl.maximum(m_i, _row_max(t, m_i))
+    m_new = gl.maximum(m_i, gl.max(t, 1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(t - gl.expand_dims(m_new, 1))
-    l_i = l_i * alpha + _row_sum(p, l_i)
+    l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
 
 
@@ -472,57 +472,11 @@ def _softmax_step(s, m_i, l_i, qk_scale):
     """One tile's online-softmax update in exp2: returns (p, m_i, l_i, alpha), alpha the
     factor O must be multiplied by. The running maximum starts at a finite floor, so a row
     that has seen only masked columns gets P = exp2(-inf) = 0, never NaN."""
-    m_new = gl.maximum(m_i, _row_max(s, m_i) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    l_i = l_i * alpha + _row_sum(p, l_i)
+    l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
-
-
-@gluon.jit
-def _halves(x, IS_MAX: gl.constexpr, LOW: gl.constexpr):
-    """x [R, N] with its columns' top bit (LOW: lowest bit) held in each thread's registers, the
-    two halves combined elementwise: [R, N / 2]. A view and one operation a pair, no data moved."""
-    R: gl.constexpr = x.shape[0]
-    N: gl.constexpr = x.shape[1]
-    if LOW:
-        a, b = gl.split(gl.reshape(x, [R, N // 2, 2]))
-    else:
-        a, b = gl.split(gl.permute(gl.reshape(x, [R, 2, N // 2]), (0, 2, 1)))
-    if IS_MAX:
-        return gl.maximum(a, b)
-    else:
-        return a + b
-
-
-@gluon.jit
-def _row_tree(x, IS_MAX: gl.constexpr):
-    """A row's max or sum over a wgmma accumulator tile [R, 128] (instruction N = 128), in a tree:
-    a thread holds 32 of a row's 128 columns (16 groups of 8 columns, two adjacent columns in
-    each; the quad's four lanes the rest), so four halvings over the groups, one over the pair,
-    then the four lanes (shuffles). gl.max / gl.sum fold a thread's 32 in one dependent chain of
-    31 operations, on the softmax's critical path (docs/performance.md 4.10)."""
-    x = _halves(x, IS_MAX, False)
-    x = _halves(x, IS_MAX, False)
-    x = _halves(x, IS_MAX, False)
-    x = _halves(x, IS_MAX, False)
-    x = _halves(x, IS_MAX, True)
-    if IS_MAX:
-        return gl.max(x, 1)
-    else:
-        return gl.sum(x, 1)
-
-
-@gluon.jit
-def _row_max(s, like):
-    """gl.max(s, 1) of a [R, 128] wgmma tile by `_row_tree`, in the layout of `like` (a row vector)."""
-    return gl.convert_layout(_row_tree(s, True), like.type.layout)
-
-
-@gluon.jit
-def _row_sum(p, like):
-    """gl.sum(p, 1) of a [R, 128] wgmma tile by `_row_tree`, in the layout of `like`."""
-    return gl.convert_layout(_row_tree(p, False), like.type.layout)
 
 
 @gluon.jit
