@@ -353,7 +353,7 @@ def _scaled_softmax_step(t, m_i, l_i):
     m_new = gl.maximum(m_i, gl.max(t, 1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(t - gl.expand_dims(m_new, 1))
-    l_i = _scale_rows(l_i, alpha) + _lane_sums(p)
+    l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
 
 
@@ -468,39 +468,14 @@ def _pass_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _lane_sums(p):
-    """Each lane's share of the row sums of a [R, 128] wgmma tile, [R, 4]: the 32 columns of a row
-    a thread holds (16 groups of 8 columns, two adjacent ones in each) summed in the thread. The
-    quad's four lanes are added once, in the epilogue (`_row_totals`), not at every step: the two
-    shuffle rounds of a row sum stay off the softmax's critical path (FA4's SM90 softmax does
-    the same; docs/performance.md 4.10)."""
-    R: gl.constexpr = p.shape[0]
-    N: gl.constexpr = p.shape[1]
-    return gl.sum(gl.sum(gl.reshape(p, [R, N // 8, 4, 2]), 3), 1)
-
-
-@gluon.jit
-def _scale_rows(parts, alpha):
-    """`_lane_sums` parts [R, 4] times a row factor alpha [R] (a row vector of the tile)."""
-    return parts * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, parts.type.layout)), 1)
-
-
-@gluon.jit
-def _row_totals(parts, row_layout: gl.constexpr):
-    """The row sums from their lanes' shares (`_lane_sums`), in `row_layout`."""
-    return gl.convert_layout(gl.sum(parts, 1), row_layout)
-
-
-@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """One tile's online-softmax update in exp2: returns (p, m_i, l_i, alpha), alpha the
-    factor O must be multiplied by, l_i each lane's share of the row sums (`_lane_sums`). The
-    running maximum starts at a finite floor, so a row that has seen only masked columns gets
-    P = exp2(-inf) = 0, never NaN."""
+    factor O must be multiplied by. The running maximum starts at a finite floor, so a row
+    that has seen only masked columns gets P = exp2(-inf) = 0, never NaN."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    l_i = _scale_rows(l_i, alpha) + _lane_sums(p)
+    l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
 
 
@@ -588,12 +563,10 @@ def _consumer(
         o_m = row0 + gl.arange(0, ROWS, layout=row_layout)
         if HAS_SINKS:  # the sink: a first key of logit sinks[h] and value 0 (common/score_terms.py)
             m_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout) + gl.load(SINKS + h) * 1.4426950408889634
-            # the sink's exp2(0) = 1 in column 0's lane share: rescaled by every step like the rest
-            first = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0) == 0
-            l_i = _lane_sums(gl.where(first, 1.0, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)))
+            l_i = gl.full([ROWS], 1.0, gl.float32, layout=row_layout)
         else:
             m_i = gl.full([ROWS], FINITE_FLOOR, gl.float32, layout=row_layout)
-            l_i = _lane_sums(gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout))
+            l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = gl.load(ALIBI + b.to(gl.int64) * alibi_stride_b + h) * 1.4426950408889634
@@ -719,7 +692,6 @@ def _consumer(
         item_count += 1
 
         # epilogue: O = acc / l (0 for rows that attend nothing), LSE in natural log
-        l_i = _row_totals(l_i, row_layout)
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         empty = l_o == 0.0
         # one reciprocal a row, then multiplies: a division per element cost ~300 instructions a
