@@ -55,9 +55,6 @@ PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the one-warp TMA pro
 CONSUMER_REGS = gl.constexpr(240)  # the second consumer warpgroup (the first gets what is left)
 CONSUMER_REGS_3 = gl.constexpr(160)  # consumers 2 and 3 of a 192-row block: 3 x 128 x 160 + 32 x 24 fit 64K
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma row slab
-# named barriers 14 and 15: the ping-pong turns of consumer warpgroups 0 and 1 (Triton's warp
-# specialization numbers its own from 0 up)
-TURN_BARRIER = gl.constexpr(14)
 FINITE_FLOOR = gl.constexpr(-1.0e30)  # the running maximum starts here: exp2(-inf - max) is 0, never NaN
 
 
@@ -429,24 +426,11 @@ def _term_softmax_step(s, m_i, l_i, qk_scale, TERMS: gl.constexpr):
 
 
 @gluon.jit
-def _named_barrier(BARRIER: gl.constexpr, ARRIVE: gl.constexpr):
-    """`bar.sync` (or, ARRIVE, `bar.arrive`) on named barrier BARRIER for the two consumer
-    warpgroups' 256 threads: a hardware barrier, no shared memory and no polling."""
+def _barrier_op(ASM: gl.constexpr):
+    """One PTX barrier instruction (`bar.sync` / `bar.arrive` on a named barrier), executed by
+    every thread of the warpgroup: a hardware barrier, no shared memory and no polling."""
     one = gl.full([1], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))  # one per thread
-    if ARRIVE:
-        if BARRIER == TURN_BARRIER:
-            gl.inline_asm_elementwise("bar.arrive 14, 256; mov.b32 $0, $1;", "=r,r", [one], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.arrive 15, 256; mov.b32 $0, $1;", "=r,r", [one], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-    else:
-        if BARRIER == TURN_BARRIER:
-            gl.inline_asm_elementwise("bar.sync 14, 256; mov.b32 $0, $1;", "=r,r", [one], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.sync 15, 256; mov.b32 $0, $1;", "=r,r", [one], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+    gl.inline_asm_elementwise(ASM, "=r,r", [one], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -455,16 +439,23 @@ def _take_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
     the same step (warpgroup 0 goes first): the two then reach the tensor cores alternately, so
     one's softmax runs while the other's products do, instead of both waiting for the tensor
     cores and then both computing softmax (FlashAttention-3's ping-pong schedule, on named
-    barriers TURN_BARRIER + WG as FA4's SM90 forward orders its two MMA warpgroups)."""
-    if PINGPONG:
-        _named_barrier(TURN_BARRIER + WG, False)
+    barriers as FA4's SM90 forward orders its two MMA warpgroups; Triton's warp specialization
+    numbers its own barriers from 0 up, three in this kernel)."""
+    if PINGPONG:  # named barrier 14 is warpgroup 0's turn, 15 warpgroup 1's, of 256 threads
+        if WG == 0:
+            _barrier_op("bar.sync 14, 256; mov.b32 $0, $1;")
+        else:
+            _barrier_op("bar.sync 15, 256; mov.b32 $0, $1;")
 
 
 @gluon.jit
 def _pass_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Hand the turn to the other warpgroup once this one's products are issued (not finished)."""
     if PINGPONG:
-        _named_barrier(TURN_BARRIER + 1 - WG, True)
+        if WG == 0:
+            _barrier_op("bar.arrive 15, 256; mov.b32 $0, $1;")
+        else:
+            _barrier_op("bar.arrive 14, 256; mov.b32 $0, $1;")
 
 
 @gluon.jit
@@ -553,7 +544,7 @@ def _consumer(
     kv_count = 0
     item_count = 0
     if PINGPONG and WG == 1:
-        _named_barrier(TURN_BARRIER, True)  # warpgroup 0 takes the first turn
+        _barrier_op("bar.arrive 14, 256; mov.b32 $0, $1;")  # warpgroup 0 takes the first turn
     # the producer loaded the item and its walk bounds (work list -> offsets) ahead of the walk
     entry, t_lo, t_mid, t_hi = scheduler.receive(item_slots, item_ready, item_empty, 0, num_warps)
     while entry >= 0:
