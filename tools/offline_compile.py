@@ -290,22 +290,34 @@ def _k_run_launches(head_dim: int) -> list[tuple[str, tuple]]:
 
 
 def instruction_digest(kernel) -> str:
-    """Count and hash of a kernel's PTX instructions, without the parameter loads (a new kernel
-    parameter renumbers them) and without declarations, labels and debug lines."""
+    """Count and two hashes of a kernel's PTX instructions, without the parameter loads (a new
+    kernel parameter renumbers them) and without declarations, labels and debug lines: `sha` of
+    the opcodes in order (as this digest always was), `code` of the instructions with their
+    operands, registers, labels and parameters renamed in order of first appearance. Equal code
+    gives equal hashes at any two commits; the same operations on other values (a reduction
+    folded in another order, say: 0e278e5's tree had the same `sha`) change `code` only."""
     import hashlib
+    import re
 
-    ops = []
+    ops, code, names = [], [], {}
+
+    def rename(match):
+        return names.setdefault(match.group(0), f"v{len(names)}")
+
     for line in kernel.asm["ptx"].splitlines():
-        line = line.strip()
-        if not line or line.startswith((".", "//", "{", "}", ")", "$")) or line.endswith(":"):
+        line = line.split("//")[0].strip()
+        if not line or line.startswith((".", "{", "}", ")", "$")) or line.endswith(":"):
             continue
         op = line.split()[0]
         if op.startswith("@"):
             op = "@" + line.split()[1]
-        if not op.startswith("ld.param"):
-            ops.append(op)
-    digest = hashlib.sha1(" ".join(ops).encode()).hexdigest()[:10]
-    return f"{len(ops)} instructions, sha {digest}, shared {kernel.metadata.shared} B"
+        if op.startswith("ld.param"):
+            continue
+        ops.append(op)
+        code.append(re.sub(r"%[a-z]+[0-9]+\b|\$L__\w+|\w+_param_[0-9]+", rename, line))
+    op_sha = hashlib.sha1(" ".join(ops).encode()).hexdigest()[:10]
+    code_sha = hashlib.sha1("\n".join(code).encode()).hexdigest()[:10]
+    return f"{len(ops)} instructions, sha {op_sha}, code {code_sha}, shared {kernel.metadata.shared} B"
 
 
 def sass(kernel) -> str:
