@@ -331,7 +331,6 @@ def test_backward_work_list_hoist():
     assert torch.equal(work[first:], plain[~torch.isin(plain, work[:first])])
 
 
-
 def test_dq_pass_wait_block_rule(monkeypatch):
     """configs.hopper_dq_wait_block: on at D = 64 (HOPPER_DQ_WAIT_BLOCK_HEAD_DIMS, read at each
     call), off at 128 and with softcap or ALiBi; sinks alone keep it (the LSE counts them)."""
