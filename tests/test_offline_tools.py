@@ -51,3 +51,21 @@ def test_digest_tells_operand_changes_apart():
     assert field(a, "sha") == field(b, "sha"), (a, b)
     assert field(a, "code") != field(b, "code"), (a, b)
     assert a["digest"] == again["digest"], (a, again)
+
+
+_MASKING = """
+import json, tempfile, os
+from tools import forward_sass
+
+counts = forward_sass.masking_counts(forward_sass.disassemble(128, os.path.join(tempfile.mkdtemp(), "fwd")))
+print(json.dumps(dict(counts)))
+"""
+
+
+def test_forward_sass_finds_the_masking_helpers():
+    """tools.forward_sass attributes the PARTIAL tiles' row-word selects to the masking helpers'
+    lines of kernels/forward/hopper.py (it found none while it looked for the module's old name)."""
+    pytest.importorskip("triton.experimental.gluon")
+    (counts,) = compile_for_sm90(_MASKING, timeout=600)
+    assert counts.get("FSEL", 0) >= 64, counts  # a select a score of the 64 x 128 tile's 64 a thread
+    assert sum(counts.values()) > counts["FSEL"], counts

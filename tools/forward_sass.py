@@ -11,31 +11,31 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 
-import triton
-
-from .offline_compile import _hopper_forward
+from .offline_compile import _hopper_forward, sass
 
 
 def disassemble(head_dim: int, out: str) -> str:
     kernel = _hopper_forward(head_dim, 2, 1)
     with open(out + ".cubin", "wb") as f:
         f.write(kernel.asm["cubin"])
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    sass = subprocess.run([nvdisasm, "-c", "-g", out + ".cubin"], capture_output=True, text=True, check=True).stdout
+    listing = sass(kernel, line_info=True)
     with open(out + ".sass", "w") as f:
-        f.write(sass)
-    return sass
+        f.write(listing)
+    return listing
 
 
-def masking_counts(sass: str) -> collections.Counter:
+def masking_counts(listing: str) -> collections.Counter:
     """Opcodes of the instructions attributed to the masking helpers' source lines."""
+    from flexmask.kernels.forward import hopper as forward_hopper
+
+    helpers = _helper_lines("_row_bits", "_row_words", "_apply_row_words")
     counts, in_mask = collections.Counter(), False
-    for line in sass.splitlines():
-        if line.lstrip().startswith("//## File"):
-            in_mask = "forward_hopper.py" in line and any(
-                f"line {n}" in line for n in _helper_lines("_row_bits", "_row_words", "_apply_row_words"))
+    for line in listing.splitlines():
+        source = re.match(r'\s*//## File "([^"]+)", line (\d+)', line)
+        if source:
+            in_mask = (os.path.realpath(source.group(1)) == os.path.realpath(forward_hopper.__file__)
+                       and int(source.group(2)) in helpers)
             continue
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m and in_mask:

@@ -320,8 +320,9 @@ def instruction_digest(kernel) -> str:
     return f"{len(ops)} instructions, sha {op_sha}, code {code_sha}, shared {kernel.metadata.shared} B"
 
 
-def sass(kernel) -> str:
-    """nvdisasm's listing of a compiled kernel's cubin (Triton's bundled nvdisasm), in address order."""
+def sass(kernel, line_info: bool = False) -> str:
+    """nvdisasm's listing of a compiled kernel's cubin (Triton's bundled nvdisasm), in address order;
+    `line_info`: each instruction's source line too (nvdisasm -g)."""
     import subprocess
     import tempfile
 
@@ -329,7 +330,8 @@ def sass(kernel) -> str:
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        flags = ["-c", "-g"] if line_info else ["-c"]
+        return subprocess.run([nvdisasm, *flags, f.name], capture_output=True, text=True, check=True).stdout
 
 
 def wgmma_waits(listing: str) -> list[tuple[int, int]]:
