@@ -6,9 +6,9 @@ create_block_mask outside the timed region. TFLOP/s count unmasked elements only
 2.5x forward, fwd_bwd = 3.5x). flexmask runs twice: `flexmask` with the default backward
 (deterministic=False: the Hopper or the fused kernel, dispatch.backward_path), `flexmask_det` with
 the two-pass, bitwise reproducible one; with --hopper-backward, `flexmask` is the fused backward
-and `flexmask_hopper_bwd` the Hopper backward (backward_hopper.py) whatever
+and `flexmask_hopper_bwd` the Hopper backward (backward/hopper.py) whatever
 dispatch.HOPPER_BACKWARD_HEAD_DIMS says; with --hopper-dq, `flexmask_det` takes the portable dQ
-pass and `flexmask_det_hopper_dq` the Hopper one (backward_hopper_dq.py). Those two new kernels'
+pass and `flexmask_det_hopper_dq` the Hopper one (backward/hopper_dq.py). Those two new kernels'
 rows carry the relative difference of their gradients to the portable two-pass path's
 (`rel_err_grads_vs_det`). flexmask rows carry their first forward-and-backward time
 (`first_call_s`, compiles included: run with an empty TRITON_CACHE_DIR to see them; the first

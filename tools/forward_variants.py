@@ -1,4 +1,4 @@
-"""Forward kernels side by side on one GPU: the Hopper kernel (forward_hopper.py), the portable
+"""Forward kernels side by side on one GPU: the Hopper kernel (forward/hopper.py), the portable
 kernel (forward.py) and SDPA's cuDNN backend (full and causal only), bf16, 32K tokens per
 batch, every family of `speed_check` plus random per-column intervals (every tile partial), or
 any family of the sweep (benchmarks/families.py) named with --families.

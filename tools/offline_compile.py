@@ -163,7 +163,7 @@ def _dq_wait_block(head_dim: int, terms: str | None) -> bool:
 
 def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2,
                wait_block: bool | None = None):
-    """The deterministic path's Hopper dQ pass (backward_hopper_dq.py); `wait_block`: the wait for
+    """The deterministic path's Hopper dQ pass (backward/hopper_dq.py); `wait_block`: the wait for
     dP in a block of its own (None: configs.hopper_dq_wait_block's rule, as dq_hopper launches it)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper_dq as bq
@@ -358,7 +358,7 @@ def exponentials_between_waits(listing: str) -> list[int]:
 
 
 def _classify(family: int):
-    """The mask compiler's classify kernel (kernels/compile_kernels.py) for one FAMILY code."""
+    """The mask compiler's classify kernel (masks/compiler_kernels.py) for one FAMILY code."""
     from flexmask.masks import compiler_kernels as ck
 
     t32 = torch.empty(16, dtype=torch.int32)
@@ -370,7 +370,7 @@ def _classify(family: int):
 
 
 def _shift():
-    """The mask compiler's kv_cache shift kernel (kernels/compile_kernels.py)."""
+    """The mask compiler's kv_cache shift kernel (masks/compiler_kernels.py)."""
     from flexmask.masks import compiler_kernels as ck
 
     args = dict(VIRTUAL=torch.empty(16, dtype=torch.int32), LENGTHS=torch.empty(4, dtype=torch.int64),

@@ -46,7 +46,7 @@ def k_runs_rule_applies(cm) -> bool:
 
 
 def forward_path(q: torch.Tensor, cm, terms=None) -> str:
-    """Which forward kernel runs: "hopper" (forward_hopper.py: Gluon, persistent, warp-specialised)
+    """Which forward kernel runs: "hopper" (forward/hopper.py: Gluon, persistent, warp-specialised)
     on sm_90 GPUs for fp16/bf16 at head dim 64 or 128 with the default 128 x 128 tables and
     inputs the copy engine can read (16-byte aligned, (B, H, S, D) or (B, S, H, D) memory
     order); "portable" (forward.py) everywhere else: the CPU interpreter (Gluon kernels do not
@@ -69,7 +69,7 @@ HOPPER_FORWARD_IS_DEFAULT = True
 
 def backward_path(q: torch.Tensor, cm, deterministic: bool, terms=None) -> str:
     """Which backward runs: "two-pass" when determinism is asked (backward.py, bitwise
-    reproducible); otherwise "hopper" (backward_hopper.py: Gluon, persistent, warp-specialised)
+    reproducible); otherwise "hopper" (backward/hopper.py: Gluon, persistent, warp-specialised)
     where the head dim is in HOPPER_BACKWARD_HEAD_DIMS and the inputs suit it (sm_90, fp16/bf16,
     128 x 128 tables, layouts the copy engine reads), else "fused" (backward_fused.py) where backward_fused_config offers a
     config, else "two-pass". Masks of k runs per column and score terms (`terms`) do not change the
@@ -84,7 +84,7 @@ def backward_path(q: torch.Tensor, cm, deterministic: bool, terms=None) -> str:
     return "fused" if fused else "two-pass"
 
 
-# Head dims where the Hopper backward (backward_hopper.py) is the default. On an H200 at 32K
+# Head dims where the Hopper backward (backward/hopper.py) is the default. On an H200 at 32K
 # (bf16, causal, sliding window 1024, causal document) it passes tests/test_gpu_hopper_backward.py
 # and runs 1.21-1.43x FlexAttention's backward against 0.95-1.07x for the fused path
 # (speed_check_S32768_D128.csv / _D64.csv; docs/performance.md, section 5). Empty sends every input to
@@ -93,7 +93,7 @@ HOPPER_BACKWARD_HEAD_DIMS = frozenset({64, 128})
 
 
 def two_pass_dkdv_path(q: torch.Tensor, cm, terms=None) -> str:
-    """Which kernel runs the two-pass (deterministic) path's dK/dV pass: "hopper" (backward_hopper.py
+    """Which kernel runs the two-pass (deterministic) path's dK/dV pass: "hopper" (backward/hopper.py
     with its dQ product left out: each work item sums its own rows in walk order, so the result
     is bitwise reproducible) where HOPPER_DKDV_IN_TWO_PASS and the Hopper backward would take the
     inputs, else "portable" (backward.py's _dkdv_kernel). The dQ pass: two_pass_dq_path."""
@@ -108,7 +108,7 @@ HOPPER_DKDV_IN_TWO_PASS = True
 
 
 def two_pass_dq_path(q: torch.Tensor, cm, terms=None) -> str:
-    """Which kernel runs the two-pass path's dQ pass: "hopper" (backward_hopper_dq.py: the
+    """Which kernel runs the two-pass path's dQ pass: "hopper" (backward/hopper_dq.py: the
     forward's schedule, one program sums each dQ row in walk order) where HOPPER_DQ_IN_TWO_PASS
     and the Hopper backward would take the inputs, else "portable" (backward.py's _dq_kernel)."""
     if HOPPER_DQ_IN_TWO_PASS and backward_path(q, cm, deterministic=False, terms=terms) == "hopper":

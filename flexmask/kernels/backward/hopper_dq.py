@@ -1,9 +1,9 @@
 """Hopper (sm_90) dQ pass of the deterministic backward, in Gluon: the forward's schedule with
 the gradient's products.
 
-`deterministic=True` runs dK/dV (backward_hopper.py with its dQ product left out) and then dQ
+`deterministic=True` runs dK/dV (backward/hopper.py with its dQ product left out) and then dQ
 per q-block, so that every dQ row is summed by one program in a fixed order. This kernel is
-that second pass on Hopper, built like the Hopper forward (forward_hopper.py): persistent
+that second pass on Hopper, built like the Hopper forward (forward/hopper.py): persistent
 programs over (q-block, batch x head) items from the forward's heaviest-first work list, a
 one-warp TMA producer that loads the item's Q and dO halves once and then streams K and V tiles
 in walk order, and two consumer warpgroups of 64 query rows that never wait for each other.
@@ -14,7 +14,7 @@ Per 64-key half of a tile each warpgroup computes
     dQ += dS K     [64 q, D]         (dS from registers)
 
 with queries on the rows, so LSE and delta are two registers per thread. The walk order is
-fixed by the table, so dQ is bitwise reproducible. Score terms as in backward_hopper.py: softcap
+fixed by the table, so dQ is bitwise reproducible. Score terms as in backward/hopper.py: softcap
 and ALiBi behind compile-time switches (S in log2 units by forward_hopper._term_scores on every
 step, dS times 1 - tanh^2 with a softcap); the sinks are in the LSE.
 

@@ -35,7 +35,7 @@ def forward_uses_tma(head_dim: int, dtype: torch.dtype, device) -> bool:
 
 
 def hopper_forward_schedule(head_dim: int) -> tuple[int, bool]:
-    """(K/V stages, ping-pong) of the Hopper forward (forward_hopper.py) at this head dim:
+    """(K/V stages, ping-pong) of the Hopper forward (forward/hopper.py) at this head dim:
     HOPPER_FORWARD_SCHEDULE, else two stages and no ping-pong."""
     return HOPPER_FORWARD_SCHEDULE.get(head_dim, (2, False))
 
@@ -138,7 +138,7 @@ HOPPER_FORWARD_TC_BIAS_HEAD_DIMS = frozenset({64})
 
 
 def hopper_forward_q_buffers(head_dim: int, cm, block_m: int = 128) -> int:
-    """Q buffers of the Hopper forward (forward_hopper.py): 2 (the next work item's Q loads while
+    """Q buffers of the Hopper forward (forward/hopper.py): 2 (the next work item's Q loads while
     this item's walk ends) at the head dims of HOPPER_QBUF2_HEAD_DIMS when a q-block visits at most
     HOPPER_QBUF2_MAX_WALK tiles on average, else 1 (always 1 at 192 rows, where three warpgroups
     with a second buffer spill a register: offline ptxas). Reads only host values:
