@@ -8,13 +8,19 @@ whole step through autograd, the step with `torch.autograd.set_multithreading_en
 the direct backward is what the hand-off costs. `--variants`: the step with its gradients kept
 alive, set to None first, through `torch.autograd.grad` and on one thread, and two Functions
 around SDPA whose backwards spin 250 us of Python or call `time.sleep(0)` 8 times, each both ways
-(per_call's issue_time_us over 300 steps; docs/performance.md section 7).
+(per_call's issue_time_us over 300 steps; docs/performance.md section 7). `--timeline`: where a
+step's time goes, by clock readings on both threads (the call of `backward`, the backward's entry
+and exit on the thread that runs it, the return to the caller; medians of 300 steps), the device
+thread and the calling thread side by side, and the device thread with both threads held on
+the caller's CPU (what is left is the hand-off, not the two cores' caches), then a cProfile of the backward's body on each, and
+the Python threads alive.
 
-    PYTHONPATH=$PWD python -m tools.backward_thread_cost [--variants]
+    PYTHONPATH=$PWD python -m tools.backward_thread_cost [--variants | --timeline]
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -105,10 +111,93 @@ def variants(q, k, v, do, cm) -> None:
             print(f"{name + ', one thread':32s} {_median_us(s):8.1f} us", flush=True)
 
 
+def timeline(q, k, v, do, cm) -> None:
+    """Clock readings around and inside the backward, through autograd's device thread and on the
+    calling thread; then the backward's body profiled on each."""
+    import cProfile
+    import io
+    import pstats
+    import threading
+
+    from flexmask import autograd as fa
+
+    orig = fa._EagerAttention.backward
+    marks: dict[str, int] = {}
+    profiler: list = [None]
+
+    pin: list = [None]  # a CPU set the backward's thread takes on entry (the caller's own)
+
+    def marked(ctx, *g):
+        marks["entry"] = time.perf_counter_ns()
+        marks["thread"] = threading.get_ident()
+        if pin[0] is not None and marks.get("pinned") != marks["thread"]:
+            os.sched_setaffinity(threading.get_native_id(), pin[0])
+            marks["pinned"] = marks["thread"]
+        if profiler[0] is not None:
+            profiler[0].enable()
+        grads = orig(ctx, *g)
+        if profiler[0] is not None:
+            profiler[0].disable()
+        marks["exit"] = time.perf_counter_ns()
+        return grads
+
+    def steps(n=CALLS):
+        rows = []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            out = flexmask.attention(q, k, v, mask=cm)
+            t1 = time.perf_counter_ns()
+            out.backward(do)
+            t2 = time.perf_counter_ns()
+            rows.append((t1 - t0, marks["entry"] - t1, marks["exit"] - marks["entry"], t2 - marks["exit"], t2 - t0))
+        return rows
+
+    def report(label, rows):
+        import statistics
+        cols = list(zip(*rows))
+        names = ("forward", "call -> entry", "backward body", "exit -> return", "step")
+        med = [statistics.median(c) / 1e3 for c in cols]
+        print(f"{label:24s} " + "  ".join(f"{n} {m:7.1f}" for n, m in zip(names, med)) + " us", flush=True)
+
+    fa._EagerAttention.backward = staticmethod(marked)
+    try:
+        for one_thread in (False, True):
+            with torch.autograd.set_multithreading_enabled(not one_thread):
+                steps(20)
+                label = "calling thread" if one_thread else "device thread"
+                report(label, steps())
+                print(f"{'':24s} backward ran on the calling thread: {marks['thread'] == threading.get_ident()}")
+        # both threads on the caller's CPU: what remains is the hand-off itself, not two cores' caches
+        everywhere = os.sched_getaffinity(0)
+        here = {sorted(everywhere)[0]}
+        os.sched_setaffinity(threading.get_native_id(), here)
+        pin[0] = here
+        try:
+            steps(20)
+            report("device thread, one CPU", steps())
+        finally:
+            pin[0] = everywhere
+            steps(2)
+            pin[0] = None
+            os.sched_setaffinity(threading.get_native_id(), everywhere)
+        for one_thread in (False, True):
+            with torch.autograd.set_multithreading_enabled(not one_thread):
+                profiler[0] = cProfile.Profile()
+                steps(CALLS)
+                buf = io.StringIO()
+                pstats.Stats(profiler[0], stream=buf).sort_stats("tottime").print_stats(25)
+                profiler[0] = None
+                print(("calling" if one_thread else "device") + " thread, backward body, 300 steps:")
+                print(buf.getvalue())
+    finally:
+        fa._EagerAttention.backward = staticmethod(orig)
+    print("Python threads:", [t.name for t in threading.enumerate()])
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv not in ([], ["--variants"]):
-        raise SystemExit("usage: python -m tools.backward_thread_cost [--variants]")
+    if argv not in ([], ["--variants"], ["--timeline"]):
+        raise SystemExit("usage: python -m tools.backward_thread_cost [--variants | --timeline]")
     require_cuda("tools.backward_thread_cost", "times training steps on a GPU")
     q = torch.randn(1, 16, 512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn_like(q, requires_grad=True) for _ in range(2))
@@ -119,7 +208,7 @@ def main(argv=None) -> int:
     detached = (q.detach(), k.detach(), v.detach())
     if argv:
         print(torch.cuda.get_device_name())
-        variants(q, k, v, do, cm)
+        (variants if argv == ["--variants"] else timeline)(q, k, v, do, cm)
         return 0
 
     cases = {

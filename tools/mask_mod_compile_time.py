@@ -62,7 +62,12 @@ def main(argv=None) -> int:
     ap.add_argument("--first-pass", choices=("auto", "eager", "compiled"), default="auto")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--inductor-options", type=json.loads, default=None)
+    ap.add_argument("--compiled-block-log2", type=int, default=None,
+                    help="(pair, q, kv) evaluations of one compiled call, as a power of two "
+                         "(intervals.MASK_MOD_COMPILED_BLOCK_ELEMENTS)")
     args = ap.parse_args(argv)
+    if args.compiled_block_log2 is not None:
+        intervals.MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << args.compiled_block_log2
     if args.inductor_options is not None:
         intervals._INLINE_PREDICATE = args.inductor_options
     if args.first_pass == "eager":
@@ -81,6 +86,8 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         options = "" if args.inductor_options is None else f" {json.dumps(args.inductor_options)}"
+        if args.compiled_block_log2 is not None:
+            options += f" blocks of 2^{args.compiled_block_log2}"
         print(f"{name:20s} S={args.seq_len} {args.device} {args.first_pass}{options}: first {times[0] * 1e3:9.1f} ms, "
               f"best {min(times) * 1e3:9.1f} ms of {args.repeats}")
         if args.profile:
