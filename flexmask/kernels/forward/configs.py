@@ -89,11 +89,6 @@ HOPPER_FORWARD_EARLY_Q = True
 HOPPER_FORWARD_WAIT_BLOCK = False
 
 
-# O waited for and rescaled before the exponentials in the one-loop walk (program order), so that
-# ptxas may put the rescale's multiplies between them (experiment).
-HOPPER_FORWARD_RESCALE_FIRST = False
-
-
 def hopper_forward_column_bias(head_dim: int, cm=None) -> bool:
     """Whether the Hopper forward masks PARTIAL tiles with a column bias where it can
     (forward_hopper._column_bias): at the head dims of HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS, for

@@ -362,16 +362,13 @@ def _wait_in_own_block(acc, Sk):
 
 
 @gluon.jit
-def _scaled_softmax_step(t, m_i, l_i, acc=None, o_layout: gl.constexpr = None, RESCALE: gl.constexpr = False):
+def _scaled_softmax_step(t, m_i, l_i):
     """_softmax_step for scores already scaled (and masked by a -inf bias)."""
     m_new = gl.maximum(m_i, gl.max(t, 1))
     alpha = gl.exp2(m_i - m_new)
-    out = alpha
-    if RESCALE:
-        out = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p = gl.exp2(t - gl.expand_dims(m_new, 1))
     l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, out
+    return p, m_new, l_i, alpha
 
 
 @gluon.jit
@@ -388,8 +385,7 @@ def _any_column(flags, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
 @gluon.jit
 def _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
                          ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                         COLUMN_BIAS: gl.constexpr, TERMS: gl.constexpr = False,
-                         acc=None, o_layout: gl.constexpr = None, RESCALE: gl.constexpr = False):
+                         COLUMN_BIAS: gl.constexpr, TERMS: gl.constexpr = False):
     """_softmax_step of any tile: FULL tiles as they are; PARTIAL ones with the row words, or
     (COLUMN_BIAS) with the column bias where no column of this warpgroup's rows is mixed (one
     decision for the warpgroup). With TERMS, s are already the scores in log2 units
@@ -402,16 +398,14 @@ def _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
     if is_partial & (any_mixed == 0):
         bias_cols = gl.convert_layout(bias, gl.SliceLayout(0, s_layout))
         if TERMS:
-            p, m_new, l_new, alpha = _scaled_softmax_step(s + gl.expand_dims(bias_cols, 0), m_i, l_i,
-                                                          acc, o_layout, RESCALE)
+            p, m_new, l_new, alpha = _scaled_softmax_step(s + gl.expand_dims(bias_cols, 0), m_i, l_i)
         else:
-            p, m_new, l_new, alpha = _scaled_softmax_step(s * qk_scale + gl.expand_dims(bias_cols, 0), m_i, l_i,
-                                                          acc, o_layout, RESCALE)
+            p, m_new, l_new, alpha = _scaled_softmax_step(s * qk_scale + gl.expand_dims(bias_cols, 0), m_i, l_i)
     else:
         if TERMS:
-            p, m_new, l_new, alpha = _scaled_softmax_step(s, m_i, l_i, acc, o_layout, RESCALE)
+            p, m_new, l_new, alpha = _scaled_softmax_step(s, m_i, l_i)
         else:
-            p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale, acc, o_layout, RESCALE)
+            p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale)
     return p, m_new, l_new, alpha
 
 
@@ -482,20 +476,15 @@ def _pass_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, acc=None, o_layout: gl.constexpr = None, RESCALE: gl.constexpr = False):
+def _softmax_step(s, m_i, l_i, qk_scale):
     """One tile's online-softmax update in exp2: returns (p, m_i, l_i, alpha), alpha the
     factor O must be multiplied by. The running maximum starts at a finite floor, so a row
-    that has seen only masked columns gets P = exp2(-inf) = 0, never NaN. With RESCALE, O
-    (`acc`, already waited for) is multiplied here, before the exponentials, and returned in
-    alpha's place."""
+    that has seen only masked columns gets P = exp2(-inf) = 0, never NaN."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
-    out = alpha
-    if RESCALE:
-        out = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, out
+    return p, m_new, l_i, alpha
 
 
 @gluon.jit
@@ -542,7 +531,7 @@ def _consumer(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, WAIT_BLOCK: gl.constexpr, RESCALE_FIRST: gl.constexpr,
+    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, WAIT_BLOCK: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * WG_ROWS, (WG + 1) * WG_ROWS) of each q-block (two
     warpgroups of a 128-row block, three of a 192-row one). The warpgroups share the K/V stages
@@ -690,21 +679,10 @@ def _consumer(
                     if TERMS:
                         s = _term_scores(s, row0, n * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                                          ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
-                    if RESCALE_FIRST:  # O waited for and rescaled before the exponentials (program order)
-                        acc = warpgroup_mma_wait(0, deps=(acc,))
-                        mbarrier.arrive(v_empty.index(prev_idx), count=1)
-                        p, m_i, l_i, acc = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i,
-                                                                qk_scale, ROWS, BLOCK_N, s_layout, COLUMN_BIAS,
-                                                                TERMS, acc, o_layout, True)
-                        p_prev = _p_carried(p, dtype, p_layout, P_F32)
-                        prev_idx = s_idx
-                        prev_phase = (kv_count // STAGES) & 1
-                    else:
-                        p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
-                                                                  ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
-                        acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count,
-                                                                      STAGES, P_F32, dtype, o_layout, p_layout, Sk,
-                                                                      WAIT_BLOCK)
+                    p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
+                                                              ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
+                    acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
+                                                                  P_F32, dtype, o_layout, p_layout, Sk, WAIT_BLOCK)
                     kv_count += 1
             if EARLY_Q:  # every S = Q K^T has been waited for: the next item's Q may load during the last O += P V
                 mbarrier.arrive(q_empty.index(q_idx), count=1)
@@ -753,8 +731,7 @@ def _forward_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, WAIT_BLOCK: gl.constexpr, RESCALE_FIRST: gl.constexpr,
-    num_warps: gl.constexpr,
+    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, WAIT_BLOCK: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS  # consumer warpgroups: 2 (128 rows) or 3 (192)
@@ -796,21 +773,21 @@ def _forward_hopper_kernel(
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK, RESCALE_FIRST)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK, RESCALE_FIRST)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK)),
             (_consumer, (2, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK, RESCALE_FIRST)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -825,14 +802,14 @@ def _forward_hopper_kernel(
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK, RESCALE_FIRST)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK, RESCALE_FIRST)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -1079,7 +1056,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
         TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
         EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m == HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
-        WAIT_BLOCK=configs.HOPPER_FORWARD_WAIT_BLOCK, RESCALE_FIRST=configs.HOPPER_FORWARD_RESCALE_FIRST,
+        WAIT_BLOCK=configs.HOPPER_FORWARD_WAIT_BLOCK,
         # the launch's registers a thread (64K a CTA): 12 warps at 168; 16 at 128 (three consumers; Triton
         # rounds the partitions to whole warpgroups), which setmaxnreg then moves to the consumers
         num_warps=4, maxnreg=168 if block_m == HOPPER_BLOCK else 128,
