@@ -69,3 +69,20 @@ def test_forward_sass_finds_the_masking_helpers():
     (counts,) = compile_for_sm90(_MASKING, timeout=600)
     assert counts.get("FSEL", 0) >= 64, counts  # a select a score of the 64 x 128 tile's 64 a thread
     assert sum(counts.values()) > counts["FSEL"], counts
+
+
+def test_stall_phases_splits_a_walk_step(tmp_path):
+    """tools.stall_phases on a made-up ncu source page: one loop of S and PV issue, the wait for
+    S, a softmax, the wait for PV and a tail; a cold instruction outside the loop is left out."""
+    from tools import stall_phases
+
+    rows = [("UMOV", 5, 1), ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4]", 100, 3),
+            ("WARPGROUP.ARRIVE", 100, 1), ("HGMMA.64x128x16.F32.BF16 R24", 100, 7),
+            ("WARPGROUP.DEPBAR.LE gsb0, 0x1", 100, 11), ("MUFU.EX2 R1, R1", 100, 13),
+            ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 100, 17), ("FMUL R2, R2, R3", 100, 19)]
+    path = tmp_path / "source.csv"
+    lines = ['"Kernel Name","k",', '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"']
+    lines += [f'"0x{i:x}","  {sass}","{samples}","{executed}"' for i, (sass, executed, samples) in enumerate(rows)]
+    path.write_text("\n".join(lines) + "\n")
+    counts = stall_phases.phases(stall_phases.read_source(str(path)))
+    assert dict(counts) == {"top": 3, "issue": 8, "wait S": 11, "softmax": 13, "wait PV": 17, "after": 19}

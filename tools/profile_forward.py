@@ -6,7 +6,9 @@
 bf16, 16 heads, one batch row; the families of forward_variants (the speed check's, full,
 random intervals). `--kernel hopper-<options>` takes forward_variants' options (stages,
 ping-pong); `--all-full` walks the same tiles with none masked; `--kernel cudnn` runs SDPA's
-cuDNN backend (full and causal). The call is made twice (the first compiles)."""
+cuDNN backend and `--kernel fa4` FlashAttention-4's `flash_attn_func` (full and causal; FA4
+unpacked as ../shared/fa4/README.md says). The call is made twice (the first compiles).
+`tools.stall_phases` reads ncu's per-instruction samples of such a call by walk phase."""
 
 from __future__ import annotations
 
@@ -46,6 +48,13 @@ def main(argv=None):
         def run():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return sdpa(q, k, v, is_causal=args.family == "causal")
+    elif args.kernel == "fa4":
+        from flash_attn.cute import flash_attn_func
+
+        qb, kb, vb = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # FA4 takes (B, S, H, D)
+
+        def run():
+            return flash_attn_func(qb, kb, vb, causal=args.family == "causal")[0]
     else:
         cm = flexmask.compile_mask(fams[args.family], s, s, device="cuda")
         if args.all_full:

@@ -906,7 +906,11 @@ def _column_run_count(fn, b: int, h: int, j: int, q_len: int, device) -> int:
 # On a GPU, masks of at least this many (b, h, q, kv) evaluations take the compiled first pass:
 # below it the eager blocks cost less than compiling a new mask_mod.
 MASK_MOD_COMPILE_PAIRS = 1 << 26
-MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << 26  # (pair, q, kv) evaluations of one call of the compiled pass
+# (pair, q, kv) evaluations of one call of the compiled pass. Inductor keeps the predicate inside
+# the word sums (`_INLINE_PREDICATE`), so a call holds its change words, not its pairs (64 MB at
+# 2^29); each call and the eager copies around it cost host time, which larger blocks save
+# (docs/performance.md, section 12: 2^26 -> 2^29).
+MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << 29
 _COMPILED: dict = {}  # a mask_mod's code -> its compiled first pass, the newest few; None: the compiler failed
 _COMPILED_KEPT = 16
 
