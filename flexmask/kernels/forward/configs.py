@@ -83,12 +83,6 @@ HOPPER_FORWARD_M192_MIN_WALK = 24
 HOPPER_FORWARD_EARLY_Q = True
 
 
-# The wait for the previous tile's O += P V in a basic block of its own: in the softmax's block
-# ptxas moves it above every exponential (SASS), so the softmax never overlapped that product
-# (docs/performance.md, section 4.9).
-HOPPER_FORWARD_WAIT_BLOCK = False
-
-
 def hopper_forward_column_bias(head_dim: int, cm=None) -> bool:
     """Whether the Hopper forward masks PARTIAL tiles with a column bias where it can
     (forward_hopper._column_bias): at the head dims of HOPPER_FORWARD_COLUMN_BIAS_HEAD_DIMS, for

@@ -335,30 +335,13 @@ def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx
 
 @gluon.jit
 def _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES: gl.constexpr, P_F32: gl.constexpr,
-              dtype: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, Sk=0,
-              WAIT_BLOCK: gl.constexpr = False):
+              dtype: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """After a step's softmax: wait for O += P V of the previous tile, release its V stage,
-    rescale O by alpha and keep this tile's P for the next step. Returns (O, P, stage, phase).
-    With WAIT_BLOCK the wait sits in a basic block of its own (`_wait_in_own_block`)."""
-    if WAIT_BLOCK:
-        acc = _wait_in_own_block(acc, Sk)
-    else:
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+    rescale O by alpha and keep this tile's P for the next step. Returns (O, P, stage, phase)."""
+    acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev_idx), count=1)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return acc, _p_carried(p, dtype, p_layout, P_F32), s_idx, (kv_count // STAGES) & 1
-
-
-@gluon.jit
-def _wait_in_own_block(acc, Sk):
-    """warpgroup_mma_wait(0) for O += P V behind a branch ptxas cannot fold (Sk > 0 whenever a
-    tile is walked): in the softmax's own basic block ptxas moves the wait above the exponentials,
-    so the softmax never ran beside the previous tile's O += P V (docs/performance.md, 4.9)."""
-    if Sk > 0:
-        done = warpgroup_mma_wait(0, deps=(acc,))
-    else:  # never taken; unlike the other branch, so that LLVM cannot merge the two
-        done = warpgroup_mma_wait(0, deps=(warpgroup_mma_wait(1, deps=(acc,)),))
-    return done
 
 
 @gluon.jit
@@ -531,7 +514,7 @@ def _consumer(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, WAIT_BLOCK: gl.constexpr,
+    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * WG_ROWS, (WG + 1) * WG_ROWS) of each q-block (two
     warpgroups of a 128-row block, three of a 192-row one). The warpgroups share the K/V stages
@@ -643,7 +626,7 @@ def _consumer(
                         p, m_i, l_i, alpha = _masked_softmax_step(s, True, words, bias, mixed, m_i, l_i, qk_scale,
                                                                   ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
                     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
-                                                                  P_F32, dtype, o_layout, p_layout, Sk, WAIT_BLOCK)
+                                                                  P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
                     if TC_BIAS:  # the next tile's column bias, into the other B: this one's product has been waited for
                         bias, _ = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
@@ -663,7 +646,7 @@ def _consumer(
                                          alibi_shift, ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
                     p, m_i, l_i, alpha = _term_softmax_step(s, m_i, l_i, qk_scale, TERMS)
                     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
-                                                                  P_F32, dtype, o_layout, p_layout, Sk, WAIT_BLOCK)
+                                                                  P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
             else:  # one loop over all tiles, each testing whether it is PARTIAL
                 for i in range(1, n_tiles):
@@ -682,7 +665,7 @@ def _consumer(
                     p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
                                                               ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
                     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
-                                                                  P_F32, dtype, o_layout, p_layout, Sk, WAIT_BLOCK)
+                                                                  P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
             if EARLY_Q:  # every S = Q K^T has been waited for: the next item's Q may load during the last O += P V
                 mbarrier.arrive(q_empty.index(q_idx), count=1)
@@ -731,7 +714,7 @@ def _forward_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, WAIT_BLOCK: gl.constexpr, num_warps: gl.constexpr,
+    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS  # consumer warpgroups: 2 (128 rows) or 3 (192)
@@ -773,21 +756,21 @@ def _forward_hopper_kernel(
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
             (_consumer, (2, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -802,14 +785,14 @@ def _forward_hopper_kernel(
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, WAIT_BLOCK)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -1056,7 +1039,6 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
         TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
         EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m == HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
-        WAIT_BLOCK=configs.HOPPER_FORWARD_WAIT_BLOCK,
         # the launch's registers a thread (64K a CTA): 12 warps at 168; 16 at 128 (three consumers; Triton
         # rounds the partitions to whole warpgroups), which setmaxnreg then moves to the consumers
         num_warps=4, maxnreg=168 if block_m == HOPPER_BLOCK else 128,
