@@ -123,6 +123,19 @@ def hopper_forward_split_loops(head_dim: int, block_m: int = 128) -> bool:
 HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS = frozenset({64})
 
 
+def hopper_forward_full_rest(head_dim: int, block_m: int = 128) -> bool:
+    """Whether the one-loop walk (no SPLIT_LOOPS) takes a loop of its own, with no table reads and
+    no mask work, for items whose tiles after the first are all FULL (PARTIAL tiles come first:
+    full and causal attention, many document items)."""
+    return head_dim in HOPPER_FORWARD_FULL_REST_HEAD_DIMS
+
+
+# H200, FA4's four masks at 8K and 32K, heads 16/16 and 32/8: D = 128 full 1.031-1.047x, causal
+# 1.026-1.033x, causal documents 0.993-1.012x, the 1024-key window 0.974-1.018x; the 192-row
+# D = 64 walk lost on causal and documents (0.955-0.971x) (docs/performance.md, section 4.12).
+HOPPER_FORWARD_FULL_REST_HEAD_DIMS = frozenset({128})
+
+
 def hopper_forward_tc_bias(head_dim: int, q_buffers: int = 1) -> bool:
     """Whether the Hopper forward's column bias (hopper_forward_column_bias) is added to S by the
     tensor cores, in one more k-step per PARTIAL tile, instead of by the softmax per score: at the

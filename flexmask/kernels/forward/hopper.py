@@ -514,7 +514,7 @@ def _consumer(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr,
+    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, FULL_REST: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * WG_ROWS, (WG + 1) * WG_ROWS) of each q-block (two
     warpgroups of a 128-row block, three of a 192-row one). The warpgroups share the K/V stages
@@ -648,6 +648,26 @@ def _consumer(
                     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
                                                                   P_F32, dtype, o_layout, p_layout)
                     kv_count += 1
+            elif FULL_REST and t_hi - t_mid <= 1:
+                # at most tile 0 was PARTIAL (PARTIAL tiles come first): the rest are FULL, walked
+                # with no table reads and no mask work (full, causal and most document items)
+                for i in range(1, n_tiles):
+                    if HAS_ALIBI:
+                        n_cur = gl.load(FWD_BLOCKS + t_lo + i - (t_hi - t_mid))  # this FULL tile's kv-block
+                    else:
+                        n_cur = 0
+                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count,
+                                                    prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
+                                                    s_layout, p_layout)
+                    s = warpgroup_mma_wait(1, deps=(s,))
+                    mbarrier.arrive(k_empty.index(s_idx), count=1)
+                    if TERMS:
+                        s = _term_scores(s, row0, n_cur * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2,
+                                         alibi_shift, ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
+                    p, m_i, l_i, alpha = _term_softmax_step(s, m_i, l_i, qk_scale, TERMS)
+                    acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count,
+                                                                  STAGES, P_F32, dtype, o_layout, p_layout)
+                    kv_count += 1
             else:  # one loop over all tiles, each testing whether it is PARTIAL
                 for i in range(1, n_tiles):
                     n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
@@ -714,7 +734,7 @@ def _forward_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, num_warps: gl.constexpr,
+    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, FULL_REST: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS  # consumer warpgroups: 2 (128 rows) or 3 (192)
@@ -756,21 +776,21 @@ def _forward_hopper_kernel(
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST)),
             (_consumer, (2, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -785,14 +805,14 @@ def _forward_hopper_kernel(
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -1039,6 +1059,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
         TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
         EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m == HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
+        FULL_REST=configs.hopper_forward_full_rest(d, block_m) and not split_loops,
         # the launch's registers a thread (64K a CTA): 12 warps at 168; 16 at 128 (three consumers; Triton
         # rounds the partitions to whole warpgroups), which setmaxnreg then moves to the consumers
         num_warps=4, maxnreg=168 if block_m == HOPPER_BLOCK else 128,
