@@ -334,6 +334,35 @@ def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx
 
 
 @gluon.jit
+def _full_step(q_view, k_bufs, v_bufs, bars, kv_count, prev_idx, prev_phase, p_prev, acc, m_i, l_i, block_ptr,
+               row0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, WG: gl.constexpr, STAGES: gl.constexpr,
+               PINGPONG: gl.constexpr, P_F32: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """One walk step over a FULL tile, with no mask work: the products issued, S waited for, the
+    score terms where there are any (ALiBi reads the tile's kv-block at `block_ptr`), the softmax,
+    O rescaled. Returns (O, P carried, stage, phase, m_i, l_i)."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty = bars
+    ROWS: gl.constexpr = q_view.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI
+    if HAS_ALIBI:
+        n_cur = gl.load(block_ptr)
+    else:
+        n_cur = 0
+    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx, prev_phase, p_prev,
+                                    acc, WG, STAGES, PINGPONG, P_F32, s_layout, p_layout)
+    s = warpgroup_mma_wait(1, deps=(s,))
+    mbarrier.arrive(k_empty.index(s_idx), count=1)
+    if TERMS:  # FULL tiles too: the terms apply everywhere, only the mask is PARTIAL's
+        s = _term_scores(s, row0, n_cur * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                         ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
+    p, m_i, l_i, alpha = _term_softmax_step(s, m_i, l_i, qk_scale, TERMS)
+    acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES, P_F32,
+                                                  q_view.dtype, o_layout, p_layout)
+    return acc, p_prev, prev_idx, prev_phase, m_i, l_i
+
+
+@gluon.jit
 def _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES: gl.constexpr, P_F32: gl.constexpr,
               dtype: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """After a step's softmax: wait for O += P V of the previous tile, release its V stage,
@@ -632,41 +661,19 @@ def _consumer(
                         bias, _ = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
                         _store_bias_row(bias, bias_bufs.index(WG * 2 + (i + 1) % 2), BLOCK_N)
                 for i in range(gl.maximum(n_partial, 1), n_tiles):
-                    if HAS_ALIBI:
-                        n_cur = gl.load(FWD_BLOCKS + t_lo + i - n_partial)  # this FULL tile's kv-block
-                    else:
-                        n_cur = 0
-                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count,
-                                                    prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
-                                                    s_layout, p_layout)
-                    s = warpgroup_mma_wait(1, deps=(s,))
-                    mbarrier.arrive(k_empty.index(s_idx), count=1)
-                    if TERMS:  # FULL tiles too: the terms apply everywhere, only the mask is PARTIAL's
-                        s = _term_scores(s, row0, n_cur * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2,
-                                         alibi_shift, ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
-                    p, m_i, l_i, alpha = _term_softmax_step(s, m_i, l_i, qk_scale, TERMS)
-                    acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
-                                                                  P_F32, dtype, o_layout, p_layout)
+                    acc, p_prev, prev_idx, prev_phase, m_i, l_i = _full_step(
+                        q_view, k_bufs, v_bufs, bars, kv_count, prev_idx, prev_phase, p_prev, acc, m_i, l_i,
+                        FWD_BLOCKS + t_lo + i - n_partial, row0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                        WG, STAGES, PINGPONG, P_F32, SOFTCAP, HAS_ALIBI, s_layout, o_layout, p_layout)
                     kv_count += 1
             elif FULL_REST and t_hi - t_mid <= 1:
                 # at most tile 0 was PARTIAL (PARTIAL tiles come first): the rest are FULL, walked
                 # with no table reads and no mask work (full, causal and most document items)
                 for i in range(1, n_tiles):
-                    if HAS_ALIBI:
-                        n_cur = gl.load(FWD_BLOCKS + t_lo + i - (t_hi - t_mid))  # this FULL tile's kv-block
-                    else:
-                        n_cur = 0
-                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count,
-                                                    prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
-                                                    s_layout, p_layout)
-                    s = warpgroup_mma_wait(1, deps=(s,))
-                    mbarrier.arrive(k_empty.index(s_idx), count=1)
-                    if TERMS:
-                        s = _term_scores(s, row0, n_cur * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2,
-                                         alibi_shift, ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
-                    p, m_i, l_i, alpha = _term_softmax_step(s, m_i, l_i, qk_scale, TERMS)
-                    acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count,
-                                                                  STAGES, P_F32, dtype, o_layout, p_layout)
+                    acc, p_prev, prev_idx, prev_phase, m_i, l_i = _full_step(
+                        q_view, k_bufs, v_bufs, bars, kv_count, prev_idx, prev_phase, p_prev, acc, m_i, l_i,
+                        FWD_BLOCKS + t_lo + i - (t_hi - t_mid), row0, qk_scale, tanh_scale, softcap2, slope2,
+                        alibi_shift, WG, STAGES, PINGPONG, P_F32, SOFTCAP, HAS_ALIBI, s_layout, o_layout, p_layout)
                     kv_count += 1
             else:  # one loop over all tiles, each testing whether it is PARTIAL
                 for i in range(1, n_tiles):
