@@ -86,3 +86,15 @@ def test_stall_phases_splits_a_walk_step(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     counts = stall_phases.phases(stall_phases.read_source(str(path)))
     assert dict(counts) == {"top": 3, "issue": 8, "wait S": 11, "softmax": 13, "wait PV": 17, "after": 19}
+
+
+def test_stall_phases_by_opcode(tmp_path):
+    """tools.stall_phases --by-opcode: samples and executed counts per opcode, predicates left out."""
+    from tools import stall_phases
+
+    path = tmp_path / "source.csv"
+    path.write_text('"Kernel Name","k",\n"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
+                    '"0x0","  MUFU.EX2 R1, R1","5","10"\n"0x10","  @P0 MUFU.EX2 R2, R2","2","4"\n'
+                    '"0x20","  HGMMA.64x128x16.F32.BF16 R24","7","3"\n')
+    samples, executed = stall_phases.by_opcode(stall_phases.read_source(str(path)))
+    assert dict(samples) == {"MUFU": 7, "HGMMA": 7} and dict(executed) == {"MUFU": 14, "HGMMA": 3}

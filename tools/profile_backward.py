@@ -5,6 +5,9 @@
 
 bf16, 16 heads, 32K tokens, the speed check's masks (benchmarks/speed_check.py). The call is
 made twice (the first compiles); the profiler's kernel filter picks which launch it reads.
+`--kernel fa4` runs FlashAttention-4's backward (`flash_attn_func` through autograd; causal and
+full; FA4 unpacked as ../shared/fa4/README.md says); `python -m tools.stall_phases --by-opcode`
+reads ncu's samples of either.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from benchmarks.speed_check import families
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernel", default="hopper", choices=("hopper", "fused", "two-pass"))
+    ap.add_argument("--kernel", default="hopper", choices=("hopper", "fused", "two-pass", "fa4"))
     ap.add_argument("--family", default="causal")
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=16)
@@ -35,13 +38,23 @@ def main(argv=None):
     s, h, d = args.seq, args.heads, args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
-    cm = flexmask.compile_mask(families(s, "cuda")[args.family][0], s, s, device="cuda")
-    scale = d ** -0.5
-    o, lse = attention_forward(q, k, v, cm, scale)
+    if args.kernel == "fa4":
+        from flash_attn.cute import flash_attn_func
 
-    def run():
-        return attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=args.kernel == "two-pass",
-                                  kernel=args.kernel)
+        qb, kb, vb = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))  # FA4 takes (B, S, H, D)
+        out = flash_attn_func(qb, kb, vb, causal=args.family == "causal")[0]
+        dob = do.transpose(1, 2).contiguous()
+
+        def run():
+            return torch.autograd.grad(out, (qb, kb, vb), dob, retain_graph=True)
+    else:
+        cm = flexmask.compile_mask(families(s, "cuda")[args.family][0], s, s, device="cuda")
+        scale = d ** -0.5
+        o, lse = attention_forward(q, k, v, cm, scale)
+
+        def run():
+            return attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=args.kernel == "two-pass",
+                                      kernel=args.kernel)
 
     call_for_profiler(run, f"{args.kernel} {args.family} D={d} S={s}" if args.time else None)
 

@@ -15,7 +15,9 @@ with the stalls of a tensor-core queue that is full), `wait S` (the DEPBAR that 
 in flight), `wait PV` (the DEPBAR for none), and `softmax` / `after`: what runs after the wait
 for S and after the wait for O += P V. Shares are of the loop's samples; with `--duration-ms`
 also as that share of the kernel's time (every consumer warp is in the loop for about all of it).
-docs/performance.md, section 4.11, compares flexmask's forward with FA4's this way."""
+docs/performance.md, section 4.11, compares flexmask's forward with FA4's this way. `--by-opcode`
+lists instead every instruction class's share of all samples and its executed count (any kernel:
+the backward's loop has more phases than these)."""
 
 from __future__ import annotations
 
@@ -66,12 +68,36 @@ def phases(rows: list[dict], min_share: float = 0.45) -> Counter:
     return counts
 
 
+def by_opcode(rows: list[dict]) -> tuple[Counter, Counter]:
+    """Samples and executed (warp) instructions per opcode, its first dotted part (HGMMA, MUFU,
+    WARPGROUP, SYNCS, ...), predicates left out."""
+    samples: Counter = Counter()
+    executed: Counter = Counter()
+    for r in rows:
+        words = r["Source"].split()
+        if not words:
+            continue
+        op = (words[1] if words[0].startswith("@") and len(words) > 1 else words[0]).split(".")[0]
+        samples[op] += _int(r[SAMPLES])
+        executed[op] += _int(r[EXECUTED])
+    return samples, executed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source_csv", nargs="+")
     ap.add_argument("--duration-ms", type=float, nargs="*", default=None)
     ap.add_argument("--min-share", type=float, default=0.45)
+    ap.add_argument("--by-opcode", action="store_true")
     args = ap.parse_args(argv)
+    if args.by_opcode:
+        for path in args.source_csv:
+            samples, executed = by_opcode(read_source(path))
+            total = sum(samples.values())
+            print(f"{path}: {total} samples, {sum(executed.values()) / 1e6:.1f} M instructions")
+            for op, n in samples.most_common(20):
+                print(f"  {op:12s} {100 * n / total:5.1f}%  {executed[op] / 1e6:8.1f} M")
+        return 0
     order = ("top", "issue", "wait S", "softmax", "wait PV", "after")
     for i, path in enumerate(args.source_csv):
         counts = phases(read_source(path), args.min_share)
