@@ -21,6 +21,7 @@ the Python threads alive.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 
@@ -130,9 +131,9 @@ def timeline(q, k, v, do, cm) -> None:
     def marked(ctx, *g):
         marks["entry"] = time.perf_counter_ns()
         marks["thread"] = threading.get_ident()
-        if pin[0] is not None and marks.get("pinned") != marks["thread"]:
+        if pin[0] is not None and marks.get("pinned") != (marks["thread"], pin[0]):  # a new thread or set
             os.sched_setaffinity(threading.get_native_id(), pin[0])
-            marks["pinned"] = marks["thread"]
+            marks["pinned"] = (marks["thread"], pin[0])
         if profiler[0] is not None:
             profiler[0].enable()
         grads = orig(ctx, *g)
@@ -153,7 +154,6 @@ def timeline(q, k, v, do, cm) -> None:
         return rows
 
     def report(label, rows):
-        import statistics
         cols = list(zip(*rows))
         names = ("forward", "call -> entry", "backward body", "exit -> return", "step")
         med = [statistics.median(c) / 1e3 for c in cols]
@@ -168,8 +168,8 @@ def timeline(q, k, v, do, cm) -> None:
                 report(label, steps())
                 print(f"{'':24s} backward ran on the calling thread: {marks['thread'] == threading.get_ident()}")
         # both threads on the caller's CPU: what remains is the hand-off itself, not two cores' caches
-        everywhere = os.sched_getaffinity(0)
-        here = {sorted(everywhere)[0]}
+        everywhere = frozenset(os.sched_getaffinity(0))
+        here = frozenset({min(everywhere)})
         os.sched_setaffinity(threading.get_native_id(), here)
         pin[0] = here
         try:

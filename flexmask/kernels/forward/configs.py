@@ -124,10 +124,10 @@ HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS = frozenset({64})
 
 
 def hopper_forward_full_rest(head_dim: int, block_m: int = 128) -> bool:
-    """Whether the one-loop walk (no SPLIT_LOOPS) takes a loop of its own, with no table reads and
-    no mask work, for items whose tiles after the first are all FULL (PARTIAL tiles come first:
-    full and causal attention, many document items)."""
-    return head_dim in HOPPER_FORWARD_FULL_REST_HEAD_DIMS
+    """Whether the one-loop walk (where hopper_forward_split_loops is off) takes a loop of its own,
+    with no table reads and no mask work, for items whose tiles after the first are all FULL
+    (PARTIAL tiles come first: full and causal attention, many document items)."""
+    return head_dim in HOPPER_FORWARD_FULL_REST_HEAD_DIMS and not hopper_forward_split_loops(head_dim, block_m)
 
 
 # H200, FA4's four masks at 8K and 32K, heads 16/16 and 32/8: D = 128 full 1.031-1.047x, causal

@@ -1066,7 +1066,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
         TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
         EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m == HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
-        FULL_REST=configs.hopper_forward_full_rest(d, block_m) and not split_loops,
+        FULL_REST=configs.hopper_forward_full_rest(d, block_m),
         # the launch's registers a thread (64K a CTA): 12 warps at 168; 16 at 128 (three consumers; Triton
         # rounds the partitions to whole warpgroups), which setmaxnreg then moves to the consumers
         num_warps=4, maxnreg=168 if block_m == HOPPER_BLOCK else 128,
