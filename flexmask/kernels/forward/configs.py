@@ -135,6 +135,10 @@ def hopper_forward_full_rest(head_dim: int, block_m: int = 128) -> bool:
 # D = 64 walk lost on causal and documents (0.955-0.971x) (docs/performance.md, section 4.12).
 HOPPER_FORWARD_FULL_REST_HEAD_DIMS = frozenset({128})
 
+# How many PARTIAL tiles an item may have and still walk its FULL ones in the FULL-rest loop: 1 (the
+# diagonal's) or 2 (with a document start's beside it: tile 1 taken as a step of its own first).
+HOPPER_FORWARD_FULL_REST_PARTIALS = 2
+
 
 def hopper_forward_tc_bias(head_dim: int, q_buffers: int = 1) -> bool:
     """Whether the Hopper forward's column bias (hopper_forward_column_bias) is added to S by the
