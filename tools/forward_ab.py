@@ -8,7 +8,9 @@ and the largest difference between the two outputs. Switches:
 - `early_q` (D = 128 and 64, heads 16/16, S = 512, 2K, 8K): configs.HOPPER_FORWARD_EARLY_Q off against on (the Q
   buffer released before the walk's last O += P V instead of after the epilogue);
 - `pingpong` (D = 128 and 64, heads 16/16 and 32/8, S = 2K, 8K, 32K; 128-row items on both sides): the two
-  consumer warpgroups issuing their products independently against taking turns (FA4's scheduler barrier).
+  consumer warpgroups issuing their products independently against taking turns (FA4's scheduler barrier);
+- `full_rest` (D = 128 and 64, heads 16/16 and 32/8, S = 8K, 32K; the head dims' own items): the one-loop walk
+  for every item against the FULL-rest loop (configs.hopper_forward_full_rest) at both head dims.
 
     PYTHONPATH=$PWD python3 -m tools.forward_ab --switch block_m
 """
@@ -34,6 +36,7 @@ SWITCHES = {  # name: (head dims, heads, (S, batch) cases, the two sides' labels
     # short walks pay the item's fixed cost: 512 and 2K tokens, where per_call's forward trails cuDNN
     "early_q": ((128, 64), ((16, 16),), ((512, 64), (2048, 16), (8192, 4)), ("Q late", "Q early")),
     "pingpong": ((128, 64), ((16, 16), (32, 8)), ((2048, 16), (8192, 4), (32768, 1)), ("no turns", "turns")),
+    "full_rest": ((128, 64), ((16, 16), (32, 8)), ((8192, 4), (32768, 1)), ("one loop", "FULL rest")),
 }
 
 
@@ -42,6 +45,13 @@ def _run(switch: str, side: int, q, k, v, cm, mask_map):
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=(128, 192)[side])
     if switch == "pingpong":
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=128, pingpong=bool(side))
+    if switch == "full_rest":
+        kept = configs.HOPPER_FORWARD_FULL_REST_HEAD_DIMS
+        configs.HOPPER_FORWARD_FULL_REST_HEAD_DIMS = frozenset({64, 128}) if side else frozenset()
+        try:
+            return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map)
+        finally:
+            configs.HOPPER_FORWARD_FULL_REST_HEAD_DIMS = kept
     configs.HOPPER_FORWARD_EARLY_Q = bool(side)
     try:
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map)
