@@ -297,7 +297,8 @@ def test_hopper_kernels_compile_for_sm90():
     process of its own: conftest.compile_for_sm90), the forward of three consumer warpgroups
     (192 rows, 160 registers each) with the two words it keeps on the stack, and the D = 128
     forward with the spill its FULL-rest loop brought: the shared-memory base, reloaded once a step
-    in warpgroup 0's walk loops (measured faster with it: docs/performance.md, section 4.12). The
+    in warpgroup 0's walk loops, and values of an item held across its two PARTIAL steps, outside
+    the loops (measured faster with both: docs/performance.md, section 4.12). The
     three with 16 runs per column (k-run masks) compile too; they spill some (section 12)."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
@@ -308,7 +309,7 @@ def test_hopper_kernels_compile_for_sm90():
             # (before setmaxnreg gives the consumers 160), and read once a work item, never in the walk
             assert "8 bytes spill stores" in r["report"], r
         elif r["name"] == "forward" and r["d"] == 128:  # exactly what was measured (Q_BUFS = 2 is D = 64's only)
-            want = "24 bytes spill stores, 124 bytes spill loads" if r["variant"] == 1 else "32 bytes spill stores"
+            want = "124 bytes spill stores, 228 bytes spill loads" if r["variant"] == 1 else "32 bytes spill stores"
             assert want in r["report"], r
         elif r["name"] in ("forward", "dq"):
             assert "0 bytes spill stores" in r["report"], r

@@ -10,7 +10,9 @@ and the largest difference between the two outputs. Switches:
 - `pingpong` (D = 128 and 64, heads 16/16 and 32/8, S = 2K, 8K, 32K; 128-row items on both sides): the two
   consumer warpgroups issuing their products independently against taking turns (FA4's scheduler barrier);
 - `full_rest` (D = 128 and 64, heads 16/16 and 32/8, S = 8K, 32K; the head dims' own items): the one-loop walk
-  for every item against the FULL-rest loop (configs.hopper_forward_full_rest) at both head dims.
+  for every item against the FULL-rest loop (configs.hopper_forward_full_rest) at both head dims;
+- `full_rest_partials` (D = 128, heads 16/16 and 32/8, S = 8K, 32K): the FULL-rest loop for items with one
+  PARTIAL tile against items with up to two (configs.HOPPER_FORWARD_FULL_REST_PARTIALS 1 / 2).
 
     PYTHONPATH=$PWD python3 -m tools.forward_ab --switch block_m
 """
@@ -37,6 +39,7 @@ SWITCHES = {  # name: (head dims, heads, (S, batch) cases, the two sides' labels
     "early_q": ((128, 64), ((16, 16),), ((512, 64), (2048, 16), (8192, 4)), ("Q late", "Q early")),
     "pingpong": ((128, 64), ((16, 16), (32, 8)), ((2048, 16), (8192, 4), (32768, 1)), ("no turns", "turns")),
     "full_rest": ((128, 64), ((16, 16), (32, 8)), ((8192, 4), (32768, 1)), ("one loop", "FULL rest")),
+    "full_rest_partials": ((128,), ((16, 16), (32, 8)), ((8192, 4), (32768, 1)), ("1 PARTIAL", "2 PARTIAL")),
 }
 
 
@@ -52,6 +55,13 @@ def _run(switch: str, side: int, q, k, v, cm, mask_map):
             return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map)
         finally:
             configs.HOPPER_FORWARD_FULL_REST_HEAD_DIMS = kept
+    if switch == "full_rest_partials":
+        kept = configs.HOPPER_FORWARD_FULL_REST_PARTIALS
+        configs.HOPPER_FORWARD_FULL_REST_PARTIALS = 1 + side
+        try:
+            return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map)
+        finally:
+            configs.HOPPER_FORWARD_FULL_REST_PARTIALS = kept
     configs.HOPPER_FORWARD_EARLY_Q = bool(side)
     try:
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map)

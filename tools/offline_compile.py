@@ -106,7 +106,8 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
                   COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim, block_m),
                   TC_BIAS=bool(tc_bias), **term_consts, NUM_RUNS=runs,
                   EARLY_Q=forward_configs.HOPPER_FORWARD_EARLY_Q and block_m == 128,
-                  FULL_REST=forward_configs.hopper_forward_full_rest(head_dim, block_m), num_warps=4)
+                  FULL_REST=forward_configs.hopper_forward_full_rest(head_dim, block_m),
+                  FULL_REST_PARTIALS=forward_configs.HOPPER_FORWARD_FULL_REST_PARTIALS, num_warps=4)
     if runs > 2:
         consts.update(COLUMN_BIAS=False, TC_BIAS=False)
     maxnreg = 168 if block_m == 128 else 128  # as attention_forward_hopper launches it

@@ -125,8 +125,9 @@ HOPPER_FORWARD_SPLIT_LOOPS_HEAD_DIMS = frozenset({64})
 
 def hopper_forward_full_rest(head_dim: int, block_m: int = 128) -> bool:
     """Whether the one-loop walk (where hopper_forward_split_loops is off) takes a loop of its own,
-    with no table reads and no mask work, for items whose tiles after the first are all FULL
-    (PARTIAL tiles come first: full and causal attention, many document items)."""
+    with no table reads and no mask work, for items whose tiles after the first
+    HOPPER_FORWARD_FULL_REST_PARTIALS are all FULL (PARTIAL tiles come first: full and causal
+    attention, most document items)."""
     return head_dim in HOPPER_FORWARD_FULL_REST_HEAD_DIMS and not hopper_forward_split_loops(head_dim, block_m)
 
 
@@ -134,6 +135,12 @@ def hopper_forward_full_rest(head_dim: int, block_m: int = 128) -> bool:
 # 1.026-1.033x, causal documents 0.993-1.012x, the 1024-key window 0.974-1.018x; the 192-row
 # D = 64 walk lost on causal and documents (0.955-0.971x) (docs/performance.md, section 4.12).
 HOPPER_FORWARD_FULL_REST_HEAD_DIMS = frozenset({128})
+
+# How many PARTIAL tiles an item may have and still walk its FULL ones in the FULL-rest loop: 1 (the
+# diagonal's) or 2 (with a document start's beside it: tile 1 taken as a step of its own first).
+# 2 against 1 (H200, FA4's four masks at 8K and 32K, 16/16 and 32/8): causal documents 0.996-1.040x,
+# full 0.996-1.028x, causal and the window 0.984-1.011x (docs/performance.md, section 4.12).
+HOPPER_FORWARD_FULL_REST_PARTIALS = 2
 
 
 def hopper_forward_tc_bias(head_dim: int, q_buffers: int = 1) -> bool:

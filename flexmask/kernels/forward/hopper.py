@@ -334,6 +334,37 @@ def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx
 
 
 @gluon.jit
+def _tested_step(i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs, v_bufs, bars, kv_count, prev_idx,
+                 prev_phase, p_prev, acc, m_i, l_i, row0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                 WG: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_F32: gl.constexpr,
+                 COLUMN_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Walk step i of the one loop: the tile read from the table and tested, its column intervals
+    and row words (while the products run) where it is PARTIAL, the masked softmax, O rescaled.
+    Returns (O, P carried, stage, phase, m_i, l_i)."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty = bars
+    ROWS: gl.constexpr = q_view.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI
+    n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
+    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, 4, is_partial, NUM_RUNS)
+    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx, prev_phase, p_prev,
+                                    acc, WG, STAGES, PINGPONG, P_F32, s_layout, p_layout)
+    words = _row_words(lts, lte, uts, ute, row0, ROWS // 2, NUM_RUNS)  # while the products run
+    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
+    s = warpgroup_mma_wait(1, deps=(s,))
+    mbarrier.arrive(k_empty.index(s_idx), count=1)
+    if TERMS:
+        s = _term_scores(s, row0, n * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                         ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
+    p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
+                                              ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
+    acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES, P_F32,
+                                                  q_view.dtype, o_layout, p_layout)
+    return acc, p_prev, prev_idx, prev_phase, m_i, l_i
+
+
+@gluon.jit
 def _full_step(q_view, k_bufs, v_bufs, bars, kv_count, prev_idx, prev_phase, p_prev, acc, m_i, l_i, block_ptr,
                row0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, WG: gl.constexpr, STAGES: gl.constexpr,
                PINGPONG: gl.constexpr, P_F32: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
@@ -544,6 +575,7 @@ def _consumer(
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
     NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, FULL_REST: gl.constexpr,
+    FULL_REST_PARTIALS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * WG_ROWS, (WG + 1) * WG_ROWS) of each q-block (two
     warpgroups of a 128-row block, three of a 192-row one). The warpgroups share the K/V stages
@@ -666,10 +698,21 @@ def _consumer(
                         FWD_BLOCKS + t_lo + i - n_partial, row0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                         WG, STAGES, PINGPONG, P_F32, SOFTCAP, HAS_ALIBI, s_layout, o_layout, p_layout)
                     kv_count += 1
-            elif FULL_REST and t_hi - t_mid <= 1:
-                # at most tile 0 was PARTIAL (PARTIAL tiles come first): the rest are FULL, walked
-                # with no table reads and no mask work (full, causal and most document items)
-                for i in range(1, n_tiles):
+            elif FULL_REST and t_hi - t_mid <= FULL_REST_PARTIALS:
+                # at most FULL_REST_PARTIALS PARTIAL tiles, walked first: tile 1 if it is one (the
+                # document start's tile beside the diagonal's), then the rest are FULL, walked with no
+                # table reads and no mask work (full, causal and most document items)
+                first_full = 1
+                if FULL_REST_PARTIALS > 1:
+                    if t_hi - t_mid > 1:
+                        acc, p_prev, prev_idx, prev_phase, m_i, l_i = _tested_step(
+                            1, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs, v_bufs, bars, kv_count,
+                            prev_idx, prev_phase, p_prev, acc, m_i, l_i, row0, qk_scale, tanh_scale, softcap2, slope2,
+                            alibi_shift, WG, STAGES, PINGPONG, P_F32, COLUMN_BIAS, SOFTCAP, HAS_ALIBI, NUM_RUNS,
+                            s_layout, o_layout, p_layout)
+                        kv_count += 1
+                        first_full = 2
+                for i in range(first_full, n_tiles):
                     acc, p_prev, prev_idx, prev_phase, m_i, l_i = _full_step(
                         q_view, k_bufs, v_bufs, bars, kv_count, prev_idx, prev_phase, p_prev, acc, m_i, l_i,
                         FWD_BLOCKS + t_lo + i - (t_hi - t_mid), row0, qk_scale, tanh_scale, softcap2, slope2,
@@ -677,22 +720,11 @@ def _consumer(
                     kv_count += 1
             else:  # one loop over all tiles, each testing whether it is PARTIAL
                 for i in range(1, n_tiles):
-                    n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
-                    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial, NUM_RUNS)
-                    s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count,
-                                                    prev_idx, prev_phase, p_prev, acc, WG, STAGES, PINGPONG, P_F32,
-                                                    s_layout, p_layout)
-                    words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)  # while the products run
-                    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
-                    s = warpgroup_mma_wait(1, deps=(s,))
-                    mbarrier.arrive(k_empty.index(s_idx), count=1)
-                    if TERMS:
-                        s = _term_scores(s, row0, n * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
-                                         ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
-                    p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
-                                                              ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
-                    acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES,
-                                                                  P_F32, dtype, o_layout, p_layout)
+                    acc, p_prev, prev_idx, prev_phase, m_i, l_i = _tested_step(
+                        i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs, v_bufs, bars, kv_count,
+                        prev_idx, prev_phase, p_prev, acc, m_i, l_i, row0, qk_scale, tanh_scale, softcap2, slope2,
+                        alibi_shift, WG, STAGES, PINGPONG, P_F32, COLUMN_BIAS, SOFTCAP, HAS_ALIBI, NUM_RUNS,
+                        s_layout, o_layout, p_layout)
                     kv_count += 1
             if EARLY_Q:  # every S = Q K^T has been waited for: the next item's Q may load during the last O += P V
                 mbarrier.arrive(q_empty.index(q_idx), count=1)
@@ -741,7 +773,8 @@ def _forward_hopper_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
-    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, FULL_REST: gl.constexpr, num_warps: gl.constexpr,
+    NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, FULL_REST: gl.constexpr,
+    FULL_REST_PARTIALS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS  # consumer warpgroups: 2 (128 rows) or 3 (192)
@@ -783,21 +816,24 @@ def _forward_hopper_kernel(
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
+                         FULL_REST_PARTIALS)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
+                         FULL_REST_PARTIALS)),
             (_consumer, (2, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
+                         FULL_REST_PARTIALS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -812,14 +848,16 @@ def _forward_hopper_kernel(
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
+                         FULL_REST_PARTIALS)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST)),
+                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
+                         FULL_REST_PARTIALS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -1067,6 +1105,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
         EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m == HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
         FULL_REST=configs.hopper_forward_full_rest(d, block_m),
+        FULL_REST_PARTIALS=configs.HOPPER_FORWARD_FULL_REST_PARTIALS,
         # the launch's registers a thread (64K a CTA): 12 warps at 168; 16 at 128 (three consumers; Triton
         # rounds the partitions to whole warpgroups), which setmaxnreg then moves to the consumers
         num_warps=4, maxnreg=168 if block_m == HOPPER_BLOCK else 128,
