@@ -733,7 +733,7 @@ def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tu
     n_chunks, cols = -(-q_len // chunk), kv_idx.numel()
     changes = torch.empty((n, cols, n_chunks), dtype=torch.int32, device=kv_idx.device)
     count = torch.zeros((n, cols), dtype=torch.int32, device=kv_idx.device)
-    above = torch.zeros((n, 1, cols), dtype=torch.int64, device=kv_idx.device)  # above the first row: attended
+    above = torch.zeros((n, 1, cols), dtype=torch.int32, device=kv_idx.device)  # above the first row: attended
     q0 = 0
     while q0 < q_len:
         if compiled is None or eager_first:  # the eager pass checks the function on its first block
@@ -766,19 +766,21 @@ def _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool, 
     generation fails on a cumulative sum over rows and on a scatter), so that the words leave the
     compiled pass as change words and counts, not as masked words for eager passes to difference."""
     chunk = MASK_MOD_CHUNK_ROWS
-    words = _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
-    last_rows = words >> (chunk - 1)  # each chunk's last row: the next chunk's row above
+    words = _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)  # int32: bit 31 is the sign
+    last_rows = (words >> (chunk - 1)) & 1  # each chunk's last row (the shift copies the sign): the next chunk's row above
     row_above = torch.cat([above, last_rows[:, :-1]], dim=1)
-    # a run open at the last row does not end at q_len: bits of rows past it are dropped
+    # a run open at the last row does not end at q_len: bits of rows past it are dropped (in int64, where
+    # 1 << 32 fits, then the low 32 bits)
     live = (q_len - q_idx[::chunk]).clamp(0, chunk).view(1, -1, 1)
-    changes = (words ^ ((words << 1) | row_above)) & ((1 << live) - 1)
-    return changes.to(torch.int32), (changes != 0).sum(1, dtype=torch.int32), last_rows[:, -1:]
+    changes = (words ^ ((words << 1) | row_above)) & ((1 << live.long()) - 1).to(torch.int32)
+    return changes, (changes != 0).sum(1, dtype=torch.int32), last_rows[:, -1:]
 
 
 def _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool) -> torch.Tensor:
     """One block of rows (a whole number of chunks) of a block of columns: each chunk's masked rows
     as a word, bit r for the chunk's row r (rows past q_len read as attended), [n, chunks, cols]
-    int64. Each pair is evaluated once, with nothing but a sum after it (Inductor fuses the two)."""
+    int32 (bit 31 the sign). Each pair is evaluated once, with nothing but a sum after it (Inductor
+    fuses the two)."""
     q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_idx.view(-1, 1), kv_idx.view(1, -1))
     inside = (q_idx < q_len).view(1, -1, 1)
     masked = ~_mask_mod_block(fn, b_idx, h_idx, q_in.clamp(max=q_len - 1), kv_in, kv_idx.device) & inside
@@ -786,19 +788,21 @@ def _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool) -
 
 
 def _packed_words(masked: torch.Tensor) -> torch.Tensor:
-    """Each chunk of a bool block [n, rows, cols] as an int64 word [n, chunks, cols], bit r for row r
-    of the chunk. Compiled, one sum over the chunk's rows, which Inductor fuses with the predicate;
-    eagerly, the rows summed first into bytes (uint8 arithmetic: 20x faster on a CPU than the
-    int64 sum), then four bytes into a word."""
+    """Each chunk of a bool block [n, rows, cols] as an int32 word [n, chunks, cols], bit r for row r
+    of the chunk (bit 31 the sign). Compiled, one int32 sum over the chunk's rows, which Inductor
+    fuses with the predicate (distinct bits never carry, so the sum is the word even where it wraps
+    past 2^31; int64 arithmetic takes two instructions a step on a GPU); eagerly, the rows summed
+    first into bytes (uint8 arithmetic: 20x faster on a CPU than the int64 sum), then four bytes
+    into a word."""
     n, rows, cols = masked.shape
     chunk = MASK_MOD_CHUNK_ROWS
     if torch.compiler.is_compiling() or chunk % 8:
-        bit = (2 ** torch.arange(chunk, device=masked.device)).view(1, 1, chunk, 1)
-        return torch.where(masked.view(n, rows // chunk, chunk, cols), bit, 0).sum(2)
+        bit = (2 ** torch.arange(chunk, device=masked.device)).to(torch.int32).view(1, 1, chunk, 1)  # 2^31 wraps
+        return torch.where(masked.view(n, rows // chunk, chunk, cols), bit, 0).sum(2, dtype=torch.int32)
     in_byte = (2 ** torch.arange(8, device=masked.device)).to(torch.uint8).view(1, 1, 1, 8, 1)
     by = (masked.view(n, rows // chunk, chunk // 8, 8, cols).to(torch.uint8) * in_byte).sum(3, dtype=torch.uint8)
     in_word = (256 ** torch.arange(chunk // 8, device=masked.device)).view(1, 1, -1, 1)
-    return (by.long() * in_word).sum(2)
+    return (by.long() * in_word).sum(2).to(torch.int32)
 
 
 def _first_changed_chunks(changes: torch.Tensor, count: torch.Tensor, spare: int):
