@@ -309,7 +309,7 @@ def test_hopper_kernels_compile_for_sm90():
             # (before setmaxnreg gives the consumers 160), and read once a work item, never in the walk
             assert "8 bytes spill stores" in r["report"], r
         elif r["name"] == "forward" and r["d"] == 128:  # exactly what was measured (Q_BUFS = 2 is D = 64's only)
-            want = "124 bytes spill stores, 228 bytes spill loads" if r["variant"] == 1 else "32 bytes spill stores"
+            want = "124 bytes spill stores, 228 bytes spill loads" if r["variant"] == 1 else "160 bytes spill stores"
             assert want in r["report"], r
         elif r["name"] in ("forward", "dq"):
             assert "0 bytes spill stores" in r["report"], r
