@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD ncu --clock-control none -k regex:_backward_hopper_kernel -c 1 \
         python3 -m tools.profile_backward --kernel hopper --head-dim 128
 
-bf16, 16 heads, 32K tokens, the speed check's masks (benchmarks/speed_check.py). The call is
+bf16, 16 heads, 32K tokens, the speed check's masks (benchmarks/speed_check.py) or "full". The call is
 made twice (the first compiles); the profiler's kernel filter picks which launch it reads.
 `--kernel fa4` runs FlashAttention-4's backward (`flash_attn_func` through autograd; causal and
 full; FA4 unpacked as ../shared/fa4/README.md says); `python -m tools.stall_phases --by-opcode`
@@ -48,7 +48,8 @@ def main(argv=None):
         def run():
             return torch.autograd.grad(out, (qb, kb, vb), dob, retain_graph=True)
     else:
-        cm = flexmask.compile_mask(families(s, "cuda")[args.family][0], s, s, device="cuda")
+        spec = flexmask.masks.full() if args.family == "full" else families(s, "cuda")[args.family][0]
+        cm = flexmask.compile_mask(spec, s, s, device="cuda")
         scale = d ** -0.5
         o, lse = attention_forward(q, k, v, cm, scale)
 
