@@ -119,6 +119,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
                      runs: int = 2, split: bool = False):
     """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums."""
     from triton.experimental.gluon._runtime import GluonASTSource
+    from flexmask.kernels.backward import configs as bc
     from flexmask.kernels.backward import hopper as bh
     from flexmask.kernels.forward import hopper as fh
 
@@ -131,17 +132,21 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     i32 = torch.empty(8, dtype=torch.int32)
     dkv = torch.empty(2, 2, 1024, head_dim) if split else k
     sums = fh.tma_descriptor(dkv, (8, 1024, head_dim), (1024 * head_dim, head_dim, 1), (1, 64, 32)) if split else dqd
-    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, sums_desc=sums, STATS=torch.empty(8),
+    term_args, term_consts = _backward_terms(terms)
+    keys_on_rows = bc.hopper_backward_keys_on_rows(head_dim, q_step, term_consts["SOFTCAP"] or term_consts["HAS_ALIBI"],
+                                                   1024)
+    stats_desc = bh._stats_descriptor(torch.empty(8, 2, 1024), q_step) if keys_on_rows else dqd
+    args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, sums_desc=sums, stats_desc=stats_desc,
+                STATS=torch.empty(8),
                 DK=dkv, DV=dkv,
                 INTV=i32, WORK=i32, COUNTER=i32, BWD_OFFSETS=i32, BWD_NUM_FULL=i32, BWD_BLOCKS=i32, n_items=1000,
                 stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
                 Sq=1000, Sk=1000, NKB=7, HQ=4, B_HKV=4, ITEM_HEADS=4 if split else 2, HEADS_PER_ITEM=1 if split else 2,
                 GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
-    term_args, term_consts = _backward_terms(terms)
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
-                  num_warps=4)
+                  KEYS_ON_ROWS=keys_on_rows, num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

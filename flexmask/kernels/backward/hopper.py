@@ -54,6 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
 from ..common.launcher import FastLaunch
 from ..common.masking import mask_runs
 from ..common import scheduler
@@ -179,14 +181,15 @@ def _add_to_sums(sums_desc, dq_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr,
 
 @gluon.jit
 def _producer(
-    q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
+    q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
-    NKB, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-    STAGES: gl.constexpr, Q_STEP: gl.constexpr,
+    STAGES: gl.constexpr, Q_STEP: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
 ):
     """One warp: claims work items (scheduler.py) and hands them to the consumers; per item, K
-    and V once, then Q and dO step by step in walk order."""
+    and V once, then Q and dO step by step in walk order (with KEYS_ON_ROWS, the step's LSE and
+    delta beside them)."""
     kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     step = 0
     item_count = 0
@@ -214,9 +217,16 @@ def _producer(
                 start_m = gl.load(BWD_BLOCKS + t_lo + i // STEPS) * KV_BLOCK + (i % STEPS) * Q_STEP
                 s = step % STAGES
                 mbarrier.wait(q_empty.index(s), ((step // STAGES) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                if KEYS_ON_ROWS:
+                    mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                    + stats_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [x_q, start_m, c_q], q_ready.index(s), q_bufs.index(s))
                 tma.async_copy_global_to_shared(do_desc, [x_q, start_m, c_q], q_ready.index(s), do_bufs.index(s))
+                if KEYS_ON_ROWS:  # columns past Sq read as 0: their Q and dO rows are 0 too, so P dO and dS are
+                    tma.async_copy_global_to_shared(stats_desc, [(b * HQ + h) * 2, start_m], q_ready.index(s),
+                                                    stats_bufs.index(s))
                 # K and V once the first step's Q/dO are on their way: that step's loads need not
                 # wait until the consumers release the previous item's K and V
                 if step == first_step:
@@ -239,16 +249,134 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_k
 
 
 @gluon.jit
+def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, p_stats, start_m, Sq,
+                         col0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, lts, lte, uts, ute, partial, step,
+                         WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                         NUM_RUNS: gl.constexpr, s_layout: gl.constexpr):
+    """One step of a consumer with queries on the rows of S: S = Q K^T and dP = dO V^T
+    [Q_STEP, ROWS], P and dS through shared memory into dV += P^T dO and dK += dS^T Q; dS also
+    handed to the dQ products (ds_ready). Returns dV, dK with the products done."""
+    Q_STEP: gl.constexpr = q_view.shape[0]
+    ROWS: gl.constexpr = k_t.shape[1]
+    dtype: gl.constexpr = q_view.dtype
+    query_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_m = start_m + gl.arange(0, Q_STEP, layout=query_layout)
+    lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
+    delta = gl.load(p_stats + Sq + o_m, mask=o_m < Sq, other=0.0)
+    zeros_s = gl.zeros([Q_STEP, ROWS], gl.float32, layout=s_layout)
+    qk = warpgroup_mma(q_view, k_t, zeros_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
+    words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
+    qk = warpgroup_mma_wait(1, deps=(qk,))
+    if SOFTCAP or HAS_ALIBI:  # every step, FULL ones too: the scores in log2 units, then the mask
+        qk, th = _term_scores(qk, start_m, col0, qk_scale, tanh_scale, softcap2,
+                              slope2, alibi_shift, Q_STEP, ROWS, s_layout, SOFTCAP, HAS_ALIBI)
+        if partial:  # PARTIAL tile: -inf where masked or past Sk
+            qk = _apply_row_words(qk, words, Q_STEP, ROWS)
+        p = gl.exp2(qk - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
+    else:
+        if partial:  # PARTIAL tile: -inf where masked or past Sk
+            qk = _apply_row_words(qk, words, Q_STEP, ROWS)
+        p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
+    p_cols.store(p.to(dtype))
+    if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2; P itself is stored already
+        p = p * (1.0 - th * th)
+    dp = warpgroup_mma_wait(0, deps=(dp,))
+    ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)  # [Q_STEP, ROWS]
+    # dS to shared memory, once the other warpgroup has read the last one
+    if WITH_DQ:
+        mbarrier.wait(ds_free, (step & 1) ^ 1)
+    ds_cols.store(ds)
+    fence_async_shared()
+    if WITH_DQ:
+        mbarrier.arrive(ds_ready, count=1)
+    dv = warpgroup_mma(p_cols.permute((1, 0)), do_view, dv, is_async=True)  # P^T dO
+    dk = warpgroup_mma(ds_cols.permute((1, 0)), q_view, dk, is_async=True)  # dS^T Q
+    return warpgroup_mma_wait(0, deps=(dv, dk))
+
+
+@gluon.jit
+def _apply_key_row_words(st, words):
+    """-inf where `words` ([2, ROWS] from _row_words: bit r of word (j, c) is query row 32 j + r of
+    key c) mark an element of S^T ([ROWS keys, 64 queries])."""
+    ROWS: gl.constexpr = st.shape[0]
+    Q_STEP: gl.constexpr = st.shape[1]
+    layout: gl.constexpr = st.type.layout
+    w0, w1 = gl.split(gl.permute(words, (1, 0)))  # [ROWS] each: query rows 0-31, 32-63
+    w0 = gl.expand_dims(gl.convert_layout(w0, gl.SliceLayout(1, layout)), 1)
+    w1 = gl.expand_dims(gl.convert_layout(w1, gl.SliceLayout(1, layout)), 1)
+    c = gl.arange(0, Q_STEP, layout=gl.SliceLayout(0, layout))
+    word = gl.where(gl.expand_dims(c < 32, 0), w0, w1)
+    bit = gl.expand_dims(1 << (c % 32), 0)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 b; and.b32 b, $1, $2; setp.ne.b32 p, b, 0; selp.f32 $0, 0fFF800000, $3, p; }",
+        "=f,r,r,f", [word, bit, st], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _prefetch_stats(p_stats, start_m, Sq, Q_STEP: gl.constexpr):
+    """Bring a step's LSE and delta into L1 (one 128-byte line a warp: 4 warps, 2 x 64 floats),
+    so that the loads where they are used do not wait on L2."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    i = gl.arange(0, 2 * Q_STEP, layout=layout)
+    ptrs = p_stats + (i // Q_STEP) * Sq + gl.minimum(start_m + i % Q_STEP, Sq - 1)
+    gl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
+                           lts, lte, uts, ute, start_m, partial, step,
+                           WITH_DQ: gl.constexpr, NUM_RUNS: gl.constexpr,
+                           st_layout: gl.constexpr, a_layout: gl.constexpr):
+    """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
+    Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
+    memory once, for the dQ products. A query's LSE and delta are per column here: loaded where
+    used, so that both are not live across the products."""
+    Q_STEP: gl.constexpr = q_view.shape[0]
+    ROWS: gl.constexpr = k_rows.shape[0]
+    dtype: gl.constexpr = q_view.dtype
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    zeros_st = gl.zeros([ROWS, Q_STEP], gl.float32, layout=st_layout)
+    st = warpgroup_mma(k_rows, q_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_rows, do_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
+    words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
+    st = warpgroup_mma_wait(1, deps=(st,))
+    # a column's statistics, 16 registers a thread each: read from shared memory where used (held
+    # across the products, or moved into this layout from two a thread, they spilled or took barriers)
+    lse2 = stats.slice(0, 1, dim=0).load(st_layout)  # [1, Q_STEP]
+    if partial:  # PARTIAL tile: -inf where masked or past Sk
+        st = _apply_key_row_words(st, words)
+    pt = gl.exp2(st * qk_scale - lse2)  # [ROWS, Q_STEP]
+    delta = stats.slice(1, 1, dim=0).load(st_layout)
+    dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    dst = (pt * (dpt - delta)).to(dtype)  # [ROWS, Q_STEP]
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_view, dv, is_async=True)  # P^T dO
+    # dS to shared memory (query-major, the dQ products' A), once the other warpgroup has read the last one
+    if WITH_DQ:
+        mbarrier.wait(ds_free, (step & 1) ^ 1)
+    ds_cols.permute((1, 0)).store(dst)
+    fence_async_shared()
+    if WITH_DQ:
+        mbarrier.arrive(ds_ready, count=1)
+    dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_view, dk, is_async=True)  # dS^T Q
+    return warpgroup_mma_wait(0, deps=(dv, dk))
+
+
+@gluon.jit
 def _consumer(
-    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
+    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
+    KEYS_ON_ROWS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
+    KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
+    registers (no score terms; `_keys_on_rows_products`).
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SPLIT_GROUP:
     items of one query head, whose dK/dV are added into fp32 sums (DK, DV) with the other heads
     of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
@@ -271,6 +399,9 @@ def _consumer(
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, DQ_N, 16])
     query_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per query (row of S)
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, Q_STEP, 16])  # S^T: [ROWS, Q_STEP]
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)  # P^T, dS^T as A
     TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI  # S through _term_scores before the mask
     dq_col = WG * DQ_N if SPLIT_DQ else 0
 
@@ -307,9 +438,6 @@ def _consumer(
             for i in range(n_steps):
                 t = t_lo + i // STEPS
                 start_next = _step_start(BWD_BLOCKS, t_lo, i + 1, n_steps, Q_STEP)  # the next step's, loaded now
-                o_m = start_m + gl.arange(0, Q_STEP, layout=query_layout)
-                lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
-                delta = gl.load(p_stats + Sq + o_m, mask=o_m < Sq, other=0.0)
                 # shared-memory views, rebuilt every step from an index the compiler cannot see is
                 # 0: hoisted out of the loop, their wgmma descriptors (one per k-step) stayed live
                 # across it and spilled
@@ -325,36 +453,16 @@ def _consumer(
                 mbarrier.wait(q_ready.index(s), (step // STAGES) & 1)
                 q_view = q_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
                 do_view = do_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
-                zeros_s = gl.zeros([Q_STEP, ROWS], gl.float32, layout=s_layout)
-                qk = warpgroup_mma(q_view, k_t, zeros_s, use_acc=False, is_async=True)
-                dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
-                words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
-                qk = warpgroup_mma_wait(1, deps=(qk,))
-                if TERMS:  # every step, FULL ones too: the scores in log2 units, then the mask
-                    qk, th = _term_scores(qk, start_m, n * KV_BLOCK + WG * ROWS, qk_scale, tanh_scale, softcap2,
-                                          slope2, alibi_shift, Q_STEP, ROWS, s_layout, SOFTCAP, HAS_ALIBI)
-                    if t >= t_mid:  # PARTIAL tile: -inf where masked or past Sk
-                        qk = _apply_row_words(qk, words, Q_STEP, ROWS)
-                    p = gl.exp2(qk - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
+                if KEYS_ON_ROWS:
+                    dv, dk = _keys_on_rows_products(
+                        k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
+                        ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
+                        t >= t_mid, step, WITH_DQ, NUM_RUNS, st_layout, a_layout)
                 else:
-                    if t >= t_mid:  # PARTIAL tile: -inf where masked or past Sk
-                        qk = _apply_row_words(qk, words, Q_STEP, ROWS)
-                    p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
-                p_cols.store(p.to(dtype))
-                if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2; P itself is stored already
-                    p = p * (1.0 - th * th)
-                dp = warpgroup_mma_wait(0, deps=(dp,))
-                ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)  # [Q_STEP, ROWS]
-                # dS to shared memory, once the other warpgroup has read the last one
-                if WITH_DQ:
-                    mbarrier.wait(ds_free, (step & 1) ^ 1)
-                ds_cols.store(ds)
-                fence_async_shared()
-                if WITH_DQ:
-                    mbarrier.arrive(ds_ready, count=1)
-                dv = warpgroup_mma(p_cols.permute((1, 0)), do_view, dv, is_async=True)  # P^T dO
-                dk = warpgroup_mma(ds_cols.permute((1, 0)), q_view, dk, is_async=True)  # dS^T Q
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    dv, dk = _query_rows_products(
+                        k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, p_stats, start_m, Sq,
+                        n * KV_BLOCK + WG * ROWS, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                        lts, lte, uts, ute, t >= t_mid, step, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout)
                 mbarrier.arrive(q_empty.index(s), count=1)
                 if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
                     # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
@@ -400,7 +508,7 @@ def _consumer(
 
 @gluon.jit
 def _backward_hopper_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, STATS, DK, DV,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, STATS, DK, DV,
     INTV, WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -408,7 +516,8 @@ def _backward_hopper_kernel(
     qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, num_warps: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -420,6 +529,10 @@ def _backward_hopper_kernel(
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_STEP, KV_BLOCK], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [1, Q_STEP, KV_BLOCK], ds_layout)  # dS, query-major
     p_smem = gl.allocate_shared_memory(dtype, [1, Q_STEP, KV_BLOCK], ds_layout)  # P, query-major
+    if KEYS_ON_ROWS:  # each step's LSE and delta, [STAGES, 2, Q_STEP], loaded with its Q and dO
+        stats_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape, stats_desc.layout)
+    else:
+        stats_bufs = q_bufs  # (not read)
     DQ_BOXES: gl.constexpr = 4 if WITH_DQ else 1  # (one unused box without dQ)
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)  # [4, 1, Q_STEP, 32]
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -445,23 +558,23 @@ def _backward_hopper_kernel(
     bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty)
 
     gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
+        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP)),
-        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
+        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, bars,
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
-                     NKB, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+                     NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                     STAGES, Q_STEP)),
+                     STAGES, Q_STEP, KEYS_ON_ROWS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -574,6 +687,17 @@ def _like_q(do: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return do.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+_STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _stats_descriptor(stats: torch.Tensor, q_step: int):
+    """2-D descriptor of the statistics [B * Hq, 2, Sq] (LSE, delta) as [B * Hq * 2, Sq] rows, in
+    boxes of both rows of a head and q_step columns (needs Sq % 4 == 0: 16-byte rows)."""
+    rows = stats.shape[0] * 2
+    sq = stats.shape[-1]
+    return TensorDescriptor(stats, [rows, sq], [sq, 1], [2, q_step], _STATS_LAYOUT)
+
+
 def _dq_descriptor(dq_acc: torch.Tensor, q_step: int):
     """3-D descriptor of the fp32 dQ buffer [B * Hq, Sq, BLOCK_D] in boxes of q_step rows: a block
     that overhangs Sq is clipped at its own head's end, not added into the next head's rows."""
@@ -612,19 +736,22 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         dq_acc = torch.empty(1, q_step, 32, dtype=torch.float32, device=q.device)
     dq_desc = _dq_descriptor(dq_acc, q_step)
     sums_desc = dq_desc  # (unused without the split)
+    keys_on_rows = configs.hopper_backward_keys_on_rows(d, q_step, score_flags["SOFTCAP"] or score_flags["HAS_ALIBI"], sq)
+    stats_desc = _stats_descriptor(stats, q_step) if keys_on_rows else dq_desc
     if split:  # fp32 sums of the group's heads, cast into dk and dv after the kernel
         sums = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device)
         dk, dv = sums.unbind(0)
         sums_desc = tma_descriptor(sums, (2 * batch * hkv, sk, d), (sk * d, d, 1), (1, KV_ROWS // 2, 32))
     _BACKWARD_HOPPER_LAUNCH(grid,
-        q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats, dk, dv,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, stats, dk, dv,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, cm.num_kv_blocks, hq, batch * hkv, item_heads, hq // item_heads, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        NUM_RUNS=mask_runs(cm), num_warps=4, maxnreg=168,
+        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows,
+        num_warps=4, maxnreg=168,
     )
     if split:
         dk_out.copy_(dk)
