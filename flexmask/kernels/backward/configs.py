@@ -117,16 +117,20 @@ SPLIT_TWO_HEADS_MIN_GROUP = 8
 # whole 128-row table tile per step, as FA4's SM90 backward (m_block_size 128 at D <= 64).
 HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 
-# Keys on the rows of S (S^T = K Q^T, FA4's SM90 layout): P^T and dS^T feed dV and dK from registers.
-# Steps of 64 query rows without score terms only (docs/performance.md, section 5).
+# Keys on the rows of S (S^T = K Q^T, FA4's SM90 layout): P^T and dS^T feed dV and dK from registers,
+# the step's LSE and delta come by TMA. H200, FA4's four masks at 8K and 32K, 16/16 and 32/8 heads:
+# full 1.026-1.058x, causal 1.000-1.017x, the window 0.993-1.023x, causal documents 1.005-1.028x
+# (docs/performance.md, section 5).
 HOPPER_BACKWARD_KEYS_ON_ROWS = True
 
 
-def hopper_backward_keys_on_rows(head_dim: int, q_step: int, terms: bool, sq: int) -> bool:
+def hopper_backward_keys_on_rows(head_dim: int, q_step: int, terms: bool, sq: int, runs: int = 2) -> bool:
     """Whether the Hopper backward's consumers take keys on the rows of S (HOPPER_BACKWARD_KEYS_ON_ROWS):
-    at D = 128 in 64-row steps, without softcap or ALiBi (`terms`), where the statistics' rows
-    can be loaded by TMA (Sq % 4 == 0: 16-byte rows)."""
-    return HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not terms and sq % 4 == 0
+    at D = 128 in 64-row steps, for masks of two intervals a column without softcap or ALiBi
+    (`terms`; those keep the layout they were measured with), where the statistics' rows can be
+    loaded by TMA (Sq % 4 == 0: 16-byte rows)."""
+    return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not terms and runs <= 2
+            and sq % 4 == 0)
 
 # The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP
 # in a basic block of its own (`if Sk > 0`, its else a wait that never runs), so that ptxas cannot

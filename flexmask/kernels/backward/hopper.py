@@ -736,7 +736,8 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         dq_acc = torch.empty(1, q_step, 32, dtype=torch.float32, device=q.device)
     dq_desc = _dq_descriptor(dq_acc, q_step)
     sums_desc = dq_desc  # (unused without the split)
-    keys_on_rows = configs.hopper_backward_keys_on_rows(d, q_step, score_flags["SOFTCAP"] or score_flags["HAS_ALIBI"], sq)
+    keys_on_rows = configs.hopper_backward_keys_on_rows(d, q_step, score_flags["SOFTCAP"] or score_flags["HAS_ALIBI"], sq,
+                                                        mask_runs(cm))
     stats_desc = _stats_descriptor(stats, q_step) if keys_on_rows else dq_desc
     if split:  # fp32 sums of the group's heads, cast into dk and dv after the kernel
         sums = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device)
