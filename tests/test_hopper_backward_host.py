@@ -353,6 +353,29 @@ def test_dq_pass_wait_block_rule(monkeypatch):
     assert not rule(64, None)
 
 
+def test_keys_on_rows_rule(monkeypatch):
+    """configs.hopper_backward_keys_on_rows (read at each call): D = 128 in 64-row steps, masks of
+    two intervals a column, no softcap or ALiBi, Sq a multiple of 4 (the statistics' rows come by
+    TMA); off with its switch."""
+    rule = backward_configs.hopper_backward_keys_on_rows
+    assert rule(128, 64, False, 4096) and rule(128, 64, False, 1000, 2)
+    assert not rule(64, 128, False, 4096)
+    assert not rule(128, 64, True, 4096)
+    assert not rule(128, 64, False, 4098)
+    assert not rule(128, 64, False, 4096, 16)
+    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_KEYS_ON_ROWS", False)
+    assert not rule(128, 64, False, 4096)
+
+
+def test_stats_descriptor_boxes_both_rows_of_a_head():
+    """The keys-on-rows kernel loads a step's LSE and delta ([B * Hq, 2, Sq]) as one box: both
+    rows of a head, q_step columns, bounded by Sq so a box past the end reads zeros, not the next
+    head's statistics."""
+    desc = backward_hopper._stats_descriptor(torch.empty(6, 2, 1000), 64)
+    assert list(desc.shape) == [12, 1000] and list(desc.strides) == [1000, 1]
+    assert list(desc.block_shape) == [2, 64]
+
+
 _WAIT_SCHEDULES = """
 import json
 from tools import offline_compile as oc

@@ -16,7 +16,12 @@ matrix products with the tensor cores idle. Here, as in the Hopper forward:
       dK += dS^T Q      [64 kv, D]        (dS likewise)
 
   with queries on the rows of S, so a query's LSE and delta are two registers per thread (keys
-  on the rows, as in a first version, cost 16 each and spilled at D = 128). Once both halves of
+  on the rows, as in a first version, cost 16 each and spilled at D = 128). At D = 128 with masks
+  of two intervals and no softcap or ALiBi the keys are on the rows after all, as in FA4's SM90
+  backward (`_keys_on_rows_products`, configs.hopper_backward_keys_on_rows): S^T = K Q^T and
+  dP^T = V dO^T, P^T and dS^T feed dV and dK from registers (no shared-memory round trip for P),
+  and the LSE and delta come with each step's Q and dO by TMA and are read from shared memory
+  where used, so they neither spill nor take barriers. Once both halves of
   dS are in shared memory, each warpgroup computes
       dQ[:, half]  = dS K[:, half]  [64 q, D / 2]   (at D = 64 one takes all of dQ, in turns)
   and adds it to the fp32 dQ buffer with a TMA bulk reduction (no per-element atomics).
