@@ -1,0 +1,79 @@
+"""A/B of one switch of the Hopper backward, both sides measured in one process: FA4's masks
+(benchmarks.peers' cases: causal, full, the 1024-key window, causal documents of 2K-8K), D = 128,
+bf16, 8K and 32K tokens a batch, heads 16/16 and 32/8; best of two interleaved do_bench runs each,
+TFLOP/s on unmasked elements, and the largest difference between the two sides' gradients.
+Switches:
+
+- `keys_on_rows`: configs.HOPPER_BACKWARD_KEYS_ON_ROWS off against on (queries against keys on the
+  rows of S; docs/performance.md, section 5).
+
+    PYTHONPATH=$PWD python3 -m tools.backward_ab --switch keys_on_rows
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+import flexmask
+from flexmask.kernels.backward import configs
+from flexmask.kernels.dispatch import attention_backward
+from flexmask.kernels.dispatch import attention_forward
+
+from benchmarks.cuda_guard import require_cuda
+from benchmarks.flops import attending_pairs, attention_flops
+from benchmarks.peers import PEER_FAMILIES, peer_case
+
+SWITCHES = {  # name: (configs attribute, the two sides' labels)
+    "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows")),
+}
+CASES = ((8192, 4), (32768, 1))  # (S, batch)
+HEADS = ((16, 16), (32, 8))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--switch", choices=sorted(SWITCHES), default="keys_on_rows")
+    parser.add_argument("--head-dim", type=int, default=128)
+    args = parser.parse_args(argv)
+    require_cuda("tools.backward_ab")
+    print(torch.cuda.get_device_name(), flush=True)
+    attribute, labels = SWITCHES[args.switch]
+    kept = getattr(configs, attribute)
+    d = args.head_dim
+    scale = d ** -0.5
+    for S, B in CASES:
+        for hq, hkv in HEADS:
+            for family in PEER_FAMILIES:
+                case = peer_case(family, S, B)
+                torch.manual_seed(0)
+                q = torch.randn(B, hq, S, d, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(B, hkv, S, d, device="cuda", dtype=torch.bfloat16)
+                v, do = torch.randn_like(k), torch.randn_like(q)
+                cm = flexmask.compile_mask(case.mask, S, S, device="cuda")
+                o, lse = attention_forward(q, k, v, cm, scale)
+                flops = attention_flops(attending_pairs(case.mask.intervals(S, S, "cuda"), S, B, hq), d)["bwd"]
+                best, grads = {}, {}
+                try:
+                    for side in (0, 1, 0, 1):
+                        setattr(configs, attribute, bool(side))
+                        run = lambda: attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=False,
+                                                         kernel="hopper")
+                        ms = triton.testing.do_bench(run, warmup=20, rep=150)
+                        best[side] = min(ms, best.get(side, float("inf")))
+                        grads.setdefault(side, [g.float() for g in run()[:3]])
+                finally:
+                    setattr(configs, attribute, kept)
+                diff = [float((a - b).abs().max()) for a, b in zip(grads[0], grads[1])]
+                print(f"{family:20s} D={d} S={S:6d} {hq}/{hkv}: {labels[0]} {best[0]:7.3f} ms "
+                      f"{flops / best[0] / 1e9:6.1f} TF, {labels[1]} {best[1]:7.3f} ms {flops / best[1] / 1e9:6.1f} TF, "
+                      f"x{best[0] / best[1]:.3f}; max|diff| dq {diff[0]:.1e} dk {diff[1]:.1e} dv {diff[2]:.1e}",
+                      flush=True)
+                del q, k, v, do, o, lse, grads
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
