@@ -130,7 +130,7 @@ def hopper_backward_keys_on_rows(head_dim: int, q_step: int, terms: bool, sq: in
     (`terms`; those keep the layout they were measured with), where the statistics' rows can be
     loaded by TMA (Sq % 4 == 0: 16-byte rows)."""
     return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not terms and runs <= 2
-            and sq % 4 == 0)
+            and sq > 0 and sq % 4 == 0)
 
 # The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP
 # in a basic block of its own (`if Sk > 0`, its else a wait that never runs), so that ptxas cannot

@@ -59,8 +59,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
 from ..common.launcher import FastLaunch
 from ..common.masking import mask_runs
 from ..common import scheduler
@@ -700,7 +698,7 @@ def _stats_descriptor(stats: torch.Tensor, q_step: int):
     boxes of both rows of a head and q_step columns (needs Sq % 4 == 0: 16-byte rows)."""
     rows = stats.shape[0] * 2
     sq = stats.shape[-1]
-    return TensorDescriptor(stats, [rows, sq], [sq, 1], [2, q_step], _STATS_LAYOUT)
+    return tma_descriptor(stats, (rows, sq), (sq, 1), (2, q_step), _STATS_LAYOUT)
 
 
 def _dq_descriptor(dq_acc: torch.Tensor, q_step: int):

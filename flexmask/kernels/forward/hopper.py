@@ -910,12 +910,13 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
-def tma_descriptor(base: torch.Tensor, shape, strides, block: tuple[int, ...]) -> TensorDescriptor:
+def tma_descriptor(base: torch.Tensor, shape, strides, block: tuple[int, ...], layout=None) -> TensorDescriptor:
     """A Gluon TensorDescriptor of `base` as (shape, strides) in boxes of `block`, built without
     the dataclass's checks where they cannot fail: shapes positive, and the caller's view already
     16-byte aligned (`_tma_view`) with power-of-two blocks. The checks took ~15 us of host time
-    per descriptor, seven descriptors a training step."""
-    layout = shared_layout(block, base.dtype)
+    per descriptor, seven descriptors a training step. `layout`: the block's shared layout where
+    it is not the swizzled default."""
+    layout = layout or shared_layout(block, base.dtype)
     if min(shape) <= 0:
         return TensorDescriptor(base, list(shape), list(strides), list(block), layout)  # raises as Triton does
     desc = object.__new__(TensorDescriptor)
