@@ -317,17 +317,6 @@ def _apply_key_row_words(st, words):
 
 
 @gluon.jit
-def _prefetch_stats(p_stats, start_m, Sq, Q_STEP: gl.constexpr):
-    """Bring a step's LSE and delta into L1 (one 128-byte line a warp: 4 warps, 2 x 64 floats),
-    so that the loads where they are used do not wait on L2."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    i = gl.arange(0, 2 * Q_STEP, layout=layout)
-    ptrs = p_stats + (i // Q_STEP) * Sq + gl.minimum(start_m + i % Q_STEP, Sq - 1)
-    gl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
                            lts, lte, uts, ute, start_m, partial, step,
                            WITH_DQ: gl.constexpr, NUM_RUNS: gl.constexpr,
