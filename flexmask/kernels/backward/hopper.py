@@ -252,33 +252,30 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_k
 
 
 @gluon.jit
-def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, p_stats, start_m, Sq,
-                         col0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, lts, lte, uts, ute, partial, step,
+def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
+                         n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, lts, lte, uts, ute, t, t_mid, step,
                          WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                         NUM_RUNS: gl.constexpr, s_layout: gl.constexpr):
+                         NUM_RUNS: gl.constexpr, s_layout: gl.constexpr, WG: gl.constexpr):
     """One step of a consumer with queries on the rows of S: S = Q K^T and dP = dO V^T
     [Q_STEP, ROWS], P and dS through shared memory into dV += P^T dO and dK += dS^T Q; dS also
-    handed to the dQ products (ds_ready). Returns dV, dK with the products done."""
+    handed to the dQ products (ds_ready). `lse2`, `delta`: the step's rows' statistics, loaded by
+    the caller before its wait for Q and dO. Returns dV, dK with the products done."""
     Q_STEP: gl.constexpr = q_view.shape[0]
     ROWS: gl.constexpr = k_t.shape[1]
     dtype: gl.constexpr = q_view.dtype
-    query_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    o_m = start_m + gl.arange(0, Q_STEP, layout=query_layout)
-    lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
-    delta = gl.load(p_stats + Sq + o_m, mask=o_m < Sq, other=0.0)
     zeros_s = gl.zeros([Q_STEP, ROWS], gl.float32, layout=s_layout)
     qk = warpgroup_mma(q_view, k_t, zeros_s, use_acc=False, is_async=True)
     dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
     words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
     qk = warpgroup_mma_wait(1, deps=(qk,))
     if SOFTCAP or HAS_ALIBI:  # every step, FULL ones too: the scores in log2 units, then the mask
-        qk, th = _term_scores(qk, start_m, col0, qk_scale, tanh_scale, softcap2,
+        qk, th = _term_scores(qk, start_m, n * KV_BLOCK + WG * ROWS, qk_scale, tanh_scale, softcap2,
                               slope2, alibi_shift, Q_STEP, ROWS, s_layout, SOFTCAP, HAS_ALIBI)
-        if partial:  # PARTIAL tile: -inf where masked or past Sk
+        if t >= t_mid:  # PARTIAL tile: -inf where masked or past Sk
             qk = _apply_row_words(qk, words, Q_STEP, ROWS)
         p = gl.exp2(qk - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
     else:
-        if partial:  # PARTIAL tile: -inf where masked or past Sk
+        if t >= t_mid:  # PARTIAL tile: -inf where masked or past Sk
             qk = _apply_row_words(qk, words, Q_STEP, ROWS)
         p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))  # [Q_STEP, ROWS]
     p_cols.store(p.to(dtype))
@@ -323,8 +320,8 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
                            st_layout: gl.constexpr, a_layout: gl.constexpr):
     """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
     Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
-    memory once, for the dQ products. A query's LSE and delta are per column here: loaded where
-    used, so that both are not live across the products."""
+    memory once, for the dQ products. A query's LSE and delta are per column here (16 registers a
+    thread each): `stats` holds them in shared memory (loaded with Q and dO), read where used."""
     Q_STEP: gl.constexpr = q_view.shape[0]
     ROWS: gl.constexpr = k_rows.shape[0]
     dtype: gl.constexpr = q_view.dtype
@@ -430,6 +427,10 @@ def _consumer(
             for i in range(n_steps):
                 t = t_lo + i // STEPS
                 start_next = _step_start(BWD_BLOCKS, t_lo, i + 1, n_steps, Q_STEP)  # the next step's, loaded now
+                if not KEYS_ON_ROWS:  # (with keys on the rows they come by TMA with Q and dO)
+                    o_m = start_m + gl.arange(0, Q_STEP, layout=query_layout)
+                    lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
+                    delta = gl.load(p_stats + Sq + o_m, mask=o_m < Sq, other=0.0)
                 # shared-memory views, rebuilt every step from an index the compiler cannot see is
                 # 0: hoisted out of the loop, their wgmma descriptors (one per k-step) stayed live
                 # across it and spilled
@@ -452,9 +453,9 @@ def _consumer(
                         t >= t_mid, step, WITH_DQ, NUM_RUNS, st_layout, a_layout)
                 else:
                     dv, dk = _query_rows_products(
-                        k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, p_stats, start_m, Sq,
-                        n * KV_BLOCK + WG * ROWS, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
-                        lts, lte, uts, ute, t >= t_mid, step, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout)
+                        k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
+                        n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                        lts, lte, uts, ute, t, t_mid, step, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG)
                 mbarrier.arrive(q_empty.index(s), count=1)
                 if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
                     # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
