@@ -456,7 +456,9 @@ def _consumer(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
                         n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                         lts, lte, uts, ute, t, t_mid, step, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG)
-                mbarrier.arrive(q_empty.index(s), count=1)
+                LATE_RELEASE: gl.constexpr = KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
+                if not LATE_RELEASE:
+                    mbarrier.arrive(q_empty.index(s), count=1)
                 if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
                     # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
                     mbarrier.wait(ds_ready, step & 1)
@@ -468,6 +470,8 @@ def _consumer(
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(0, deps=(dq,))
                     mbarrier.arrive(ds_free, count=1)
+                    if LATE_RELEASE:  # beside ds_free: the two arrives share their warpgroup barriers
+                        mbarrier.arrive(q_empty.index(s), count=1)
                     # two boxes of BOX columns
                     dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
                     tma.store_wait(0)  # the previous reductions have read the buffers
