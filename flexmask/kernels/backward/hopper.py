@@ -140,21 +140,25 @@ def _halves(x):
 
 
 @gluon.jit
-def _add_boxes(sums_desc, bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0):
+def _add_boxes(sums_desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0):
     """Bulk-add the [ROWS, 32] `parts` (the 32-column boxes of one tensor, in order) at
-    (bhk, row0): through `per_round` shared buffers from bufs[base], waiting for the previous round's
-    reads before a buffer is written again."""
+    (bhk, row0): through `per_round` shared buffers, from lo_bufs[base] and hi_bufs[base] in turn
+    (two allocations, so that no barrier separates consecutive stores), waiting for the previous
+    round's reads before a buffer is written again."""
     for j in gl.static_range(len(parts)):
         if (first + j) % per_round == 0:
             tma.store_wait(0)
-        buf = bufs.index(base + (first + j) % per_round)  # [1, ROWS, 32], the descriptor's box
+        if (first + j) % 2 == 0:  # (per_round is even)
+            buf = lo_bufs.index(base + (first + j) % per_round // 2)  # [1, ROWS, 32], the descriptor's box
+        else:
+            buf = hi_bufs.index(base + (first + j) % per_round // 2)
         buf.reshape([parts[j].shape[0], parts[j].shape[1]]).store(parts[j])
         fence_async_shared()
         _tma_reduce_add(sums_desc, [bhk, row0, 32 * j], buf)
 
 
 @gluon.jit
-def _add_to_sums(sums_desc, dq_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr, Q_STEP: gl.constexpr):
+def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr, Q_STEP: gl.constexpr):
     """Add a split item's [ROWS, HEAD_DIM] fp32 dK and dV into the group's sums ([2, B, Hkv, Sk, D]
     under `sums_desc`, dV B * Hkv heads on) by TMA bulk reductions, in 32-column boxes staged in
     this warpgroup's half of the dQ buffers (free between items: the walk waits for their reads
@@ -162,9 +166,11 @@ def _add_to_sums(sums_desc, dq_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr,
     descriptor. Per-element fp32 atomics took 128 instructions a thread and a tensor."""
     ROWS: gl.constexpr = dk.shape[0]
     HEAD_DIM: gl.constexpr = dk.shape[1]
-    PER_WG: gl.constexpr = 2 * Q_STEP // ROWS  # the dQ buffers hold 4 x [Q_STEP, 32]: half each
-    bufs = dq_smem._reinterpret(gl.float32, [2 * PER_WG, 1, ROWS, 32], sums_desc.layout)
-    mine = WG * PER_WG
+    PER_HALF: gl.constexpr = Q_STEP // ROWS  # each dQ allocation holds 2 x [Q_STEP, 32]: one a warpgroup
+    PER_WG: gl.constexpr = 2 * PER_HALF
+    lo_bufs = dq_lo_smem._reinterpret(gl.float32, [2 * PER_HALF, 1, ROWS, 32], sums_desc.layout)
+    hi_bufs = dq_hi_smem._reinterpret(gl.float32, [2 * PER_HALF, 1, ROWS, 32], sums_desc.layout)
+    mine = WG * PER_HALF
     BOXES: gl.constexpr = HEAD_DIM // 32
     if HEAD_DIM == 128:
         k_lo, k_hi = _halves(dk)
@@ -173,13 +179,13 @@ def _add_to_sums(sums_desc, dq_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr,
         k2, k3 = _halves(k_hi)
         v0, v1 = _halves(v_lo)
         v2, v3 = _halves(v_hi)
-        _add_boxes(sums_desc, bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0)
-        _add_boxes(sums_desc, bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0)
     else:
         k0, k1 = _halves(dk)
         v0, v1 = _halves(dv)
-        _add_boxes(sums_desc, bufs, mine, (k0, k1), 0, PER_WG, bhk, row0)
-        _add_boxes(sums_desc, bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1), 0, PER_WG, bhk, row0)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0)
 
 
 @gluon.jit
@@ -354,7 +360,8 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
 
 @gluon.jit
 def _consumer(
-    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
+    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc,
+    sums_desc, bars,
     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
@@ -475,12 +482,12 @@ def _consumer(
                     # two boxes of BOX columns
                     dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
                     tma.store_wait(0)  # the previous reductions have read the buffers
-                    dq_smem.index(2 * WG).reshape([Q_STEP, BOX]).store(dq_lo)
-                    dq_smem.index(2 * WG + 1).reshape([Q_STEP, BOX]).store(dq_hi)
+                    dq_lo_smem.index(WG).reshape([Q_STEP, BOX]).store(dq_lo)
+                    dq_hi_smem.index(WG).reshape([Q_STEP, BOX]).store(dq_hi)
                     fence_async_shared()
                     # rows past Sq fall outside the descriptor and are dropped
-                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], dq_smem.index(2 * WG))
-                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], dq_smem.index(2 * WG + 1))
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], dq_lo_smem.index(WG))
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], dq_hi_smem.index(WG))
                 step += 1
                 start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
@@ -488,7 +495,7 @@ def _consumer(
 
         # epilogue: this warpgroup's rows of dK (scaled) and dV
         if SPLIT_GROUP:  # this query head's share of its kv head's dK/dV, added to the fp32 sums
-            _add_to_sums(sums_desc, dq_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
+            _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
                          n * KV_BLOCK + WG * ROWS, WG, Q_STEP)
         else:
             om = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
@@ -530,8 +537,11 @@ def _backward_hopper_kernel(
         stats_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape, stats_desc.layout)
     else:
         stats_bufs = q_bufs  # (not read)
-    DQ_BOXES: gl.constexpr = 4 if WITH_DQ else 1  # (one unused box without dQ)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)  # [4, 1, Q_STEP, 32]
+    DQ_BOXES: gl.constexpr = 2 if WITH_DQ else 1  # boxes an allocation: one a warpgroup (one unused box without dQ)
+    # the two 32-column boxes of a warpgroup's dQ part in two allocations: Triton's barrier analysis
+    # takes views of one allocation as one buffer, and put a warpgroup barrier between their stores
+    dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)  # [2, 1, Q_STEP, 32]
+    dq_hi_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -555,13 +565,13 @@ def _backward_hopper_kernel(
     bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty)
 
     gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
+        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
-        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
+        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
