@@ -140,16 +140,19 @@ def _halves(x):
 
 
 @gluon.jit
-def _add_boxes(sums_desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0):
+def _add_boxes(sums_desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0,
+               TWO: gl.constexpr):
     """Bulk-add the [ROWS, 32] `parts` (the 32-column boxes of one tensor, in order) at
-    (bhk, row0): through `per_round` shared buffers, from lo_bufs[base] and hi_bufs[base] in turn
-    (two allocations, so that no barrier separates consecutive stores), waiting for the previous
-    round's reads before a buffer is written again."""
+    (bhk, row0): through `per_round` shared buffers, waiting for the previous round's reads before
+    a buffer is written again. TWO: from lo_bufs[base] and hi_bufs[base] in turn (two allocations,
+    so that no barrier separates consecutive stores); else from lo_bufs[base] on."""
     for j in gl.static_range(len(parts)):
         if (first + j) % per_round == 0:
             tma.store_wait(0)
-        if (first + j) % 2 == 0:  # (per_round is even)
-            buf = lo_bufs.index(base + (first + j) % per_round // 2)  # [1, ROWS, 32], the descriptor's box
+        if not TWO:
+            buf = lo_bufs.index(base + (first + j) % per_round)  # [1, ROWS, 32], the descriptor's box
+        elif (first + j) % 2 == 0:  # (per_round is even)
+            buf = lo_bufs.index(base + (first + j) % per_round // 2)
         else:
             buf = hi_bufs.index(base + (first + j) % per_round // 2)
         buf.reshape([parts[j].shape[0], parts[j].shape[1]]).store(parts[j])
@@ -158,7 +161,8 @@ def _add_boxes(sums_desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, pe
 
 
 @gluon.jit
-def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr, Q_STEP: gl.constexpr):
+def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr, Q_STEP: gl.constexpr,
+                 TWO: gl.constexpr):
     """Add a split item's [ROWS, HEAD_DIM] fp32 dK and dV into the group's sums ([2, B, Hkv, Sk, D]
     under `sums_desc`, dV B * Hkv heads on) by TMA bulk reductions, in 32-column boxes staged in
     this warpgroup's half of the dQ buffers (free between items: the walk waits for their reads
@@ -166,11 +170,15 @@ def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG
     descriptor. Per-element fp32 atomics took 128 instructions a thread and a tensor."""
     ROWS: gl.constexpr = dk.shape[0]
     HEAD_DIM: gl.constexpr = dk.shape[1]
-    PER_HALF: gl.constexpr = Q_STEP // ROWS  # each dQ allocation holds 2 x [Q_STEP, 32]: one a warpgroup
-    PER_WG: gl.constexpr = 2 * PER_HALF
-    lo_bufs = dq_lo_smem._reinterpret(gl.float32, [2 * PER_HALF, 1, ROWS, 32], sums_desc.layout)
-    hi_bufs = dq_hi_smem._reinterpret(gl.float32, [2 * PER_HALF, 1, ROWS, 32], sums_desc.layout)
-    mine = WG * PER_HALF
+    PER_WG: gl.constexpr = 2 * Q_STEP // ROWS  # the dQ buffers hold 4 x [Q_STEP, 32]: half each
+    if TWO:  # two allocations of 2 x [Q_STEP, 32], one box of each a warpgroup
+        lo_bufs = dq_lo_smem._reinterpret(gl.float32, [PER_WG, 1, ROWS, 32], sums_desc.layout)
+        hi_bufs = dq_hi_smem._reinterpret(gl.float32, [PER_WG, 1, ROWS, 32], sums_desc.layout)
+        mine = WG * PER_WG // 2
+    else:
+        lo_bufs = dq_lo_smem._reinterpret(gl.float32, [2 * PER_WG, 1, ROWS, 32], sums_desc.layout)
+        hi_bufs = lo_bufs
+        mine = WG * PER_WG
     BOXES: gl.constexpr = HEAD_DIM // 32
     if HEAD_DIM == 128:
         k_lo, k_hi = _halves(dk)
@@ -179,13 +187,13 @@ def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG
         k2, k3 = _halves(k_hi)
         v0, v1 = _halves(v_lo)
         v2, v3 = _halves(v_hi)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0, TWO)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0, TWO)
     else:
         k0, k1 = _halves(dk)
         v0, v1 = _halves(dv)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1), 0, PER_WG, bhk, row0)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1), 0, PER_WG, bhk, row0, TWO)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0, TWO)
 
 
 @gluon.jit
@@ -368,7 +376,7 @@ def _consumer(
     sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
-    KEYS_ON_ROWS: gl.constexpr,
+    KEYS_ON_ROWS: gl.constexpr, FEWER_BARRIERS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
@@ -463,7 +471,7 @@ def _consumer(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
                         n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                         lts, lte, uts, ute, t, t_mid, step, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG)
-                LATE_RELEASE: gl.constexpr = KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
+                LATE_RELEASE: gl.constexpr = FEWER_BARRIERS and KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
                 if not LATE_RELEASE:
                     mbarrier.arrive(q_empty.index(s), count=1)
                 if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
@@ -482,12 +490,18 @@ def _consumer(
                     # two boxes of BOX columns
                     dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
                     tma.store_wait(0)  # the previous reductions have read the buffers
-                    dq_lo_smem.index(WG).reshape([Q_STEP, BOX]).store(dq_lo)
-                    dq_hi_smem.index(WG).reshape([Q_STEP, BOX]).store(dq_hi)
+                    if FEWER_BARRIERS:
+                        box_lo = dq_lo_smem.index(WG)
+                        box_hi = dq_hi_smem.index(WG)
+                    else:
+                        box_lo = dq_lo_smem.index(2 * WG)
+                        box_hi = dq_lo_smem.index(2 * WG + 1)
+                    box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
+                    box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
                     fence_async_shared()
                     # rows past Sq fall outside the descriptor and are dropped
-                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], dq_lo_smem.index(WG))
-                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], dq_hi_smem.index(WG))
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], box_lo)
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], box_hi)
                 step += 1
                 start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
@@ -496,7 +510,7 @@ def _consumer(
         # epilogue: this warpgroup's rows of dK (scaled) and dV
         if SPLIT_GROUP:  # this query head's share of its kv head's dK/dV, added to the fp32 sums
             _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
-                         n * KV_BLOCK + WG * ROWS, WG, Q_STEP)
+                         n * KV_BLOCK + WG * ROWS, WG, Q_STEP, FEWER_BARRIERS)
         else:
             om = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
             od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -521,7 +535,7 @@ def _backward_hopper_kernel(
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
-    num_warps: gl.constexpr,
+    FEWER_BARRIERS: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -537,11 +551,16 @@ def _backward_hopper_kernel(
         stats_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape, stats_desc.layout)
     else:
         stats_bufs = q_bufs  # (not read)
-    DQ_BOXES: gl.constexpr = 2 if WITH_DQ else 1  # boxes an allocation: one a warpgroup (one unused box without dQ)
-    # the two 32-column boxes of a warpgroup's dQ part in two allocations: Triton's barrier analysis
-    # takes views of one allocation as one buffer, and put a warpgroup barrier between their stores
-    dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)  # [2, 1, Q_STEP, 32]
-    dq_hi_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
+    if FEWER_BARRIERS:
+        # the two 32-column boxes of a warpgroup's dQ part in two allocations: Triton's barrier analysis
+        # takes views of one allocation as one buffer, and put a warpgroup barrier between their stores
+        DQ_BOXES: gl.constexpr = 2 if WITH_DQ else 1  # one a warpgroup (one unused box without dQ)
+        dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_hi_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        DQ_BOXES4: gl.constexpr = 4 if WITH_DQ else 1  # (one unused box without dQ)
+        dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES4] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_hi_smem = dq_lo_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -570,13 +589,15 @@ def _backward_hopper_kernel(
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
+                     FEWER_BARRIERS)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
+                     FEWER_BARRIERS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -758,7 +779,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows,
+        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, FEWER_BARRIERS=configs.HOPPER_BACKWARD_FEWER_BARRIERS,
         num_warps=4, maxnreg=168,
     )
     if split:
