@@ -65,8 +65,8 @@ from ..common import scheduler
 from . import configs
 from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
-    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_words, _term_scores, _tma_view, heaviest_first,
-    tma_descriptor,
+    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_bits, _row_words, _term_scores, _tma_view,
+    heaviest_first, tma_descriptor,
 )
 
 LOG2E = 1.4426950408889634
@@ -310,6 +310,34 @@ def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds
 
 
 @gluon.jit
+def _key_intervals(INTV, row, n, Sk, ROWS: gl.constexpr, pred, layout: gl.constexpr):
+    """forward_hopper._column_intervals (two intervals a column) in `layout`, the rows' slice of
+    S^T: each thread holds the interval ends of its own keys."""
+    o_n = n * ROWS + gl.arange(0, ROWS, layout=layout)
+    in_k = (o_n < Sk) & pred
+    p_intv = INTV + row.to(gl.int64) * 4 * Sk + o_n
+    lts = gl.load(p_intv, mask=in_k, other=0)
+    lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
+    uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
+    ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
+    return lts, lte, uts, ute
+
+
+@gluon.jit
+def _mask_key_rows(st, w0, w1):
+    """-inf where the keys' words mark an element of S^T ([ROWS keys, 64 queries]): w0, w1 ([ROWS]
+    in the rows' slice of S^T's layout) hold query rows 0-31 and 32-63 of each key."""
+    Q_STEP: gl.constexpr = st.shape[1]
+    layout: gl.constexpr = st.type.layout
+    c = gl.arange(0, Q_STEP, layout=gl.SliceLayout(0, layout))
+    word = gl.where(gl.expand_dims(c < 32, 0), gl.expand_dims(w0, 1), gl.expand_dims(w1, 1))
+    bit = gl.expand_dims(1 << (c % 32), 0)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 b; and.b32 b, $1, $2; setp.ne.b32 p, b, 0; selp.f32 $0, 0fFF800000, $3, p; }",
+        "=f,r,r,f", [word, bit, st], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _apply_key_row_words(st, words):
     """-inf where `words` ([2, ROWS] from _row_words: bit r of word (j, c) is query row 32 j + r of
     key c) mark an element of S^T ([ROWS keys, 64 queries])."""
@@ -331,7 +359,7 @@ def _apply_key_row_words(st, words):
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
                            lts, lte, uts, ute, start_m, partial, step,
                            WITH_DQ: gl.constexpr, NUM_RUNS: gl.constexpr,
-                           st_layout: gl.constexpr, a_layout: gl.constexpr):
+                           st_layout: gl.constexpr, a_layout: gl.constexpr, KEY_INTERVALS: gl.constexpr):
     """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
     Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
     memory once, for the dQ products. A query's LSE and delta are per column here (16 registers a
@@ -343,13 +371,19 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
     zeros_st = gl.zeros([ROWS, Q_STEP], gl.float32, layout=st_layout)
     st = warpgroup_mma(k_rows, q_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_rows, do_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
-    words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
+    if not KEY_INTERVALS:
+        words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
     st = warpgroup_mma_wait(1, deps=(st,))
     # a column's statistics, 16 registers a thread each: read from shared memory where used (held
     # across the products, or moved into this layout from two a thread, they spilled or took barriers)
     lse2 = stats.slice(0, 1, dim=0).load(st_layout)  # [1, Q_STEP]
     if partial:  # PARTIAL tile: -inf where masked or past Sk
-        st = _apply_key_row_words(st, words)
+        if KEY_INTERVALS:  # the keys' two words, in the rows' layout: a few integer operations, no loads
+            w0 = _row_bits(lts, lte, start_m) | _row_bits(uts, ute, start_m)
+            w1 = _row_bits(lts, lte, start_m + 32) | _row_bits(uts, ute, start_m + 32)
+            st = _mask_key_rows(st, w0, w1)
+        else:
+            st = _apply_key_row_words(st, words)
     pt = gl.exp2(st * qk_scale - lse2)  # [ROWS, Q_STEP]
     delta = stats.slice(1, 1, dim=0).load(st_layout)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
@@ -437,7 +471,12 @@ def _consumer(
             STEPS: gl.constexpr = KV_BLOCK // Q_STEP
             n_steps = STEPS * (t_hi - t_lo)
             # this warpgroup's keys' interval ends, once per walk (the PARTIAL steps' masks)
-            lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi, NUM_RUNS)
+            if KEYS_ON_ROWS and FEWER_BARRIERS:  # in the rows' layout of S^T: no layout conversion a step
+                lts, lte, uts, ute = _key_intervals(INTV, row, 2 * n + WG, Sk, ROWS, t_mid < t_hi,
+                                                    gl.SliceLayout(1, st_layout))
+            else:
+                lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi,
+                                                       NUM_RUNS)
             start_m = _step_start(BWD_BLOCKS, t_lo, 0, n_steps, Q_STEP)
             for i in range(n_steps):
                 t = t_lo + i // STEPS
@@ -465,7 +504,7 @@ def _consumer(
                     dv, dk = _keys_on_rows_products(
                         k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
                         ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
-                        t >= t_mid, step, WITH_DQ, NUM_RUNS, st_layout, a_layout)
+                        t >= t_mid, step, WITH_DQ, NUM_RUNS, st_layout, a_layout, FEWER_BARRIERS)
                 else:
                     dv, dk = _query_rows_products(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
