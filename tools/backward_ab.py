@@ -7,7 +7,9 @@ Switches:
 - `keys_on_rows`: configs.HOPPER_BACKWARD_KEYS_ON_ROWS off against on (queries against keys on the
   rows of S; docs/performance.md, section 5).
 
-    PYTHONPATH=$PWD python3 -m tools.backward_ab --switch keys_on_rows
+    PYTHONPATH=$PWD python3 -m tools.backward_ab --switch keys_on_rows [--alibi]
+
+`--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton
 
 import flexmask
 from flexmask.kernels.backward import configs
+from flexmask.kernels.common.score_terms import ScoreTerms
 from flexmask.kernels.dispatch import attention_backward
 from flexmask.kernels.dispatch import attention_forward
 
@@ -37,6 +40,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--switch", choices=sorted(SWITCHES), default="keys_on_rows")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes (a score term)")
     args = parser.parse_args(argv)
     require_cuda("tools.backward_ab")
     print(torch.cuda.get_device_name(), flush=True)
@@ -53,21 +57,25 @@ def main(argv=None) -> int:
                 k = torch.randn(B, hkv, S, d, device="cuda", dtype=torch.bfloat16)
                 v, do = torch.randn_like(k), torch.randn_like(q)
                 cm = flexmask.compile_mask(case.mask, S, S, device="cuda")
-                o, lse = attention_forward(q, k, v, cm, scale)
+                terms = None
+                if args.alibi:
+                    slopes = 2.0 ** (-8.0 * torch.arange(1, hq + 1, device="cuda", dtype=torch.float32) / hq)
+                    terms = ScoreTerms(alibi_slopes=slopes)
+                o, lse = attention_forward(q, k, v, cm, scale, terms=terms)
                 flops = attention_flops(attending_pairs(case.mask.intervals(S, S, "cuda"), S, B, hq), d)["bwd"]
                 best, grads = {}, {}
                 try:
                     for side in (0, 1, 0, 1):
                         setattr(configs, attribute, bool(side))
                         run = lambda: attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=False,
-                                                         kernel="hopper")
+                                                         kernel="hopper", terms=terms)
                         ms = triton.testing.do_bench(run, warmup=20, rep=150)
                         best[side] = min(ms, best.get(side, float("inf")))
                         grads.setdefault(side, [g.float() for g in run()[:3]])
                 finally:
                     setattr(configs, attribute, kept)
                 diff = [float((a - b).abs().max()) for a, b in zip(grads[0], grads[1])]
-                print(f"{family:20s} D={d} S={S:6d} {hq}/{hkv}: {labels[0]} {best[0]:7.3f} ms "
+                print(f"{family:20s} D={d} S={S:6d} {hq}/{hkv}{' alibi' if args.alibi else ''}: {labels[0]} {best[0]:7.3f} ms "
                       f"{flops / best[0] / 1e9:6.1f} TF, {labels[1]} {best[1]:7.3f} ms {flops / best[1] / 1e9:6.1f} TF, "
                       f"x{best[0] / best[1]:.3f}; max|diff| dq {diff[0]:.1e} dk {diff[1]:.1e} dv {diff[2]:.1e}",
                       flush=True)
