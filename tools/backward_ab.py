@@ -19,15 +19,15 @@ import argparse
 import torch
 import triton
 
-import flexmask
 from flexmask.kernels.backward import configs
 from flexmask.kernels.common.score_terms import ScoreTerms
 from flexmask.kernels.dispatch import attention_backward
 from flexmask.kernels.dispatch import attention_forward
 
 from benchmarks.cuda_guard import require_cuda
-from benchmarks.flops import attending_pairs, attention_flops
-from benchmarks.peers import PEER_FAMILIES, peer_case
+from benchmarks.peers import PEER_FAMILIES
+
+from tools.forward_ab import peer_inputs
 
 SWITCHES = {  # name: (configs attribute, the two sides' labels)
     "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows")),
@@ -51,18 +51,14 @@ def main(argv=None) -> int:
     for S, B in CASES:
         for hq, hkv in HEADS:
             for family in PEER_FAMILIES:
-                case = peer_case(family, S, B)
-                torch.manual_seed(0)
-                q = torch.randn(B, hq, S, d, device="cuda", dtype=torch.bfloat16)
-                k = torch.randn(B, hkv, S, d, device="cuda", dtype=torch.bfloat16)
-                v, do = torch.randn_like(k), torch.randn_like(q)
-                cm = flexmask.compile_mask(case.mask, S, S, device="cuda")
+                q, k, v, cm, flops = peer_inputs(family, S, B, hq, hkv, d)
+                do = torch.randn_like(q)
                 terms = None
                 if args.alibi:
                     slopes = 2.0 ** (-8.0 * torch.arange(1, hq + 1, device="cuda", dtype=torch.float32) / hq)
                     terms = ScoreTerms(alibi_slopes=slopes)
                 o, lse = attention_forward(q, k, v, cm, scale, terms=terms)
-                flops = attention_flops(attending_pairs(case.mask.intervals(S, S, "cuda"), S, B, hq), d)["bwd"]
+                flops = flops["bwd"]
                 best, grads = {}, {}
                 try:
                     for side in (0, 1, 0, 1):

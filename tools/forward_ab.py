@@ -69,6 +69,18 @@ def _run(switch: str, side: int, q, k, v, cm, mask_map):
         configs.HOPPER_FORWARD_EARLY_Q = True
 
 
+def peer_inputs(family: str, S: int, B: int, hq: int, hkv: int, d: int):
+    """Seeded bf16 q, k, v on the GPU, the compiled mask of benchmarks.peers' case and its FLOPs
+    per direction (attention_flops): what both sides of an A/B run on."""
+    case = peer_case(family, S, B)
+    torch.manual_seed(0)
+    q = torch.randn(B, hq, S, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, hkv, S, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cm = flexmask.compile_mask(case.mask, S, S, device="cuda")
+    return q, k, v, cm, attention_flops(attending_pairs(case.mask.intervals(S, S, "cuda"), S, B, hq), d)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--switch", choices=sorted(SWITCHES), default="block_m")
@@ -80,14 +92,9 @@ def main(argv=None) -> int:
         for S, B in cases:
             for hq, hkv in heads:
                 for family in PEER_FAMILIES:
-                    case = peer_case(family, S, B)
-                    torch.manual_seed(0)
-                    q = torch.randn(B, hq, S, d, device="cuda", dtype=torch.bfloat16)
-                    k = torch.randn(B, hkv, S, d, device="cuda", dtype=torch.bfloat16)
-                    v = torch.randn_like(k)
-                    cm = flexmask.compile_mask(case.mask, S, S, device="cuda")
+                    q, k, v, cm, flops = peer_inputs(family, S, B, hq, hkv, d)
                     mask_map = mask_broadcast(cm, B, hq, hkv)
-                    flops = attention_flops(attending_pairs(case.mask.intervals(S, S, "cuda"), S, B, hq), d)["fwd"]
+                    flops = flops["fwd"]
                     best, outs = {}, {}
                     for side in (0, 1, 0, 1):
                         run = lambda side=side: _run(args.switch, side, q, k, v, cm, mask_map)

@@ -334,6 +334,26 @@ def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx
 
 
 @gluon.jit
+def _tile_softmax(s, WAIT: gl.constexpr, s_idx, k_empty, lts, lte, uts, ute, is_partial, n, row0, m_i, l_i, qk_scale,
+                  tanh_scale, softcap2, slope2, alibi_shift, COLUMN_BIAS: gl.constexpr, SOFTCAP: gl.constexpr,
+                  HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, s_layout: gl.constexpr, ROWS: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """A tested tile from its issued S = Q K^T ([ROWS, BLOCK_N]): the row words and column bias
+    (while the product runs), the wait for S (WAIT products left in flight), the K stage released,
+    the score terms and the masked softmax step. Returns (P, m_i, l_i, alpha)."""
+    TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI
+    words = _row_words(lts, lte, uts, ute, row0, ROWS // 2, NUM_RUNS)  # while the products run
+    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
+    s = warpgroup_mma_wait(WAIT, deps=(s,))
+    mbarrier.arrive(k_empty.index(s_idx), count=1)
+    if TERMS:
+        s = _term_scores(s, row0, n * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                         ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
+    return _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
+                                ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
+
+
+@gluon.jit
 def _tested_step(i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs, v_bufs, bars, kv_count, prev_idx,
                  prev_phase, p_prev, acc, m_i, l_i, row0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                  WG: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_F32: gl.constexpr,
@@ -350,15 +370,9 @@ def _tested_step(i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs
     lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, 4, is_partial, NUM_RUNS)
     s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx, prev_phase, p_prev,
                                     acc, WG, STAGES, PINGPONG, P_F32, s_layout, p_layout)
-    words = _row_words(lts, lte, uts, ute, row0, ROWS // 2, NUM_RUNS)  # while the products run
-    bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
-    s = warpgroup_mma_wait(1, deps=(s,))
-    mbarrier.arrive(k_empty.index(s_idx), count=1)
-    if TERMS:
-        s = _term_scores(s, row0, n * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
-                         ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
-    p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
-                                              ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
+    p, m_i, l_i, alpha = _tile_softmax(s, 1, s_idx, k_empty, lts, lte, uts, ute, is_partial, n, row0, m_i, l_i,
+                                       qk_scale, tanh_scale, softcap2, slope2, alibi_shift, COLUMN_BIAS, SOFTCAP,
+                                       HAS_ALIBI, NUM_RUNS, s_layout, ROWS, BLOCK_N)
     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES, P_F32,
                                                   q_view.dtype, o_layout, p_layout)
     return acc, p_prev, prev_idx, prev_phase, m_i, l_i
@@ -635,17 +649,12 @@ def _consumer(
             mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
             k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
             _take_turn(WG, PINGPONG)
-            s = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+            s0 = warpgroup_mma(q_view, k_t, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
+                               is_async=True)
             _pass_turn(WG, PINGPONG)
-            words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)  # while the product runs
-            bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            mbarrier.arrive(k_empty.index(s_idx), count=1)
-            if TERMS:
-                s = _term_scores(s, row0, n * BLOCK_N, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
-                                 ROWS, BLOCK_N, s_layout, SOFTCAP, HAS_ALIBI)[0]
-            p, m_i, l_i, alpha = _masked_softmax_step(s, is_partial, words, bias, mixed, m_i, l_i, qk_scale,
-                                                      ROWS, BLOCK_N, s_layout, COLUMN_BIAS, TERMS)
+            p, m_i, l_i, alpha = _tile_softmax(s0, 0, s_idx, k_empty, lts, lte, uts, ute, is_partial, n, row0, m_i, l_i,
+                                               qk_scale, tanh_scale, softcap2, slope2, alibi_shift, COLUMN_BIAS,
+                                               SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, ROWS, BLOCK_N)
             p_prev = _p_carried(p, dtype, p_layout, P_F32)
             prev_idx = s_idx
             prev_phase = (kv_count // STAGES) & 1
