@@ -355,8 +355,8 @@ def test_dq_pass_wait_block_rule(monkeypatch):
 
 def test_keys_on_rows_rule(monkeypatch):
     """configs.hopper_backward_keys_on_rows (read at each call): D = 128 in 64-row steps, masks of
-    two intervals a column, no softcap or ALiBi, Sq a multiple of 4 (the statistics' rows come by
-    TMA); off with its switch."""
+    two intervals a column, no softcap (ALiBi allowed), Sq a multiple of 4 (the statistics' rows
+    come by TMA); off with its switch."""
     rule = backward_configs.hopper_backward_keys_on_rows
     assert rule(128, 64, False, 4096) and rule(128, 64, False, 1000, 2)
     assert not rule(64, 128, False, 4096)

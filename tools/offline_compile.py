@@ -133,8 +133,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     dkv = torch.empty(2, 2, 1024, head_dim) if split else k
     sums = fh.tma_descriptor(dkv, (8, 1024, head_dim), (1024 * head_dim, head_dim, 1), (1, 64, 32)) if split else dqd
     term_args, term_consts = _backward_terms(terms)
-    keys_on_rows = bc.hopper_backward_keys_on_rows(head_dim, q_step, term_consts["SOFTCAP"] or term_consts["HAS_ALIBI"],
-                                                   1024, runs)
+    keys_on_rows = bc.hopper_backward_keys_on_rows(head_dim, q_step, term_consts["SOFTCAP"], 1024, runs)
     stats_desc = bh._stats_descriptor(torch.empty(8, 2, 1024), q_step) if keys_on_rows else dqd
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, sums_desc=sums, stats_desc=stats_desc,
                 STATS=torch.empty(8),

@@ -17,7 +17,7 @@ matrix products with the tensor cores idle. Here, as in the Hopper forward:
 
   with queries on the rows of S, so a query's LSE and delta are two registers per thread (keys
   on the rows, as in a first version, cost 16 each and spilled at D = 128). At D = 128 with masks
-  of two intervals and no softcap or ALiBi the keys are on the rows after all, as in FA4's SM90
+  of two intervals and no softcap the keys are on the rows after all, as in FA4's SM90
   backward (`_keys_on_rows_products`, configs.hopper_backward_keys_on_rows): S^T = K Q^T and
   dP^T = V dO^T, P^T and dS^T feed dV and dK from registers (no shared-memory round trip for P),
   and the LSE and delta come with each step's Q and dO by TMA and are read from shared memory
@@ -65,8 +65,8 @@ from ..common import scheduler
 from . import configs
 from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
-    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_bits, _row_words, _term_scores, _tma_view,
-    heaviest_first, tma_descriptor,
+    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_bits, _row_words, _tanh, _term_scores,
+    _tma_view, heaviest_first, tma_descriptor,
 )
 
 LOG2E = 1.4426950408889634
@@ -356,9 +356,28 @@ def _apply_key_row_words(st, words):
 
 
 @gluon.jit
+def _key_row_term_scores(st, q0, key0, qk_scale, tanh_scale, softcap2, slope2, shift,
+                         SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """forward_hopper._term_scores for S^T: keys [key0, key0 + ROWS) on the rows, queries [q0, q0 +
+    Q_STEP) on the columns."""
+    layout: gl.constexpr = st.type.layout
+    if SOFTCAP:
+        th = _tanh(st * tanh_scale)
+        t = th * softcap2
+    else:
+        th = st
+        t = st * qk_scale
+    if HAS_ALIBI:
+        keys = (key0 + gl.arange(0, st.shape[0], layout=gl.SliceLayout(1, layout))).to(gl.float32)
+        queries = (q0 + shift + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, layout))).to(gl.float32)
+        t = t - slope2 * gl.abs(gl.expand_dims(queries, 0) - gl.expand_dims(keys, 1))
+    return t, th
+
+
+@gluon.jit
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
-                           lts, lte, uts, ute, start_m, partial, step,
-                           WITH_DQ: gl.constexpr, NUM_RUNS: gl.constexpr,
+                           lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
+                           WITH_DQ: gl.constexpr, NUM_RUNS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            st_layout: gl.constexpr, a_layout: gl.constexpr, KEY_INTERVALS: gl.constexpr):
     """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
     Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
@@ -377,6 +396,9 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
     # a column's statistics, 16 registers a thread each: read from shared memory where used (held
     # across the products, or moved into this layout from two a thread, they spilled or took barriers)
     lse2 = stats.slice(0, 1, dim=0).load(st_layout)  # [1, Q_STEP]
+    if SOFTCAP or HAS_ALIBI:  # the scores in log2 units, then the mask
+        st, th = _key_row_term_scores(st, start_m, key0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                                      SOFTCAP, HAS_ALIBI)
     if partial:  # PARTIAL tile: -inf where masked or past Sk
         if KEY_INTERVALS:  # the keys' two words, in the rows' layout: a few integer operations, no loads
             w0 = _row_bits(lts, lte, start_m) | _row_bits(uts, ute, start_m)
@@ -384,10 +406,16 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
             st = _mask_key_rows(st, w0, w1)
         else:
             st = _apply_key_row_words(st, words)
-    pt = gl.exp2(st * qk_scale - lse2)  # [ROWS, Q_STEP]
+    if SOFTCAP or HAS_ALIBI:
+        pt = gl.exp2(st - lse2)  # [ROWS, Q_STEP]
+    else:
+        pt = gl.exp2(st * qk_scale - lse2)  # [ROWS, Q_STEP]
     delta = stats.slice(1, 1, dim=0).load(st_layout)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
-    dst = (pt * (dpt - delta)).to(dtype)  # [ROWS, Q_STEP]
+    if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2
+        dst = (pt * (1.0 - th * th) * (dpt - delta)).to(dtype)
+    else:
+        dst = (pt * (dpt - delta)).to(dtype)  # [ROWS, Q_STEP]
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_view, dv, is_async=True)  # P^T dO
     # dS to shared memory (query-major, the dQ products' A), once the other warpgroup has read the last one
     if WITH_DQ:
@@ -414,7 +442,7 @@ def _consumer(
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
-    registers (no score terms; `_keys_on_rows_products`).
+    registers (no softcap; `_keys_on_rows_products`).
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SPLIT_GROUP:
     items of one query head, whose dK/dV are added into fp32 sums (DK, DV) with the other heads
     of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
@@ -504,7 +532,8 @@ def _consumer(
                     dv, dk = _keys_on_rows_products(
                         k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
                         ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
-                        t >= t_mid, step, WITH_DQ, NUM_RUNS, st_layout, a_layout, FEWER_BARRIERS)
+                        t >= t_mid, step, n * KV_BLOCK + WG * ROWS, tanh_scale, softcap2, slope2, alibi_shift,
+                        WITH_DQ, NUM_RUNS, SOFTCAP, HAS_ALIBI, st_layout, a_layout, FEWER_BARRIERS)
                 else:
                     dv, dk = _query_rows_products(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
@@ -803,8 +832,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         dq_acc = torch.empty(1, q_step, 32, dtype=torch.float32, device=q.device)
     dq_desc = _dq_descriptor(dq_acc, q_step)
     sums_desc = dq_desc  # (unused without the split)
-    keys_on_rows = configs.hopper_backward_keys_on_rows(d, q_step, score_flags["SOFTCAP"] or score_flags["HAS_ALIBI"], sq,
-                                                        mask_runs(cm))
+    keys_on_rows = configs.hopper_backward_keys_on_rows(d, q_step, score_flags["SOFTCAP"], sq, mask_runs(cm))
     stats_desc = _stats_descriptor(stats, q_step) if keys_on_rows else dq_desc
     if split:  # fp32 sums of the group's heads, cast into dk and dv after the kernel
         sums = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device)
