@@ -34,6 +34,8 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--time", action="store_true", help="also time the call with do_bench")
     args = ap.parse_args(argv)
+    if args.kernel == "fa4" and args.family not in ("causal", "full"):  # FA4's flash_attn_func has no other mask here
+        ap.error(f"--kernel fa4 takes --family causal or full, got {args.family!r}")
     require_cuda("tools.profile_backward", "runs a backward kernel on a GPU")
     s, h, d = args.seq, args.heads, args.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)

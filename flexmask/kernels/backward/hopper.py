@@ -241,7 +241,7 @@ def _producer(
                     mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [x_q, start_m, c_q], q_ready.index(s), q_bufs.index(s))
                 tma.async_copy_global_to_shared(do_desc, [x_q, start_m, c_q], q_ready.index(s), do_bufs.index(s))
-                if KEYS_ON_ROWS:  # columns past Sq read as 0: their Q and dO rows are 0 too, so P dO and dS are
+                if KEYS_ON_ROWS:  # columns past Sq read as 0: their Q and dO rows are 0 too, so P^T dO and dS are 0
                     tma.async_copy_global_to_shared(stats_desc, [(b * HQ + h) * 2, start_m], q_ready.index(s),
                                                     stats_bufs.index(s))
                 # K and V once the first step's Q/dO are on their way: that step's loads need not
@@ -468,7 +468,6 @@ def _consumer(
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, Q_STEP, 16])  # S^T: [ROWS, Q_STEP]
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)  # P^T, dS^T as A
-    TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI  # S through _term_scores before the mask
     dq_col = WG * DQ_N if SPLIT_DQ else 0
 
     step = 0

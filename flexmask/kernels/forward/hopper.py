@@ -365,7 +365,6 @@ def _tested_step(i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item_slots, item_ready, item_empty = bars
     ROWS: gl.constexpr = q_view.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[2]
-    TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI
     n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
     lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, 4, is_partial, NUM_RUNS)
     s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx, prev_phase, p_prev,
