@@ -355,8 +355,8 @@ def test_dq_pass_wait_block_rule(monkeypatch):
 
 def test_keys_on_rows_rule(monkeypatch):
     """configs.hopper_backward_keys_on_rows (read at each call): D = 128 in 64-row steps, masks of
-    two intervals a column, no softcap or ALiBi, Sq a multiple of 4 (the statistics' rows come by
-    TMA); off with its switch."""
+    two intervals a column, no softcap (ALiBi allowed), Sq a multiple of 4 (the statistics' rows
+    come by TMA); off with its switch."""
     rule = backward_configs.hopper_backward_keys_on_rows
     assert rule(128, 64, False, 4096) and rule(128, 64, False, 1000, 2)
     assert not rule(64, 128, False, 4096)
@@ -376,13 +376,15 @@ def test_stats_descriptor_boxes_both_rows_of_a_head():
     assert list(desc.block_shape) == [2, 64]
 
 
-@pytest.mark.parametrize("sq, d, softcap, want", [(200, 128, 0.0, True), (201, 128, 0.0, False),
-                                                  (200, 64, 0.0, False), (200, 128, 30.0, False)])
-def test_backward_launch_takes_keys_on_rows_where_the_rule_says(monkeypatch, sq, d, softcap, want):
+@pytest.mark.parametrize("sq, d, softcap, alibi, want", [
+    (200, 128, 0.0, False, True), (201, 128, 0.0, False, False), (200, 64, 0.0, False, False),
+    (200, 128, 30.0, False, False), (200, 128, 0.0, True, True)])
+def test_backward_launch_takes_keys_on_rows_where_the_rule_says(monkeypatch, sq, d, softcap, alibi, want):
     """backward_hopper hands the kernel KEYS_ON_ROWS by configs.hopper_backward_keys_on_rows and,
     with it, the statistics' descriptor (both rows of a head, q_step columns, over [B * Hq * 2,
     Sq]); an odd Sq (rows not 16-byte aligned), D = 64 or a softcap keep the query-row layout,
-    whose descriptor slot then holds the dQ buffer's (never read). The launch is recorded, not run."""
+    whose descriptor slot then holds the dQ buffer's (never read); ALiBi takes keys on the rows.
+    The launch is recorded, not run."""
     pytest.importorskip("triton.experimental.gluon")
     from flexmask.kernels.common import scheduler
     from flexmask.kernels.common.score_terms import ScoreTerms
@@ -396,11 +398,13 @@ def test_backward_launch_takes_keys_on_rows_where_the_rule_says(monkeypatch, sq,
     k = torch.randn(b, hkv, sk, d, dtype=torch.bfloat16)
     cm = compile_mask(masks.causal(), sq, sk, device="cpu", block_m=128, block_n=128)
     stats = torch.zeros(b * hq, 2, sq)
-    terms = ScoreTerms(softcap=softcap) if softcap else None
+    slopes = torch.rand(hq) if alibi else None
+    terms = ScoreTerms(softcap=softcap, alibi_slopes=slopes) if (softcap or alibi) else None
     backward_hopper.backward_hopper(q, k, k, q, stats, torch.zeros(b * hq, sq, d), torch.empty_like(k),
                                     torch.empty_like(k), cm, d ** -0.5, (0, 1, 0), terms=terms)
     (args, kwargs), = calls
     assert kwargs["KEYS_ON_ROWS"] is want
+    assert kwargs["FEWER_BARRIERS"] is backward_configs.HOPPER_BACKWARD_FEWER_BARRIERS
     dq_desc, stats_desc = args[4], args[6]
     if want:
         assert stats_desc.base is stats and list(stats_desc.shape) == [b * hq * 2, sq]

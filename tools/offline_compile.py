@@ -133,8 +133,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     dkv = torch.empty(2, 2, 1024, head_dim) if split else k
     sums = fh.tma_descriptor(dkv, (8, 1024, head_dim), (1024 * head_dim, head_dim, 1), (1, 64, 32)) if split else dqd
     term_args, term_consts = _backward_terms(terms)
-    keys_on_rows = bc.hopper_backward_keys_on_rows(head_dim, q_step, term_consts["SOFTCAP"] or term_consts["HAS_ALIBI"],
-                                                   1024, runs)
+    keys_on_rows = bc.hopper_backward_keys_on_rows(head_dim, q_step, term_consts["SOFTCAP"], 1024, runs)
     stats_desc = bh._stats_descriptor(torch.empty(8, 2, 1024), q_step) if keys_on_rows else dqd
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, sums_desc=sums, stats_desc=stats_desc,
                 STATS=torch.empty(8),
@@ -146,7 +145,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
-                  KEYS_ON_ROWS=keys_on_rows, num_warps=4)
+                  KEYS_ON_ROWS=keys_on_rows, FEWER_BARRIERS=bc.HOPPER_BACKWARD_FEWER_BARRIERS, num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

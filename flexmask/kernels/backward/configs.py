@@ -124,12 +124,17 @@ HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 HOPPER_BACKWARD_KEYS_ON_ROWS = True
 
 
-def hopper_backward_keys_on_rows(head_dim: int, q_step: int, terms: bool, sq: int, runs: int = 2) -> bool:
+# Fewer warpgroup barriers a step (branch; GPU A/B pending): a warpgroup's two dQ boxes in two
+# shared-memory allocations, and with keys on the rows the Q/dO stage released beside ds_free.
+HOPPER_BACKWARD_FEWER_BARRIERS = True
+
+
+def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: int, runs: int = 2) -> bool:
     """Whether the Hopper backward's consumers take keys on the rows of S (HOPPER_BACKWARD_KEYS_ON_ROWS):
-    at D = 128 in 64-row steps, for masks of two intervals a column without softcap or ALiBi
-    (`terms`; those keep the layout they were measured with), where the statistics' rows can be
-    loaded by TMA (Sq % 4 == 0: 16-byte rows)."""
-    return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not terms and runs <= 2
+    at D = 128 in 64-row steps, for masks of two intervals a column without a softcap (whose tanh,
+    held for dS, spilled in the step loop offline; ALiBi is fine), where the statistics' rows can
+    be loaded by TMA (Sq % 4 == 0: 16-byte rows)."""
+    return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not softcap and runs <= 2
             and sq > 0 and sq % 4 == 0)
 
 # The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP

@@ -17,7 +17,7 @@ matrix products with the tensor cores idle. Here, as in the Hopper forward:
 
   with queries on the rows of S, so a query's LSE and delta are two registers per thread (keys
   on the rows, as in a first version, cost 16 each and spilled at D = 128). At D = 128 with masks
-  of two intervals and no softcap or ALiBi the keys are on the rows after all, as in FA4's SM90
+  of two intervals and no softcap the keys are on the rows after all, as in FA4's SM90
   backward (`_keys_on_rows_products`, configs.hopper_backward_keys_on_rows): S^T = K Q^T and
   dP^T = V dO^T, P^T and dS^T feed dV and dK from registers (no shared-memory round trip for P),
   and the LSE and delta come with each step's Q and dO by TMA and are read from shared memory
@@ -65,8 +65,8 @@ from ..common import scheduler
 from . import configs
 from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
-    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_words, _term_scores, _tma_view, heaviest_first,
-    tma_descriptor,
+    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_bits, _row_words, _tanh, _term_scores,
+    _tma_view, heaviest_first, tma_descriptor,
 )
 
 LOG2E = 1.4426950408889634
@@ -140,21 +140,29 @@ def _halves(x):
 
 
 @gluon.jit
-def _add_boxes(sums_desc, bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0):
+def _add_boxes(sums_desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0,
+               TWO: gl.constexpr):
     """Bulk-add the [ROWS, 32] `parts` (the 32-column boxes of one tensor, in order) at
-    (bhk, row0): through `per_round` shared buffers from bufs[base], waiting for the previous round's
-    reads before a buffer is written again."""
+    (bhk, row0): through `per_round` shared buffers, waiting for the previous round's reads before
+    a buffer is written again. TWO: from lo_bufs[base] and hi_bufs[base] in turn (two allocations,
+    so that no barrier separates consecutive stores); else from lo_bufs[base] on."""
     for j in gl.static_range(len(parts)):
         if (first + j) % per_round == 0:
             tma.store_wait(0)
-        buf = bufs.index(base + (first + j) % per_round)  # [1, ROWS, 32], the descriptor's box
+        if not TWO:
+            buf = lo_bufs.index(base + (first + j) % per_round)  # [1, ROWS, 32], the descriptor's box
+        elif (first + j) % 2 == 0:  # (per_round is even)
+            buf = lo_bufs.index(base + (first + j) % per_round // 2)
+        else:
+            buf = hi_bufs.index(base + (first + j) % per_round // 2)
         buf.reshape([parts[j].shape[0], parts[j].shape[1]]).store(parts[j])
         fence_async_shared()
         _tma_reduce_add(sums_desc, [bhk, row0, 32 * j], buf)
 
 
 @gluon.jit
-def _add_to_sums(sums_desc, dq_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr, Q_STEP: gl.constexpr):
+def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr, Q_STEP: gl.constexpr,
+                 TWO: gl.constexpr):
     """Add a split item's [ROWS, HEAD_DIM] fp32 dK and dV into the group's sums ([2, B, Hkv, Sk, D]
     under `sums_desc`, dV B * Hkv heads on) by TMA bulk reductions, in 32-column boxes staged in
     this warpgroup's half of the dQ buffers (free between items: the walk waits for their reads
@@ -163,8 +171,14 @@ def _add_to_sums(sums_desc, dq_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr,
     ROWS: gl.constexpr = dk.shape[0]
     HEAD_DIM: gl.constexpr = dk.shape[1]
     PER_WG: gl.constexpr = 2 * Q_STEP // ROWS  # the dQ buffers hold 4 x [Q_STEP, 32]: half each
-    bufs = dq_smem._reinterpret(gl.float32, [2 * PER_WG, 1, ROWS, 32], sums_desc.layout)
-    mine = WG * PER_WG
+    if TWO:  # two allocations of 2 x [Q_STEP, 32], one box of each a warpgroup
+        lo_bufs = dq_lo_smem._reinterpret(gl.float32, [PER_WG, 1, ROWS, 32], sums_desc.layout)
+        hi_bufs = dq_hi_smem._reinterpret(gl.float32, [PER_WG, 1, ROWS, 32], sums_desc.layout)
+        mine = WG * PER_WG // 2
+    else:
+        lo_bufs = dq_lo_smem._reinterpret(gl.float32, [2 * PER_WG, 1, ROWS, 32], sums_desc.layout)
+        hi_bufs = lo_bufs
+        mine = WG * PER_WG
     BOXES: gl.constexpr = HEAD_DIM // 32
     if HEAD_DIM == 128:
         k_lo, k_hi = _halves(dk)
@@ -173,13 +187,13 @@ def _add_to_sums(sums_desc, dq_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr,
         k2, k3 = _halves(k_hi)
         v0, v1 = _halves(v_lo)
         v2, v3 = _halves(v_hi)
-        _add_boxes(sums_desc, bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0)
-        _add_boxes(sums_desc, bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0, TWO)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0, TWO)
     else:
         k0, k1 = _halves(dk)
         v0, v1 = _halves(dv)
-        _add_boxes(sums_desc, bufs, mine, (k0, k1), 0, PER_WG, bhk, row0)
-        _add_boxes(sums_desc, bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1), 0, PER_WG, bhk, row0, TWO)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0, TWO)
 
 
 @gluon.jit
@@ -296,6 +310,34 @@ def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds
 
 
 @gluon.jit
+def _key_intervals(INTV, row, n, Sk, ROWS: gl.constexpr, pred, layout: gl.constexpr):
+    """forward_hopper._column_intervals (two intervals a column) in `layout`, the rows' slice of
+    S^T: each thread holds the interval ends of its own keys."""
+    o_n = n * ROWS + gl.arange(0, ROWS, layout=layout)
+    in_k = (o_n < Sk) & pred
+    p_intv = INTV + row.to(gl.int64) * 4 * Sk + o_n
+    lts = gl.load(p_intv, mask=in_k, other=0)
+    lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
+    uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
+    ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
+    return lts, lte, uts, ute
+
+
+@gluon.jit
+def _mask_key_rows(st, w0, w1):
+    """-inf where the keys' words mark an element of S^T ([ROWS keys, 64 queries]): w0, w1 ([ROWS]
+    in the rows' slice of S^T's layout) hold query rows 0-31 and 32-63 of each key."""
+    Q_STEP: gl.constexpr = st.shape[1]
+    layout: gl.constexpr = st.type.layout
+    c = gl.arange(0, Q_STEP, layout=gl.SliceLayout(0, layout))
+    word = gl.where(gl.expand_dims(c < 32, 0), gl.expand_dims(w0, 1), gl.expand_dims(w1, 1))
+    bit = gl.expand_dims(1 << (c % 32), 0)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 b; and.b32 b, $1, $2; setp.ne.b32 p, b, 0; selp.f32 $0, 0fFF800000, $3, p; }",
+        "=f,r,r,f", [word, bit, st], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _apply_key_row_words(st, words):
     """-inf where `words` ([2, ROWS] from _row_words: bit r of word (j, c) is query row 32 j + r of
     key c) mark an element of S^T ([ROWS keys, 64 queries])."""
@@ -314,10 +356,29 @@ def _apply_key_row_words(st, words):
 
 
 @gluon.jit
+def _key_row_term_scores(st, q0, key0, qk_scale, tanh_scale, softcap2, slope2, shift,
+                         SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """forward_hopper._term_scores for S^T: keys [key0, key0 + ROWS) on the rows, queries [q0, q0 +
+    Q_STEP) on the columns."""
+    layout: gl.constexpr = st.type.layout
+    if SOFTCAP:
+        th = _tanh(st * tanh_scale)
+        t = th * softcap2
+    else:
+        th = st
+        t = st * qk_scale
+    if HAS_ALIBI:
+        keys = (key0 + gl.arange(0, st.shape[0], layout=gl.SliceLayout(1, layout))).to(gl.float32)
+        queries = (q0 + shift + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, layout))).to(gl.float32)
+        t = t - slope2 * gl.abs(gl.expand_dims(queries, 0) - gl.expand_dims(keys, 1))
+    return t, th
+
+
+@gluon.jit
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
-                           lts, lte, uts, ute, start_m, partial, step,
-                           WITH_DQ: gl.constexpr, NUM_RUNS: gl.constexpr,
-                           st_layout: gl.constexpr, a_layout: gl.constexpr):
+                           lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
+                           WITH_DQ: gl.constexpr, NUM_RUNS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                           st_layout: gl.constexpr, a_layout: gl.constexpr, KEY_INTERVALS: gl.constexpr):
     """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
     Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
     memory once, for the dQ products. A query's LSE and delta are per column here (16 registers a
@@ -329,17 +390,32 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
     zeros_st = gl.zeros([ROWS, Q_STEP], gl.float32, layout=st_layout)
     st = warpgroup_mma(k_rows, q_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_rows, do_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
-    words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
+    if not KEY_INTERVALS:
+        words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
     st = warpgroup_mma_wait(1, deps=(st,))
     # a column's statistics, 16 registers a thread each: read from shared memory where used (held
     # across the products, or moved into this layout from two a thread, they spilled or took barriers)
     lse2 = stats.slice(0, 1, dim=0).load(st_layout)  # [1, Q_STEP]
+    if SOFTCAP or HAS_ALIBI:  # the scores in log2 units, then the mask
+        st, th = _key_row_term_scores(st, start_m, key0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
+                                      SOFTCAP, HAS_ALIBI)
     if partial:  # PARTIAL tile: -inf where masked or past Sk
-        st = _apply_key_row_words(st, words)
-    pt = gl.exp2(st * qk_scale - lse2)  # [ROWS, Q_STEP]
+        if KEY_INTERVALS:  # the keys' two words, in the rows' layout: a few integer operations, no loads
+            w0 = _row_bits(lts, lte, start_m) | _row_bits(uts, ute, start_m)
+            w1 = _row_bits(lts, lte, start_m + 32) | _row_bits(uts, ute, start_m + 32)
+            st = _mask_key_rows(st, w0, w1)
+        else:
+            st = _apply_key_row_words(st, words)
+    if SOFTCAP or HAS_ALIBI:
+        pt = gl.exp2(st - lse2)  # [ROWS, Q_STEP]
+    else:
+        pt = gl.exp2(st * qk_scale - lse2)  # [ROWS, Q_STEP]
     delta = stats.slice(1, 1, dim=0).load(st_layout)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
-    dst = (pt * (dpt - delta)).to(dtype)  # [ROWS, Q_STEP]
+    if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2
+        dst = (pt * (1.0 - th * th) * (dpt - delta)).to(dtype)
+    else:
+        dst = (pt * (dpt - delta)).to(dtype)  # [ROWS, Q_STEP]
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_view, dv, is_async=True)  # P^T dO
     # dS to shared memory (query-major, the dQ products' A), once the other warpgroup has read the last one
     if WITH_DQ:
@@ -354,18 +430,19 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
 
 @gluon.jit
 def _consumer(
-    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
+    WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc,
+    sums_desc, bars,
     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
-    KEYS_ON_ROWS: gl.constexpr,
+    KEYS_ON_ROWS: gl.constexpr, FEWER_BARRIERS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
-    registers (no score terms; `_keys_on_rows_products`).
+    registers (no softcap; `_keys_on_rows_products`).
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SPLIT_GROUP:
     items of one query head, whose dK/dV are added into fp32 sums (DK, DV) with the other heads
     of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
@@ -421,7 +498,12 @@ def _consumer(
             STEPS: gl.constexpr = KV_BLOCK // Q_STEP
             n_steps = STEPS * (t_hi - t_lo)
             # this warpgroup's keys' interval ends, once per walk (the PARTIAL steps' masks)
-            lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi, NUM_RUNS)
+            if KEYS_ON_ROWS and FEWER_BARRIERS:  # in the rows' layout of S^T: no layout conversion a step
+                lts, lte, uts, ute = _key_intervals(INTV, row, 2 * n + WG, Sk, ROWS, t_mid < t_hi,
+                                                    gl.SliceLayout(1, st_layout))
+            else:
+                lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi,
+                                                       NUM_RUNS)
             start_m = _step_start(BWD_BLOCKS, t_lo, 0, n_steps, Q_STEP)
             for i in range(n_steps):
                 t = t_lo + i // STEPS
@@ -449,13 +531,16 @@ def _consumer(
                     dv, dk = _keys_on_rows_products(
                         k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
                         ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
-                        t >= t_mid, step, WITH_DQ, NUM_RUNS, st_layout, a_layout)
+                        t >= t_mid, step, n * KV_BLOCK + WG * ROWS, tanh_scale, softcap2, slope2, alibi_shift,
+                        WITH_DQ, NUM_RUNS, SOFTCAP, HAS_ALIBI, st_layout, a_layout, FEWER_BARRIERS)
                 else:
                     dv, dk = _query_rows_products(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
                         n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                         lts, lte, uts, ute, t, t_mid, step, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG)
-                mbarrier.arrive(q_empty.index(s), count=1)
+                LATE_RELEASE: gl.constexpr = FEWER_BARRIERS and KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
+                if not LATE_RELEASE:
+                    mbarrier.arrive(q_empty.index(s), count=1)
                 if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
                     # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
                     mbarrier.wait(ds_ready, step & 1)
@@ -467,15 +552,23 @@ def _consumer(
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(0, deps=(dq,))
                     mbarrier.arrive(ds_free, count=1)
+                    if LATE_RELEASE:  # beside ds_free: the two arrives share their warpgroup barriers
+                        mbarrier.arrive(q_empty.index(s), count=1)
                     # two boxes of BOX columns
                     dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
                     tma.store_wait(0)  # the previous reductions have read the buffers
-                    dq_smem.index(2 * WG).reshape([Q_STEP, BOX]).store(dq_lo)
-                    dq_smem.index(2 * WG + 1).reshape([Q_STEP, BOX]).store(dq_hi)
+                    if FEWER_BARRIERS:
+                        box_lo = dq_lo_smem.index(WG)
+                        box_hi = dq_hi_smem.index(WG)
+                    else:
+                        box_lo = dq_lo_smem.index(2 * WG)
+                        box_hi = dq_lo_smem.index(2 * WG + 1)
+                    box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
+                    box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
                     fence_async_shared()
                     # rows past Sq fall outside the descriptor and are dropped
-                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], dq_smem.index(2 * WG))
-                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], dq_smem.index(2 * WG + 1))
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], box_lo)
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], box_hi)
                 step += 1
                 start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
@@ -483,8 +576,8 @@ def _consumer(
 
         # epilogue: this warpgroup's rows of dK (scaled) and dV
         if SPLIT_GROUP:  # this query head's share of its kv head's dK/dV, added to the fp32 sums
-            _add_to_sums(sums_desc, dq_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
-                         n * KV_BLOCK + WG * ROWS, WG, Q_STEP)
+            _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
+                         n * KV_BLOCK + WG * ROWS, WG, Q_STEP, FEWER_BARRIERS)
         else:
             om = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
             od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -509,7 +602,7 @@ def _backward_hopper_kernel(
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
-    num_warps: gl.constexpr,
+    FEWER_BARRIERS: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -525,8 +618,16 @@ def _backward_hopper_kernel(
         stats_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape, stats_desc.layout)
     else:
         stats_bufs = q_bufs  # (not read)
-    DQ_BOXES: gl.constexpr = 4 if WITH_DQ else 1  # (one unused box without dQ)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)  # [4, 1, Q_STEP, 32]
+    if FEWER_BARRIERS:
+        # the two 32-column boxes of a warpgroup's dQ part in two allocations: Triton's barrier analysis
+        # takes views of one allocation as one buffer, and put a warpgroup barrier between their stores
+        DQ_BOXES: gl.constexpr = 2 if WITH_DQ else 1  # one a warpgroup (one unused box without dQ)
+        dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_hi_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        DQ_BOXES4: gl.constexpr = 4 if WITH_DQ else 1  # (one unused box without dQ)
+        dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES4] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_hi_smem = dq_lo_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -550,18 +651,20 @@ def _backward_hopper_kernel(
     bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty)
 
     gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
+        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
-        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_smem, dq_desc, sums_desc, bars,
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
+                     FEWER_BARRIERS)),
+        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
+                     FEWER_BARRIERS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -728,8 +831,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         dq_acc = torch.empty(1, q_step, 32, dtype=torch.float32, device=q.device)
     dq_desc = _dq_descriptor(dq_acc, q_step)
     sums_desc = dq_desc  # (unused without the split)
-    keys_on_rows = configs.hopper_backward_keys_on_rows(d, q_step, score_flags["SOFTCAP"] or score_flags["HAS_ALIBI"], sq,
-                                                        mask_runs(cm))
+    keys_on_rows = configs.hopper_backward_keys_on_rows(d, q_step, score_flags["SOFTCAP"], sq, mask_runs(cm))
     stats_desc = _stats_descriptor(stats, q_step) if keys_on_rows else dq_desc
     if split:  # fp32 sums of the group's heads, cast into dk and dv after the kernel
         sums = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device)
@@ -743,7 +845,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows,
+        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, FEWER_BARRIERS=configs.HOPPER_BACKWARD_FEWER_BARRIERS,
         num_warps=4, maxnreg=168,
     )
     if split:
