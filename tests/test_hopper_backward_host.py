@@ -404,7 +404,6 @@ def test_backward_launch_takes_keys_on_rows_where_the_rule_says(monkeypatch, sq,
                                     torch.empty_like(k), cm, d ** -0.5, (0, 1, 0), terms=terms)
     (args, kwargs), = calls
     assert kwargs["KEYS_ON_ROWS"] is want
-    assert kwargs["FEWER_BARRIERS"] is backward_configs.HOPPER_BACKWARD_FEWER_BARRIERS
     dq_desc, stats_desc = args[4], args[6]
     if want:
         assert stats_desc.base is stats and list(stats_desc.shape) == [b * hq * 2, sq]

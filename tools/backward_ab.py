@@ -5,9 +5,7 @@ TFLOP/s on unmasked elements, and the largest difference between the two sides' 
 Switches:
 
 - `keys_on_rows`: configs.HOPPER_BACKWARD_KEYS_ON_ROWS off against on (queries against keys on the
-  rows of S; docs/performance.md, section 5);
-- `fewer_barriers`: configs.HOPPER_BACKWARD_FEWER_BARRIERS off against on (the dQ boxes in one
-  shared-memory allocation or two, the Q/dO stage released before or beside ds_free).
+  rows of S; docs/performance.md, section 5).
 
     PYTHONPATH=$PWD python3 -m tools.backward_ab --switch keys_on_rows [--alibi]
 
@@ -33,7 +31,6 @@ from tools.forward_ab import peer_inputs
 
 SWITCHES = {  # name: (configs attribute, the two sides' labels)
     "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows")),
-    "fewer_barriers": ("HOPPER_BACKWARD_FEWER_BARRIERS", ("one dQ buffer", "two, late release")),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 HEADS = ((16, 16), (32, 8))

@@ -124,11 +124,6 @@ HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 HOPPER_BACKWARD_KEYS_ON_ROWS = True
 
 
-# Fewer warpgroup barriers a step (branch; GPU A/B pending): a warpgroup's two dQ boxes in two
-# shared-memory allocations, and with keys on the rows the Q/dO stage released beside ds_free.
-HOPPER_BACKWARD_FEWER_BARRIERS = True
-
-
 def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: int, runs: int = 2) -> bool:
     """Whether the Hopper backward's consumers take keys on the rows of S (HOPPER_BACKWARD_KEYS_ON_ROWS):
     at D = 128 in 64-row steps, for masks of two intervals a column without a softcap (whose tanh,

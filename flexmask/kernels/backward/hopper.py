@@ -140,18 +140,15 @@ def _halves(x):
 
 
 @gluon.jit
-def _add_boxes(sums_desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0,
-               TWO: gl.constexpr):
+def _add_boxes(sums_desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0):
     """Bulk-add the [ROWS, 32] `parts` (the 32-column boxes of one tensor, in order) at
     (bhk, row0): through `per_round` shared buffers, waiting for the previous round's reads before
-    a buffer is written again. TWO: from lo_bufs[base] and hi_bufs[base] in turn (two allocations,
-    so that no barrier separates consecutive stores); else from lo_bufs[base] on."""
+    a buffer is written again; from lo_bufs[base] and hi_bufs[base] in turn (two allocations, so
+    that no warpgroup barrier separates consecutive stores)."""
     for j in gl.static_range(len(parts)):
         if (first + j) % per_round == 0:
             tma.store_wait(0)
-        if not TWO:
-            buf = lo_bufs.index(base + (first + j) % per_round)  # [1, ROWS, 32], the descriptor's box
-        elif (first + j) % 2 == 0:  # (per_round is even)
+        if (first + j) % 2 == 0:  # (per_round is even)
             buf = lo_bufs.index(base + (first + j) % per_round // 2)
         else:
             buf = hi_bufs.index(base + (first + j) % per_round // 2)
@@ -161,8 +158,7 @@ def _add_boxes(sums_desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, pe
 
 
 @gluon.jit
-def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr, Q_STEP: gl.constexpr,
-                 TWO: gl.constexpr):
+def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr, Q_STEP: gl.constexpr):
     """Add a split item's [ROWS, HEAD_DIM] fp32 dK and dV into the group's sums ([2, B, Hkv, Sk, D]
     under `sums_desc`, dV B * Hkv heads on) by TMA bulk reductions, in 32-column boxes staged in
     this warpgroup's half of the dQ buffers (free between items: the walk waits for their reads
@@ -171,14 +167,10 @@ def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG
     ROWS: gl.constexpr = dk.shape[0]
     HEAD_DIM: gl.constexpr = dk.shape[1]
     PER_WG: gl.constexpr = 2 * Q_STEP // ROWS  # the dQ buffers hold 4 x [Q_STEP, 32]: half each
-    if TWO:  # two allocations of 2 x [Q_STEP, 32], one box of each a warpgroup
-        lo_bufs = dq_lo_smem._reinterpret(gl.float32, [PER_WG, 1, ROWS, 32], sums_desc.layout)
-        hi_bufs = dq_hi_smem._reinterpret(gl.float32, [PER_WG, 1, ROWS, 32], sums_desc.layout)
-        mine = WG * PER_WG // 2
-    else:
-        lo_bufs = dq_lo_smem._reinterpret(gl.float32, [2 * PER_WG, 1, ROWS, 32], sums_desc.layout)
-        hi_bufs = lo_bufs
-        mine = WG * PER_WG
+    # two allocations of 2 x [Q_STEP, 32], one box of each a warpgroup
+    lo_bufs = dq_lo_smem._reinterpret(gl.float32, [PER_WG, 1, ROWS, 32], sums_desc.layout)
+    hi_bufs = dq_hi_smem._reinterpret(gl.float32, [PER_WG, 1, ROWS, 32], sums_desc.layout)
+    mine = WG * PER_WG // 2
     BOXES: gl.constexpr = HEAD_DIM // 32
     if HEAD_DIM == 128:
         k_lo, k_hi = _halves(dk)
@@ -187,13 +179,13 @@ def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG
         k2, k3 = _halves(k_hi)
         v0, v1 = _halves(v_lo)
         v2, v3 = _halves(v_hi)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0, TWO)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0, TWO)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0)
     else:
         k0, k1 = _halves(dk)
         v0, v1 = _halves(dv)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1), 0, PER_WG, bhk, row0, TWO)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0, TWO)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1), 0, PER_WG, bhk, row0)
+        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0)
 
 
 @gluon.jit
@@ -338,24 +330,6 @@ def _mask_key_rows(st, w0, w1):
 
 
 @gluon.jit
-def _apply_key_row_words(st, words):
-    """-inf where `words` ([2, ROWS] from _row_words: bit r of word (j, c) is query row 32 j + r of
-    key c) mark an element of S^T ([ROWS keys, 64 queries])."""
-    ROWS: gl.constexpr = st.shape[0]
-    Q_STEP: gl.constexpr = st.shape[1]
-    layout: gl.constexpr = st.type.layout
-    w0, w1 = gl.split(gl.permute(words, (1, 0)))  # [ROWS] each: query rows 0-31, 32-63
-    w0 = gl.expand_dims(gl.convert_layout(w0, gl.SliceLayout(1, layout)), 1)
-    w1 = gl.expand_dims(gl.convert_layout(w1, gl.SliceLayout(1, layout)), 1)
-    c = gl.arange(0, Q_STEP, layout=gl.SliceLayout(0, layout))
-    word = gl.where(gl.expand_dims(c < 32, 0), w0, w1)
-    bit = gl.expand_dims(1 << (c % 32), 0)
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 b; and.b32 b, $1, $2; setp.ne.b32 p, b, 0; selp.f32 $0, 0fFF800000, $3, p; }",
-        "=f,r,r,f", [word, bit, st], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
 def _key_row_term_scores(st, q0, key0, qk_scale, tanh_scale, softcap2, slope2, shift,
                          SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """forward_hopper._term_scores for S^T: keys [key0, key0 + ROWS) on the rows, queries [q0, q0 +
@@ -377,12 +351,14 @@ def _key_row_term_scores(st, q0, key0, qk_scale, tanh_scale, softcap2, slope2, s
 @gluon.jit
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
                            lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
-                           WITH_DQ: gl.constexpr, NUM_RUNS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                           st_layout: gl.constexpr, a_layout: gl.constexpr, KEY_INTERVALS: gl.constexpr):
+                           WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                           st_layout: gl.constexpr, a_layout: gl.constexpr):
     """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
     Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
     memory once, for the dQ products. A query's LSE and delta are per column here (16 registers a
-    thread each): `stats` holds them in shared memory (loaded with Q and dO), read where used."""
+    thread each): `stats` holds them in shared memory (loaded with Q and dO), read where used.
+    lts, lte, uts, ute: the interval ends of this warpgroup's keys in the rows' slice of S^T
+    (_key_intervals), so that a PARTIAL step's words move through no shared memory."""
     Q_STEP: gl.constexpr = q_view.shape[0]
     ROWS: gl.constexpr = k_rows.shape[0]
     dtype: gl.constexpr = q_view.dtype
@@ -390,8 +366,6 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
     zeros_st = gl.zeros([ROWS, Q_STEP], gl.float32, layout=st_layout)
     st = warpgroup_mma(k_rows, q_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_rows, do_view.permute((1, 0)), zeros_st, use_acc=False, is_async=True)
-    if not KEY_INTERVALS:
-        words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
     st = warpgroup_mma_wait(1, deps=(st,))
     # a column's statistics, 16 registers a thread each: read from shared memory where used (held
     # across the products, or moved into this layout from two a thread, they spilled or took barriers)
@@ -399,13 +373,10 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
     if SOFTCAP or HAS_ALIBI:  # the scores in log2 units, then the mask
         st, th = _key_row_term_scores(st, start_m, key0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                                       SOFTCAP, HAS_ALIBI)
-    if partial:  # PARTIAL tile: -inf where masked or past Sk
-        if KEY_INTERVALS:  # the keys' two words, in the rows' layout: a few integer operations, no loads
-            w0 = _row_bits(lts, lte, start_m) | _row_bits(uts, ute, start_m)
-            w1 = _row_bits(lts, lte, start_m + 32) | _row_bits(uts, ute, start_m + 32)
-            st = _mask_key_rows(st, w0, w1)
-        else:
-            st = _apply_key_row_words(st, words)
+    if partial:  # PARTIAL tile: -inf where masked or past Sk; the keys' two words, a few integer operations
+        w0 = _row_bits(lts, lte, start_m) | _row_bits(uts, ute, start_m)
+        w1 = _row_bits(lts, lte, start_m + 32) | _row_bits(uts, ute, start_m + 32)
+        st = _mask_key_rows(st, w0, w1)
     if SOFTCAP or HAS_ALIBI:
         pt = gl.exp2(st - lse2)  # [ROWS, Q_STEP]
     else:
@@ -438,7 +409,7 @@ def _consumer(
     sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
-    KEYS_ON_ROWS: gl.constexpr, FEWER_BARRIERS: gl.constexpr,
+    KEYS_ON_ROWS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
@@ -498,7 +469,7 @@ def _consumer(
             STEPS: gl.constexpr = KV_BLOCK // Q_STEP
             n_steps = STEPS * (t_hi - t_lo)
             # this warpgroup's keys' interval ends, once per walk (the PARTIAL steps' masks)
-            if KEYS_ON_ROWS and FEWER_BARRIERS:  # in the rows' layout of S^T: no layout conversion a step
+            if KEYS_ON_ROWS:  # in the rows' layout of S^T: no layout conversion a step
                 lts, lte, uts, ute = _key_intervals(INTV, row, 2 * n + WG, Sk, ROWS, t_mid < t_hi,
                                                     gl.SliceLayout(1, st_layout))
             else:
@@ -532,13 +503,15 @@ def _consumer(
                         k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
                         ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
                         t >= t_mid, step, n * KV_BLOCK + WG * ROWS, tanh_scale, softcap2, slope2, alibi_shift,
-                        WITH_DQ, NUM_RUNS, SOFTCAP, HAS_ALIBI, st_layout, a_layout, FEWER_BARRIERS)
+                        WITH_DQ, SOFTCAP, HAS_ALIBI, st_layout, a_layout)
                 else:
                     dv, dk = _query_rows_products(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
                         n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                         lts, lte, uts, ute, t, t_mid, step, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG)
-                LATE_RELEASE: gl.constexpr = FEWER_BARRIERS and KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
+                # with keys on the rows (dQ split by columns) the Q/dO stage is released beside ds_free:
+                # each arrive is lowered between two warpgroup barriers, and side by side they share one
+                LATE_RELEASE: gl.constexpr = KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
                 if not LATE_RELEASE:
                     mbarrier.arrive(q_empty.index(s), count=1)
                 if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
@@ -557,12 +530,8 @@ def _consumer(
                     # two boxes of BOX columns
                     dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
                     tma.store_wait(0)  # the previous reductions have read the buffers
-                    if FEWER_BARRIERS:
-                        box_lo = dq_lo_smem.index(WG)
-                        box_hi = dq_hi_smem.index(WG)
-                    else:
-                        box_lo = dq_lo_smem.index(2 * WG)
-                        box_hi = dq_lo_smem.index(2 * WG + 1)
+                    box_lo = dq_lo_smem.index(WG)
+                    box_hi = dq_hi_smem.index(WG)
                     box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
                     box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
                     fence_async_shared()
@@ -577,7 +546,7 @@ def _consumer(
         # epilogue: this warpgroup's rows of dK (scaled) and dV
         if SPLIT_GROUP:  # this query head's share of its kv head's dK/dV, added to the fp32 sums
             _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
-                         n * KV_BLOCK + WG * ROWS, WG, Q_STEP, FEWER_BARRIERS)
+                         n * KV_BLOCK + WG * ROWS, WG, Q_STEP)
         else:
             om = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
             od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -602,7 +571,7 @@ def _backward_hopper_kernel(
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
-    FEWER_BARRIERS: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -618,16 +587,11 @@ def _backward_hopper_kernel(
         stats_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + stats_desc.block_type.shape, stats_desc.layout)
     else:
         stats_bufs = q_bufs  # (not read)
-    if FEWER_BARRIERS:
-        # the two 32-column boxes of a warpgroup's dQ part in two allocations: Triton's barrier analysis
-        # takes views of one allocation as one buffer, and put a warpgroup barrier between their stores
-        DQ_BOXES: gl.constexpr = 2 if WITH_DQ else 1  # one a warpgroup (one unused box without dQ)
-        dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
-        dq_hi_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
-    else:
-        DQ_BOXES4: gl.constexpr = 4 if WITH_DQ else 1  # (one unused box without dQ)
-        dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES4] + dq_desc.block_type.shape, dq_desc.layout)
-        dq_hi_smem = dq_lo_smem
+    # the two 32-column boxes of a warpgroup's dQ part in two allocations: Triton's barrier analysis
+    # takes views of one allocation as one buffer, and put a warpgroup barrier between their stores
+    DQ_BOXES: gl.constexpr = 2 if WITH_DQ else 1  # one a warpgroup (one unused box without dQ)
+    dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_hi_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -656,15 +620,13 @@ def _backward_hopper_kernel(
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     FEWER_BARRIERS)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     FEWER_BARRIERS)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -845,7 +807,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, FEWER_BARRIERS=configs.HOPPER_BACKWARD_FEWER_BARRIERS,
+        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows,
         num_warps=4, maxnreg=168,
     )
     if split:
