@@ -5,7 +5,9 @@ TFLOP/s on unmasked elements, and the largest difference between the two sides' 
 Switches:
 
 - `keys_on_rows`: configs.HOPPER_BACKWARD_KEYS_ON_ROWS off against on (queries against keys on the
-  rows of S; docs/performance.md, section 5).
+  rows of S; docs/performance.md, section 5);
+- `one_wait`: configs.HOPPER_BACKWARD_ONE_WAIT off against on (with keys on the rows, a wgmma wait
+  for dV and dK before the dQ product, or one wait for the three).
 
     PYTHONPATH=$PWD python3 -m tools.backward_ab --switch keys_on_rows [--alibi]
 
@@ -31,6 +33,7 @@ from tools.forward_ab import peer_inputs
 
 SWITCHES = {  # name: (configs attribute, the two sides' labels)
     "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows")),
+    "one_wait": ("HOPPER_BACKWARD_ONE_WAIT", ("two waits", "one wait")),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 HEADS = ((16, 16), (32, 8))

@@ -123,6 +123,11 @@ HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 # (docs/performance.md, section 5).
 HOPPER_BACKWARD_KEYS_ON_ROWS = True
 
+# With keys on the rows at D = 128 (a dQ product every step): dV, dK and dQ issued back to back and
+# waited for once a step, instead of a wait for dV and dK before the dQ product (branch; GPU A/B
+# pending: `python -m tools.backward_ab --switch one_wait`).
+HOPPER_BACKWARD_ONE_WAIT = True
+
 
 def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: int, runs: int = 2) -> bool:
     """Whether the Hopper backward's consumers take keys on the rows of S (HOPPER_BACKWARD_KEYS_ON_ROWS):
