@@ -334,8 +334,9 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
       P_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij)), and the LSE is log(exp(sinks[h]) +
       sum_j exp(s_ij)); a row that sees no key outputs 0 with LSE sinks[h].
 
-    Gradients flow to q, k, v and sinks (not to the slopes or the cap). Inputs with a score term
-    run the portable Triton kernels on every GPU (kernels/dispatch.py says why).
+    Gradients flow to q, k, v and sinks (not to the slopes or the cap). The terms run in the same
+    kernels as inputs without them (the Gluon kernels on Hopper); split-KV decoding with a term
+    takes its Triton kernel (kernels/dispatch.py).
     """
     _check_qkv(q, k, v)
     batch, hq, sq, d = q.shape
