@@ -7,7 +7,9 @@ Switches:
 - `keys_on_rows`: configs.HOPPER_BACKWARD_KEYS_ON_ROWS off against on (queries against keys on the
   rows of S; docs/performance.md, section 5);
 - `one_wait`: configs.HOPPER_BACKWARD_ONE_WAIT off against on (with keys on the rows, a wgmma wait
-  for dV and dK before the dQ product, or one wait for the three).
+  for dV and dK before the dQ product, or one wait for the three);
+- `dq_buffers`: configs.HOPPER_BACKWARD_DQ_BUFFERS 1 against 2 (the dQ boxes staged in one set or
+  alternating between two).
 
     PYTHONPATH=$PWD python3 -m tools.backward_ab --switch keys_on_rows [--alibi]
 
@@ -31,9 +33,10 @@ from benchmarks.peers import PEER_FAMILIES
 
 from tools.forward_ab import peer_inputs
 
-SWITCHES = {  # name: (configs attribute, the two sides' labels)
-    "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows")),
-    "one_wait": ("HOPPER_BACKWARD_ONE_WAIT", ("two waits", "one wait")),
+SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
+    "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows"), (False, True)),
+    "one_wait": ("HOPPER_BACKWARD_ONE_WAIT", ("two waits", "one wait"), (False, True)),
+    "dq_buffers": ("HOPPER_BACKWARD_DQ_BUFFERS", ("one dQ buffer", "two"), (1, 2)),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 HEADS = ((16, 16), (32, 8))
@@ -47,7 +50,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     require_cuda("tools.backward_ab")
     print(torch.cuda.get_device_name(), flush=True)
-    attribute, labels = SWITCHES[args.switch]
+    attribute, labels, values = SWITCHES[args.switch]
     kept = getattr(configs, attribute)
     d = args.head_dim
     scale = d ** -0.5
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
                 best, grads = {}, {}
                 try:
                     for side in (0, 1, 0, 1):
-                        setattr(configs, attribute, bool(side))
+                        setattr(configs, attribute, values[side])
                         run = lambda: attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=False,
                                                          kernel="hopper", terms=terms)
                         ms = triton.testing.do_bench(run, warmup=20, rep=150)

@@ -412,12 +412,13 @@ def _consumer(
     sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
-    KEYS_ON_ROWS: gl.constexpr, ONE_WAIT: gl.constexpr,
+    KEYS_ON_ROWS: gl.constexpr, ONE_WAIT: gl.constexpr, DQ_BUFFERS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
     registers (no softcap; `_keys_on_rows_products`). ONE_WAIT (keys on the rows, dQ every step):
-    dV, dK and dQ issued back to back and waited for once.
+    dV, dK and dQ issued back to back and waited for once. DQ_BUFFERS = 2: the dQ boxes alternate
+    between two sets, so a step waits for the reductions of two steps ago, not of the last one.
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SPLIT_GROUP:
     items of one query head, whose dK/dV are added into fp32 sums (DK, DV) with the other heads
     of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
@@ -536,9 +537,14 @@ def _consumer(
                         mbarrier.arrive(q_empty.index(s), count=1)
                     # two boxes of BOX columns
                     dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
-                    tma.store_wait(0)  # the previous reductions have read the buffers
-                    box_lo = dq_lo_smem.index(WG)
-                    box_hi = dq_hi_smem.index(WG)
+                    if DQ_BUFFERS == 2:  # this step's boxes are the ones of two steps ago: their two
+                        tma.store_wait(2)  # reductions have read them (the last step's two may still run)
+                        box_lo = dq_lo_smem.index(WG + 2 * (step & 1))
+                        box_hi = dq_hi_smem.index(WG + 2 * (step & 1))
+                    else:
+                        tma.store_wait(0)  # the previous reductions have read the buffers
+                        box_lo = dq_lo_smem.index(WG)
+                        box_hi = dq_hi_smem.index(WG)
                     box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
                     box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
                     fence_async_shared()
@@ -578,7 +584,7 @@ def _backward_hopper_kernel(
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
-    ONE_WAIT: gl.constexpr, num_warps: gl.constexpr,
+    ONE_WAIT: gl.constexpr, DQ_BUFFERS: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -596,7 +602,7 @@ def _backward_hopper_kernel(
         stats_bufs = q_bufs  # (not read)
     # the two 32-column boxes of a warpgroup's dQ part in two allocations: Triton's barrier analysis
     # takes views of one allocation as one buffer, and put a warpgroup barrier between their stores
-    DQ_BOXES: gl.constexpr = 2 if WITH_DQ else 1  # one a warpgroup (one unused box without dQ)
+    DQ_BOXES: gl.constexpr = 2 * DQ_BUFFERS if WITH_DQ else 1  # per warpgroup and set (one unused box without dQ)
     dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
     dq_hi_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -628,14 +634,14 @@ def _backward_hopper_kernel(
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     ONE_WAIT)),
+                     ONE_WAIT, DQ_BUFFERS)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     ONE_WAIT)),
+                     ONE_WAIT, DQ_BUFFERS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -818,6 +824,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
         NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows,
         ONE_WAIT=configs.HOPPER_BACKWARD_ONE_WAIT and keys_on_rows and with_dq and d == 128,
+        DQ_BUFFERS=configs.hopper_backward_dq_buffers(d, with_dq),
         num_warps=4, maxnreg=168,
     )
     if split:
