@@ -121,6 +121,31 @@ def test_unchecked_descriptor_equals_tritons(rows):
         forward_hopper.tma_descriptor(t, (2, 0, 192), (38400, 192, 1), (1, rows, 64))
 
 
+def test_descriptors_kept_per_layout_take_each_tensor(monkeypatch):
+    """A second tensor of a layout already seen gets a descriptor of its own base, equal field by
+    field to one built afresh; a base 2 bytes off is a layout of its own (declined); the caches stay
+    within LAYOUTS_KEPT entries."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    monkeypatch.setattr(forward_hopper, "_VIEWS", {})
+    monkeypatch.setattr(forward_hopper, "_DESCRIPTOR_PARTS", {})
+    monkeypatch.setattr(forward_hopper, "LAYOUTS_KEPT", 3)
+    first, second = (torch.empty(2, 3, 200, 64, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    (d1, c1), (d2, c2) = forward_hopper._descriptor(first, 64), forward_hopper._descriptor(second, 64)
+    assert d1.base is first and d2.base is second and c1 == c2
+    shape, strides, _ = forward_hopper._uncached_tma_view(second)
+    block = [1, 64, 64]
+    assert d2 == TensorDescriptor(second, list(shape), list(strides), block,
+                                  forward_hopper.shared_layout(tuple(block), second.dtype))
+    off = torch.empty(2 * 3 * 200 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 3, 200, 64).transpose(1, 2)
+    assert off.shape == first.shape and off.stride() == first.stride()
+    assert forward_hopper._descriptor(off, 64) is None and forward_hopper._tma_view(off) is None
+    for rows in (16, 32, 128, 256):
+        forward_hopper._descriptor(first, rows)
+        forward_hopper._tma_view(torch.empty(1, 2, rows, 64))
+    assert len(forward_hopper._VIEWS) <= 3 and len(forward_hopper._DESCRIPTOR_PARTS) <= 3
+
+
 def test_tma_view_declines_unaligned_strides():
     t = torch.empty(1, 2, 64, 72, dtype=torch.bfloat16)[..., :64]  # rows of 144 bytes: aligned
     assert forward_hopper._tma_view(t) is not None

@@ -14,6 +14,9 @@ the host needs longer than that per call, the GPU waits and eager training is ho
                                took before (torch.compile still traces it)
   descriptor                   one Hopper TMA descriptor (layout cached), and
   descriptor_uncached_layout   the same with the shared layout built per call, as before
+  hopper_forward_host / hopper_backward_host
+                               the Hopper kernels' host functions (descriptors, plans, the
+                               launch's arguments), launches stubbed, B = 1, 16 heads, S = 512
 
 Writes host_overhead.csv (with device, versions and the command) into --out.
 """
@@ -83,7 +86,38 @@ def measure(seq: int = 4096, heads: int = 16, head_dim: int = 64) -> list[dict]:
 
     rows.append({"case": "descriptor", "us_per_call": per_call_us(lambda: fh._descriptor(qd, fh.HOPPER_BLOCK))})
     rows.append({"case": "descriptor_uncached_layout", "us_per_call": per_call_us(uncached)})
-    return rows
+    return rows + hopper_host_rows()
+
+
+def hopper_host_rows(seq: int = 512, heads: int = 16, head_dim: int = 128) -> list[dict]:
+    """The Hopper forward's and backward's host functions (descriptors, plans, work lists, the
+    launch's arguments) on CPU tensors, their launches and device queries stubbed: the per_call
+    benchmark's host-bound shape (B = 1, causal, bf16)."""
+    import flexmask
+    from flexmask import masks
+    from flexmask.kernels.backward import hopper as bh
+    from flexmask.kernels.common import launcher, scheduler
+    from flexmask.kernels.forward import hopper as fh
+
+    cm = flexmask.compile_mask(masks.causal(), seq, seq, device="cpu", block_m=128, block_n=128)
+    q = torch.randn(1, heads, seq, head_dim, dtype=torch.bfloat16)
+    stats, dq_acc = torch.zeros(heads, 2, seq), torch.zeros(heads, seq, head_dim)
+    dk, dv = torch.empty_like(q), torch.empty_like(q)
+    counters = torch.zeros(2, dtype=torch.int32)
+    saved = (launcher.FastLaunch.__call__, scheduler.counters, fh._num_sms, bh._num_sms)
+    launcher.FastLaunch.__call__ = lambda self, grid, *args, **kwargs: None
+    scheduler.counters = lambda device: counters
+    fh._num_sms = bh._num_sms = lambda index: 132
+    try:
+        return [
+            {"case": "hopper_forward_host",
+             "us_per_call": per_call_us(lambda: fh.attention_forward_hopper(q, q, q, cm, 0.1, (0, 1, 0)))},
+            {"case": "hopper_backward_host",
+             "us_per_call": per_call_us(lambda: bh.backward_hopper(q, q, q, q, stats, dq_acc, dk, dv, cm, 0.1,
+                                                                   (0, 1, 0)))},
+        ]
+    finally:
+        launcher.FastLaunch.__call__, scheduler.counters, fh._num_sms, bh._num_sms = saved
 
 
 def main(argv=None) -> int:

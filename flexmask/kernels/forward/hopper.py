@@ -895,9 +895,28 @@ def _matrix_view(t: torch.Tensor):
     return None
 
 
+# _tma_view's and _descriptor's answers, kept per (shape, strides, element type, base address mod
+# 16): a training step asks them ~20 times for a few tensors of the same layouts, and each answer is
+# a function of that key alone (a new pointer of an old layout finds its entry)
+_VIEWS: dict = {}
+_DESCRIPTOR_PARTS: dict = {}
+LAYOUTS_KEPT = 512  # entries per cache; past this many it starts over
+_MISSING = object()
+
+
 def _tma_view(t: torch.Tensor):
     """_matrix_view of t when the copy engine can read it (16-byte aligned base and strides),
-    else None. Cheap: `supports` asks this on every call."""
+    else None. Kept per layout: `supports` asks this on every call."""
+    key = (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
+    view = _VIEWS.get(key, _MISSING)
+    if view is _MISSING:
+        if len(_VIEWS) >= LAYOUTS_KEPT:
+            _VIEWS.clear()
+        view = _VIEWS[key] = _uncached_tma_view(t)
+    return view
+
+
+def _uncached_tma_view(t: torch.Tensor):
     view = _matrix_view(t)
     if view is None:
         return None
@@ -934,11 +953,25 @@ def tma_descriptor(base: torch.Tensor, shape, strides, block: tuple[int, ...], l
 
 
 def _descriptor(t: torch.Tensor, block_rows: int):
-    view = _tma_view(t)
-    if view is None:
-        return None
-    shape, strides, coords = view
-    return tma_descriptor(t, shape, strides, (1, block_rows, t.shape[-1])), coords
+    """(TMA descriptor of t's _tma_view in boxes of block_rows rows, coordinates of (b, h)), or None
+    where the copy engine cannot read t. Everything but the tensor is kept per layout."""
+    key = (t.shape, t.stride(), t.dtype, t.data_ptr() & 15, block_rows)
+    parts = _DESCRIPTOR_PARTS.get(key)
+    if parts is None:
+        view = _tma_view(t)
+        if view is None:
+            return None
+        shape, strides, coords = view
+        made = tma_descriptor(t, shape, strides, (1, block_rows, t.shape[-1]))  # raises on an empty shape
+        parts = (made.shape, made.strides, made.block_shape, made.layout, coords)
+        if len(_DESCRIPTOR_PARTS) >= LAYOUTS_KEPT:
+            _DESCRIPTOR_PARTS.clear()
+        _DESCRIPTOR_PARTS[key] = parts
+        return made, coords
+    shape, strides, block, layout, coords = parts
+    desc = object.__new__(TensorDescriptor)  # tma_descriptor's object, its lists shared (never written)
+    desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=block, layout=layout, padding="zero")
+    return desc, coords
 
 
 _WORK_CACHE: dict = {}  # id(fwd_offsets) -> (weak reference to it, {launch key: work list})
