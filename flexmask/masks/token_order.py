@@ -3,13 +3,13 @@
 In its own order a global token at position p makes its whole row of tiles PARTIAL (one row of
 128 attends every key) and its column of tiles too (one column of 128 is attended by every
 query): 14 global tokens spread over 32K tokens beside a 1024-key window visit 9 002 tiles a head,
-7 238 of them PARTIAL, for what is mostly a window of 2 100 tiles (docs/performance.md, section
-12). With the global tokens moved to the front (the others keep their order) their rows and
+7 238 of them PARTIAL (docs/performance.md, section 12). With the global tokens moved to the front (the others keep their order) their rows and
 columns are one block of rows and one of columns, and every other column keeps x's runs with the
 global rows taken out, which are contiguous again: the window's two intervals, 2 770 tiles a head,
-1 118 PARTIAL, and the kernels of two intervals. `flexmask.attention` takes this order by itself
-for such a spec (self-attention, Sq == Sk, no ALiBi: its distances are positions), gathers q, k
-and v into it and the output back, and the gradients the same way (api.attention).
+1 118 PARTIAL, and the kernels of two intervals. `compile_mask` builds these tables beside the
+natural ones for such a spec (self-attention, from MIN_TOKENS tokens), and `flexmask.attention`
+(without ALiBi, whose distances are positions) gathers q, k and v into the order and the output,
+LSE and gradients back.
 
     x | global_tokens([3]), 7 tokens, x = sliding_window(1, 1)     reordered: token 3 first
         ##.#...                                                     #######
@@ -68,7 +68,7 @@ def token_order(positions: list[int], seq_len: int, device) -> tuple[torch.Tenso
 
 def reordered_mask(mask, seq_len: int, device) -> specs.Mask:
     """`mask` (`x | global_tokens(P)`) in the token order of `token_order`, as the column runs of a
-    spec (`reorder_tokens` compiles it): the global rows and columns attend everything, and each other column keeps x's masked
+    spec (compile_mask compiles it): the global rows and columns attend everything, and each other column keeps x's masked
     runs, each endpoint e moved to G + e - (global tokens before e), which takes the global rows out
     of them (G: the number of global tokens)."""
     positions = global_positions(mask)
