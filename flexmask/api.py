@@ -10,14 +10,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .autograd import _backward_impl, _forward_impl, _terms, attention_eager, attention_fwd, op_outputs
+from .autograd import _backward_impl, _forward_impl, _terms, attention_eager, attention_fwd, op_outputs, reorder
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.common.tiles import default_tile, is_valid_tile
 from .kernels.decode import configs as decode_configs
 from .kernels.decode.split_kv import decode_forward, decode_fwd
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
-from .masks import specs
+from .masks import specs, token_order
 from .masks.compiled_cache import CompiledCache, spec_from_key, traceable_key
 from .masks.compiler import CompiledMask, compile_spec
 
@@ -51,7 +51,13 @@ def compile_mask(mask, q_len: int, kv_len: int, *, device=None, block_m: int | N
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(value, bool) or not isinstance(value, int) or not is_valid_tile(value):
             raise ValueError(f"{name} must be a power of two in [16, 256], got {value!r}")
-    return compile_spec(mask, q_len, kv_len, device, block_m, block_n)  # no host sync on a GPU
+    compiled = compile_spec(mask, q_len, kv_len, device, block_m, block_n)  # no host sync on a GPU
+    positions = token_order.global_positions(mask) if q_len == kv_len >= token_order.MIN_TOKENS else None
+    if positions is not None:  # flexmask.attention takes the global tokens first (masks/token_order.py)
+        order, inverse = token_order.token_order(positions, q_len, device)
+        tables = compile_spec(token_order.reordered_mask(mask, q_len, device), q_len, kv_len, device, block_m, block_n)
+        compiled.token_order = (tables, order, inverse)
+    return compiled
 
 
 def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> CompiledMask:
@@ -367,6 +373,17 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     terms = _terms(softcap, alibi_slopes, sinks)
 
     compiling = torch.compiler.is_compiling()
+    resolved = None
+    if not compiling and mask is not None and sq == sk and sq >= token_order.MIN_TOKENS and alibi_slopes is None:
+        resolved = _resolve_mask(mask, sq, sk, q.device)
+        reordered = getattr(resolved, "token_order", None)
+        if reordered is not None:  # `x | global_tokens(P)`: the global tokens first (masks/token_order.py)
+            cm, order, inverse = reordered
+            q, k, v = (reorder(t, order, inverse) for t in (q, k, v))
+            out, lse = attention(q, k, v, cm, scale=scale, return_lse=True, deterministic=deterministic,
+                                 softcap=softcap, sinks=sinks)
+            out, lse = reorder(out, inverse, order), reorder(lse, inverse, order)
+            return (out, lse) if return_lse else out
     if compiling and not isinstance(mask, CompiledMask):
         key = None if mask is None else traceable_key(mask)
         if mask is None or (key is not None and _is_literal(key)):  # by key: no tables in the graph
@@ -377,7 +394,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
                                         int(deterministic), int(split_kv), softcap, alibi_slopes, sinks)
             return (out, lse) if return_lse else out
     if isinstance(mask, CompiledMask) or not compiling:
-        tables = _table_args(_resolve_mask(mask, sq, sk, q.device))
+        tables = _table_args(resolved if resolved is not None else _resolve_mask(mask, sq, sk, q.device))
     else:  # a spec holding a tensor or a symbolic size, inside torch.compile: tables as constants
         # the tables are constants of one length: a symbolic length (dynamic shapes, after a new
         # length) is specialised, which dynamo does for len(range(n)) (int(n) would stay symbolic)

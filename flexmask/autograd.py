@@ -192,3 +192,25 @@ def attention_eager(q, k, v, *args, softcap: float = 0.0, alibi_slopes=None, sin
                                     or (sinks is not None and sinks.requires_grad)):
         return _EagerAttention.apply(q, k, v, sinks, args[:7], args[7:], softcap, alibi_slopes)
     return _forward_impl(q, k, v, *args, softcap, alibi_slopes, sinks)
+
+
+class _Reorder(torch.autograd.Function):
+    """x gathered along the sequence (dim 2) by a permutation `order`; its gradient is gathered back
+    by `inverse` (a permutation's transpose: no scatter, no atomics, deterministic)."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.inverse = inverse
+        return x.index_select(2, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(2, ctx.inverse), None, None
+
+
+def reorder(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
+    """x.index_select(2, order), with autograd only where x needs a gradient."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Reorder.apply(x, order, inverse)
+    return x.index_select(2, order)
+

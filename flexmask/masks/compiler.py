@@ -75,6 +75,9 @@ class CompiledMask:
     # reading it never waits for the GPU. The exact count is `int(bwd_offsets[-1])`.
     num_tiles_visited: int
     source: object = None  # the Mask it came from, if any
+    # (CompiledMask, order, inverse): the tables with the global tokens first, for a self-attention
+    # `x | global_tokens(P)` (masks/token_order.py, built by compile_mask); flexmask.attention uses them
+    token_order: tuple | None = None
 
     @property
     def batch(self) -> int:
@@ -129,6 +132,9 @@ class CompiledMask:
         partial = t - full
         total = self.batch * self.heads * self.num_q_blocks * self.num_kv_blocks
         tensors = [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
+        if self.token_order is not None:  # the reordered tables and the order are the mask's memory too
+            tables, order, inverse = self.token_order
+            tensors += [v for v in vars(tables).values() if isinstance(v, torch.Tensor)] + [order, inverse]
         return {
             "tiles": total,
             "full": full,

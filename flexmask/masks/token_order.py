@@ -1,0 +1,89 @@
+"""Global tokens first: the token order in which `x | global_tokens(P)` has dense tiles.
+
+In its own order a global token at position p makes its whole row of tiles PARTIAL (one row of
+128 attends every key) and its column of tiles too (one column of 128 is attended by every
+query): 14 global tokens spread over 32K tokens beside a 1024-key window visit 9 002 tiles a head,
+7 238 of them PARTIAL (docs/performance.md, section 12). With the global tokens moved to the front (the others keep their order) their rows and
+columns are one block of rows and one of columns, and every other column keeps x's runs with the
+global rows taken out, which are contiguous again: the window's two intervals, 2 770 tiles a head,
+1 118 PARTIAL, and the kernels of two intervals. `compile_mask` builds these tables beside the
+natural ones for such a spec (self-attention, from MIN_TOKENS tokens), and `flexmask.attention`
+(without ALiBi, whose distances are positions) gathers q, k and v into the order and the output,
+LSE and gradients back.
+
+    x | global_tokens([3]), 7 tokens, x = sliding_window(1, 1)     reordered: token 3 first
+        ##.#...                                                     #######
+        ####...                                                     ###....
+        .###...                                                     ####...
+        #######                                                     #.###..
+        ...###.                                                     #..###.
+        ...####                                                     #...###
+        ...#.##                                                     #....##
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import specs
+
+# shortest sequence that is reordered: below it a row of tiles is a few tiles, and the gathers
+# would cost more than the PARTIAL tiles they save
+MIN_TOKENS = 2048
+
+
+def global_positions(mask) -> list[int] | None:
+    """The sorted positions of the global tokens of a mask `x | global_tokens(P)` (ORs nested in
+    any order, several `global_tokens` joined), or None when the mask is not of that form."""
+    parts = _or_parts(mask)
+    positions = sorted({p for part in parts if part.kind == "global_tokens" for p in part.params()["positions"]})
+    return positions or None
+
+
+def _or_parts(mask) -> list:
+    if getattr(mask, "kind", None) == "or":
+        return _or_parts(mask.a) + _or_parts(mask.b)
+    return [mask]
+
+
+def _rest(mask):
+    """x of `x | global_tokens(P)`: the OR of the parts that are not global tokens (None if none)."""
+    rest = None
+    for part in _or_parts(mask):
+        if part.kind != "global_tokens":
+            rest = part if rest is None else rest | part
+    return rest
+
+
+def token_order(positions: list[int], seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse), int64 [seq_len]: order[i] is the token at reordered index i (the global
+    tokens first, then the others in their order); inverse[order[i]] = i."""
+    is_global = torch.zeros(seq_len, dtype=torch.bool, device=device)
+    is_global[torch.tensor(positions, device=device)] = True
+    order = torch.cat([torch.nonzero(is_global).flatten(), torch.nonzero(~is_global).flatten()])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(seq_len, device=device)
+    return order, inverse
+
+
+def reordered_mask(mask, seq_len: int, device) -> specs.Mask:
+    """`mask` (`x | global_tokens(P)`) in the token order of `token_order`, as the column runs of a
+    spec (compile_mask compiles it): the global rows and columns attend everything, and each other column keeps x's masked
+    runs, each endpoint e moved to G + e - (global tokens before e), which takes the global rows out
+    of them (G: the number of global tokens)."""
+    positions = global_positions(mask)
+    g = len(positions)
+    device = torch.device(device)
+    order, _ = token_order(positions, seq_len, device)
+    rest = _rest(mask)
+    if rest is None:  # the others attend the global keys only: every other row masked
+        runs = torch.zeros(1, 1, seq_len, 2, dtype=torch.int64, device=device)
+        runs[..., 1] = seq_len
+    else:
+        runs = rest.intervals(seq_len, seq_len, device).to(torch.int64)  # [B, H, Sk, 2R]: (start, end) pairs
+    before = torch.searchsorted(torch.tensor(positions, device=device), runs.clamp(0, seq_len))
+    moved = (g + runs.clamp(0, seq_len) - before).clamp(max=seq_len)
+    moved = moved[:, :, order[g:], :]  # the reordered columns past the global ones
+    empty = moved.new_zeros(*moved.shape[:2], g, moved.shape[-1])  # the global columns: nothing masked
+    moved = torch.cat([empty, moved], dim=2)
+    return specs.column_runs(moved[..., 0::2], moved[..., 1::2])

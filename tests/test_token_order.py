@@ -1,0 +1,119 @@
+"""Global tokens first (masks/token_order.py): the reordered mask is the mask in the new token order,
+keeps two intervals and visits fewer tiles, and flexmask.attention takes that order by itself for
+`x | global_tokens(P)` with outputs, LSE and gradients in the caller's order (CPU, interpreter)."""
+
+import pytest
+import torch
+
+import flexmask
+from flexmask import api, masks
+from flexmask.kernels.common.masking import mask_runs
+from flexmask.masks import token_order
+
+from flexmask import reference
+
+from conftest import assert_close_to_reference, default_floor, make_qkv
+from test_backward import random_do
+
+SPECS = [
+    lambda s: masks.sliding_window(20) | masks.global_tokens([37, 150, 151, s - 1]),
+    lambda s: masks.global_tokens([5, 100]) | masks.causal(),
+    lambda s: masks.global_tokens([3, 7]),
+    lambda s: masks.document([100, s - 100]) | masks.global_tokens([120]),
+    lambda s: (masks.sliding_window(10) | masks.global_tokens([50])) | masks.global_tokens([60, 200]),
+    lambda s: masks.dilated_sliding_window(12, [1, 3]) | masks.global_tokens([0, 64]),
+]
+
+
+@pytest.mark.parametrize("make", SPECS, ids=["window", "causal", "alone", "documents", "nested", "per-head"])
+def test_reordered_mask_is_the_mask_in_token_order(make):
+    s = 300
+    spec = make(s)
+    positions = token_order.global_positions(spec)
+    order, inverse = token_order.token_order(positions, s, "cpu")
+    assert torch.equal(order[inverse], torch.arange(s)) and order[: len(positions)].tolist() == positions
+    dense = spec.to_dense(s, s)
+    want = dense[..., order, :][..., order]
+    assert torch.equal(token_order.reordered_mask(spec, s, "cpu").to_dense(s, s), want)
+
+
+def test_no_global_tokens_no_order():
+    assert token_order.global_positions(masks.causal()) is None
+    assert token_order.global_positions(masks.causal() & masks.sliding_window(8)) is None
+    assert token_order.global_positions(masks.global_tokens([1]) & masks.causal()) is None  # only ORs
+
+
+def test_window_with_global_tokens_keeps_two_runs_and_fewer_tiles():
+    """The benchmark's mask (14 global tokens spread through 4K tokens beside a 1024-key window):
+    three runs a column in its own order, two reordered, and under half the tiles visited."""
+    s = 4096
+    spec = masks.sliding_window(1023) | masks.global_tokens([i * s // 15 for i in range(1, 15)])
+    natural = flexmask.compile_mask(spec, s, s, device="cpu", block_m=128, block_n=128)
+    reordered = flexmask.compile_mask(token_order.reordered_mask(spec, s, "cpu"), s, s, device="cpu",
+                                      block_m=128, block_n=128)
+    assert mask_runs(natural) > 2 and mask_runs(reordered) == 2
+    assert 2 * int(reordered.fwd_offsets[-1]) < int(natural.fwd_offsets[-1])  # 780 -> 306
+
+
+def _reference(q, k, v, spec, do, sinks, dtype):
+    """(out, lse, dq, dk, dv, dsinks) of the reference computed in `dtype`, by autograd."""
+    qr, kr, vr = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    sr = sinks.detach().to(dtype if dtype == torch.float64 else torch.float32).requires_grad_(True)
+    out, lse = reference.attention(qr, kr, vr, spec, dtype=dtype, sinks=sr)
+    grads = torch.autograd.grad((out * do.to(dtype)).sum(), (qr, kr, vr, sr))
+    return out.detach(), lse.detach(), *grads
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_reorders_global_tokens(monkeypatch, dtype):
+    """Output, LSE and the gradients of q, k, v and the sinks of the reordered call against the
+    float64 reference, in the caller's token order (GQA, (B, S, H, D) views, sinks, the two-pass
+    backward), and the reordered tables built once."""
+    monkeypatch.setattr(token_order, "MIN_TOKENS", 256)
+    built = []
+    real = token_order.reordered_mask
+    monkeypatch.setattr(token_order, "reordered_mask", lambda *a: built.append(a) or real(*a))
+    api.COMPILED.clear()
+    b, hq, hkv, s, d = 1, 4, 2, 300, 32
+    spec = masks.sliding_window(40) | masks.global_tokens([7, 150, 299])
+    q, k, v = make_qkv(b, hq, hkv, s, s, d, dtype, seed=3, layout="bshd", requires_grad=True)
+    sinks = torch.randn(hq, requires_grad=True)
+    do = random_do(b, hq, s, d, dtype, seed=3)
+    for _ in range(2):
+        out, lse = flexmask.attention(q, k, v, mask=spec, return_lse=True, sinks=sinks, deterministic=True)
+    assert len(built) == 1
+    got = (out, lse, *torch.autograd.grad((out * do).sum(), (q, k, v, sinks)))
+    ref64, lowp = _reference(q, k, v, spec, do, sinks, torch.float64), _reference(q, k, v, spec, do, sinks, dtype)
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv", "dsinks")):
+        floor = default_floor(dtype if i < 5 else torch.float32, gradient=i >= 2)
+        assert_close_to_reference(got[i], ref64[i], lowp[i], floor, name)
+
+
+def test_what_is_reordered(monkeypatch):
+    """A spec `x | global_tokens(P)` and a mask compiled from one are reordered; ALiBi (its
+    distances are positions), Sq != Sk, a sequence under MIN_TOKENS and a mask without global
+    tokens keep the natural order."""
+    monkeypatch.setattr(token_order, "MIN_TOKENS", 64)
+    gathered = []
+    real = api.reorder
+    monkeypatch.setattr(api, "reorder", lambda x, *a: gathered.append(x.shape) or real(x, *a))
+    spec = masks.sliding_window(8) | masks.global_tokens([3, 40])
+    q, k, v = make_qkv(1, 2, 2, 96, 96, 16, torch.float32, seed=1)
+    flexmask.attention(q, k, v, mask=spec, alibi_slopes=torch.rand(2))
+    flexmask.attention(q[:, :, :80], k, v, mask=spec)
+    flexmask.attention(q[:, :, :48], k[:, :, :48], v[:, :, :48], mask=masks.sliding_window(8) | masks.global_tokens([3]))
+    flexmask.attention(q, k, v, mask=masks.sliding_window(8))
+    assert gathered == []
+    flexmask.attention(q, k, v, mask=spec)
+    assert len(gathered) == 5  # q, k, v in; out and the LSE back
+    cm = flexmask.compile_mask(spec, 96, 96, device="cpu")
+    out = flexmask.attention(q, k, v, mask=cm)
+    assert len(gathered) == 10 and cm.token_order[0].q_len == 96
+    plain = flexmask.attention(q, k, v, mask=flexmask.compile_mask(masks.column_runs(*_runs(spec, 96)), 96, 96,
+                                                                   device="cpu"))
+    torch.testing.assert_close(out, plain, rtol=0, atol=2e-6)  # fp32: the same sums in another tile order
+
+
+def _runs(spec, n):
+    iv = spec.intervals(n, n)
+    return iv[..., 0::2], iv[..., 1::2]
