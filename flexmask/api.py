@@ -52,11 +52,10 @@ def compile_mask(mask, q_len: int, kv_len: int, *, device=None, block_m: int | N
         if isinstance(value, bool) or not isinstance(value, int) or not is_valid_tile(value):
             raise ValueError(f"{name} must be a power of two in [16, 256], got {value!r}")
     compiled = compile_spec(mask, q_len, kv_len, device, block_m, block_n)  # no host sync on a GPU
-    positions = token_order.global_positions(mask) if q_len == kv_len >= token_order.MIN_TOKENS else None
-    if positions is not None:  # flexmask.attention takes the global tokens first (masks/token_order.py)
-        order, inverse = token_order.token_order(positions, q_len, device)
-        tables = compile_spec(token_order.reordered_mask(mask, q_len, device), q_len, kv_len, device, block_m, block_n)
-        compiled.token_order = (tables, order, inverse)
+    reordered = token_order.reordered(mask, q_len, device) if q_len == kv_len >= token_order.MIN_TOKENS else None
+    if reordered is not None:  # flexmask.attention takes the global tokens first (masks/token_order.py)
+        spec, order, inverse = reordered
+        compiled.token_order = (compile_spec(spec, q_len, kv_len, device, block_m, block_n), order, inverse)
     return compiled
 
 

@@ -30,17 +30,18 @@ def test_reordered_mask_is_the_mask_in_token_order(make):
     s = 300
     spec = make(s)
     positions = token_order.global_positions(spec)
-    order, inverse = token_order.token_order(positions, s, "cpu")
+    reordered, order, inverse = token_order.reordered(spec, s, "cpu")
     assert torch.equal(order[inverse], torch.arange(s)) and order[: len(positions)].tolist() == positions
     dense = spec.to_dense(s, s)
     want = dense[..., order, :][..., order]
-    assert torch.equal(token_order.reordered_mask(spec, s, "cpu").to_dense(s, s), want)
+    assert torch.equal(reordered.to_dense(s, s), want)
 
 
 def test_no_global_tokens_no_order():
     assert token_order.global_positions(masks.causal()) is None
     assert token_order.global_positions(masks.causal() & masks.sliding_window(8)) is None
     assert token_order.global_positions(masks.global_tokens([1]) & masks.causal()) is None  # only ORs
+    assert token_order.reordered(masks.causal(), 64, "cpu") is None
 
 
 def test_window_with_global_tokens_keeps_two_runs_and_fewer_tiles():
@@ -49,7 +50,7 @@ def test_window_with_global_tokens_keeps_two_runs_and_fewer_tiles():
     s = 4096
     spec = masks.sliding_window(1023) | masks.global_tokens([i * s // 15 for i in range(1, 15)])
     natural = flexmask.compile_mask(spec, s, s, device="cpu", block_m=128, block_n=128)
-    reordered = flexmask.compile_mask(token_order.reordered_mask(spec, s, "cpu"), s, s, device="cpu",
+    reordered = flexmask.compile_mask(token_order.reordered(spec, s, "cpu")[0], s, s, device="cpu",
                                       block_m=128, block_n=128)
     assert mask_runs(natural) > 2 and mask_runs(reordered) == 2
     assert 2 * int(reordered.fwd_offsets[-1]) < int(natural.fwd_offsets[-1])  # 780 -> 306
@@ -71,8 +72,8 @@ def test_attention_reorders_global_tokens(monkeypatch, dtype):
     backward), and the reordered tables built once."""
     monkeypatch.setattr(token_order, "MIN_TOKENS", 256)
     built = []
-    real = token_order.reordered_mask
-    monkeypatch.setattr(token_order, "reordered_mask", lambda *a: built.append(a) or real(*a))
+    real = token_order.reordered
+    monkeypatch.setattr(token_order, "reordered", lambda *a: built.append(a) or real(*a))
     api.COMPILED.clear()
     b, hq, hkv, s, d = 1, 4, 2, 300, 32
     spec = masks.sliding_window(40) | masks.global_tokens([7, 150, 299])

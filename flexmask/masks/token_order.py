@@ -66,24 +66,25 @@ def token_order(positions: list[int], seq_len: int, device) -> tuple[torch.Tenso
     return order, inverse
 
 
-def reordered_mask(mask, seq_len: int, device) -> specs.Mask:
-    """`mask` (`x | global_tokens(P)`) in the token order of `token_order`, as the column runs of a
-    spec (compile_mask compiles it): the global rows and columns attend everything, and each other column keeps x's masked
-    runs, each endpoint e moved to G + e - (global tokens before e), which takes the global rows out
-    of them (G: the number of global tokens)."""
+def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
+    """(`mask` in the order of `token_order`, order, inverse) for a mask `x | global_tokens(P)`, else
+    None. The reordered mask is the column runs of a spec (compile_mask compiles it): the global rows
+    and columns attend everything, and each other column keeps x's masked runs, each endpoint e moved
+    to G + e - (global tokens before e), which takes the global rows out of them (G global tokens)."""
     positions = global_positions(mask)
+    if positions is None:
+        return None
     g = len(positions)
     device = torch.device(device)
-    order, _ = token_order(positions, seq_len, device)
+    order, inverse = token_order(positions, seq_len, device)
     rest = _rest(mask)
     if rest is None:  # the others attend the global keys only: every other row masked
         runs = torch.zeros(1, 1, seq_len, 2, dtype=torch.int64, device=device)
         runs[..., 1] = seq_len
-    else:
-        runs = rest.intervals(seq_len, seq_len, device).to(torch.int64)  # [B, H, Sk, 2R]: (start, end) pairs
-    before = torch.searchsorted(torch.tensor(positions, device=device), runs.clamp(0, seq_len))
-    moved = (g + runs.clamp(0, seq_len) - before).clamp(max=seq_len)
-    moved = moved[:, :, order[g:], :]  # the reordered columns past the global ones
+    else:  # [B, H, Sk, 2R]: (start, end) pairs
+        runs = rest.intervals(seq_len, seq_len, device).to(torch.int64).clamp(0, seq_len)
+    before = torch.searchsorted(torch.tensor(positions, device=device), runs)
+    moved = (g + runs - before)[:, :, order[g:], :]  # the reordered columns past the global ones
     empty = moved.new_zeros(*moved.shape[:2], g, moved.shape[-1])  # the global columns: nothing masked
     moved = torch.cat([empty, moved], dim=2)
-    return specs.column_runs(moved[..., 0::2], moved[..., 1::2])
+    return specs.column_runs(moved[..., 0::2], moved[..., 1::2]), order, inverse

@@ -946,9 +946,13 @@ def tma_descriptor(base: torch.Tensor, shape, strides, block: tuple[int, ...], l
     layout = layout or shared_layout(block, base.dtype)
     if min(shape) <= 0:
         return TensorDescriptor(base, list(shape), list(strides), list(block), layout)  # raises as Triton does
+    return _new_descriptor(base, list(shape), list(strides), list(block), layout)
+
+
+def _new_descriptor(base, shape: list, strides: list, block: list, layout) -> TensorDescriptor:
+    """The TensorDescriptor object itself, its fields set as given (no checks, lists not copied)."""
     desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=base, shape=list(shape), strides=list(strides), block_shape=list(block), layout=layout,
-                         padding="zero")
+    desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block, layout=layout, padding="zero")
     return desc
 
 
@@ -969,9 +973,7 @@ def _descriptor(t: torch.Tensor, block_rows: int):
         _DESCRIPTOR_PARTS[key] = parts
         return made, coords
     shape, strides, block, layout, coords = parts
-    desc = object.__new__(TensorDescriptor)  # tma_descriptor's object, its lists shared (never written)
-    desc.__dict__.update(base=t, shape=shape, strides=strides, block_shape=block, layout=layout, padding="zero")
-    return desc, coords
+    return _new_descriptor(t, shape, strides, block, layout), coords  # the kept lists shared (never written)
 
 
 _WORK_CACHE: dict = {}  # id(fwd_offsets) -> (weak reference to it, {launch key: work list})
