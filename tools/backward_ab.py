@@ -5,11 +5,7 @@ TFLOP/s on unmasked elements, and the largest difference between the two sides' 
 Switches:
 
 - `keys_on_rows`: configs.HOPPER_BACKWARD_KEYS_ON_ROWS off against on (queries against keys on the
-  rows of S; docs/performance.md, section 5);
-- `one_wait`: configs.HOPPER_BACKWARD_ONE_WAIT off against on (with keys on the rows, a wgmma wait
-  for dV and dK before the dQ product, or one wait for the three);
-- `dq_buffers`: configs.HOPPER_BACKWARD_DQ_BUFFERS 1 against 2 (the dQ boxes staged in one set or
-  alternating between two).
+  rows of S; docs/performance.md, section 5).
 
     PYTHONPATH=$PWD python3 -m tools.backward_ab --switch keys_on_rows [--alibi]
 
@@ -35,8 +31,6 @@ from tools.forward_ab import peer_inputs
 
 SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows"), (False, True)),
-    "one_wait": ("HOPPER_BACKWARD_ONE_WAIT", ("two waits", "one wait"), (False, True)),
-    "dq_buffers": ("HOPPER_BACKWARD_DQ_BUFFERS", ("one dQ buffer", "two"), (1, 2)),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 HEADS = ((16, 16), (32, 8))

@@ -145,9 +145,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
-                  KEYS_ON_ROWS=keys_on_rows,
-                  ONE_WAIT=bc.HOPPER_BACKWARD_ONE_WAIT and keys_on_rows and with_dq and head_dim == 128,
-                  DQ_BUFFERS=bc.hopper_backward_dq_buffers(head_dim, with_dq), num_warps=4)
+                  KEYS_ON_ROWS=keys_on_rows, num_warps=4)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

@@ -123,22 +123,6 @@ HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 # (docs/performance.md, section 5).
 HOPPER_BACKWARD_KEYS_ON_ROWS = True
 
-# With keys on the rows at D = 128 (a dQ product every step): dV, dK and dQ issued back to back and
-# waited for once a step, instead of a wait for dV and dK before the dQ product (branch; GPU A/B
-# pending: `python -m tools.backward_ab --switch one_wait`).
-HOPPER_BACKWARD_ONE_WAIT = True
-
-# Sets of dQ staging boxes in the Hopper backward (D = 128 only: at D = 64 shared memory is full):
-# with 2 a step's dQ stores wait for the TMA reductions of two steps ago instead of the last
-# step's (branch; GPU A/B pending: `python -m tools.backward_ab --switch dq_buffers`).
-HOPPER_BACKWARD_DQ_BUFFERS = 2
-
-
-def hopper_backward_dq_buffers(head_dim: int, with_dq: bool) -> int:
-    """Sets of dQ boxes the Hopper backward stages its dQ reductions in (HOPPER_BACKWARD_DQ_BUFFERS
-    at D = 128 with dQ, else 1)."""
-    return HOPPER_BACKWARD_DQ_BUFFERS if head_dim == 128 and with_dq else 1
-
 
 def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: int, runs: int = 2) -> bool:
     """Whether the Hopper backward's consumers take keys on the rows of S (HOPPER_BACKWARD_KEYS_ON_ROWS):

@@ -333,14 +333,13 @@ def _mask_key_rows(st, w0, w1):
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
                            lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
                            WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                           st_layout: gl.constexpr, a_layout: gl.constexpr, WAIT: gl.constexpr):
+                           st_layout: gl.constexpr, a_layout: gl.constexpr):
     """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
     Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
     memory once, for the dQ products. A query's LSE and delta are per column here (16 registers a
     thread each): `stats` holds them in shared memory (loaded with Q and dO), read where used.
     lts, lte, uts, ute: the interval ends of this warpgroup's keys in the rows' slice of S^T
-    (_key_intervals), so that a PARTIAL step's words move through no shared memory. WAIT=False
-    returns dV and dK still in flight (the caller waits for them with its dQ product)."""
+    (_key_intervals), so that a PARTIAL step's words move through no shared memory."""
     Q_STEP: gl.constexpr = q_view.shape[0]
     ROWS: gl.constexpr = k_rows.shape[0]
     dtype: gl.constexpr = q_view.dtype
@@ -380,9 +379,7 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
     if WITH_DQ:
         mbarrier.arrive(ds_ready, count=1)
     dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_view, dk, is_async=True)  # dS^T Q
-    if WAIT:
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-    return dv, dk
+    return warpgroup_mma_wait(0, deps=(dv, dk))
 
 
 @gluon.jit
@@ -395,13 +392,11 @@ def _consumer(
     sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
-    KEYS_ON_ROWS: gl.constexpr, ONE_WAIT: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+    KEYS_ON_ROWS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
-    registers (no softcap; `_keys_on_rows_products`). ONE_WAIT (keys on the rows, dQ every step):
-    dV, dK and dQ issued back to back and waited for once. DQ_BUFFERS = 2: the dQ boxes alternate
-    between two sets, so a step waits for the reductions of two steps ago, not of the last one.
+    registers (no softcap; `_keys_on_rows_products`).
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SPLIT_GROUP:
     items of one query head, whose dK/dV are added into fp32 sums (DK, DV) with the other heads
     of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
@@ -491,7 +486,7 @@ def _consumer(
                         k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
                         ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
                         t >= t_mid, step, n * KV_BLOCK + WG * ROWS, tanh_scale, softcap2, slope2, alibi_shift,
-                        WITH_DQ, SOFTCAP, HAS_ALIBI, st_layout, a_layout, not ONE_WAIT)
+                        WITH_DQ, SOFTCAP, HAS_ALIBI, st_layout, a_layout)
                 else:
                     dv, dk = _query_rows_products(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
@@ -511,23 +506,15 @@ def _consumer(
                         k_cols = k_all
                     dq = warpgroup_mma(ds_all, k_cols, gl.zeros([Q_STEP, DQ_N], gl.float32, layout=dq_layout),
                                        use_acc=False, is_async=True)
-                    if ONE_WAIT:  # dV, dK and dQ back to back on the tensor cores, one wait for the three
-                        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-                    else:
-                        dq = warpgroup_mma_wait(0, deps=(dq,))
+                    dq = warpgroup_mma_wait(0, deps=(dq,))
                     mbarrier.arrive(ds_free, count=1)
                     if LATE_RELEASE:  # beside ds_free: the two arrives share their warpgroup barriers
                         mbarrier.arrive(q_empty.index(s), count=1)
                     # two boxes of BOX columns
                     dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
-                    if DQ_BUFFERS == 2:  # this step's boxes are the ones of two steps ago: their two
-                        tma.store_wait(2)  # reductions have read them (the last step's two may still run)
-                        box_lo = dq_lo_smem.index(WG + 2 * (step & 1))
-                        box_hi = dq_hi_smem.index(WG + 2 * (step & 1))
-                    else:
-                        tma.store_wait(0)  # the previous reductions have read the buffers
-                        box_lo = dq_lo_smem.index(WG)
-                        box_hi = dq_hi_smem.index(WG)
+                    tma.store_wait(0)  # the previous reductions have read the buffers
+                    box_lo = dq_lo_smem.index(WG)
+                    box_hi = dq_hi_smem.index(WG)
                     box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
                     box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
                     fence_async_shared()
@@ -567,7 +554,7 @@ def _backward_hopper_kernel(
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
-    ONE_WAIT: gl.constexpr, DQ_BUFFERS: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -585,7 +572,7 @@ def _backward_hopper_kernel(
         stats_bufs = q_bufs  # (not read)
     # the two 32-column boxes of a warpgroup's dQ part in two allocations: Triton's barrier analysis
     # takes views of one allocation as one buffer, and put a warpgroup barrier between their stores
-    DQ_BOXES: gl.constexpr = 2 * DQ_BUFFERS if WITH_DQ else 1  # per warpgroup and set (one unused box without dQ)
+    DQ_BOXES: gl.constexpr = 2 if WITH_DQ else 1  # one a warpgroup (one unused box without dQ)
     dq_lo_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
     dq_hi_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -616,15 +603,13 @@ def _backward_hopper_kernel(
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     ONE_WAIT, DQ_BUFFERS)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     ONE_WAIT, DQ_BUFFERS)),
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -806,8 +791,6 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
         NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows,
-        ONE_WAIT=configs.HOPPER_BACKWARD_ONE_WAIT and keys_on_rows and with_dq and d == 128,
-        DQ_BUFFERS=configs.hopper_backward_dq_buffers(d, with_dq),
         num_warps=4, maxnreg=168,
     )
     if split:
