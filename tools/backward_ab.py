@@ -29,8 +29,8 @@ from benchmarks.peers import PEER_FAMILIES
 
 from tools.forward_ab import peer_inputs
 
-SWITCHES = {  # name: (configs attribute, the two sides' labels)
-    "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows")),
+SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
+    "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows"), (False, True)),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 HEADS = ((16, 16), (32, 8))
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     require_cuda("tools.backward_ab")
     print(torch.cuda.get_device_name(), flush=True)
-    attribute, labels = SWITCHES[args.switch]
+    attribute, labels, values = SWITCHES[args.switch]
     kept = getattr(configs, attribute)
     d = args.head_dim
     scale = d ** -0.5
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
                 best, grads = {}, {}
                 try:
                     for side in (0, 1, 0, 1):
-                        setattr(configs, attribute, bool(side))
+                        setattr(configs, attribute, values[side])
                         run = lambda: attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=False,
                                                          kernel="hopper", terms=terms)
                         ms = triton.testing.do_bench(run, warmup=20, rep=150)

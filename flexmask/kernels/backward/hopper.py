@@ -65,7 +65,7 @@ from ..common import scheduler
 from . import configs
 from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
-    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_bits, _row_words, _tanh, _term_scores,
+    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_bits, _row_words, _term_scores,
     _tma_view, heaviest_first, tma_descriptor,
 )
 
@@ -330,25 +330,6 @@ def _mask_key_rows(st, w0, w1):
 
 
 @gluon.jit
-def _key_row_term_scores(st, q0, key0, qk_scale, tanh_scale, softcap2, slope2, shift,
-                         SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
-    """forward_hopper._term_scores for S^T: keys [key0, key0 + ROWS) on the rows, queries [q0, q0 +
-    Q_STEP) on the columns."""
-    layout: gl.constexpr = st.type.layout
-    if SOFTCAP:
-        th = _tanh(st * tanh_scale)
-        t = th * softcap2
-    else:
-        th = st
-        t = st * qk_scale
-    if HAS_ALIBI:
-        keys = (key0 + gl.arange(0, st.shape[0], layout=gl.SliceLayout(1, layout))).to(gl.float32)
-        queries = (q0 + shift + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, layout))).to(gl.float32)
-        t = t - slope2 * gl.abs(gl.expand_dims(queries, 0) - gl.expand_dims(keys, 1))
-    return t, th
-
-
-@gluon.jit
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
                            lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
                            WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
@@ -371,8 +352,10 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
     # across the products, or moved into this layout from two a thread, they spilled or took barriers)
     lse2 = stats.slice(0, 1, dim=0).load(st_layout)  # [1, Q_STEP]
     if SOFTCAP or HAS_ALIBI:  # the scores in log2 units, then the mask
-        st, th = _key_row_term_scores(st, start_m, key0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
-                                      SOFTCAP, HAS_ALIBI)
+        # forward_hopper._term_scores with keys on the rows: |(key0 + r) - (start_m + shift + c)| is
+        # the distance |i + shift - j| of query i = start_m + c and key j = key0 + r
+        st, th = _term_scores(st, key0 - alibi_shift, start_m + alibi_shift, qk_scale, tanh_scale, softcap2, slope2,
+                              alibi_shift, ROWS, Q_STEP, st_layout, SOFTCAP, HAS_ALIBI)
     if partial:  # PARTIAL tile: -inf where masked or past Sk; the keys' two words, a few integer operations
         w0 = _row_bits(lts, lte, start_m) | _row_bits(uts, ute, start_m)
         w1 = _row_bits(lts, lte, start_m + 32) | _row_bits(uts, ute, start_m + 32)
