@@ -361,11 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readme", help="write the summary between the per-call markers of this file (README.md)")
     p.add_argument("--full", help="write every case's table between the per-call-full markers of this file "
                                   "(docs/results.md)")
-    p.add_argument("--table", metavar="CSV", help="measure nothing: print (or --readme) the table of this CSV")
+    p.add_argument("--table", metavar="CSV", help="measure nothing: print (or --readme) the table of this CSV's last run")
     args = p.parse_args(argv)
     if args.table:
         with open(args.table, newline="") as f:
-            rows = list(csv.DictReader(f))
+            rows = last_run(list(csv.DictReader(f)))
         _write_tables(rows, args)
         return 0
     if not torch.cuda.is_available():
@@ -381,6 +381,16 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, os.path.join(args.out, "per_call.png"))
     _write_tables(rows, args)
     return 0
+
+
+def last_run(rows: Sequence[dict]) -> list[dict]:
+    """The rows of the CSV's last run (its date, card and command): the file keeps every run, and a
+    table mixing runs would put one machine's figures under another's name."""
+    if not rows:
+        return []
+    run = lambda r: (r["date"], r["gpu"], r["command"])
+    last = run(rows[-1])
+    return [r for r in rows if run(r) == last]
 
 
 def _write_tables(rows, args) -> None:

@@ -68,3 +68,20 @@ def test_launches_stubbed_restores_the_launcher():
     except RuntimeError:
         pass
     assert launcher.FastLaunch.__call__ is real
+
+
+def test_table_command_shows_the_last_run_only(tmp_path):
+    """per_call.csv keeps every run; --table shows the last one, under its own card's name."""
+    old = {**row("fwd", 1024, "flexmask", "0.9"), "gpu": "OLD GPU", "date": "2025-01-01"}
+    path = tmp_path / "per_call.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=per_call.COLUMNS)
+        writer.writeheader()
+        writer.writerows([old, {**old, "provider": "sdpa_cudnn", "ms": "0.1"},
+                          row("fwd", 1024, "flexmask", "0.3")])
+    full = tmp_path / "results.md"
+    full.write_text(f"{per_call.FULL_START}\nold\n{per_call.FULL_END}\n")
+    assert per_call.main(["--table", str(path), "--full", str(full)]) == 0
+    text = full.read_text()
+    assert "OLD GPU" not in text and "0.900" not in text and "| 1024 | 32 | 16/16 | 0.300 |" in text
+    assert per_call.last_run([]) == []
