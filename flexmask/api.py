@@ -52,7 +52,13 @@ def compile_mask(mask, q_len: int, kv_len: int, *, device=None, block_m: int | N
         if isinstance(value, bool) or not isinstance(value, int) or not is_valid_tile(value):
             raise ValueError(f"{name} must be a power of two in [16, 256], got {value!r}")
     compiled = compile_spec(mask, q_len, kv_len, device, block_m, block_n)  # no host sync on a GPU
-    reordered = token_order.reordered(mask, q_len, device) if q_len == kv_len >= token_order.MIN_TOKENS else None
+    reordered = None
+    if q_len == kv_len >= token_order.MIN_TOKENS:
+        reordered = token_order.reordered(mask, q_len, device)
+        if reordered is None and (compiled.runs > 2 or token_order.holds_mask_mod(mask)):
+            # found in the runs (a from_mask_mod or column_runs form): their compile read the runs
+            # on the host already, so the one sync this takes is not new
+            reordered = token_order.reordered_runs(compiled.intervals, q_len)
     if reordered is not None:  # flexmask.attention takes the global tokens first (masks/token_order.py)
         spec, order, inverse = reordered
         compiled.token_order = (compile_spec(spec, q_len, kv_len, device, block_m, block_n), order, inverse)
@@ -376,7 +382,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     if not compiling and mask is not None and sq == sk and sq >= token_order.MIN_TOKENS and alibi_slopes is None:
         resolved = _resolve_mask(mask, sq, sk, q.device)
         reordered = getattr(resolved, "token_order", None)
-        if reordered is not None:  # `x | global_tokens(P)`: the global tokens first (masks/token_order.py)
+        if reordered is not None:  # global tokens: first (masks/token_order.py)
             cm, order, inverse = reordered
             q, k, v = (reorder(t, order, inverse) for t in (q, k, v))
             out, lse = attention(q, k, v, cm, scale=scale, return_lse=True, deterministic=deterministic,

@@ -22,6 +22,13 @@ def per_batch_mod(b, h, q, kv):  # causal, every (b + 2)-th key within 24 positi
     return (kv <= q) & (q - kv < 24) & ((q - kv) % (b + 2) == 0)
 
 
+def global_mid_mod(b, h, q, kv):  # global_mid_window as a mask_mod: found in its runs (token_order)
+    def is_global(i):
+        return (i == 0) | (i == 700) | (i == 1401) | (i == 2047)
+
+    return ((kv - q).abs() <= 128) | is_global(q) | is_global(kv)
+
+
 def k_run_masks() -> dict:
     """name: (mask, B, Hq, Hkv, S)"""
     return {
@@ -29,6 +36,7 @@ def k_run_masks() -> dict:
         "natten_48x64_k9": (masks.natten(48, 64, 9), 1, 4, 4, 3072),
         "natten_video_8x16x16": (masks.natten(16, 16, 3, frames=8, time_kernel=2), 1, 2, 1, 2048),
         "global_mid_window": (masks.sliding_window(128, 128) | masks.global_tokens([0, 700, 1401, 2047]), 1, 4, 1, 2048),
+        "global_mid_mod": (masks.from_mask_mod(global_mid_mod, max_runs=16), 1, 4, 1, 2048),
         "dilated_per_head": (masks.dilated_sliding_window(56, [4, 8, 4, 8]), 1, 4, 4, 4096),
         "per_batch_mod": (masks.from_mask_mod(per_batch_mod, batch=2, max_runs=16), 2, 4, 2, 1536),
     }
@@ -52,6 +60,7 @@ def test_k_runs_forward_backward(name, head_dim):
     do = torch.randn(b, hq, s, head_dim, device=dev, dtype=torch.bfloat16)
     cm = flexmask.compile_mask(mask, s, s, device=dev)
     assert cm.runs > 2
+    assert (cm.token_order is not None) == name.startswith("global")  # flexmask.attention: global tokens first
     # the same tile size on both devices (the CPU's default tile is smaller)
     cpu = flexmask.compile_mask(mask, s, s, device="cpu", block_m=cm.block_m, block_n=cm.block_n)
     assert torch.equal(cm.tile_classes().cpu(), cpu.tile_classes())

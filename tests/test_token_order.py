@@ -110,9 +110,75 @@ def test_what_is_reordered(monkeypatch):
     cm = flexmask.compile_mask(spec, 96, 96, device="cpu")
     out = flexmask.attention(q, k, v, mask=cm)
     assert len(gathered) == 10 and cm.token_order[0].q_len == 96
+    monkeypatch.setattr(token_order, "MIN_TOKENS", 4096)  # the same mask as runs, in its own order
     plain = flexmask.attention(q, k, v, mask=flexmask.compile_mask(masks.column_runs(*_runs(spec, 96)), 96, 96,
                                                                    device="cpu"))
+    assert len(gathered) == 10
     torch.testing.assert_close(out, plain, rtol=0, atol=2e-6)  # fp32: the same sums in another tile order
+
+
+@pytest.mark.parametrize("make", SPECS, ids=["window", "causal", "alone", "documents", "nested", "per-head"])
+def test_global_tokens_found_in_the_runs(make):
+    """The same masks given as their runs (what from_mask_mod and column_runs compile to): the
+    global tokens are found in the compiled runs, and the reordered runs are the mask in that order."""
+    s = 300
+    spec = make(s)
+    cm = flexmask.compile_mask(masks.column_runs(*_runs(spec, s)), s, s, device="cpu")
+    positions = token_order.global_positions(spec)
+    assert token_order.detected_positions(cm.intervals, s) == positions
+    found = token_order.reordered_runs(cm.intervals, s)
+    if positions == list(range(len(positions))):  # already in front: nothing to move
+        assert found is None
+        return
+    reordered, order, inverse = found
+    assert torch.equal(order, token_order.reordered(spec, s, "cpu")[1])
+    dense = spec.to_dense(s, s)
+    assert torch.equal(reordered.to_dense(s, s), dense[..., order, :][..., order])
+
+
+def test_runs_without_global_tokens_keep_their_order():
+    """No position is global in a causal, document or prefix mask; a full mask is all global (no
+    order either), and so are sink tokens that attend only themselves (their rows are masked)."""
+    s = 256
+    for spec in (masks.causal(), masks.document([100, 156]), masks.prefix_lm(64), masks.full(),
+                 masks.sliding_window(16) | masks.global_tokens([0, 1]),
+                 masks.from_mask_mod(lambda b, h, q, k: (k <= 3) | ((k <= q) & (q - k < 16)))):
+        cm = flexmask.compile_mask(spec, s, s, device="cpu")
+        assert token_order.reordered_runs(cm.intervals, s) is None, spec
+    assert token_order.detected_positions(flexmask.compile_mask(masks.full(), s, s, device="cpu").intervals, s) \
+        == list(range(s))
+
+
+def test_mask_mod_with_global_tokens_runs_in_their_order(monkeypatch):
+    """A FlexAttention mask_mod of a window with global tokens mid-sequence takes the order the
+    builder's spec takes: the same reordered tables (two runs), and the attention's output, LSE and
+    gradients against the float64 reference in the caller's order."""
+    monkeypatch.setattr(token_order, "MIN_TOKENS", 256)
+    gathered = []
+    real = api.reorder
+    monkeypatch.setattr(api, "reorder", lambda x, *a: gathered.append(x.shape) or real(x, *a))
+    s, globals_ = 300, torch.tensor([7, 150, 151, 260])
+
+    def window_and_globals(b, h, q_idx, kv_idx):
+        near = (kv_idx <= q_idx) & (q_idx - kv_idx <= 40)
+        return near | torch.isin(q_idx, globals_) | torch.isin(kv_idx, globals_)
+
+    mm = masks.from_mask_mod(window_and_globals, max_runs=16)
+    spec = masks.sliding_window(40) | masks.global_tokens(globals_.tolist())
+    found = flexmask.compile_mask(mm, s, s, device="cpu")
+    built = flexmask.compile_mask(spec, s, s, device="cpu")
+    assert found.runs > 2 and mask_runs(found.token_order[0]) == 2
+    assert torch.equal(found.token_order[1], built.token_order[1])
+    assert torch.equal(found.token_order[0].intervals, built.token_order[0].intervals)
+    q, k, v = make_qkv(1, 2, 1, s, s, 32, torch.float32, seed=5, requires_grad=True)
+    sinks = torch.randn(2, requires_grad=True)
+    do = random_do(1, 2, s, 32, torch.float32, seed=5)
+    out, lse = flexmask.attention(q, k, v, mask=found, return_lse=True, sinks=sinks)
+    assert len(gathered) == 5
+    got = (out, lse, *torch.autograd.grad((out * do).sum(), (q, k, v)))
+    ref64, lowp = _reference(q, k, v, spec, do, sinks, torch.float64), _reference(q, k, v, spec, do, sinks, torch.float32)
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        assert_close_to_reference(got[i], ref64[i], lowp[i], default_floor(torch.float32, gradient=i >= 2), name)
 
 
 def _runs(spec, n):

@@ -76,7 +76,8 @@ class CompiledMask:
     num_tiles_visited: int
     source: object = None  # the Mask it came from, if any
     # (CompiledMask, order, inverse): the tables with the global tokens first, for a self-attention
-    # `x | global_tokens(P)` (masks/token_order.py, built by compile_mask); flexmask.attention uses them
+    # `x | global_tokens(P)` or runs that hold such tokens (masks/token_order.py, built by
+    # compile_mask); flexmask.attention uses them
     token_order: tuple | None = None
 
     @property

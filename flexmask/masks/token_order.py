@@ -7,7 +7,8 @@ query): 14 global tokens spread over 32K tokens beside a 1024-key window visit 9
 columns are one block of rows and one of columns, and every other column keeps x's runs with the
 global rows taken out, which are contiguous again: the window's two intervals, 2 770 tiles a head,
 1 118 PARTIAL, and the kernels of two intervals. `compile_mask` builds these tables beside the
-natural ones for such a spec (self-attention, from MIN_TOKENS tokens), and `flexmask.attention`
+natural ones for such a spec (self-attention, from MIN_TOKENS tokens), and for a mask_mod or
+k-run mask whose compiled runs hold global tokens (`reordered_runs`), and `flexmask.attention`
 (without ALiBi, whose distances are positions) gathers q, k and v into the order and the output,
 LSE and gradients back.
 
@@ -46,6 +47,12 @@ def _or_parts(mask) -> list:
     return [mask]
 
 
+def holds_mask_mod(mask) -> bool:
+    """Whether a `from_mask_mod` is part of the mask (its compile reads the run counts on the host)."""
+    return any(part.kind == "mask_mod" or (part.kind == "and" and (holds_mask_mod(part.a) or holds_mask_mod(part.b)))
+               for part in _or_parts(mask))
+
+
 def _rest(mask):
     """x of `x | global_tokens(P)`: the OR of the parts that are not global tokens (None if none)."""
     rest = None
@@ -66,6 +73,52 @@ def token_order(positions: list[int], seq_len: int, device) -> tuple[torch.Tenso
     return order, inverse
 
 
+def detected_positions(intervals: torch.Tensor, seq_len: int) -> list[int]:
+    """The positions that are global in compiled runs `intervals` ([B, H, seq_len, 2K] (start, end)
+    pairs of masked rows, as CompiledMask.intervals holds them): their column masks no row and their
+    row lies in no column's run, in every batch row and head. One host sync (the list)."""
+    runs = intervals.to(torch.int64).clamp(0, seq_len)
+    starts, ends = runs[..., 0::2], runs[..., 1::2]
+    live = ends > starts
+    column_free = ~live.any(-1).flatten(0, 1).any(0)  # [seq_len]: every query attends the key
+    # rows inside some run: one difference array summed over every column, batch row and head
+    # (the counts never go negative, so a row is free where the sum is 0)
+    cover = torch.zeros(seq_len + 1, dtype=torch.int32, device=runs.device)
+    ones = live.to(torch.int32).flatten()
+    cover.scatter_add_(0, torch.where(live, starts, seq_len).flatten(), ones)
+    cover.scatter_add_(0, torch.where(live, ends, seq_len).flatten(), -ones)
+    row_free = cover.cumsum(0)[:seq_len] == 0
+    return torch.nonzero(column_free & row_free).flatten().tolist()
+
+
+def reordered_runs(intervals: torch.Tensor, seq_len: int) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
+    """(the mask in the order of `token_order`, order, inverse) for any self-attention mask given as
+    its compiled runs whose global tokens (`detected_positions`) are not already in front and are
+    at most a quarter of the tokens; else None. A run holds no global row, so it moves whole (each
+    endpoint e to G + e - (global tokens before e)), and the runs a global row split touch again:
+    `column_runs` merges them. The `from_mask_mod` form of `x | global_tokens(P)` takes the order
+    of the builder's spec this way."""
+    positions = detected_positions(intervals, seq_len)
+    g = len(positions)
+    if g == 0 or g > seq_len // 4 or positions == list(range(g)):
+        return None
+    device = intervals.device
+    order, inverse = token_order(positions, seq_len, device)
+    runs = intervals.to(torch.int64).clamp(0, seq_len)
+    return _moved(runs, positions, order), order, inverse
+
+
+def _moved(runs: torch.Tensor, positions: list[int], order: torch.Tensor) -> specs.Mask:
+    """column_runs of runs [B, H, seq_len, 2R] (none holding a global row) in the order `order`:
+    each endpoint e moved to G + e - (global tokens before e), the global columns unmasked."""
+    g = len(positions)
+    before = torch.searchsorted(torch.tensor(positions, device=runs.device), runs)
+    moved = (g + runs - before)[:, :, order[g:], :]  # the reordered columns past the global ones
+    empty = moved.new_zeros(*moved.shape[:2], g, moved.shape[-1])  # the global columns: nothing masked
+    moved = torch.cat([empty, moved], dim=2)
+    return specs.column_runs(moved[..., 0::2], moved[..., 1::2])
+
+
 def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
     """(`mask` in the order of `token_order`, order, inverse) for a mask `x | global_tokens(P)`, else
     None. The reordered mask is the column runs of a spec (compile_mask compiles it): the global rows
@@ -74,7 +127,6 @@ def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, tor
     positions = global_positions(mask)
     if positions is None:
         return None
-    g = len(positions)
     device = torch.device(device)
     order, inverse = token_order(positions, seq_len, device)
     rest = _rest(mask)
@@ -83,8 +135,4 @@ def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, tor
         runs[..., 1] = seq_len
     else:  # [B, H, Sk, 2R]: (start, end) pairs
         runs = rest.intervals(seq_len, seq_len, device).to(torch.int64).clamp(0, seq_len)
-    before = torch.searchsorted(torch.tensor(positions, device=device), runs)
-    moved = (g + runs - before)[:, :, order[g:], :]  # the reordered columns past the global ones
-    empty = moved.new_zeros(*moved.shape[:2], g, moved.shape[-1])  # the global columns: nothing masked
-    moved = torch.cat([empty, moved], dim=2)
-    return specs.column_runs(moved[..., 0::2], moved[..., 1::2]), order, inverse
+    return _moved(runs, positions, order), order, inverse
