@@ -52,16 +52,20 @@ def compile_mask(mask, q_len: int, kv_len: int, *, device=None, block_m: int | N
         if isinstance(value, bool) or not isinstance(value, int) or not is_valid_tile(value):
             raise ValueError(f"{name} must be a power of two in [16, 256], got {value!r}")
     compiled = compile_spec(mask, q_len, kv_len, device, block_m, block_n)  # no host sync on a GPU
-    reordered = None
-    if q_len == kv_len >= token_order.MIN_TOKENS:
-        reordered = token_order.reordered(mask, q_len, device)
-        if reordered is None and (compiled.runs > 2 or token_order.holds_mask_mod(mask)):
-            # found in the runs (a from_mask_mod or column_runs form): their compile read the runs
-            # on the host already, so the one sync this takes is not new
-            reordered = token_order.reordered_runs(compiled.intervals, q_len)
-    if reordered is not None:  # flexmask.attention takes the global tokens first (masks/token_order.py)
-        spec, order, inverse = reordered
-        compiled.token_order = (compile_spec(spec, q_len, kv_len, device, block_m, block_n), order, inverse)
+    if q_len != kv_len or q_len < token_order.MIN_TOKENS:
+        return compiled
+    # flexmask.attention takes the global tokens first (masks/token_order.py): those of a spec
+    # `x | global_tokens(P)`, or those found in the runs of a from_mask_mod or k-run mask (whose
+    # compile read its runs on the host already), where the new order visits fewer tiles or fewer
+    # PARTIAL ones, and no more
+    found = token_order.reordered(mask, q_len, device)
+    if found is None and (compiled.runs > 2 or token_order.holds_mask_mod(mask)):
+        found = token_order.reordered_runs(compiled.intervals, q_len)
+    if found is not None:
+        spec, order, inverse = found
+        tables = compile_spec(spec, q_len, kv_len, device, block_m, block_n)
+        if token_order.fewer_tiles(tables, compiled):
+            compiled.token_order = (tables, order, inverse)
     return compiled
 
 

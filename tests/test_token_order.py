@@ -93,25 +93,28 @@ def test_attention_reorders_global_tokens(monkeypatch, dtype):
 def test_what_is_reordered(monkeypatch):
     """A spec `x | global_tokens(P)` and a mask compiled from one are reordered; ALiBi (its
     distances are positions), Sq != Sk, a sequence under MIN_TOKENS and a mask without global
-    tokens keep the natural order."""
+    tokens keep the natural order (and so does one whose new order saves no tile: two global
+    tokens at 96 tokens, where every tile of 64 is PARTIAL in either order)."""
     monkeypatch.setattr(token_order, "MIN_TOKENS", 64)
     gathered = []
     real = api.reorder
     monkeypatch.setattr(api, "reorder", lambda x, *a: gathered.append(x.shape) or real(x, *a))
-    spec = masks.sliding_window(8) | masks.global_tokens([3, 40])
-    q, k, v = make_qkv(1, 2, 2, 96, 96, 16, torch.float32, seed=1)
+    spec = masks.sliding_window(8) | masks.global_tokens([3, 70, 140])  # in three tiles of 64
+    q, k, v = make_qkv(1, 2, 2, 192, 192, 16, torch.float32, seed=1)
     flexmask.attention(q, k, v, mask=spec, alibi_slopes=torch.rand(2))
-    flexmask.attention(q[:, :, :80], k, v, mask=spec)
+    flexmask.attention(q[:, :, :160], k, v, mask=spec)
     flexmask.attention(q[:, :, :48], k[:, :, :48], v[:, :, :48], mask=masks.sliding_window(8) | masks.global_tokens([3]))
     flexmask.attention(q, k, v, mask=masks.sliding_window(8))
+    two = masks.sliding_window(8) | masks.global_tokens([3, 70])
+    flexmask.attention(q[:, :, :96], k[:, :, :96], v[:, :, :96], mask=two)
     assert gathered == []
     flexmask.attention(q, k, v, mask=spec)
     assert len(gathered) == 5  # q, k, v in; out and the LSE back
-    cm = flexmask.compile_mask(spec, 96, 96, device="cpu")
+    cm = flexmask.compile_mask(spec, 192, 192, device="cpu")
     out = flexmask.attention(q, k, v, mask=cm)
-    assert len(gathered) == 10 and cm.token_order[0].q_len == 96
+    assert len(gathered) == 10 and cm.token_order[0].q_len == 192
     monkeypatch.setattr(token_order, "MIN_TOKENS", 4096)  # the same mask as runs, in its own order
-    plain = flexmask.attention(q, k, v, mask=flexmask.compile_mask(masks.column_runs(*_runs(spec, 96)), 96, 96,
+    plain = flexmask.attention(q, k, v, mask=flexmask.compile_mask(masks.column_runs(*_runs(spec, 192)), 192, 192,
                                                                    device="cpu"))
     assert len(gathered) == 10
     torch.testing.assert_close(out, plain, rtol=0, atol=2e-6)  # fp32: the same sums in another tile order
@@ -147,6 +150,26 @@ def test_runs_without_global_tokens_keep_their_order():
         assert token_order.reordered_runs(cm.intervals, s) is None, spec
     assert token_order.detected_positions(flexmask.compile_mask(masks.full(), s, s, device="cpu").intervals, s) \
         == list(range(s))
+
+
+def test_an_order_that_saves_no_tile_is_not_kept(monkeypatch):
+    """Key 5 hidden from the queries past 100: rows 0-100 but 5 are global in the runs, and moving
+    them to the front visits the same tiles with as many PARTIAL ones, so the mask keeps its order;
+    a window with global tokens spread over four blocks keeps the new one (one block of them).
+    (One global token would not: its row and column of tiles stay one each in either order.)"""
+    monkeypatch.setattr(token_order, "MIN_TOKENS", 256)
+    s = 512
+    hidden = masks.from_mask_mod(lambda b, h, q, k: ~((k == 5) & (q > 100)))
+    cm = flexmask.compile_mask(hidden, s, s, device="cpu", block_m=128, block_n=128)
+    assert token_order.reordered_runs(cm.intervals, s) is not None and cm.token_order is None
+
+    def spread(b, h, q, k):  # a window, and a global token in each of four blocks of 128
+        is_global = lambda i: (i % 128 == 60) & (i < 4 * 128)
+        return ((k <= q) & (q - k < 32)) | is_global(q) | is_global(k)
+
+    cm = flexmask.compile_mask(masks.from_mask_mod(spread), s, s, device="cpu", block_m=128, block_n=128)
+    assert cm.token_order is not None and token_order.fewer_tiles(cm.token_order[0], cm)
+    assert not token_order.fewer_tiles(cm, cm)
 
 
 def test_mask_mod_with_global_tokens_runs_in_their_order(monkeypatch):

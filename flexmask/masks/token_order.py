@@ -3,14 +3,15 @@
 In its own order a global token at position p makes its whole row of tiles PARTIAL (one row of
 128 attends every key) and its column of tiles too (one column of 128 is attended by every
 query): 14 global tokens spread over 32K tokens beside a 1024-key window visit 9 002 tiles a head,
-7 238 of them PARTIAL (docs/performance.md, section 12). With the global tokens moved to the front (the others keep their order) their rows and
-columns are one block of rows and one of columns, and every other column keeps x's runs with the
-global rows taken out, which are contiguous again: the window's two intervals, 2 770 tiles a head,
-1 118 PARTIAL, and the kernels of two intervals. `compile_mask` builds these tables beside the
-natural ones for such a spec (self-attention, from MIN_TOKENS tokens), and for a mask_mod or
-k-run mask whose compiled runs hold global tokens (`reordered_runs`), and `flexmask.attention`
-(without ALiBi, whose distances are positions) gathers q, k and v into the order and the output,
-LSE and gradients back.
+7 238 of them PARTIAL (docs/performance.md, section 12). With the global tokens moved to the front
+(the others keep their order) their rows and columns are one block of rows and one of columns,
+and every other column keeps x's runs with the global rows taken out, which are contiguous again:
+the window's two intervals, 2 770 tiles a head, 1 118 PARTIAL, and the kernels of two intervals.
+`compile_mask` builds these tables beside the natural ones for such a spec (self-attention, from
+MIN_TOKENS tokens) and for a mask_mod or k-run mask whose compiled runs hold global tokens
+(`reordered_runs`), and keeps them where they visit fewer tiles (`fewer_tiles`);
+`flexmask.attention` (without ALiBi, whose distances are positions) gathers q, k and v into the
+order and the output, LSE and gradients back.
 
     x | global_tokens([3]), 7 tokens, x = sliding_window(1, 1)     reordered: token 3 first
         ##.#...                                                     #######
@@ -106,6 +107,17 @@ def reordered_runs(intervals: torch.Tensor, seq_len: int) -> tuple[specs.Mask, t
     order, inverse = token_order(positions, seq_len, device)
     runs = intervals.to(torch.int64).clamp(0, seq_len)
     return _moved(runs, positions, order), order, inverse
+
+
+def fewer_tiles(reordered, natural) -> bool:
+    """Whether the tables `reordered` visit fewer tiles than `natural` with no more PARTIAL ones, or
+    fewer PARTIAL ones and no more tiles (exact counts: a host sync)."""
+    def counts(tables):
+        visited = int(tables.bwd_offsets[-1])
+        return visited, visited - int(tables.fwd_num_full.sum())
+
+    (visited, partial), (was_visited, was_partial) = counts(reordered), counts(natural)
+    return visited <= was_visited and partial <= was_partial and (visited, partial) != (was_visited, was_partial)
 
 
 def _moved(runs: torch.Tensor, positions: list[int], order: torch.Tensor) -> specs.Mask:
