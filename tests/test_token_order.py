@@ -42,6 +42,7 @@ def test_no_global_tokens_no_order():
     assert token_order.global_positions(masks.causal() & masks.sliding_window(8)) is None
     assert token_order.global_positions(masks.global_tokens([1]) & masks.causal()) is None  # only ORs
     assert token_order.reordered(masks.causal(), 64, "cpu") is None
+    assert token_order.reordered(masks.sliding_window(8) | masks.global_tokens([0, 1]), 64, "cpu") is None  # in front
 
 
 def test_window_with_global_tokens_keeps_two_runs_and_fewer_tiles():

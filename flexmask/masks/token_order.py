@@ -121,8 +121,8 @@ def fewer_tiles(reordered, natural) -> bool:
 
 
 def _moved(runs: torch.Tensor, positions: list[int], order: torch.Tensor) -> specs.Mask:
-    """column_runs of runs [B, H, seq_len, 2R] (none holding a global row) in the order `order`:
-    each endpoint e moved to G + e - (global tokens before e), the global columns unmasked."""
+    """column_runs of runs [B, H, seq_len, 2R] in the order `order`: each endpoint e moved to G + e -
+    (global tokens before e), which takes the global rows out of a run, the global columns unmasked."""
     g = len(positions)
     before = torch.searchsorted(torch.tensor(positions, device=runs.device), runs)
     moved = (g + runs - before)[:, :, order[g:], :]  # the reordered columns past the global ones
@@ -132,12 +132,12 @@ def _moved(runs: torch.Tensor, positions: list[int], order: torch.Tensor) -> spe
 
 
 def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
-    """(`mask` in the order of `token_order`, order, inverse) for a mask `x | global_tokens(P)`, else
-    None. The reordered mask is the column runs of a spec (compile_mask compiles it): the global rows
+    """(`mask` in the order of `token_order`, order, inverse) for a mask `x | global_tokens(P)` whose
+    global tokens are not already in front, else None. The reordered mask is the column runs of a spec (compile_mask compiles it): the global rows
     and columns attend everything, and each other column keeps x's masked runs, each endpoint e moved
     to G + e - (global tokens before e), which takes the global rows out of them (G global tokens)."""
     positions = global_positions(mask)
-    if positions is None:
+    if positions is None or positions == list(range(len(positions))):  # none, or already in front
         return None
     device = torch.device(device)
     order, inverse = token_order(positions, seq_len, device)
