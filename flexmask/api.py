@@ -247,8 +247,15 @@ def attention_by_key(q: Tensor, k: Tensor, v: Tensor, mask_key: str, scale: floa
     """(out, lse) of the mask `mask_key` names (`_key_string`; "None": full attention), its tables
     resolved for these lengths when the op runs; `split_kv` allows the split-KV path (no gradient
     will be asked)."""
-    tables = _table_args(_compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device))
+    cm = _compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device)
+    tables = _table_args(cm)
     _check_mask_heads(tables[7], tables[8], q.shape[0], q.shape[1], k.shape[1])
+    found = _by_key_order(cm, q, k, alibi_slopes)
+    if found is not None:  # global tokens first, as flexmask.attention takes them in eager mode
+        reordered, order, inverse = found
+        out, lse = _forward_impl(*(t.index_select(2, order) for t in (q, k, v)), *_table_args(reordered), scale,
+                                 deterministic, softcap, alibi_slopes, sinks)
+        return _gathered_back(out, q, inverse), lse.index_select(2, inverse)
     if split_kv:
         terms = ScoreTerms(softcap, alibi_slopes, sinks)
         plan = _split_kv_plan(q, k, v, tables, terms if terms.active else None)
@@ -268,9 +275,31 @@ def attention_by_key_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
                          lse: Tensor, mask_key: str, scale: float, deterministic: int, softcap: float,
                          alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks) of `attention_by_key`; dsinks is empty without sinks."""
-    tables = _table_args(_compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device))
-    return op_outputs(*_backward_impl(do, dlse, q, k, v, o, lse, *tables, scale, deterministic, softcap, alibi_slopes,
-                                      sinks))
+    cm = _compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device)
+    found = _by_key_order(cm, q, k, alibi_slopes)
+    if found is None:
+        return op_outputs(*_backward_impl(do, dlse, q, k, v, o, lse, *_table_args(cm), scale, deterministic, softcap,
+                                          alibi_slopes, sinks))
+    reordered, order, inverse = found  # the forward ran in this order: so does its backward
+    gathered = [None if t is None else t.index_select(2, order) for t in (do, dlse, q, k, v, o, lse)]
+    dq, dk, dv, dsinks = _backward_impl(*gathered, *_table_args(reordered), scale, deterministic, softcap,
+                                        alibi_slopes, sinks)
+    return op_outputs(_gathered_back(dq, q, inverse), _gathered_back(dk, k, inverse), _gathered_back(dv, v, inverse),
+                      dsinks)
+
+
+def _by_key_order(cm: CompiledMask, q: Tensor, k: Tensor, alibi_slopes) -> tuple | None:
+    """(tables, order, inverse) of the token order the keyed ops run in, or None: the one
+    flexmask.attention takes in eager mode (masks/token_order.py; not with ALiBi)."""
+    if alibi_slopes is not None or q.shape[2] != k.shape[2] or q.shape[2] < token_order.MIN_TOKENS:
+        return None
+    return cm.token_order
+
+
+def _gathered_back(x: Tensor, like: Tensor, inverse: Tensor) -> Tensor:
+    """x in the caller's token order and in `like`'s layout (the one the op's fake gives)."""
+    back = x.index_select(2, inverse)
+    return back if back.stride() == like.stride() else torch.empty_like(like).copy_(back)
 
 
 @attention_by_key_bwd.register_fake
@@ -383,10 +412,13 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
 
     compiling = torch.compiler.is_compiling()
     resolved = None
-    if not compiling and mask is not None and sq == sk and sq >= token_order.MIN_TOKENS and alibi_slopes is None:
+    # global tokens first (masks/token_order.py): under torch.compile for a CompiledMask (its gathers
+    # are traced); a spec written in the compiled region goes by key, and its op takes the order
+    ordered = isinstance(mask, CompiledMask) or (mask is not None and not compiling)
+    if ordered and sq == sk >= token_order.MIN_TOKENS and alibi_slopes is None:
         resolved = _resolve_mask(mask, sq, sk, q.device)
         reordered = getattr(resolved, "token_order", None)
-        if reordered is not None:  # global tokens: first (masks/token_order.py)
+        if reordered is not None:
             cm, order, inverse = reordered
             q, k, v = (reorder(t, order, inverse) for t in (q, k, v))
             out, lse = attention(q, k, v, cm, scale=scale, return_lse=True, deterministic=deterministic,

@@ -205,6 +205,44 @@ def test_mask_mod_with_global_tokens_runs_in_their_order(monkeypatch):
         assert_close_to_reference(got[i], ref64[i], lowp[i], default_floor(torch.float32, gradient=i >= 2), name)
 
 
+def test_torch_compile_takes_the_token_order(monkeypatch):
+    """A global-token mask written in a torch.compile(fullgraph=True) layer runs in the same token
+    order as in eager mode (inside the keyed ops: the graph holds no tables), forward and backward,
+    (B, S, H, D) views and GQA; its outputs, LSE and gradients equal eager's bitwise. A CompiledMask
+    in the layer takes the order too, its gathers traced into the graph."""
+    monkeypatch.setattr(token_order, "MIN_TOKENS", 256)
+    ran = []
+    real = api._by_key_order
+    monkeypatch.setattr(api, "_by_key_order", lambda *a: ran.append(real(*a) is not None) or real(*a))
+
+    def layer(q, k, v, sinks):
+        mask = masks.sliding_window(40) | masks.global_tokens([7, 150, 299])
+        return flexmask.attention(q, k, v, mask=mask, sinks=sinks, return_lse=True, deterministic=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    s = 300
+    q, k, v = make_qkv(1, 4, 2, s, s, 16, torch.float32, seed=7, layout="bshd", requires_grad=True)
+    sinks = torch.randn(4, requires_grad=True)
+    do = random_do(1, 4, s, 16, torch.float32, seed=7)
+    results = []
+    for fn in (compiled, layer):
+        out, lse = fn(q, k, v, sinks)
+        results.append((out, lse, *torch.autograd.grad((out * do).sum() + lse.sum(), (q, k, v, sinks))))
+    assert ran == [True, True]  # the keyed forward and backward, in the new order
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), *results):
+        assert torch.equal(got, want), name
+    assert results[0][2].stride() == q.stride() and results[0][3].stride() == k.stride()
+    gathered = []
+    real_reorder = api.reorder
+    monkeypatch.setattr(api, "reorder", lambda x, *a: gathered.append(x.shape) or real_reorder(x, *a))
+    cm = flexmask.compile_mask(masks.sliding_window(40) | masks.global_tokens([7, 150, 299]), s, s, device="cpu")
+    torch._dynamo.reset()  # a CompiledMask in the compiled layer: the gathers are in the graph
+    out = torch.compile(lambda q, k, v: flexmask.attention(q, k, v, mask=cm, sinks=sinks, deterministic=True),
+                        fullgraph=True, backend="aot_eager")(q, k, v)
+    assert len(gathered) == 5 and torch.equal(out, results[1][0])
+
+
 def _runs(spec, n):
     iv = spec.intervals(n, n)
     return iv[..., 0::2], iv[..., 1::2]

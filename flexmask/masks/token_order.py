@@ -10,8 +10,9 @@ the window's two intervals, 2 770 tiles a head, 1 118 PARTIAL, and the kernels o
 `compile_mask` builds these tables beside the natural ones for such a spec (self-attention, from
 MIN_TOKENS tokens) and for a mask_mod or k-run mask whose compiled runs hold global tokens
 (`reordered_runs`), and keeps them where they visit fewer tiles (`fewer_tiles`);
-`flexmask.attention` (without ALiBi, whose distances are positions) gathers q, k and v into the
-order and the output, LSE and gradients back.
+`flexmask.attention` (without ALiBi, whose distances are positions; under torch.compile too, in
+the keyed ops for a spec written in the compiled region) gathers q, k and v into the order and the
+output, LSE and gradients back.
 
     x | global_tokens([3]), 7 tokens, x = sliding_window(1, 1)     reordered: token 3 first
         ##.#...                                                     #######
