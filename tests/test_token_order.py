@@ -122,9 +122,11 @@ def test_what_is_reordered(monkeypatch):
 
 
 @pytest.mark.parametrize("make", SPECS, ids=["window", "causal", "alone", "documents", "nested", "per-head"])
-def test_global_tokens_found_in_the_runs(make):
+def test_global_tokens_found_in_the_runs(make, monkeypatch):
     """The same masks given as their runs (what from_mask_mod and column_runs compile to): the
-    global tokens are found in the compiled runs, and the reordered runs are the mask in that order."""
+    global tokens are found in the compiled runs (read in slices of 97 runs), and the reordered runs
+    are the mask in that order."""
+    monkeypatch.setattr(token_order, "DETECT_SLICE", 97)
     s = 300
     spec = make(s)
     cm = flexmask.compile_mask(masks.column_runs(*_runs(spec, s)), s, s, device="cpu")

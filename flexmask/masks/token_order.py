@@ -33,6 +33,8 @@ from . import specs
 # shortest sequence that is reordered: below it a row of tiles is a few tiles, and the gathers
 # would cost more than the PARTIAL tiles they save
 MIN_TOKENS = 2048
+# runs a slice of `detected_positions` reads at once (its int64 indices: 128 MB a tensor)
+DETECT_SLICE = 1 << 24
 
 
 def global_positions(mask) -> list[int] | None:
@@ -78,19 +80,24 @@ def token_order(positions: list[int], seq_len: int, device) -> tuple[torch.Tenso
 def detected_positions(intervals: torch.Tensor, seq_len: int) -> list[int]:
     """The positions that are global in compiled runs `intervals` ([B, H, seq_len, 2K] (start, end)
     pairs of masked rows, as CompiledMask.intervals holds them): their column masks no row and their
-    row lies in no column's run, in every batch row and head. One host sync (the list)."""
-    runs = intervals.to(torch.int64).clamp(0, seq_len)
-    starts, ends = runs[..., 0::2], runs[..., 1::2]
-    live = ends > starts
-    column_free = ~live.any(-1).flatten(0, 1).any(0)  # [seq_len]: every query attends the key
-    # rows inside some run: one difference array summed over every column, batch row and head
-    # (the counts never go negative, so a row is free where the sum is 0)
-    cover = torch.zeros(seq_len + 1, dtype=torch.int32, device=runs.device)
-    ones = live.to(torch.int32).flatten()
-    cover.scatter_add_(0, torch.where(live, starts, seq_len).flatten(), ones)
-    cover.scatter_add_(0, torch.where(live, ends, seq_len).flatten(), -ones)
-    row_free = cover.cumsum(0)[:seq_len] == 0
-    return torch.nonzero(column_free & row_free).flatten().tolist()
+    row lies in no column's run, in every batch row and head. Host syncs: whether any column is
+    free (most masks stop there), then the list."""
+    starts, ends = intervals[..., 0::2], intervals[..., 1::2]
+    live = ends.clamp(max=seq_len) > starts.clamp(min=0)
+    candidates = torch.nonzero(~live.any(-1).flatten(0, 1).any(0)).flatten()  # columns every query attends
+    if candidates.numel() == 0:
+        return []
+    # the candidates' rows inside some run: a difference array over the candidates, summed over every
+    # run of every column, batch row and head (counts never go negative: free where the sum is 0),
+    # in slices of the runs so that the int64 indices stay small
+    cover = torch.zeros(candidates.numel() + 1, dtype=torch.int64, device=intervals.device)
+    flat = [t.flatten() for t in (starts, ends, live)]
+    for i in range(0, flat[0].numel(), DETECT_SLICE):
+        s, e, w = (t[i:i + DETECT_SLICE] for t in flat)
+        w = w.to(torch.int64)
+        cover.scatter_add_(0, torch.searchsorted(candidates, s.to(torch.int64).clamp(0, seq_len)), w)
+        cover.scatter_add_(0, torch.searchsorted(candidates, e.to(torch.int64).clamp(0, seq_len)), -w)
+    return candidates[cover.cumsum(0)[:-1] == 0].tolist()
 
 
 def reordered_runs(intervals: torch.Tensor, seq_len: int) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
