@@ -361,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readme", help="write the summary between the per-call markers of this file (README.md)")
     p.add_argument("--full", help="write every case's table between the per-call-full markers of this file "
                                   "(docs/results.md)")
-    p.add_argument("--table", metavar="CSV", help="measure nothing: print (or --readme) the table of this CSV's last run")
+    p.add_argument("--table", metavar="CSV",
+                   help="measure nothing: print (or --readme) the table of this CSV's last run")
     args = p.parse_args(argv)
     if args.table:
         with open(args.table, newline="") as f:

@@ -202,7 +202,8 @@ def test_mask_mod_with_global_tokens_runs_in_their_order(monkeypatch):
     out, lse = flexmask.attention(q, k, v, mask=found, return_lse=True, sinks=sinks)
     assert len(gathered) == 5
     got = (out, lse, *torch.autograd.grad((out * do).sum(), (q, k, v)))
-    ref64, lowp = _reference(q, k, v, spec, do, sinks, torch.float64), _reference(q, k, v, spec, do, sinks, torch.float32)
+    ref64 = _reference(q, k, v, spec, do, sinks, torch.float64)
+    lowp = _reference(q, k, v, spec, do, sinks, torch.float32)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         assert_close_to_reference(got[i], ref64[i], lowp[i], default_floor(torch.float32, gradient=i >= 2), name)
 

@@ -141,9 +141,10 @@ def _moved(runs: torch.Tensor, positions: list[int], order: torch.Tensor) -> spe
 
 def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
     """(`mask` in the order of `token_order`, order, inverse) for a mask `x | global_tokens(P)` whose
-    global tokens are not already in front, else None. The reordered mask is the column runs of a spec (compile_mask compiles it): the global rows
-    and columns attend everything, and each other column keeps x's masked runs, each endpoint e moved
-    to G + e - (global tokens before e), which takes the global rows out of them (G global tokens)."""
+    global tokens are not already in front, else None. The reordered mask is the column runs of a
+    spec (compile_mask compiles it): the global rows and columns attend everything, and each other
+    column keeps x's masked runs, each endpoint e moved to G + e - (global tokens before e), which
+    takes the global rows out of them (G global tokens)."""
     positions = global_positions(mask)
     if positions is None or positions == list(range(len(positions))):  # none, or already in front
         return None
