@@ -250,7 +250,7 @@ def attention_by_key(q: Tensor, k: Tensor, v: Tensor, mask_key: str, scale: floa
     cm = _compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device)
     tables = _table_args(cm)
     _check_mask_heads(tables[7], tables[8], q.shape[0], q.shape[1], k.shape[1])
-    found = _by_key_order(cm, q, k, alibi_slopes)
+    found = _by_key_order(cm, alibi_slopes)
     if found is not None:  # global tokens first, as flexmask.attention takes them in eager mode
         reordered, order, inverse = found
         out, lse = _forward_impl(*(t.index_select(2, order) for t in (q, k, v)), *_table_args(reordered), scale,
@@ -276,7 +276,7 @@ def attention_by_key_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
                          alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks) of `attention_by_key`; dsinks is empty without sinks."""
     cm = _compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device)
-    found = _by_key_order(cm, q, k, alibi_slopes)
+    found = _by_key_order(cm, alibi_slopes)
     if found is None:
         return op_outputs(*_backward_impl(do, dlse, q, k, v, o, lse, *_table_args(cm), scale, deterministic, softcap,
                                           alibi_slopes, sinks))
@@ -288,12 +288,11 @@ def attention_by_key_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
                       dsinks)
 
 
-def _by_key_order(cm: CompiledMask, q: Tensor, k: Tensor, alibi_slopes) -> tuple | None:
+def _by_key_order(cm: CompiledMask, alibi_slopes) -> tuple | None:
     """(tables, order, inverse) of the token order the keyed ops run in, or None: the one
-    flexmask.attention takes in eager mode (masks/token_order.py; not with ALiBi)."""
-    if alibi_slopes is not None or q.shape[2] != k.shape[2] or q.shape[2] < token_order.MIN_TOKENS:
-        return None
-    return cm.token_order
+    flexmask.attention takes in eager mode (masks/token_order.py; compile_mask sets it only for
+    self-attention of MIN_TOKENS or more; not with ALiBi)."""
+    return None if alibi_slopes is not None else cm.token_order
 
 
 def _gathered_back(x: Tensor, like: Tensor, inverse: Tensor) -> Tensor:

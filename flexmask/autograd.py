@@ -213,4 +213,3 @@ def reorder(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _Reorder.apply(x, order, inverse)
     return x.index_select(2, order)
-

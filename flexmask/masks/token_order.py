@@ -53,8 +53,9 @@ def _or_parts(mask) -> list:
 
 def holds_mask_mod(mask) -> bool:
     """Whether a `from_mask_mod` is part of the mask (its compile reads the run counts on the host)."""
-    return any(part.kind == "mask_mod" or (part.kind == "and" and (holds_mask_mod(part.a) or holds_mask_mod(part.b)))
-               for part in _or_parts(mask))
+    if mask.kind in ("and", "or"):
+        return holds_mask_mod(mask.a) or holds_mask_mod(mask.b)
+    return mask.kind == "mask_mod"
 
 
 def _rest(mask):
