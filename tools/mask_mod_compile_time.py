@@ -1,16 +1,20 @@
-"""`from_mask_mod`'s tables, timed: the best of a few compiles of three mask_mods (NATTEN 9 x 9
-on a square image, the benchmark's dilated window per head (8 heads), causal) at one length, on
-the CPU or a GPU. The mask_mod benchmark times it against FlexAttention on a GPU; this is the
+"""`from_mask_mod`'s tables, timed: the best of a few compiles of the mask_mods (NATTEN 9 x 9
+on a square image, the benchmark's dilated window per head (8 heads), causal, its 14 global tokens
+beside a 1024-key window) at one length, on the CPU or a GPU. The mask_mod benchmark times it against FlexAttention on a GPU; this is the
 quick look that needs none.
 
     PYTHONPATH=$PWD python -m tools.mask_mod_compile_time [--seq-len 4096] [--device cpu]
                                                           [--first-pass eager|compiled] [--profile]
-                                                          [--inductor-options JSON]
+                                                          [--inductor-options JSON] [--masks a,b]
+                                                          [--compile-mask] [--block-mask]
 
 On a GPU, `--first-pass eager` keeps the first pass of the scan eager at every size (the default
 compiles it for large masks: intervals.MASK_MOD_COMPILE_PAIRS); `--first-pass compiled` takes the
 compiled pass at every size and on the CPU too (Inductor's C++ code there: the GPU's path, timed
-where there is no GPU; its first call compiles). `--profile` adds one more compile of
+where there is no GPU; its first call compiles). `--compile-mask` times `flexmask.compile_mask` of
+the mask (runs, tile tables and, for the global tokens, their detection and the reordered tables)
+instead of the runs alone; `--block-mask` times FlexAttention's compiled `create_block_mask` of the
+same functions beside (the mask_mod benchmark's comparison, without its attention). `--profile` adds one more compile of
 each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
 compile's time goes between the compiled pass, the eager operations and the host syncs.
 `--inductor-options` replaces the Inductor options of the compiled pass on CUDA
@@ -28,6 +32,7 @@ import time
 
 import torch
 
+import flexmask
 from benchmarks import mask_mod as mask_mod_bench
 from flexmask import masks
 from flexmask.masks import intervals
@@ -38,7 +43,9 @@ def mask_mods(seq_len: int, device) -> dict:
     width = math.isqrt(seq_len)
     return {"natten_k9": (mask_mod_bench.natten_mask_mod(seq_len // width, width, 9), None),
             "dilated_per_head_8": (mask_mod_bench.dilated_mask_mod(896, mask_mod_bench.head_dilations(8), device), 8),
-            "causal": (lambda b, h, q, kv: kv <= q, None)}
+            "causal": (lambda b, h, q, kv: kv <= q, None),
+            "global14_window1024": (mask_mod_bench.global_window_mask_mod(
+                mask_mod_bench.global_positions(seq_len), mask_mod_bench.WINDOW, seq_len, device), None)}
 
 
 def profiled(build, device) -> str:
@@ -62,6 +69,10 @@ def main(argv=None) -> int:
     ap.add_argument("--first-pass", choices=("auto", "eager", "compiled"), default="auto")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--inductor-options", type=json.loads, default=None)
+    ap.add_argument("--masks", default=None, help="comma-separated names of the masks to time (default: all)")
+    ap.add_argument("--compile-mask", action="store_true", help="time compile_mask, not the runs alone")
+    ap.add_argument("--block-mask", action="store_true",
+                    help="also time FlexAttention's compiled create_block_mask of each function (GPU)")
     ap.add_argument("--compiled-block-log2", type=int, default=None,
                     help="(pair, q, kv) evaluations of one compiled call, as a power of two "
                          "(intervals.MASK_MOD_COMPILED_BLOCK_ELEMENTS)")
@@ -75,25 +86,51 @@ def main(argv=None) -> int:
     if args.first_pass == "compiled":
         intervals._compile_scan = lambda g, pairs: not torch.compiler.is_compiling()
     device = torch.device(args.device)
-    for name, (fn, heads) in mask_mods(args.seq_len, device).items():
-        times = []
-        for _ in range(args.repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            masks.from_mask_mod(fn, heads=heads, max_runs=16).intervals(args.seq_len, args.seq_len, device=device)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+    chosen = mask_mods(args.seq_len, device)
+    if args.masks is not None:
+        names = args.masks.split(",")
+        unknown = [n for n in names if n not in chosen]
+        if unknown:
+            raise ValueError(f"--masks must name some of {sorted(chosen)}, got {unknown}")
+        chosen = {n: chosen[n] for n in names}
+    for name, (fn, heads) in chosen.items():
+        def build(fn=fn, heads=heads):
+            mask = masks.from_mask_mod(fn, heads=heads, max_runs=16)
+            if args.compile_mask:
+                return flexmask.compile_mask(mask, args.seq_len, args.seq_len, device=device)
+            return mask.intervals(args.seq_len, args.seq_len, device=device)
+
+        times = _timed(build, args.repeats, device)
         options = "" if args.inductor_options is None else f" {json.dumps(args.inductor_options)}"
         if args.compiled_block_log2 is not None:
             options += f" blocks of 2^{args.compiled_block_log2}"
+        if args.compile_mask:
+            options += " compile_mask"
         print(f"{name:20s} S={args.seq_len} {args.device} {args.first_pass}{options}: first {times[0] * 1e3:9.1f} ms, "
               f"best {min(times) * 1e3:9.1f} ms of {args.repeats}")
+        if args.block_mask:
+            from benchmarks.providers import build_block_mask
+
+            times = _timed(lambda: build_block_mask(fn, None, heads, args.seq_len, device), args.repeats, device)
+            print(f"{name:20s} S={args.seq_len} {args.device} create_block_mask: first {times[0] * 1e3:9.1f} ms, "
+                  f"best {min(times) * 1e3:9.1f} ms of {args.repeats}")
         if args.profile:
-            print(profiled(lambda: masks.from_mask_mod(fn, heads=heads, max_runs=16).intervals(
-                args.seq_len, args.seq_len, device=device), device))
+            print(profiled(build, device))
     return 0
+
+
+def _timed(build, repeats: int, device) -> list[float]:
+    """Seconds of each of `repeats` calls of build(), the device synchronized around each."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        build()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 if __name__ == "__main__":
