@@ -14,11 +14,12 @@ from .autograd import _backward_impl, _forward_impl, _terms, attention_eager, at
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.common.tiles import default_tile, is_valid_tile
 from .kernels.decode import configs as decode_configs
-from .kernels.decode.split_kv import decode_forward, decode_fwd
+from .kernels.decode import steps as decode_steps
+from .kernels.decode.split_kv import mask_view, decode_forward, decode_fwd, decode_step
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
 from .masks import specs, token_order
-from .masks.compiled_cache import CompiledCache, spec_from_key, traceable_key
+from .masks.compiled_cache import CompiledCache, Unkeyable, spec_from_key, structural_key, traceable_key
 from .masks.compiler import CompiledMask, compile_spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -381,6 +382,16 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     kernels as inputs without them (the Gluon kernels on Hopper); split-KV decoding with a term
     takes its Triton kernel (kernels/dispatch.py).
     """
+    # a decode step of a signature seen before (kernels/decode/steps.py): its plan kept, only launches
+    step_key, compiling = None, torch.compiler.is_compiling()
+    if (not compiling and alibi_slopes is None and sinks is None
+            and (softcap is None or softcap.__class__ in (float, int) and softcap == 0)
+            and return_lse.__class__ is bool and (deterministic is None or deterministic.__class__ is bool)):
+        step_key = decode_steps.signature(q, k, v, mask, scale, _step_mask_key)
+        step = decode_steps.find(step_key, q, k, v)
+        if step is not None:
+            out, lse = step(q, k, v)
+            return (out, lse) if return_lse else out
     _check_qkv(q, k, v)
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -409,7 +420,6 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         sinks = sinks.contiguous()
     terms = _terms(softcap, alibi_slopes, sinks)
 
-    compiling = torch.compiler.is_compiling()
     resolved = None
     # global tokens first (masks/token_order.py): under torch.compile for a CompiledMask (its gathers
     # are traced); a spec written in the compiled region goes by key, and its op takes the order
@@ -442,11 +452,17 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         tables = (_spec_table_args(mask, *lengths, q.device) if key is None
                   else _key_table_args(key, *lengths, q.device))
     _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
+    inputs = (q, k, v)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     plan = _split_kv_plan(q, k, v, tables, terms)
     if plan is not None:  # few queries, long keys, no gradient: Flash-Decoding
         if compiling:  # the op only for the compiler
             out, lse = decode_fwd(q, k, v, *tables[:4], *tables[7:11], float(scale), softcap, alibi_slopes, sinks)
+        elif terms is None and step_key is not None and all(a is b for a, b in zip((q, k, v), inputs)):
+            # planned once for this signature: kept for its next calls
+            step = decode_step(q, k, v, mask_view(*tables[:4], *tables[7:11], sq, sk), float(scale), plan=plan)
+            decode_steps.remember(step_key, step, q, k, v)
+            out, lse = step(q, k, v)
         else:
             out, lse = decode_forward(q, k, v, *tables[:4], *tables[7:11], float(scale), plan, softcap, alibi_slopes,
                                       sinks)
@@ -459,6 +475,21 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         out, lse = attention_eager(q, k, v, *tables, float(scale), int(deterministic), softcap=softcap,
                                    alibi_slopes=alibi_slopes, sinks=sinks)
     return (out, lse) if return_lse else out
+
+
+def _step_mask_key(mask):
+    """The mask's part of a decode step's key (kernels/decode/steps.py): ("full",), a CompiledMask
+    itself, a spec's structural key; None for a spec the key does not cover or no mask at all."""
+    if mask is None:
+        return ("full",)
+    if mask.__class__ is CompiledMask:
+        return ("compiled", mask)
+    if not isinstance(mask, specs.Mask):
+        return None
+    try:
+        return "spec", structural_key(mask)
+    except Unkeyable:
+        return None
 
 
 def _split_kv_plan(q, k, v, tables, terms=None):

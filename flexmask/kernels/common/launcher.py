@@ -213,15 +213,15 @@ class FastLaunch:
         self.triton_launches += 1
         return self.fn[grid](*args, num_warps=num_warps, **kwargs)
 
-    def __call__(self, grid, *args, num_warps: int = 4, **kwargs):
-        if not self._fast or _hooks_registered():
-            return self._triton(grid, args, num_warps, kwargs)
+    def _params_and_key(self, args: tuple, num_warps: int, kwargs: dict):
+        """(every kernel parameter in order, the launch's specialisation key ending with the current
+        device), or None where Triton's own path must bind the call."""
         plan = self._plans.get((len(args), *kwargs))
         if plan is None:
             plan = self._plan(len(args), tuple(kwargs))
         rest, option_names = plan
         if rest is None:  # a parameter left to its default: Triton binds it
-            return self._triton(grid, args, num_warps, kwargs)
+            return None
         if rest:  # parameters by name; a Gluon kernel may take `num_warps` as a parameter too
             named = {**kwargs, "num_warps": num_warps}
             params = args + tuple([named[name] for name in rest])
@@ -231,9 +231,18 @@ class FastLaunch:
         try:
             key = self._key(params)
         except _Unkeyed:
-            return self._triton(grid, args, num_warps, kwargs)
+            return None
         device = torch._C._cuda_getDevice()  # (CUDA is initialised: the arguments live there)
-        key = (key, num_warps, options, device)
+        return params, (key, num_warps, options, device)
+
+    def __call__(self, grid, *args, num_warps: int = 4, **kwargs):
+        if not self._fast or _hooks_registered():
+            return self._triton(grid, args, num_warps, kwargs)
+        found = self._params_and_key(args, num_warps, kwargs)
+        if found is None:
+            return self._triton(grid, args, num_warps, kwargs)
+        params, key = found
+        device = key[-1]
         launch = self._kernels.get(key)
         if launch is None:  # the first launch of this specialisation: Triton's own path
             kernel = self._triton(grid, args, num_warps, kwargs)
@@ -248,3 +257,54 @@ class FastLaunch:
         else:
             kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *params)
         return kernel
+
+
+class BoundLaunch:
+    """`fast(grid, *args, num_warps=..., **kwargs)` kept with every argument but the tensors at
+    `positions` (positional arguments), which each call passes: `bound(t0, t1, ...)`. The first
+    call launches through `fast`; later ones call the kept launch (its C launcher, or the direct
+    launch) with the parameters already in order, no key to build. The key a launch is kept under
+    holds each tensor's dtype and 16-byte alignment: the caller passes tensors of the first call's
+    dtypes and alignment (decoding's steps: fresh outputs, inputs of one signature). A registered
+    launch hook, another current device or the interpreter take `fast` again. The swapped
+    positions are emptied once bound, so no call's tensors are kept alive."""
+
+    def __init__(self, fast: FastLaunch, grid: tuple, args: tuple, positions: tuple, num_warps: int = 4,
+                 **kwargs) -> None:
+        self.fast, self.grid, self.positions = fast, tuple(grid), positions
+        self.num_warps, self.kwargs, self.args = num_warps, kwargs, list(args)
+        self.kernel = None
+
+    def _swapped(self, values: list, tensors: tuple) -> list:
+        values = values.copy()
+        for position, t in zip(self.positions, tensors):
+            values[position] = t
+        return values
+
+    def _bind(self, args: list) -> None:
+        found = self.fast._params_and_key(tuple(args), self.num_warps, self.kwargs)
+        launch = None if found is None else self.fast._kernels.get(found[1])
+        if launch is None:
+            return
+        self.kernel, self.direct = launch
+        self.params, self.device = list(found[0]), found[1][-1]
+        for position in self.positions:
+            self.params[position] = None
+        g0, g1, g2 = (*self.grid, 1, 1)[:3]
+        self.g = (g0, g1, g2)
+
+    def __call__(self, *tensors) -> None:
+        kernel = self.kernel
+        if kernel is None or _hooks_registered() or torch._C._cuda_getDevice() != self.device:
+            args = self._swapped(self.args, tensors)
+            self.fast(self.grid, *args, num_warps=self.num_warps, **self.kwargs)
+            if kernel is None and self.fast._fast and not _hooks_registered():
+                self._bind(args)
+            return
+        params = self._swapped(self.params, tensors)
+        g0, g1, g2 = self.g
+        stream = torch._C._cuda_getCurrentRawStream(self.device)
+        if self.direct is not None:
+            self.direct(g0, g1, g2, stream, params)
+        else:
+            kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *params)

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from ..common.launcher import FastLaunch
+from ..common.launcher import BoundLaunch, FastLaunch
 from ..common.masking import mask_runs
 from ..forward.hopper import _descriptor, _tma_view, shared_layout
 
@@ -364,24 +364,41 @@ def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int,
     LSE in log2 units) that decode._merge_kernel combines. block_n: keys a step, the tile (128) or
     half of it. max_registers: registers per thread (None: what ptxas uses, 255, which leaves room
     for one program an SM; fewer let two share one). Call only when `supports` says yes."""
+    fused = num_splits > 1 and semaphores is not None
+    launch = bound_decode_hopper(q, k, v, o, cm, scale, mask_map, num_splits, block_q, stages, fused, block_n,
+                                 max_registers)
+    launch(descriptor(k, block_n), descriptor(v, block_n), q, o, lse, o_part, lse_part, semaphores if fused else lse)
+
+
+def descriptor(t, block_n: int):
+    """The TMA descriptor of K or V that the launch takes, in boxes of block_n keys."""
+    return _descriptor(t, block_n)[0]
+
+
+def bound_decode_hopper(q, k, v, o, cm, scale: float, mask_map: tuple[int, int, int], num_splits: int, block_q: int,
+                        stages: int, fused: bool, block_n: int = TILE, max_registers: int | None = None) -> BoundLaunch:
+    """attention_decode_hopper's launch for inputs of the shapes, strides and dtypes of q, k, v and
+    the output o (none of them is kept), as a BoundLaunch of (K descriptor, V descriptor, q, o,
+    lse, o_part, lse_part, the fused merge's counters or lse): a decode step's launch without its
+    planning (decode.split_kv.DecodeStep)."""
     if block_n not in (TILE, TILE // 2):
         raise ValueError(f"block_n must be {TILE} or {TILE // 2} for the Hopper decode kernel, got {block_n}")
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    k_desc, (kxb, kxh, kch) = _descriptor(k, block_n)
-    v_desc, (vxb, vxh, vch) = _descriptor(v, block_n)
+    kxb, kxh, kch = _descriptor(k, block_n)[1]
+    vxb, vxh, vch = _descriptor(v, block_n)[1]
     mb, mdiv, mh = mask_map
     direct = num_splits == 1
-    fused = not direct and semaphores is not None
+    fused = fused and not direct
     # without the fused merge the kernel never reads these: one value, so no new specialisation
     merge_rows, merge_chunk, merge_layout = merge_shape(hq // hkv * sq if fused else 1, d, num_splits if fused else 1)
-    _DECODE_HOPPER_LAUNCH((num_splits, batch * hkv),
-        k_desc, v_desc, q, o, lse, o_part, lse_part, semaphores if fused else lse,
-        cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
-        q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        sq, sk, batch * hq * sq, cm.num_q_blocks, hq, hkv, hq // hkv, mb, mdiv, mh,
-        kxb, kxh, kch, vxb, vxh, vch,
-        scale * 1.4426950408889634,
+    return BoundLaunch(_DECODE_HOPPER_LAUNCH, (num_splits, batch * hkv),
+        (None,) * 8 + (cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
+         q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2),
+         sq, sk, batch * hq * sq, cm.num_q_blocks, hq, hkv, hq // hkv, mb, mdiv, mh,
+         kxb, kxh, kch, vxb, vxh, vch,
+         scale * 1.4426950408889634),
+        tuple(range(8)),
         BLOCK_Q=block_q, BLOCK_N=block_n, TILE_N=TILE, HEAD_DIM=d, STAGES=stages, DIRECT=direct, FUSED=fused,
         MERGE_ROWS=merge_rows, MERGE_CHUNK=merge_chunk, MERGE_LAYOUT=merge_layout,
         Q_LAYOUT=shared_layout((ROWS.value, d), q.dtype), num_warps=4,

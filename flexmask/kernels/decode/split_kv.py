@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common.launcher import FastLaunch
+from ..common.launcher import BoundLaunch, FastLaunch
 from ..common.intmath import cdiv, next_pow2
 from . import configs
 from .configs import DecodePlan, decode_plan
@@ -376,6 +376,14 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
     `merge` ("fused" or "two_launch", see configs.decode_merge) override the choice of
     configs.decode_plan (tests force every path through these). `terms` (common.score_terms.
     ScoreTerms or None): the score terms, which only the Triton kernel implements."""
+    return decode_step(q, k, v, cm, scale, plan=plan, num_splits=num_splits, merge=merge, terms=terms)(q, k, v)
+
+
+def decode_step(q, k, v, cm, scale: float, *, plan: DecodePlan | None = None, num_splits: int | None = None,
+                merge: str | None = None, terms=None) -> "DecodeStep":
+    """attention_decode's work for inputs of the shapes, strides, dtypes and 16-byte alignment of
+    q, k and v (none of them is kept), planned and bound once: calling the step with such inputs
+    allocates the outputs and launches. Arguments as attention_decode's."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -402,40 +410,31 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
     if cm.block_m % plan.block_q:
         raise ValueError(f"block_q={plan.block_q} must divide the mask's tile rows {cm.block_m}")
     o = torch.empty_like(q)  # q's memory layout, as the q-block path
-    lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
     rows = batch * hq * sq
     direct = plan.num_splits == 1
     fused = not direct and plan.merge == "fused"
     block_d = max(16, next_pow2(d))
     head_blocks = cdiv(group, plan.block_h)
     grid = (plan.num_splits, cdiv(sq, plan.block_q), batch * hkv * head_blocks)
-    if direct:
-        o_part = lse_part = lse  # unused
-    else:
-        o_part = torch.empty(plan.num_splits, rows, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(plan.num_splits, rows, dtype=torch.float32, device=q.device)
     if plan.kernel == "hopper":
         from . import hopper as decode_hopper  # Gluon: imported only where a plan asks for it
 
         if decode_hopper.supports(q, k, v, cm, plan.block_h, plan.block_q):
-            semaphores = merge_counters(q.device, batch * hkv) if fused else None  # one per row group
-            decode_hopper.attention_decode_hopper(q, k, v, cm, scale, (mb, mdiv, mh), plan.num_splits, plan.block_q,
-                                                  plan.num_stages, o, lse, o_part, lse_part, semaphores, plan.block_n,
-                                                  plan.max_registers)
-            if not direct and not fused:
-                _merge(o_part, lse_part, o, lse, sq, rows, hq, d, block_d, plan.num_splits, False)
-            return o, lse
+            launch = decode_hopper.bound_decode_hopper(q, k, v, o, cm, scale, (mb, mdiv, mh), plan.num_splits,
+                                                       plan.block_q, plan.num_stages, fused, plan.block_n,
+                                                       plan.max_registers)
+            merge_launch = (None if direct or fused
+                            else _bound_merge(o, sq, rows, hq, d, block_d, plan.num_splits, False))
+            return DecodeStep(launch, merge_launch, plan.num_splits, d, batch * hkv if fused else 0,
+                              (decode_hopper.descriptor, plan.block_n), False)
         # K/V views the copy engine cannot read: the Triton kernel, with the Hopper plan's shares
         plan = dataclasses.replace(plan, kernel="triton", num_stages=2, masked_stages=2, masked_block_n=64)
     merge_q = min(plan.block_q, next_pow2(sq))  # rows a partial can hold, per head
     pdl = not fused and not direct and configs.decode_uses_pdl(plan, q.device)
     tma = plan.use_tma and block_d == d and tma_enabled(True, k, v)
-    if tma:
-        prepare_tma(q.device)
-    semaphores = merge_counters(q.device, grid[1] * grid[2]) if fused else lse  # one per row group
-    score_args, score_flags = score_kernel_args(terms, scale, sq, sk, lse)
-    _SPLIT_KV_LAUNCH(grid,
-        q, k, v, o, lse, o_part, lse_part, semaphores,
+    score_args, score_flags = score_kernel_args(terms, scale, sq, sk, None)
+    launch = BoundLaunch(_SPLIT_KV_LAUNCH, grid,
+        (None,) * 8 + (
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -443,7 +442,8 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         o.stride(0), o.stride(1), o.stride(2),
         sq, sk, cm.num_q_blocks, rows,
         mb, mdiv, mh,
-        scale * LOG2E, *score_args,
+        scale * LOG2E, *score_args),
+        tuple(range(8)) + _placeholders(score_args),
         HQ=hq, HKV=hkv, GROUP=group, HEAD_BLOCKS=head_blocks,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=plan.block_h, BLOCK_Q=plan.block_q,
         BLOCK_N=min(plan.block_n, cm.block_n), MASKED_BLOCK_N=min(plan.masked_block_n, cm.block_n),
@@ -454,24 +454,64 @@ def attention_decode(q, k, v, cm, scale: float, *, plan: DecodePlan | None = Non
         MERGE_CHUNK=configs.decode_merge_chunk(plan.block_h * merge_q, block_d, plan.num_warps, plan.num_splits),
         **score_flags, NUM_RUNS=mask_runs(cm), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if not direct and not fused:
-        _merge(o_part, lse_part, o, lse, sq, rows, hq, d, block_d, plan.num_splits, pdl)
-    return o, lse
+    merge_launch = None if direct or fused else _bound_merge(o, sq, rows, hq, d, block_d, plan.num_splits, pdl)
+    return DecodeStep(launch, merge_launch, plan.num_splits, d, grid[1] * grid[2] if fused else 0, None, tma,
+                      score_args)
 
 
-def _merge(o_part, lse_part, o, lse, sq: int, rows: int, hq: int, d: int, block_d: int, num_splits: int, pdl: bool):
-    """The two-launch merge: one program per output row combines the shares' partials."""
-    _MERGE_LAUNCH((rows,),
-        o_part, lse_part, o, lse,
-        o.stride(0), o.stride(1), o.stride(2),
-        sq, rows,
+def _placeholders(score_args: tuple) -> tuple:
+    """Positions of the score terms' placeholder tensors among the split-KV kernel's arguments
+    (score_kernel_args passes the LSE where a term is off): each call's LSE goes there."""
+    first = 8 + 4 + 12 + 4 + 3 + 1
+    return tuple(first + i for i, a in enumerate(score_args) if a is None)
+
+
+class DecodeStep:
+    """A planned split-KV forward (`decode_step`): each call allocates o, the LSE and the shares'
+    partials, takes the fused merge's counters, and launches the kept launches (the split kernel,
+    then the two-launch merge where it runs)."""
+
+    def __init__(self, launch: BoundLaunch, merge_launch, num_splits: int, head_dim: int, counters: int,
+                 descriptors, tma: bool, score_args: tuple = ()) -> None:
+        self.launch, self.merge_launch, self.num_splits, self.head_dim = launch, merge_launch, num_splits, head_dim
+        self.counters, self.descriptors, self.tma = counters, descriptors, tma
+        self.lse_slots = sum(a is None for a in score_args)
+
+    def __call__(self, q, k, v) -> tuple[Tensor, Tensor]:
+        batch, hq, sq, _ = q.shape
+        o = torch.empty_like(q)
+        lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
+        if self.num_splits == 1:
+            o_part = lse_part = lse  # unused
+        else:
+            rows = batch * hq * sq
+            o_part = torch.empty(self.num_splits, rows, self.head_dim, dtype=torch.float32, device=q.device)
+            lse_part = torch.empty(self.num_splits, rows, dtype=torch.float32, device=q.device)
+        semaphores = merge_counters(q.device, self.counters) if self.counters else lse  # one per row group
+        if self.descriptors is not None:  # the Hopper kernel: K and V by TMA descriptors
+            descriptor, block_n = self.descriptors
+            self.launch(descriptor(k, block_n), descriptor(v, block_n), q, o, lse, o_part, lse_part, semaphores)
+        else:
+            if self.tma:
+                prepare_tma(q.device)
+            self.launch(q, k, v, o, lse, o_part, lse_part, semaphores, *(lse,) * self.lse_slots)
+        if self.merge_launch is not None:
+            self.merge_launch(o_part, lse_part, o, lse)
+        return o, lse
+
+
+def _bound_merge(o, sq: int, rows: int, hq: int, d: int, block_d: int, num_splits: int, pdl: bool) -> BoundLaunch:
+    """The two-launch merge of (o_part, lse_part, o, lse): one program per output row combines the
+    shares' partials (o gives the output's strides)."""
+    return BoundLaunch(_MERGE_LAUNCH, (rows,),
+        (None,) * 4 + (o.stride(0), o.stride(1), o.stride(2), sq, rows), tuple(range(4)),
         HQ=hq, NUM_SPLITS=num_splits, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_S=min(64, next_pow2(num_splits)), PDL=pdl,
         num_warps=4 if block_d >= 128 else 2, launch_pdl=pdl,
     )
 
 
-def _mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n, q_len, kv_len):
+def mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n, q_len, kv_len):
     """The slice of a CompiledMask the split-KV kernel reads, rebuilt from the op's arguments."""
     return SimpleNamespace(
         kernel_intervals=intervals, fwd_offsets=fwd_offsets, fwd_num_full=fwd_num_full, fwd_blocks=fwd_blocks,
@@ -488,7 +528,7 @@ def decode_forward(
 ) -> tuple[Tensor, Tensor]:
     """attention_decode on the mask tables as flexmask.attention passes them (with the plan it
     already made, in eager mode), and the score terms."""
-    cm = _mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n,
+    cm = mask_view(intervals, fwd_offsets, fwd_num_full, fwd_blocks, mask_batch, mask_heads, tile_m, tile_n,
                     q.shape[2], k.shape[2])
     terms = ScoreTerms(softcap, alibi_slopes, sinks)
     return attention_decode(q, k, v, cm, scale, plan=plan, terms=terms if terms.active else None)
