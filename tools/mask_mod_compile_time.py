@@ -1,7 +1,7 @@
 """`from_mask_mod`'s tables, timed: the best of a few compiles of the mask_mods (NATTEN 9 x 9
 on a square image, the benchmark's dilated window per head (8 heads), causal, its 14 global tokens
-beside a 1024-key window) at one length, on the CPU or a GPU. The mask_mod benchmark times it against FlexAttention on a GPU; this is the
-quick look that needs none.
+beside a 1024-key window) at one length, on the CPU or a GPU. The mask_mod benchmark times it
+against FlexAttention on a GPU; this is the quick look that needs none.
 
     PYTHONPATH=$PWD python -m tools.mask_mod_compile_time [--seq-len 4096] [--device cpu]
                                                           [--first-pass eager|compiled] [--profile]
