@@ -57,17 +57,18 @@ def test_launches_stubbed_restores_the_launcher():
     from benchmarks.per_call import _LaunchesStubbed
     from flexmask.kernels.common import launcher
 
-    real = launcher.FastLaunch.__call__
+    real, bound = launcher.FastLaunch.__call__, launcher.BoundLaunch.__call__
     with _LaunchesStubbed():
-        assert launcher.FastLaunch.__call__ is not real
+        assert launcher.FastLaunch.__call__ is not real and launcher.BoundLaunch.__call__ is not bound
         assert launcher.FastLaunch.__call__(object(), (1,), 1, 2, num_warps=4) is None
-    assert launcher.FastLaunch.__call__ is real
+        assert launcher.BoundLaunch.__call__(object(), 1, 2) is None
+    assert launcher.FastLaunch.__call__ is real and launcher.BoundLaunch.__call__ is bound
     try:
         with _LaunchesStubbed():
             raise RuntimeError("inside")
     except RuntimeError:
         pass
-    assert launcher.FastLaunch.__call__ is real
+    assert launcher.FastLaunch.__call__ is real and launcher.BoundLaunch.__call__ is bound
 
 
 def test_table_command_shows_the_last_run_only(tmp_path):
@@ -85,3 +86,17 @@ def test_table_command_shows_the_last_run_only(tmp_path):
     text = full.read_text()
     assert "OLD GPU" not in text and "0.900" not in text and "| 1024 | 32 | 16/16 | 0.300 |" in text
     assert per_call.last_run([]) == []
+
+
+def test_table_takes_each_case_from_its_last_run(tmp_path):
+    """A run of some cases (`--cases decode`) replaces those cases only; another card's rows never
+    mix in; each run taken is named with its cases."""
+    train = {**row("fwd", 1024, "flexmask", "0.3"), "date": "2026-01-01T00:00", "command": "full run"}
+    old_decode = {**row("decode", 8192, "flexmask", "0.9"), "date": "2026-01-01T00:00", "command": "full run"}
+    new_decode = {**row("decode", 8192, "flexmask", "0.05"), "date": "2026-01-02T00:00", "command": "decode run"}
+    other_card = {**row("fwd", 2048, "flexmask", "7.0"), "gpu": "OTHER GPU", "date": "2025-12-01T00:00"}
+    rows = per_call.last_run([other_card, train, old_decode, new_decode])
+    assert rows == [train, new_decode]
+    text = per_call.table(rows)
+    assert "0.300" in text and "0.050" in text and "0.900" not in text and "OTHER GPU" not in text
+    assert "fwd: " in text and "`full run`" in text and "decode: " in text and "`decode run`" in text
