@@ -62,7 +62,7 @@ def test_benchmarks_run_cpu_sizes_are_accepted(no_cuda):
     ("benchmarks.compile", ["--devices", "cuda"]), ("benchmarks.first_call", []),
     ("tools.backward_thread_cost", []), ("tools.backward_thread_cost", ["--variants"]), ("tools.backward_gqa", []),
     ("tools.backward_gqa", ["--long"]), ("tools.backward_q_rows", []), ("tools.forward_ab", []), ("tools.forward_ab", ["--switch", "early_q"]),
-    ("tools.backward_ab", []), ("tools.host_parts", []),
+    ("tools.backward_ab", []), ("tools.host_parts", []), ("tools.step_kernels", []),
 ])
 def test_gpu_scripts_stop_with_one_line(no_cuda, module, argv):
     import importlib
