@@ -262,18 +262,19 @@ class FastLaunch:
 class BoundLaunch:
     """`fast(grid, *args, num_warps=..., **kwargs)` kept with every argument but the tensors at
     `positions` (positional arguments), which each call passes: `bound(t0, t1, ...)`. The first
-    call launches through `fast`; later ones call the kept launch (its C launcher, or the direct
-    launch) with the parameters already in order, no key to build. The key a launch is kept under
-    holds each tensor's dtype and 16-byte alignment: the caller passes tensors of the first call's
-    dtypes and alignment (decoding's steps: fresh outputs, inputs of one signature). A registered
-    launch hook, another current device or the interpreter take `fast` again. The swapped
-    positions are emptied once bound, so no call's tensors are kept alive."""
+    two calls launch through `fast` (binding after the second, so a launch made once, a step
+    planned for one call, pays nothing for it); later ones call the kept launch (its C launcher, or
+    the direct launch) with the parameters already in order, no key to build. The key a launch is
+    kept under holds each tensor's dtype and 16-byte alignment: the caller passes tensors of the
+    first call's dtypes and alignment (decoding's steps: fresh outputs, inputs of one signature). A
+    registered launch hook, another current device or the interpreter take `fast` again. The
+    swapped positions are emptied once bound, so no call's tensors are kept alive."""
 
     def __init__(self, fast: FastLaunch, grid: tuple, args: tuple, positions: tuple, num_warps: int = 4,
                  **kwargs) -> None:
         self.fast, self.grid, self.positions = fast, tuple(grid), positions
         self.num_warps, self.kwargs, self.args = num_warps, kwargs, list(args)
-        self.kernel = None
+        self.kernel, self.calls = None, 0
 
     def _swapped(self, values: list, tensors: tuple) -> list:
         values = values.copy()
@@ -298,8 +299,9 @@ class BoundLaunch:
         if kernel is None or _hooks_registered() or torch._C._cuda_getDevice() != self.device:
             args = self._swapped(self.args, tensors)
             self.fast(self.grid, *args, num_warps=self.num_warps, **self.kwargs)
-            if kernel is None and self.fast._fast and not _hooks_registered():
-                self._bind(args)
+            self.calls += 1
+            if kernel is None and self.calls > 1 and self.fast._fast and not _hooks_registered():
+                self._bind(args)  # from the second call: a launch made once costs no binding
             return
         params = self._swapped(self.params, tensors)
         g0, g1, g2 = self.g
