@@ -120,6 +120,13 @@ def decode_providers(batch: int, sk: int, hq: int, hkv: int) -> dict[str, Callab
     }
 
 
+def training_inputs(batch: int, hq: int, hkv: int, seq_len: int, d: int, dtype=torch.bfloat16) -> tuple:
+    """(q, k, v, do) on the GPU: random (B, H, S, D) inputs that need gradients, and dO."""
+    q = torch.randn(batch, hq, seq_len, d, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(batch, hkv, seq_len, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    return q, k, v, torch.randn_like(q)
+
+
 def _step(attn: Callable, q, k, v, do, backward: bool) -> Callable:
     if not backward:
         return lambda: attn(q, k, v)
@@ -154,10 +161,7 @@ def measure(calls: int, seq_lens: Sequence[int], env: dict, log=print, cases: Se
         for hq, hkv in HEADS:
             for seq_len in seq_lens:
                 batch = max(1, TOKENS // seq_len)
-                q = torch.randn(batch, hq, seq_len, d, device="cuda", dtype=dtype, requires_grad=True)
-                k = torch.randn(batch, hkv, seq_len, d, device="cuda", dtype=dtype, requires_grad=True)
-                v = torch.randn(batch, hkv, seq_len, d, device="cuda", dtype=dtype, requires_grad=True)
-                do = torch.randn_like(q)
+                q, k, v, do = training_inputs(batch, hq, hkv, seq_len, d, dtype)
                 suffix = "_document" if document else ""
                 for name, attn in training_providers(seq_len, batch, hq, hkv, d, document).items():
                     for case, backward in (("fwd_bwd", True), ("fwd", False)):

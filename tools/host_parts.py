@@ -25,7 +25,7 @@ import sys
 import torch
 
 from benchmarks.cuda_guard import require_cuda
-from benchmarks.per_call import _LaunchesStubbed, _step, issue_time_us, training_providers, wall_ms
+from benchmarks.per_call import _LaunchesStubbed, _step, issue_time_us, training_inputs, training_providers, wall_ms
 from benchmarks.report import environment, write_rows
 
 
@@ -91,10 +91,7 @@ def wall_rows(seq: int = 512, tokens: int = 16384, d: int = 128) -> list[dict]:
     rows = []
     for hq, hkv in ((16, 16), (32, 8)):
         batch = tokens // seq
-        q = torch.randn(batch, hq, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(batch, hkv, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                for _ in range(2))
-        do = torch.randn_like(q)
+        q, k, v, do = training_inputs(batch, hq, hkv, seq, d)
         providers = training_providers(seq, batch, hq, hkv, d, False)
         for name in ("flexmask", "sdpa_cudnn"):
             ms = wall_ms(_step(providers[name], q, k, v, do, True), 50)

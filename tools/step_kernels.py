@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from benchmarks.cuda_guard import require_cuda
-from benchmarks.per_call import TOKENS, _step, training_providers, wall_ms
+from benchmarks.per_call import TOKENS, _step, training_inputs, training_providers, wall_ms
 
 
 def kernel_times(fn, steps: int = 20) -> dict[str, tuple[float, float]]:
@@ -46,10 +46,7 @@ def main(argv=None) -> int:
         seq, heads = shape.split(":")
         seq, (hq, hkv) = int(seq), map(int, heads.split("/"))
         batch = max(1, TOKENS // seq)
-        q = torch.randn(batch, hq, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(batch, hkv, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                for _ in range(2))
-        do = torch.randn_like(q)
+        q, k, v, do = training_inputs(batch, hq, hkv, seq, d)
         providers = training_providers(seq, batch, hq, hkv, d, False)
         for name in ("flexmask", "sdpa_cudnn"):
             step = _step(providers[name], q, k, v, do, True)
