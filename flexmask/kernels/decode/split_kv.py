@@ -426,7 +426,7 @@ def decode_step(q, k, v, cm, scale: float, *, plan: DecodePlan | None = None, nu
             merge_launch = (None if direct or fused
                             else _bound_merge(o, sq, rows, hq, d, block_d, plan.num_splits, False))
             return DecodeStep(launch, merge_launch, plan.num_splits, d, batch * hkv if fused else 0,
-                              (decode_hopper.descriptor, plan.block_n), False)
+                              (decode_hopper.descriptor, plan.block_n), False, out=o)
         # K/V views the copy engine cannot read: the Triton kernel, with the Hopper plan's shares
         plan = dataclasses.replace(plan, kernel="triton", num_stages=2, masked_stages=2, masked_block_n=64)
     merge_q = min(plan.block_q, next_pow2(sq))  # rows a partial can hold, per head
@@ -456,7 +456,7 @@ def decode_step(q, k, v, cm, scale: float, *, plan: DecodePlan | None = None, nu
     )
     merge_launch = None if direct or fused else _bound_merge(o, sq, rows, hq, d, block_d, plan.num_splits, pdl)
     return DecodeStep(launch, merge_launch, plan.num_splits, d, grid[1] * grid[2] if fused else 0, None, tma,
-                      score_args)
+                      score_args, out=o)
 
 
 def _placeholders(score_args: tuple) -> tuple:
@@ -469,17 +469,19 @@ def _placeholders(score_args: tuple) -> tuple:
 class DecodeStep:
     """A planned split-KV forward (`decode_step`): each call allocates o, the LSE and the shares'
     partials, takes the fused merge's counters, and launches the kept launches (the split kernel,
-    then the two-launch merge where it runs)."""
+    then the two-launch merge where it runs). `out`: the o that planning allocated for its strides,
+    which the first call writes (a step planned for one call allocates it once)."""
 
     def __init__(self, launch: BoundLaunch, merge_launch, num_splits: int, head_dim: int, counters: int,
-                 descriptors, tma: bool, score_args: tuple = ()) -> None:
+                 descriptors, tma: bool, score_args: tuple = (), out: Tensor | None = None) -> None:
         self.launch, self.merge_launch, self.num_splits, self.head_dim = launch, merge_launch, num_splits, head_dim
         self.counters, self.descriptors, self.tma = counters, descriptors, tma
         self.lse_slots = sum(a is None for a in score_args)
+        self.out = out
 
     def __call__(self, q, k, v) -> tuple[Tensor, Tensor]:
         batch, hq, sq, _ = q.shape
-        o = torch.empty_like(q)
+        o, self.out = (torch.empty_like(q) if self.out is None else self.out), None
         lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
         if self.num_splits == 1:
             o_part = lse_part = lse  # unused
