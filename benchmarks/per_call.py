@@ -141,7 +141,8 @@ def _step(attn: Callable, q, k, v, do, backward: bool) -> Callable:
 CASE_GROUPS = ("training", "decode")  # --cases: the fwd / fwd_bwd (causal and document) cases, the decode steps
 
 
-def measure(calls: int, seq_lens: Sequence[int], env: dict, log=print, cases: Sequence[str] = CASE_GROUPS) -> list[dict]:
+def measure(calls: int, seq_lens: Sequence[int], env: dict, log=print,
+            cases: Sequence[str] = CASE_GROUPS) -> list[dict]:
     from .gpu import _raise_recompile_limits
 
     _raise_recompile_limits()  # compiled FlexAttention meets a new shape in every configuration
