@@ -10,12 +10,13 @@ allocate the outputs and launch.
 
 A step is kept only for a call that the full path checked and sent to the split-KV kernels:
 plain tensors, no gradient needed, no score term, outside torch.compile and CUDA-graph capture
-(where the fused merge's counters come from another pool). The mask is part of the key (flexmask.api
-gives it): None, a CompiledMask (itself: its tables never change), or a spec by its structural
-key (a tensor in it by its content, as the compiled-mask cache keys it; a spec the key cannot
-cover never takes a step). A cache of K/V grown by concatenation has a new length every step, so every step misses
-and takes the full path; a preallocated cache keeps its signature. The module flags of
-decode/configs.py are read when a step is planned: `clear()` after changing them.
+(where the fused merge's counters come from another pool). The mask is part of the key
+(flexmask.api gives it): None, a CompiledMask (itself: its tables never change), or a spec by
+its structural key (a tensor in it by its content, as the compiled-mask cache keys it; a spec the
+key cannot cover never takes a step). A cache of K/V grown by concatenation has a new length
+every step, so every step misses and takes the full path; a preallocated cache keeps its
+signature. The module flags of decode/configs.py are read when a step is planned: `clear()`
+after changing them.
 """
 
 from __future__ import annotations
