@@ -15,7 +15,7 @@ from .kernels.common.score_terms import ScoreTerms
 from .kernels.common.tiles import default_tile, is_valid_tile
 from .kernels.decode import configs as decode_configs
 from .kernels.decode import steps as decode_steps
-from .kernels.decode.split_kv import mask_view, decode_forward, decode_fwd, decode_step
+from .kernels.decode.split_kv import decode_forward, decode_fwd, decode_step, mask_view
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
 from .masks import specs, token_order
@@ -458,14 +458,12 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     if plan is not None:  # few queries, long keys, no gradient: Flash-Decoding
         if compiling:  # the op only for the compiler
             out, lse = decode_fwd(q, k, v, *tables[:4], *tables[7:11], float(scale), softcap, alibi_slopes, sinks)
-        elif terms is None and step_key is not None and all(a is b for a, b in zip((q, k, v), inputs)):
-            # planned once for this signature: kept for its next calls
-            step = decode_step(q, k, v, mask_view(*tables[:4], *tables[7:11], sq, sk), float(scale), plan=plan)
-            decode_steps.remember(step_key, step, q, k, v)
-            out, lse = step(q, k, v)
         else:
-            out, lse = decode_forward(q, k, v, *tables[:4], *tables[7:11], float(scale), plan, softcap, alibi_slopes,
-                                      sinks)
+            step = decode_step(q, k, v, mask_view(*tables[:4], *tables[7:11], sq, sk), float(scale), plan=plan,
+                               terms=terms)
+            if terms is None and step_key is not None and all(a is b for a, b in zip((q, k, v), inputs)):
+                decode_steps.remember(step_key, step, q, k, v)  # planned once: kept for its signature's next calls
+            out, lse = step(q, k, v)
         return (out, lse) if return_lse else out
     if compiling:  # the op only for the compiler
         out, lse = attention_fwd(q, k, v, *tables, float(scale), int(deterministic), softcap, alibi_slopes, sinks)

@@ -148,12 +148,12 @@ def test_bad_input_still_fails(builds):
 
 
 def test_score_terms_plan_every_call(builds):
-    """A call with a term takes the full path (its step is never kept)."""
+    """A call with a term takes the full path: planned every call, its step never kept."""
     q, k, v = make_qkv(1, 4, 2, 1, 150, 32, torch.float32, seed=8)
     sinks = torch.zeros(4)
     for _ in range(2):
         flexmask.attention(q, k, v, sinks=sinks)
-    assert not builds and not decode_steps._STEPS
+    assert len(builds) == 2 and not decode_steps._STEPS
 
 
 @pytest.mark.gpu

@@ -432,9 +432,10 @@ def decode_step(q, k, v, cm, scale: float, *, plan: DecodePlan | None = None, nu
     merge_q = min(plan.block_q, next_pow2(sq))  # rows a partial can hold, per head
     pdl = not fused and not direct and configs.decode_uses_pdl(plan, q.device)
     tma = plan.use_tma and block_d == d and tma_enabled(True, k, v)
+    # the score terms' absent tensors come as None (score_kernel_args' stand-ins): each call's LSE goes
+    # there, as into the eight per-call tensors before them
     score_args, score_flags = score_kernel_args(terms, scale, sq, sk, None)
-    launch = BoundLaunch(_SPLIT_KV_LAUNCH, grid,
-        (None,) * 8 + (
+    args = (None,) * 8 + (
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -442,8 +443,8 @@ def decode_step(q, k, v, cm, scale: float, *, plan: DecodePlan | None = None, nu
         o.stride(0), o.stride(1), o.stride(2),
         sq, sk, cm.num_q_blocks, rows,
         mb, mdiv, mh,
-        scale * LOG2E, *score_args),
-        tuple(range(8)) + _placeholders(score_args),
+        scale * LOG2E, *score_args)
+    launch = BoundLaunch(_SPLIT_KV_LAUNCH, grid, args, tuple(i for i, a in enumerate(args) if a is None),
         HQ=hq, HKV=hkv, GROUP=group, HEAD_BLOCKS=head_blocks,
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=plan.block_h, BLOCK_Q=plan.block_q,
         BLOCK_N=min(plan.block_n, cm.block_n), MASKED_BLOCK_N=min(plan.masked_block_n, cm.block_n),
@@ -457,13 +458,6 @@ def decode_step(q, k, v, cm, scale: float, *, plan: DecodePlan | None = None, nu
     merge_launch = None if direct or fused else _bound_merge(o, sq, rows, hq, d, block_d, plan.num_splits, pdl)
     return DecodeStep(launch, merge_launch, plan.num_splits, d, grid[1] * grid[2] if fused else 0, None, tma,
                       score_args, out=o)
-
-
-def _placeholders(score_args: tuple) -> tuple:
-    """Positions of the score terms' placeholder tensors among the split-KV kernel's arguments
-    (score_kernel_args passes the LSE where a term is off): each call's LSE goes there."""
-    first = 8 + 4 + 12 + 4 + 3 + 1
-    return tuple(first + i for i, a in enumerate(score_args) if a is None)
 
 
 class DecodeStep:
