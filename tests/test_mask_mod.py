@@ -354,15 +354,20 @@ def test_evaluated_in_blocks():
     assert sum(r * c for r, c in seen) == -(-sq // chunk) * chunk * sk  # each pair once, and the padding
 
 
-@pytest.mark.parametrize("chunk, elements, columns", [(1, 12, 4), (3, 40, 8), (4, 64, 5), (16, 4096, 64), (32, 128, 4)],
-                         ids=["chunk1", "chunk3", "chunk4", "chunk16", "chunk32"])
-def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns):
+@pytest.mark.parametrize("chunk, elements, columns, second_pass", [
+    (1, 12, 4, "torch"), (3, 40, 8, "torch"), (4, 64, 5, "torch"), (16, 4096, 64, "torch"), (32, 128, 4, "torch"),
+    (4, 256, 5, "kernel"), (32, 128, 4, "kernel"),  # the kernel under the interpreter: a launch per block
+], ids=["chunk1", "chunk3", "chunk4", "chunk16", "chunk32", "chunk4-kernel", "chunk32-kernel"])
+def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns, second_pass):
     """Random masks of up to max_runs runs per column, from a captured dense tensor (per head too,
     evaluated together and pair by pair), Sq != Sk both ways, lengths that leave a partial last
     chunk, row block and column block: the runs equal the dense mask's, with chunks of 1-32 rows
     (the first pass counts changes per chunk, the second places them; with 32, column 1's run
     ending at row 31 sets a change word's sign bit, and rows blocks of one chunk carry the row
-    above from block to block), and a column with one run too many fails naming its count."""
+    above from block to block), and a column with one run too many fails naming its count. The
+    second pass by torch operations (the CPU's) and by change_runs' kernel (a GPU's, here under
+    the interpreter)."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_RUNS_KERNEL", second_pass == "kernel")
     monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", chunk)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", elements)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", columns)

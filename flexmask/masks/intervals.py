@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from . import run_bounds
+from . import change_runs, run_bounds
 from .geometry import (_Geometry, cache_lengths, doc_lengths, geometry, host_doc_rows, is_device_lengths,
                        last_doc_start, share_question_lengths, to_device)
 from .run_builders import RUN_BUILDERS
@@ -672,10 +672,14 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
     q_len, kv_len, dev = g.q_len, g.kv_len, g.device
     pairs = n_b * n_h
-    # first the changed chunks of each column (`_first_changed_chunks`), then the rows of its runs
-    slots = torch.empty((pairs, kv_len, 2 * max_runs), dtype=torch.int64, device=dev)
-    changed = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)  # chunks with a change, per column
-    busiest = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)  # the most changes in one of them
+    on_device = _runs_on_device(g)
+    if on_device:  # each block's changes placed as it comes (change_runs.place), counted per column
+        slots = torch.full((pairs, kv_len, 2 * max_runs), q_len + 1, dtype=torch.int64, device=dev)
+        placed = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)
+    else:  # first the changed chunks of each column (`_first_changed_chunks`), then the rows of its runs
+        slots = torch.empty((pairs, kv_len, 2 * max_runs), dtype=torch.int64, device=dev)
+        changed = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)  # chunks with a change, per column
+        busiest = torch.zeros((pairs, kv_len), dtype=torch.int32, device=dev)  # the most changes in one of them
     with torch.no_grad():
         together = pairs > 1 and q_len and kv_len and _broadcasts_over_pairs(fn, n_b, n_h, q_len, kv_len, dev)
         if pairs == 1 or together:
@@ -702,14 +706,23 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
                 # last one and are dropped
                 width = cols if compiled is not None else min(cols, kv_len - k0)
                 kv_idx = torch.arange(k0, k0 + width, device=dev).clamp(max=kv_len - 1)
+                k1 = min(kv_len, k0 + width)
+                take = None
+                if on_device:
+                    def take(block, c0, c1, where=where, k0=k0, k1=k1):
+                        change_runs.place(block[:, :c1 - c0, :k1 - k0], slots[where, k0:k1], placed[where, k0:k1],
+                                          c0 * chunk, chunk)
                 changes, count, compiled = _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len, n,
                                                                  (rows, rows_compiled), compiled, together,
-                                                                 eager_first=k0 == 0)
-                first, most = _first_changed_chunks(changes, count, 2 * max_runs)
-                k1 = min(kv_len, k0 + width)
-                slots[where, k0:k1], changed[where, k0:k1] = first[:, :k1 - k0], count[:, :k1 - k0]
-                busiest[where, k0:k1] = most[:, :k1 - k0]
-        count = _place_runs(slots, changed, busiest, groups, cols, q_len, max_runs)
+                                                                 eager_first=k0 == 0, take=take)
+                if not on_device:
+                    first, most = _first_changed_chunks(changes, count, 2 * max_runs)
+                    slots[where, k0:k1], changed[where, k0:k1] = first[:, :k1 - k0], count[:, :k1 - k0]
+                    busiest[where, k0:k1] = most[:, :k1 - k0]
+        if on_device:
+            count = change_runs.close(slots, placed, q_len, max_runs)
+        else:
+            count = _place_runs(slots, changed, busiest, groups, cols, q_len, max_runs)
     most = int(count.max()) if count.numel() else 0  # a host sync
     if most > max_runs:
         i, j = (count > max_runs).nonzero()[0].tolist()
@@ -723,15 +736,16 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
 
 
 def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tuple, compiled, together: bool,
-                          eager_first: bool):
+                          eager_first: bool, take=None):
     """The change words of a block of columns, [n, cols, chunks] int32 (`_chunk_changes`), how many
     chunks of each column hold a change, [n, cols] int32, over every block of rows (`rows`: the
     eager and the compiled block's), and the compiled pass, None once the compiler failed (the rest
     runs eagerly). Columns, not chunks, lead the words: `_first_changed_chunks` reads each column's
-    chunks in order."""
+    chunks in order. With `take`, each block of rows goes to take(words [n, chunks, cols], first
+    chunk, end chunk) as it comes, and no words are kept (changes None)."""
     chunk = MASK_MOD_CHUNK_ROWS
     n_chunks, cols = -(-q_len // chunk), kv_idx.numel()
-    changes = torch.empty((n, cols, n_chunks), dtype=torch.int32, device=kv_idx.device)
+    changes = None if take is not None else torch.empty((n, cols, n_chunks), dtype=torch.int32, device=kv_idx.device)
     count = torch.zeros((n, cols), dtype=torch.int32, device=kv_idx.device)
     above = torch.zeros((n, 1, cols), dtype=torch.int32, device=kv_idx.device)  # above the first row: attended
     q0 = 0
@@ -750,7 +764,10 @@ def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tu
                 compiled = _compile_failed(fn, err)
                 continue  # this block again, eagerly
             q0 += rows[1]
-        changes[:, :, c0:c1] = block[:, :c1 - c0].transpose(1, 2)
+        if take is not None:
+            take(block, c0, c1)
+        else:
+            changes[:, :, c0:c1] = block[:, :c1 - c0].transpose(1, 2)
         count += held
         above.copy_(last)  # one buffer, one stride: an eager block's last row (a view) would recompile the graph
     return changes, count, compiled
@@ -917,6 +934,15 @@ MASK_MOD_COMPILE_PAIRS = 1 << 26
 MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << 29
 _COMPILED: dict = {}  # a mask_mod's code -> its compiled first pass, the newest few; None: the compiler failed
 _COMPILED_KEPT = 16
+
+
+# the second pass by change_runs' kernel (a GPU), or by torch operations; tests set True to run the
+# kernel under the interpreter
+MASK_MOD_RUNS_KERNEL: bool | None = None
+
+
+def _runs_on_device(g: _Geometry) -> bool:
+    return g.device.type == "cuda" if MASK_MOD_RUNS_KERNEL is None else MASK_MOD_RUNS_KERNEL
 
 
 def _compile_scan(g: _Geometry, pairs: int) -> bool:
