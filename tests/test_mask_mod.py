@@ -14,7 +14,7 @@ import torch
 
 import flexmask
 from flexmask import masks
-from flexmask.masks import intervals as intervals_module
+from flexmask.masks import change_runs, intervals as intervals_module
 from flexmask.masks.compiled_cache import Unkeyable, structural_key, traceable_key
 from flexmask.masks.compiler import compile_spec
 
@@ -357,7 +357,8 @@ def test_evaluated_in_blocks():
 @pytest.mark.parametrize("chunk, elements, columns, second_pass", [
     (1, 12, 4, "torch"), (3, 40, 8, "torch"), (4, 64, 5, "torch"), (16, 4096, 64, "torch"), (32, 128, 4, "torch"),
     (4, 256, 5, "kernel"), (32, 128, 4, "kernel"),  # the kernel under the interpreter: a launch per block
-], ids=["chunk1", "chunk3", "chunk4", "chunk16", "chunk32", "chunk4-kernel", "chunk32-kernel"])
+    (1, 512, 8, "kernel-segments"),  # segments of 4 chunks, 2 tiles each: up to 16 a block, summed 2 by 2
+], ids=["chunk1", "chunk3", "chunk4", "chunk16", "chunk32", "chunk4-kernel", "chunk32-kernel", "chunk1-segments"])
 def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns, second_pass):
     """Random masks of up to max_runs runs per column, from a captured dense tensor (per head too,
     evaluated together and pair by pair), Sq != Sk both ways, lengths that leave a partial last
@@ -366,8 +367,12 @@ def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns, se
     ending at row 31 sets a change word's sign bit, and rows blocks of one chunk carry the row
     above from block to block), and a column with one run too many fails naming its count. The
     second pass by torch operations (the CPU's) and by change_runs' kernel (a GPU's, here under
-    the interpreter)."""
-    monkeypatch.setattr(intervals_module, "MASK_MOD_RUNS_KERNEL", second_pass == "kernel")
+    the interpreter; with short segments, a block's changes numbered across many of them)."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_RUNS_KERNEL", second_pass != "torch")
+    if second_pass == "kernel-segments":
+        monkeypatch.setattr(change_runs, "CHUNKS", 2)
+        monkeypatch.setattr(change_runs, "SEGMENT", 4)
+        monkeypatch.setattr(change_runs, "SEGMENTS_SUMMED", 2)
     monkeypatch.setattr(intervals_module, "MASK_MOD_CHUNK_ROWS", chunk)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", elements)
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_COLUMNS", columns)
@@ -449,13 +454,16 @@ def forced_compiled_pass(monkeypatch):
     monkeypatch.setattr(intervals_module, "_COMPILED", {})
 
 
-def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_pass):
+@pytest.mark.parametrize("second_pass", ["torch", "kernel"])
+def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_pass, second_pass):
     """The compiled first pass (taken on GPUs for large masks) on this CPU, forced on: fixed-shape
     blocks whose rows past the last chunk and columns past kv_len are padding, the first block of
     a mask eager; the tables equal the function's dense mask for captured tensors, masks per head
     (pairs together) and lengths that leave partial blocks both ways; a mask_mod branching on h in
-    Python stays eager (pair by pair)."""
-    compile_for, calls = intervals_module._compiled_changes, []
+    Python stays eager (pair by pair). The second pass by torch operations and by change_runs'
+    kernels (a GPU's, here under the interpreter)."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_RUNS_KERNEL", second_pass == "kernel")
+    compile_for, calls = intervals_module._compiled_words, []
 
     def counting(fn, device=None):
         compiled = compile_for(fn, device)
@@ -464,7 +472,7 @@ def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_
             calls.append(args[3].shape)  # q_idx: the full block's rows every time
             return compiled(*args)
         return counted
-    monkeypatch.setattr(intervals_module, "_compiled_changes", counting)
+    monkeypatch.setattr(intervals_module, "_compiled_words", counting)
     for name in ("document", "per_head_window", "global_tokens"):
         for sq, sk in ((29, 53), (53, 29)):
             calls.clear()

@@ -655,18 +655,19 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`, in two passes. First the function is evaluated
     once on every (q, kv) pair, in blocks of rows x columns (MASK_MOD_BLOCK_ELEMENTS at most): each
     chunk of MASK_MOD_CHUNK_ROWS rows of a column becomes a word with a bit per masked row
-    (`_masked_words`), and in the same pass a word with a bit per run change (a masked row below an
-    attended one or the first row, an attended row below a masked one) and the changed chunks of
-    each column are counted (`_chunk_changes`). Each column keeps its first 2 max_runs changed
-    chunks, gathered (`_first_changed_chunks`): a column that fits has no more. Then, after one host
-    sync for the most such chunks a column of each slice of columns holds, the changes' rows are
-    read from those words (`_place_changes`): change k is the start (k even) or the end (k odd) of
-    run k // 2. A mask per batch row or head is evaluated for every (b, h) pair at once, b and h
-    broadcast like q_idx and kv_idx, where the function's first block so evaluated equals its
-    pair-by-pair evaluation (else pair by pair: a function with Python branches on b or h). On a
-    GPU a large mask takes the first pass through torch.compile (`_compiled_changes`), after an eager
-    first block, in blocks of MASK_MOD_COMPILED_BLOCK_ELEMENTS. A last host sync reads the most runs
-    of a column."""
+    (`_masked_words`). On a GPU each block's words go to change_runs' kernels as they come: a change
+    (a masked row below an attended one or the first row, an attended row below a masked one) is
+    found where the words differ from themselves shifted a row, and change k of a column is written
+    to its slot k, the start (k even) or the end (k odd) of run k // 2. Elsewhere by torch
+    operations: the words become change words, the changed chunks of each column are counted
+    (`_chunk_changes`) and its first 2 max_runs changed chunks gathered (`_first_changed_chunks`: a
+    column that fits has no more); then, after one host sync for the most such chunks a column of
+    each slice of columns holds, the changes' rows are read from those words (`_place_changes`). A
+    mask per batch row or head is evaluated for every (b, h) pair at once, b and h broadcast like
+    q_idx and kv_idx, where the function's first block so evaluated equals its pair-by-pair
+    evaluation (else pair by pair: a function with Python branches on b or h). On a GPU a large mask
+    takes the first pass through torch.compile (`_compiled_words`), after an eager first block, in
+    blocks of MASK_MOD_COMPILED_BLOCK_ELEMENTS. A last host sync reads the most runs of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
@@ -698,7 +699,7 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         rows_compiled = chunk * max(1, min(n_chunks, MASK_MOD_COMPILED_BLOCK_ELEMENTS // (cols * n * chunk)))
         # a GPU takes the first pass through one compiled function per mask_mod (pair by pair, b and h
         # are 0-d, which a graph would read as data-dependent integers: those stay eager)
-        compiled = (_compiled_changes(fn, dev) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
+        compiled = (_compiled_words(fn, dev) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
                     else None)
         for where, b_idx, h_idx in groups:
             for k0 in range(0, kv_len if q_len else 0, cols):
@@ -709,9 +710,9 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
                 k1 = min(kv_len, k0 + width)
                 take = None
                 if on_device:
-                    def take(block, c0, c1, where=where, k0=k0, k1=k1):
-                        change_runs.place(block[:, :c1 - c0, :k1 - k0], slots[where, k0:k1], placed[where, k0:k1],
-                                          c0 * chunk, chunk)
+                    def take(words, c0, c1, above, where=where, k0=k0, k1=k1):
+                        change_runs.place(words[..., :k1 - k0], above[:, 0, :k1 - k0], slots[where, k0:k1],
+                                          placed[where, k0:k1], c0 * chunk, chunk, q_len)
                 changes, count, compiled = _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len, n,
                                                                  (rows, rows_compiled), compiled, together,
                                                                  eager_first=k0 == 0, take=take)
@@ -741,56 +742,58 @@ def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tu
     chunks of each column hold a change, [n, cols] int32, over every block of rows (`rows`: the
     eager and the compiled block's), and the compiled pass, None once the compiler failed (the rest
     runs eagerly). Columns, not chunks, lead the words: `_first_changed_chunks` reads each column's
-    chunks in order. With `take`, each block of rows goes to take(words [n, chunks, cols], first
-    chunk, end chunk) as it comes, and no words are kept (changes None)."""
+    chunks in order. With `take`, each block of rows' masked words go to take(words [n, chunks,
+    cols], first chunk, end chunk, the row above the block [n, 1, cols]) as they come, and neither
+    change words nor counts are made (None, None)."""
     chunk = MASK_MOD_CHUNK_ROWS
     n_chunks, cols = -(-q_len // chunk), kv_idx.numel()
-    changes = None if take is not None else torch.empty((n, cols, n_chunks), dtype=torch.int32, device=kv_idx.device)
-    count = torch.zeros((n, cols), dtype=torch.int32, device=kv_idx.device)
+    changes = count = None
+    if take is None:
+        changes = torch.empty((n, cols, n_chunks), dtype=torch.int32, device=kv_idx.device)
+        count = torch.zeros((n, cols), dtype=torch.int32, device=kv_idx.device)
     above = torch.zeros((n, 1, cols), dtype=torch.int32, device=kv_idx.device)  # above the first row: attended
     q0 = 0
     while q0 < q_len:
         if compiled is None or eager_first:  # the eager pass checks the function on its first block
             c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[0]) // chunk)
             q_idx = torch.arange(q0, c1 * chunk, device=kv_idx.device)  # past q_len: padding
-            block, held, last = _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together, above)
+            words = _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
             eager_first, q0 = False, q0 + rows[0]
         else:
             c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[1]) // chunk)
-            q_idx = torch.arange(q0, q0 + rows[1], device=kv_idx.device)  # rows past the last chunk: no change
+            q_idx = torch.arange(q0, q0 + rows[1], device=kv_idx.device)  # rows past the last chunk: dropped
             try:
-                block, held, last = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together, above)
+                words = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
             except Exception as err:  # noqa: BLE001 (the compiler failed; the function runs eagerly)
                 compiled = _compile_failed(fn, err)
                 continue  # this block again, eagerly
             q0 += rows[1]
+        words = words[:, :c1 - c0]
         if take is not None:
-            take(block, c0, c1)
+            take(words, c0, c1, above)
         else:
-            changes[:, :, c0:c1] = block[:, :c1 - c0].transpose(1, 2)
-        count += held
-        above.copy_(last)  # one buffer, one stride: an eager block's last row (a view) would recompile the graph
+            block, held = _chunk_changes(words, c0 * chunk, q_len, above)
+            changes[:, :, c0:c1] = block.transpose(1, 2)
+            count += held
+        above = (words[:, -1:] >> (chunk - 1)) & 1  # the block's last row (the shift copies the sign)
     return changes, count, compiled
 
 
-def _chunk_changes(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool, above: torch.Tensor):
-    """One block of rows (a whole number of chunks) of a block of columns: each chunk's run changes
-    as a word, bit r where row r of the chunk differs from the row above it (`above`, [n, 1, cols]
-    0 or 1: the block's row above; the first row's is attended), no change at rows from q_len on,
-    [n, chunks, cols] int32 (bit 31 the sign); how many chunks of each column hold a change, [n, cols]
-    int32; the block's last row, the next block's `above`. Each pair is evaluated once, then
-    pointwise operations and sums only: what Inductor compiles on a GPU (torch 2.11: its Triton code
-    generation fails on a cumulative sum over rows and on a scatter), so that the words leave the
-    compiled pass as change words and counts, not as masked words for eager passes to difference."""
+def _chunk_changes(words: torch.Tensor, first_row: int, q_len: int, above: torch.Tensor):
+    """A block of rows' masked words [n, chunks, cols] (`_masked_words`, from row `first_row`) as
+    change words, bit r where row r of the chunk differs from the row above it (`above`, [n, 1,
+    cols] 0 or 1: the block's row above; the first row's is attended), no change at rows from q_len
+    on, [n, chunks, cols] int32 (bit 31 the sign), and how many chunks of each column hold a
+    change, [n, cols] int32."""
     chunk = MASK_MOD_CHUNK_ROWS
-    words = _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)  # int32: bit 31 is the sign
     last_rows = (words >> (chunk - 1)) & 1  # each chunk's last row (the shift copies the sign): the next chunk's row above
     row_above = torch.cat([above, last_rows[:, :-1]], dim=1)
     # a run open at the last row does not end at q_len: bits of rows past it are dropped (in int64, where
     # 1 << 32 fits, then the low 32 bits)
-    live = (q_len - q_idx[::chunk]).clamp(0, chunk).view(1, -1, 1)
-    changes = (words ^ ((words << 1) | row_above)) & ((1 << live.long()) - 1).to(torch.int32)
-    return changes, (changes != 0).sum(1, dtype=torch.int32), last_rows[:, -1:]
+    rows = first_row + chunk * torch.arange(words.shape[1], device=words.device)
+    live = (q_len - rows).clamp(0, chunk).view(1, -1, 1)
+    changes = (words ^ ((words << 1) | row_above)) & ((1 << live) - 1).to(torch.int32)
+    return changes, (changes != 0).sum(1, dtype=torch.int32)
 
 
 def _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool) -> torch.Tensor:
@@ -963,11 +966,11 @@ def _compiled_key(fn):
     return fn
 
 
-def _compiled_changes(fn, device=None):
-    """`_chunk_changes` under torch.compile for the mask_mod `fn` (one graph per block shape,
+def _compiled_words(fn, device=None):
+    """`_masked_words` under torch.compile for the mask_mod `fn` (one graph per block shape,
     as FlexAttention's compiled `create_block_mask` compiles its function), or None where the
     compiler failed on its code before. Each mask_mod code gets its own copy of
-    `_chunk_changes`, so that other functions are new compiles, not recompiles of one code
+    `_masked_words`, so that other functions are new compiles, not recompiles of one code
     object, which Dynamo bounds. Past that bound (a closure over Python ints that change every
     call) Dynamo runs the copy eagerly: right, in blocks that size. On CUDA the predicate is kept
     inside the word sums (`_INLINE_PREDICATE`)."""
@@ -975,7 +978,7 @@ def _compiled_changes(fn, device=None):
     if key not in _COMPILED:
         while len(_COMPILED) >= _COMPILED_KEPT:
             _COMPILED.pop(next(iter(_COMPILED)))
-        own = types.FunctionType(_chunk_changes.__code__.replace(), _chunk_changes.__globals__, "_chunk_changes")
+        own = types.FunctionType(_masked_words.__code__.replace(), _masked_words.__globals__, "_masked_words")
         cuda = device is not None and torch.device(device).type == "cuda"
         _COMPILED[key] = torch.compile(own, fullgraph=True, dynamic=False, options=_INLINE_PREDICATE if cuda else None)
     return _COMPILED[key]
