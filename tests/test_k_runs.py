@@ -339,3 +339,27 @@ def test_offline_compile_records_every_k_run_launch():
     for _, (fn, params, options) in launches:
         assert params["NUM_RUNS"] == 16 and options["num_warps"] in (4, 8)
         assert set(fn.arg_names) <= set(params), set(fn.arg_names) - set(params)
+
+
+@pytest.mark.parametrize("k_in", [1, 2, 5, 40])  # 40: past intervals._SCAN_BY_ENTRIES, torch's scans
+def test_normalize_runs_is_the_union(k_in):
+    """Any (start, end) intervals of a column, unsorted, overlapping, touching, empty or out of
+    [0, q_len], become its sorted runs: the union of the intervals, row for row."""
+    from flexmask.masks import intervals
+
+    q_len, cols = 23, 64
+    gen = torch.Generator().manual_seed(k_in)
+    ivs = torch.randint(-3, q_len + 4, (2, cols, k_in, 2), generator=gen)
+    runs = intervals._normalize_runs(ivs, q_len, k_in)
+    rows = torch.arange(q_len)
+    for i in range(2):
+        for j in range(cols):
+            want = torch.zeros(q_len, dtype=torch.bool)
+            for lo, hi in ivs[i, j].tolist():
+                want |= (rows >= lo) & (rows < hi)
+            got = torch.zeros(q_len, dtype=torch.bool)
+            kept = [(lo, hi) for lo, hi in runs[i, j].tolist() if lo <= q_len]
+            for lo, hi in kept:
+                got |= (rows >= lo) & (rows < hi)
+            assert torch.equal(got, want), (i, j, ivs[i, j].tolist(), kept)
+            assert all(a[1] < b[0] for a, b in zip(kept, kept[1:])), kept  # sorted, apart: one run each

@@ -404,10 +404,10 @@ def _normalize_runs(ivs: torch.Tensor, q_len: int, k_out: int) -> torch.Tensor:
     start, order = start.sort(dim=-1)
     end = end.gather(-1, order)
     valid = start <= q_len
-    prev_end = torch.cummax(end, dim=-1).values
+    prev_end = _running(end, torch.maximum)
     prev_end = torch.cat([torch.full_like(prev_end[..., :1], -1), prev_end[..., :-1]], dim=-1)
     new_run = valid & (start > prev_end)
-    run = torch.cumsum(new_run.long(), dim=-1) - 1
+    run = _running(new_run.long(), torch.add) - 1
     k_in = start.shape[-1]
     slot = torch.where(valid, run, k_in)  # invalid entries land in a spare slot, dropped below
     shape = (*start.shape[:-1], k_in + 1)
@@ -420,6 +420,22 @@ def _normalize_runs(ivs: torch.Tensor, q_len: int, k_out: int) -> torch.Tensor:
         return runs[..., :k_out, :]
     pad = torch.full((*runs.shape[:-2], k_out - k_in, 2), empty_row, dtype=runs.dtype, device=runs.device)
     return torch.cat([runs, pad], dim=-2)
+
+
+# Scans over a last dimension at most this long go entry by entry: on a GPU torch's scan over many
+# rows of a few entries is slow (a cummax over 128K columns of one run: 1.36 ms; docs/performance.md 12)
+_SCAN_BY_ENTRIES = 32
+
+
+def _running(x: torch.Tensor, op) -> torch.Tensor:
+    """The inclusive scan of x over its last dimension by `op` (torch.maximum: cummax; torch.add:
+    cumsum), one elementwise operation per entry where the dimension is short."""
+    if x.shape[-1] > _SCAN_BY_ENTRIES:
+        return torch.cummax(x, dim=-1).values if op is torch.maximum else torch.cumsum(x, dim=-1)
+    out = [x[..., 0]] if x.shape[-1] else []
+    for i in range(1, x.shape[-1]):
+        out.append(op(out[-1], x[..., i]))
+    return torch.stack(out, dim=-1) if out else x.clone()
 
 
 def _compose_runs(m, g: _Geometry) -> torch.Tensor:
