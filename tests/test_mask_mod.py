@@ -357,8 +357,8 @@ def test_evaluated_in_blocks():
 @pytest.mark.parametrize("chunk, elements, columns, second_pass", [
     (1, 12, 4, "torch"), (3, 40, 8, "torch"), (4, 64, 5, "torch"), (16, 4096, 64, "torch"), (32, 128, 4, "torch"),
     (4, 256, 5, "kernel"), (32, 128, 4, "kernel"),  # the kernel under the interpreter: a launch per block
-    (1, 512, 8, "kernel-segments"),  # segments of 4 chunks, 2 tiles each: up to 16 a block, summed 2 by 2
-], ids=["chunk1", "chunk3", "chunk4", "chunk16", "chunk32", "chunk4-kernel", "chunk32-kernel", "chunk1-segments"])
+    (4, 1024, 8, "kernel-segments"),  # segments of 4 chunks, 2 tiles each: up to 4 a block, summed 2 by 2
+], ids=["chunk1", "chunk3", "chunk4", "chunk16", "chunk32", "chunk4-kernel", "chunk32-kernel", "chunk4-segments"])
 def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns, second_pass):
     """Random masks of up to max_runs runs per column, from a captured dense tensor (per head too,
     evaluated together and pair by pair), Sq != Sk both ways, lengths that leave a partial last

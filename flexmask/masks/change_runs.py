@@ -103,9 +103,9 @@ def _place_kernel(
     k = tl.load(COUNTS + n * stride_cn + col * stride_ck, mask=live, other=0).to(tl.int64)
     for s0 in range(0, seg, BLOCK_S):
         si = s0 + tl.arange(0, BLOCK_S)
-        above = tl.load(TOTALS + n * stride_tn + si[:, None] * stride_ts + col[None, :] * stride_tk,
-                        mask=(si < seg)[:, None] & live[None, :], other=0)
-        k += tl.sum(above.to(tl.int64), axis=0)
+        earlier = tl.load(TOTALS + n * stride_tn + si[:, None] * stride_ts + col[None, :] * stride_tk,
+                          mask=(si < seg)[:, None] & live[None, :], other=0)
+        k += tl.sum(earlier.to(tl.int64), axis=0)
     above = tl.load(ABOVE + n * stride_an + col * stride_ak, mask=live, other=0).to(tl.int64)
     p_words = WORDS + n.to(tl.int64) * stride_wn + col.to(tl.int64)[None, :] * stride_wk
     p_slots = SLOTS + n.to(tl.int64) * stride_sn + col.to(tl.int64)[None, :] * stride_sk
