@@ -955,8 +955,8 @@ _COMPILED: dict = {}  # a mask_mod's code -> its compiled first pass, the newest
 _COMPILED_KEPT = 16
 
 
-# the second pass by change_runs' kernel (a GPU), or by torch operations; tests set True to run the
-# kernel under the interpreter
+# the second pass by change_runs' kernels (a GPU), or by torch operations; tests set True to run the
+# kernels under the interpreter
 MASK_MOD_RUNS_KERNEL: bool | None = None
 
 
