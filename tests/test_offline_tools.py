@@ -98,3 +98,26 @@ def test_stall_phases_by_opcode(tmp_path):
                     '"0x20","  HGMMA.64x128x16.F32.BF16 R24","7","3"\n')
     samples, executed = stall_phases.by_opcode(stall_phases.read_source(str(path)))
     assert dict(samples) == {"MUFU": 7, "HGMMA": 7} and dict(executed) == {"MUFU": 14, "HGMMA": 3}
+
+
+def test_ab_runs_each_tree_from_its_own_directory(tmp_path):
+    """tools/gpu_jobs/ab.sh: a `python -m` command run for two trees imports each tree's flexmask in
+    turn (not the repository's, which `python -m` from the root would put first), round by round."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for name in ("a", "b"):
+        (tmp_path / name / "flexmask").mkdir(parents=True)
+        (tmp_path / name / "flexmask" / "__init__.py").write_text(f"WHO = {name!r}\n")
+        (tmp_path / name / "which.py").write_text("import flexmask\nprint('tree', flexmask.WHO)\n")
+    env = {**os.environ, "NEED_GPUS": "0", "ROUNDS": "2", "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", "tools/gpu_jobs/ab.sh", str(tmp_path / "a"), str(tmp_path / "b"), "--",
+                          sys.executable, "-m", "which"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stdout.splitlines() if ": tree " in line]
+    assert lines == ["A r1: tree a", "B r1: tree b", "A r2: tree a", "B r2: tree b"], run.stdout
+    assert f"A r1: imports {tmp_path / 'a' / 'flexmask'}" in run.stdout, run.stdout
