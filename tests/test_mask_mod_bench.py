@@ -122,6 +122,22 @@ def test_table_from_rows():
     assert bench.table([]) == "(no rows)"
 
 
+def test_table_compares_rows_of_one_run():
+    """A later run without flex_flash keeps the earlier run's flex_flash ratio, taken against that
+    run's own flexmask; its compile times come from the latest run that built from_mask_mod, with
+    that run's create_block_mask (flex), not the earlier run's flex_flash figure."""
+    later = [{**r, "command": "python -m benchmarks.mask_mod --providers flexmask,flexmask_mod,flex"}
+             for r in ROWS if r["provider"] != "flex_flash"]
+    later[0] = {**later[0], "fwd_ms": "2.0", "bwd_ms": "6.0", "fwd_tflops": "50", "compile_ms": "0.5"}  # flexmask
+    later[2] = {**later[2], "compile_ms": "7.5"}  # flex's create_block_mask
+    lines = bench.table(ROWS + later).splitlines()
+    k9 = next(x for x in lines if x.startswith("| NATTEN 128x128 image, 9x9 |"))
+    cells = [c.strip() for c in k9.split("|")[1:-1]]
+    # flex_flash 6 ms over the first run's flexmask 4; flex 8 over the later run's 8; from_mask_mod 4.2 over 8
+    assert cells[1:] == ["16K", "50 / 90", "1.50", "1.00", "0.53", "0.5, 12.5, 7.5", "1, 2"]
+    assert sum(x.startswith("- GPU,") for x in lines) == 2  # both runs named
+
+
 def test_table_mode_writes_the_marked_block(tmp_path):
     path = tmp_path / "mask_mod.csv"
     with open(path, "w", newline="") as f:
