@@ -18,7 +18,7 @@ same functions beside (the mask_mod benchmark's comparison, without its attentio
 each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
 compile's time goes between the compiled pass, the eager operations and the host syncs.
 `--inductor-options` replaces the Inductor options of the compiled pass on CUDA
-(intervals._INLINE_PREDICATE), e.g. '{}' for Inductor's defaults or
+(intervals._WORD_KERNEL_OPTIONS), e.g. '{}' for Inductor's defaults or
 '{"triton.prefer_nd_tiling": true}' (2-D tiles: per-row and per-column terms computed once a
 tile row or column instead of per pair).
 """
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     if args.compiled_block_log2 is not None:
         intervals.MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << args.compiled_block_log2
     if args.inductor_options is not None:
-        intervals._INLINE_PREDICATE = args.inductor_options
+        intervals._WORD_KERNEL_OPTIONS = args.inductor_options
     if args.first_pass == "eager":
         intervals.MASK_MOD_COMPILE_PAIRS = float("inf")
     if args.first_pass == "compiled":

@@ -947,7 +947,7 @@ def _column_run_count(fn, b: int, h: int, j: int, q_len: int, device) -> int:
 # below it the eager blocks cost less than compiling a new mask_mod.
 MASK_MOD_COMPILE_PAIRS = 1 << 26
 # (pair, q, kv) evaluations of one call of the compiled pass. Inductor keeps the predicate inside
-# the word sums (`_INLINE_PREDICATE`), so a call holds its change words, not its pairs (64 MB at
+# the word sums (`_WORD_KERNEL_OPTIONS`), so a call holds its change words, not its pairs (64 MB at
 # 2^29); each call and the eager copies around it cost host time, which larger blocks save
 # (docs/performance.md, section 12: 2^26 -> 2^29).
 MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << 29
@@ -989,14 +989,15 @@ def _compiled_words(fn, device=None):
     `_masked_words`, so that other functions are new compiles, not recompiles of one code
     object, which Dynamo bounds. Past that bound (a closure over Python ints that change every
     call) Dynamo runs the copy eagerly: right, in blocks that size. On CUDA the predicate is kept
-    inside the word sums (`_INLINE_PREDICATE`)."""
+    inside the word sums (`_WORD_KERNEL_OPTIONS`)."""
     key = _compiled_key(fn)
     if key not in _COMPILED:
         while len(_COMPILED) >= _COMPILED_KEPT:
             _COMPILED.pop(next(iter(_COMPILED)))
         own = types.FunctionType(_masked_words.__code__.replace(), _masked_words.__globals__, "_masked_words")
         cuda = device is not None and torch.device(device).type == "cuda"
-        _COMPILED[key] = torch.compile(own, fullgraph=True, dynamic=False, options=_INLINE_PREDICATE if cuda else None)
+        options = _WORD_KERNEL_OPTIONS if cuda else None
+        _COMPILED[key] = torch.compile(own, fullgraph=True, dynamic=False, options=options)
     return _COMPILED[key]
 
 
@@ -1007,7 +1008,13 @@ def _compiled_words(fn, device=None):
 # Inlined, the predicate is computed inside the word sums, as FlexAttention's create_block_mask
 # computes its own. Not on the CPU: there the C++ code already fuses it, and these settings made
 # NATTEN's 4K compile 5x slower (small per-row and per-column terms recomputed per pair).
-_INLINE_PREDICATE = {"realize_opcount_threshold": 2000, "realize_acc_reads_threshold": 64}
+# Coordinate descent then tunes the word-sum kernel past Inductor's few persistent-reduction
+# configurations (its pick ran 2 warps on 8 columns x 32 rows a program, ~68 instructions a pair
+# for the global tokens, issue-bound): at 128K on an H200 NATTEN 9 x 9 39 -> 25-27 ms, the global
+# tokens 45-46 -> 36-38, causal 16 -> 13-14 (docs/performance.md, section 12), for a first
+# compile of a new mask_mod 1-3 s longer; Inductor's cache keeps the tuned configuration.
+_WORD_KERNEL_OPTIONS = {"realize_opcount_threshold": 2000, "realize_acc_reads_threshold": 64,
+                        "coordinate_descent_tuning": True}
 
 
 def _compile_failed(fn, err: Exception):
