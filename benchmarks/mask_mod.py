@@ -379,6 +379,12 @@ def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
+def _latest_run(runs: dict, providers: Sequence[str]) -> dict:
+    """provider -> row of the latest run (one process) that measured all of `providers`, or {}:
+    each figure or ratio of a table line comes from one run."""
+    return next((cells for cells in reversed(runs.values()) if all(p in cells for p in providers)), {})
+
+
 def table(rows: Sequence[dict]) -> str:
     """Markdown: per family and size, flexmask's TFLOP/s, the peers' fwd+bwd time over
     flexmask's (speedups), flexmask_mod's time over the builder's, the three compile times and
@@ -395,12 +401,10 @@ def table(rows: Sequence[dict]) -> str:
              "fwd+bwd | speedup vs flex, fwd+bwd | from_mask_mod / builder time | compile ms: builder, from_mask_mod, "
              "create_block_mask | mask MB: flexmask, BlockMask |",
              f"|---|---:|{'---|' if cards else ''}---:|---:|---:|---:|---:|---:|"]
-    used: list[dict] = []
+    used: list[dict] = []  # the rows the table shows, for its list of runs
     for (family, s, gpu), runs in by_key.items():
         def latest(*providers):
-            """The latest run that measured all of `providers`: each figure or ratio of a line comes
-            from one process."""
-            cells = next((c for c in reversed(runs.values()) if all(p in c for p in providers)), {})
+            cells = _latest_run(runs, providers)
             used.extend(cells[p] for p in providers if p in cells)
             return cells
 

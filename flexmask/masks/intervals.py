@@ -989,7 +989,7 @@ def _compiled_words(fn, device=None):
     `_masked_words`, so that other functions are new compiles, not recompiles of one code
     object, which Dynamo bounds. Past that bound (a closure over Python ints that change every
     call) Dynamo runs the copy eagerly: right, in blocks that size. On CUDA the predicate is kept
-    inside the word sums (`_WORD_KERNEL_OPTIONS`)."""
+    inside the word sums and their kernel tuned (`_WORD_KERNEL_OPTIONS`)."""
     key = _compiled_key(fn)
     if key not in _COMPILED:
         while len(_COMPILED) >= _COMPILED_KEPT:
