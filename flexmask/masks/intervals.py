@@ -754,10 +754,10 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
 
 def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tuple, compiled, together: bool,
                           eager_first: bool, take=None):
-    """The change words of a block of columns, [n, cols, chunks] int32 (`_chunk_changes`), how many
-    chunks of each column hold a change, [n, cols] int32, over every block of rows (`rows`: the
-    eager and the compiled block's), and the compiled pass, None once the compiler failed (the rest
-    runs eagerly). Columns, not chunks, lead the words: `_first_changed_chunks` reads each column's
+    """The first pass over a block of columns, every block of rows (`rows`: the eager and the
+    compiled block's): the change words, [n, cols, chunks] int32 (`_chunk_changes`), how many chunks
+    of each column hold a change, [n, cols] int32, and the compiled pass, None once the compiler
+    failed (the rest runs eagerly). Columns, not chunks, lead the words: `_first_changed_chunks` reads each column's
     chunks in order. With `take`, each block of rows' masked words go to take(words [n, chunks,
     cols], first chunk, end chunk, the row above the block [n, 1, cols]) as they come, and neither
     change words nor counts are made (None, None)."""
@@ -947,7 +947,7 @@ def _column_run_count(fn, b: int, h: int, j: int, q_len: int, device) -> int:
 # below it the eager blocks cost less than compiling a new mask_mod.
 MASK_MOD_COMPILE_PAIRS = 1 << 26
 # (pair, q, kv) evaluations of one call of the compiled pass. Inductor keeps the predicate inside
-# the word sums (`_WORD_KERNEL_OPTIONS`), so a call holds its change words, not its pairs (64 MB at
+# the word sums (`_WORD_KERNEL_OPTIONS`), so a call holds its masked words, not its pairs (64 MB at
 # 2^29); each call and the eager copies around it cost host time, which larger blocks save
 # (docs/performance.md, section 12: 2^26 -> 2^29).
 MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << 29
