@@ -19,7 +19,7 @@ from flexmask.masks.compiler import compile_spec
 from conftest import assert_close_to_reference, case_id, default_floor, make_qkv, references
 from test_backward import kernel_grads, random_do
 from conftest import reference_grads
-from test_compiler import brute_force_classes, check_lists
+from test_compiler import assert_same_tables, brute_force_classes, check_lists
 
 FP32, BF16 = torch.float32, torch.bfloat16
 
@@ -167,11 +167,15 @@ def test_tile_tables_equal_brute_force(sq, sk, bm, bn, k, lead):
     dense = mask.to_dense(sq, sk)
     dense = dense.view(1, 1, sq, sk) if dense.dim() == 2 else dense
     classes = brute_force_classes(dense, bm, bn)
-    for on_device in (False, True):  # the device path hands k runs to the torch ops
+    tables = []
+    for on_device in (False, True):  # the torch ops; the GPU's Triton kernels, under the interpreter
         cm = compile_spec(mask, sq, sk, torch.device("cpu"), bm, bn, on_device=on_device)
         assert cm.runs > 2
         assert torch.equal(cm.tile_classes(), classes)
         check_lists(cm, classes)
+        tables.append(cm)
+    assert_same_tables(*tables)  # bit for bit
+    assert tables[0].num_tiles_visited == tables[1].num_tiles_visited  # exact on both paths
 
 
 @pytest.mark.parametrize("name", ["natten", "global", "dilated_per_head", "natten_video"])
@@ -189,6 +193,27 @@ def test_builder_tile_tables_equal_brute_force(name):
         classes = brute_force_classes(dense, bm, bn)
         assert torch.equal(cm.tile_classes(), classes)
         check_lists(cm, classes)
+        assert_same_tables(cm, compile_spec(mask, sq, sk, torch.device("cpu"), bm, bn, on_device=True))
+
+
+def test_retiled_k_runs_exact():
+    """A k-run mask's tables at another tile (as the Hopper forward's 192-row blocks take them),
+    built from its intervals on the torch path and by the Triton kernels: the brute-force classes
+    and lists at the new tile, the same tables bit for bit with the exact tile count, kept once."""
+    mask, sq, sk = masks.natten(9, 11, 5), 99, 99
+    dense = mask.to_dense(sq, sk).view(1, 1, sq, sk)
+    retiled = []
+    for on_device in (False, True):
+        cm = compile_spec(mask, sq, sk, torch.device("cpu"), 16, 16, on_device=on_device)
+        tiles = cm.retiled(48, 32, on_device=on_device)
+        assert (tiles.block_m, tiles.block_n) == (48, 32) and torch.equal(tiles.intervals, cm.intervals)
+        classes = brute_force_classes(dense, 48, 32)
+        assert torch.equal(tiles.tile_classes(), classes)
+        check_lists(tiles, classes)
+        assert cm.retiled(48, 32, on_device=on_device) is tiles
+        retiled.append(tiles)
+    assert_same_tables(*retiled)
+    assert retiled[0].num_tiles_visited == retiled[1].num_tiles_visited
 
 
 # --- attention against the float64 reference ------------------------------------------------------

@@ -1,6 +1,7 @@
 """Compile the mask compiler's kernels for sm_90 as `build_tables_device` launches them, on a
 machine without a GPU (Triton's bundled ptxas; see tools.offline_compile): the classify kernel
-with its fused scan (META given) for a loaded and for computed families, composed pairs of
+with its fused scan (META given) for a loaded and for computed families and for k runs per column
+(4, 8, 16), composed pairs of
 families (`a & b`, `a | b`, the kv_cache shift of either operand), the emit kernel and the
 document-bounds kernel. Prints one line per kernel: registers, spills, shared memory.
 
@@ -14,21 +15,21 @@ import torch
 from .offline_compile import compile_offline, report
 
 
-def _classify(family: int, pair: dict | None = None):
+def _classify(family: int, pair: dict | None = None, runs: int = 2):
     from flexmask.masks import compiler_kernels as ck
 
     t32, t64 = torch.empty(16, dtype=torch.int32), torch.empty(16, dtype=torch.int64)
     args = dict(IV=t32, PLANAR=t32, GRID=torch.empty(16, dtype=torch.uint8), COUNTS=t32, DIFFS=t32, DOCS=t32,
                 PREFIXES=t32, Sq=1000, Sk=1000, NQB=100, NKB=100, G_ROW=32, offset=0, P0=5, P1=6, P2=7,
                 DOC_STRIDE=9, DOC_ITERS=3, RAGGED_N=7, META=t32)
-    constexprs = dict(FAMILY=family, TILE_M=128, TILE_N=128, CHUNK=ck.CHUNK_M)
+    constexprs = dict(FAMILY=family, TILE_M=128, TILE_N=128, CHUNK=ck.CHUNK_M, RUNS=runs)
     if pair is not None:
         b_docs = t64 if pair["B_FAMILY"] == ck.KV_CACHE else t32
         args.update(B_DOCS=b_docs, B_PREFIXES=t32, B_P0=3, B_P1=4, B_P2=5, B_DOC_STRIDE=9, B_DOC_ITERS=3)
         if family == ck.KV_CACHE:
             args["DOCS"] = t64
         constexprs.update(pair)
-    return compile_offline(ck._classify_kernel, args, constexprs, dict(num_warps=4))
+    return compile_offline(ck._classify_kernel, args, constexprs, dict(num_warps=ck.classify_warps(runs)))
 
 
 def _emit():
@@ -59,6 +60,7 @@ def variants() -> list:
 
     out = [(f"classify+scan {name}", lambda c=getattr(ck, name): _classify(c))
            for name in ("LOAD", "CAUSAL", "DOCUMENT", "PREFIX_LM_DOCUMENT", "KV_CACHE")]
+    out += [(f"classify+scan {runs} runs", lambda r=runs: _classify(ck.LOAD, runs=r)) for runs in (4, 8, 16)]
     out += [
         ("classify causal&sliding_window", lambda: _classify(ck.CAUSAL, pair(ck.SLIDING_WINDOW))),
         ("classify document|sliding_window", lambda: _classify(ck.DOCUMENT, pair(ck.SLIDING_WINDOW, False, False, True))),

@@ -371,7 +371,7 @@ def _classify(family: int):
     args = dict(IV=t32, PLANAR=t32, GRID=torch.empty(16, dtype=torch.uint8), COUNTS=t32, DIFFS=t32, DOCS=t32,
                 PREFIXES=t32, Sq=1000, Sk=1000, NQB=100, NKB=100, G_ROW=32, offset=0, P0=5, P1=6, P2=7,
                 DOC_STRIDE=9, DOC_ITERS=3, RAGGED_N=7)
-    constexprs = dict(FAMILY=family, TILE_M=128, TILE_N=128, CHUNK=ck.CHUNK_M)
+    constexprs = dict(FAMILY=family, TILE_M=128, TILE_N=128, CHUNK=ck.CHUNK_M, RUNS=2)
     return compile_offline(ck._classify_kernel, args, constexprs, dict(num_warps=4))
 
 

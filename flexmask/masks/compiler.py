@@ -25,13 +25,13 @@ the exact classification.
 
 Two implementations build the same tables. On the CPU the torch ops below (exact sizes). On a
 GPU the Triton kernels of `masks/compiler_kernels.py` (two launches, no host sync; transient
-memory: a 2-bit tile grid, Sq*Sk/65536 bytes with 128 x 128 tiles, plus O(q-blocks + kv-blocks)) for
-the two-interval masks; masks of k runs per column take the torch ops on every device (the Triton
-compile kernels read two intervals),
-with the lists sized by a bound that the host knows from the mask's parameters
+memory: a 2-bit tile grid, Sq*Sk/65536 bytes with 128 x 128 tiles, plus O(q-blocks + kv-blocks)),
+with the lists of two-interval masks sized by a bound that the host knows from the mask's parameters
 (`tile_bounds.py`): they hold `len(fwd_blocks) >= offsets[-1]` entries, of which the first
 `offsets[-1]` are the tables. A mask given only as tensors is bounded by every tile; where that
 would reserve more than MAX_UNCOUNTED_LIST_BYTES, the tiles are counted first (one host sync).
+Masks of k runs per column are always counted first (their runs came from the host's count
+already, and the kernels' heuristics read the exact tile count).
 """
 
 from __future__ import annotations
@@ -230,8 +230,8 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
         return build_tables(build_intervals(mask, q_len, kv_len, device), q_len, kv_len, block_m, block_n,
                             source=mask, on_device=False)
     plan = device_plan(mask, q_len, kv_len, device, block_m, block_n)  # kept on the mask where it may be
-    if plan.intervals is not None and plan.intervals.shape[-1] > 4:  # k runs per column: the torch ops
-        return build_tables(plan.intervals, q_len, kv_len, block_m, block_n, source=mask, on_device=False)
+    if plan.intervals is not None and plan.intervals.shape[-1] > 4:  # k runs per column: counted (one host sync)
+        return build_tables(plan.intervals, q_len, kv_len, block_m, block_n, source=mask, on_device=True)
     rows = plan.shape[0] * plan.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
     per_row = min(n_qb * n_kb, plan.tiles_per_row)
@@ -264,8 +264,7 @@ def retiled(tables, block_m: int, block_n: int, on_device: bool | None = None) -
     view). On a GPU (or with on_device=True) with two intervals per column, no host sync: every
     new tile that is visited contains an attended pair of a visited old tile, and an old tile
     meets at most cdiv(old, new) + 1 new ones along each axis, so that many times
-    num_tiles_visited bound the lists. k runs take build_tables' torch path (two host syncs,
-    once). Inside a CUDA graph's capture a new tiling is built but not kept (its tables are
+    num_tiles_visited bound the lists. k runs are counted first (one host sync, once). Inside a CUDA graph's capture a new tiling is built but not kept (its tables are
     written at each replay, not for eager calls)."""
     if (block_m, block_n) == (tables.block_m, tables.block_n):
         return tables
@@ -288,9 +287,9 @@ def _retile(cm, block_m: int, block_n: int, on_device: bool | None) -> CompiledM
         intervals = planar.view(cm.batch, cm.heads, *planar.shape[1:]).transpose(-1, -2)
     source = getattr(cm, "source", None)
     device_path = planar.is_cuda if on_device is None else on_device
-    if not device_path or planar.shape[1] > 4:
+    if not device_path or planar.shape[1] > 4:  # k runs: counted (one host sync)
         return build_tables(intervals.contiguous(), cm.q_len, cm.kv_len, block_m, block_n, source=source,
-                            on_device=False)
+                            on_device=device_path)
     rows = cm.batch * cm.heads
     n_tiles = rows * _cdiv(cm.q_len, block_m) * _cdiv(cm.kv_len, block_n)
     meets_m = 1 if block_m == cm.block_m else _cdiv(cm.block_m, block_m) + 1
@@ -309,10 +308,10 @@ MAX_UNCOUNTED_LIST_BYTES = 512 * 2**20
 def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int, block_n: int, source=None,
                  on_device: bool | None = None) -> CompiledMask:
     """Compile intervals [Bm, Hm, kv_len, 4] (canonical) or [.., 2K] (k runs) into a CompiledMask.
-    Two intervals on a GPU (or with on_device=True): by the Triton kernels with one host sync (the
-    tiles are counted to size the lists: `compile_spec` avoids it with a bound); else by torch
-    ops, with two host syncs."""
-    if (intervals.is_cuda if on_device is None else on_device) and intervals.shape[-1] == 4:
+    On a GPU (or with on_device=True): by the Triton kernels with one host sync (the tiles are
+    counted to size the lists: `compile_spec` avoids it with a bound for two intervals); else by
+    torch ops, with two host syncs."""
+    if intervals.is_cuda if on_device is None else on_device:
         rows = intervals.shape[0] * intervals.shape[1]
         tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, None, intervals=intervals.contiguous())
         return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n,

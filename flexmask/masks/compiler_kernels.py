@@ -2,7 +2,8 @@
 device, in two launches and with no host sync.
 
 1. `_classify_kernel`, one program per (kv-block, mask row): gets its columns' intervals
-   (loaded, or computed from a built-in family's parameters and written out), writes them in
+   (loaded, or computed from a built-in family's parameters and written out; or k runs per
+   column, loaded), writes them in
    the kernels' planar layout, and classifies its column of tiles q-block by q-block. The
    exact classes go to a 2-bit grid (4 tiles per byte, q-blocks packed, kv-block major:
    Sq*Sk / (4 * TILE_M * TILE_N) bytes, 16 MB per mask row at 1M tokens with 128 x 128
@@ -11,7 +12,7 @@ device, in two launches and with no host sync.
    difference array with integer atomics, a handful per run (exact, so deterministic). The
    sweep down the column goes by chunks of q-blocks: histograms of the columns' range ends
    that fall in the chunk, then prefix sums, give how many columns cover / touch each q-block,
-   so a chunk costs O(TILE_N + CHUNK_M) whatever the intervals; a chunk where no range bound
+   so a chunk costs O(TILE_N * runs + CHUNK_M) whatever the intervals; a chunk where no range bound
    falls (most chunks of a long sequence) keeps the class before it and skips the histograms.
    The last classify program to finish (an atomic ticket) then runs `_scan_tables`: prefix
    sums of the per-kv-block counts (backward offsets) and of the per-q-block difference arrays
@@ -162,31 +163,34 @@ def _block_range(start, end, Sq, NQB, TILE_M: tl.constexpr):
 
 
 @triton.jit
-def _class_at(m, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2):
-    """Class of q-block m (a scalar) in this kv-block: SKIP 0 if every column covers it, FULL
-    2 if no column touches it, else PARTIAL 1."""
-    cov = ((m >= cl1) & (m < ch1)) | ((m >= cl2) & (m < ch2))  # [TILE_N]
-    touch = ((m >= tl1) & (m < th1)) | ((m >= tl2) & (m < th2))
-    all_cov = tl.min(cov.to(tl.int32), 0)
-    any_touch = tl.max(touch.to(tl.int32), 0)
-    return tl.where(all_cov == 1, 0, tl.where(any_touch == 0, 2, 1))
+def _flat(a, b):
+    """[2 * n] of two [n] range bounds, a column's two slots side by side."""
+    return tl.reshape(tl.join(a, b), [2 * a.shape[0]])
 
 
 @triton.jit
-def _any_event_in(a, b, c, d, e, f, g, h, c0, CHUNK: tl.constexpr):
-    """Whether any of the eight [TILE_N] range bounds falls in the q-blocks [c0, c0 + CHUNK)."""
+def _class_at(m, cov_lo, cov_hi, touch_lo, touch_hi, TILE_N: tl.constexpr):
+    """Class of q-block m (a scalar) in this kv-block, from the q-block ranges of every run of its
+    columns (flat): SKIP 0 if TILE_N ranges cover it (a column's covered ranges are disjoint: every
+    column covers it), FULL 2 if no range touches it, else PARTIAL 1."""
+    cov = tl.sum(((m >= cov_lo) & (m < cov_hi)).to(tl.int32), 0)
+    touch = tl.max(((m >= touch_lo) & (m < touch_hi)).to(tl.int32), 0)
+    return tl.where(cov == TILE_N, 0, tl.where(touch == 0, 2, 1))
+
+
+@triton.jit
+def _any_event_in(a, b, c, d, c0, CHUNK: tl.constexpr):
+    """Whether any of the four flat range bounds falls in the q-blocks [c0, c0 + CHUNK)."""
     hit = ((a - c0).to(tl.uint32) < CHUNK) | ((b - c0).to(tl.uint32) < CHUNK)
     hit |= ((c - c0).to(tl.uint32) < CHUNK) | ((d - c0).to(tl.uint32) < CHUNK)
-    hit |= ((e - c0).to(tl.uint32) < CHUNK) | ((f - c0).to(tl.uint32) < CHUNK)
-    hit |= ((g - c0).to(tl.uint32) < CHUNK) | ((h - c0).to(tl.uint32) < CHUNK)
     return tl.max(hit.to(tl.int32), 0) > 0
 
 
 @triton.jit
-def _events(lo_a, lo_b, hi_a, hi_b, c0, CHUNK: tl.constexpr):
-    """[CHUNK] per q-block c0 + i: ranges [lo, hi) of both slots starting there minus those ending there."""
-    starts = tl.reshape(tl.join(lo_a, lo_b), [2 * lo_a.shape[0]]) - c0
-    ends = tl.reshape(tl.join(hi_a, hi_b), [2 * hi_a.shape[0]]) - c0
+def _events(lo, hi, c0, CHUNK: tl.constexpr):
+    """[CHUNK] per q-block c0 + i: the flat ranges [lo, hi) starting there minus those ending there."""
+    starts = lo - c0
+    ends = hi - c0
     return (tl.histogram(starts, CHUNK, mask=(starts >= 0) & (starts < CHUNK))
             - tl.histogram(ends, CHUNK, mask=(ends >= 0) & (ends < CHUNK)))
 
@@ -210,27 +214,14 @@ def _operand(o_j, row, cache_row, DOCS, PREFIXES, LENGTHS, Sq, Sk, offset, P0, P
         return _canonical(a0, a1, b0, b1, Sq)
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "NKB", "G_ROW", "offset", "P0", "P1", "P2", "DOC_STRIDE",
-                               "DOC_ITERS", "RAGGED_N", "B_P0", "B_P1", "B_P2", "B_DOC_STRIDE", "B_DOC_ITERS"])
-def _classify_kernel(
-    IV, PLANAR, GRID, DIFFS, DOCS, PREFIXES,
-    Sq, Sk, NQB, NKB, G_ROW, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS, RAGGED_N,
-    FAMILY: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, CHUNK: tl.constexpr,
-    # the tables' offsets and FULL counts (`build_tables_device`'s meta layout), written by the
-    # last program to finish; None: classify only
-    META=None,
-    # `a & b` (AND) or `a | b` of two built-in families: a is FAMILY, b is B_FAMILY (None: no b);
-    # *_BCAST: the operand has one row for every row of the result; SHIFT 1 (2): a (b) is moved
-    # to each batch row's cache by the lengths of the other operand, a kv_cache mask
-    B_DOCS=None, B_PREFIXES=None, B_P0=0, B_P1=0, B_P2=0, B_DOC_STRIDE=2, B_DOC_ITERS=0,
-    B_FAMILY: tl.constexpr = None, AND: tl.constexpr = True, A_BCAST: tl.constexpr = False,
-    B_BCAST: tl.constexpr = False, SHIFT: tl.constexpr = 0,
-):
-    n = tl.program_id(0)
-    row = tl.program_id(1)
-    n_rows = tl.num_programs(1)
-    o_j = n * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] key columns
-    m_j = o_j < Sk
+@triton.jit
+def _interval_ranges(IV, PLANAR, DOCS, PREFIXES, row, o_j, m_j, Sq, Sk, NQB, offset, P0, P1, P2, DOC_STRIDE,
+                     DOC_ITERS, FAMILY: tl.constexpr, TILE_M: tl.constexpr, B_DOCS, B_PREFIXES, B_P0, B_P1, B_P2,
+                     B_DOC_STRIDE, B_DOC_ITERS, B_FAMILY: tl.constexpr, AND: tl.constexpr, A_BCAST: tl.constexpr,
+                     B_BCAST: tl.constexpr, SHIFT: tl.constexpr):
+    """Columns o_j's two intervals (loaded, or a built-in family's, or a composition of two: then
+    stored to IV), stored to PLANAR, as the flat q-block ranges (cov_lo, cov_hi, touch_lo,
+    touch_hi) [2 * TILE_N] of their two slots side by side."""
     p_iv = IV + row.to(tl.int64) * Sk * 4 + o_j * 4
     if FAMILY == _LOAD:
         lts = tl.load(p_iv + 0, mask=m_j, other=0)
@@ -274,6 +265,66 @@ def _classify_kernel(
     ch2 = tl.where(m_j, ch2, 0)
     tl2 = tl.where(m_j, tl2, 0)
     th2 = tl.where(m_j, th2, 0)
+    return _flat(cl1, cl2), _flat(ch1, ch2), _flat(tl1, tl2), _flat(th1, th2)
+
+
+@triton.jit
+def _run_ranges(IV, PLANAR, row, o_j, m_j, Sq, Sk, NQB, TILE_N: tl.constexpr, TILE_M: tl.constexpr,
+                RUNS: tl.constexpr):
+    """Columns o_j's RUNS runs (sorted, disjoint (start, end) pairs of IV [rows, Sk, 2 * RUNS],
+    empty slots past the last), stored to PLANAR [rows, 2 * RUNS, Sk], as the flat q-block ranges
+    (cov_lo, cov_hi, touch_lo, touch_hi) [TILE_N * RUNS]. A column past Sk covers every q-block in
+    its first slot; an empty run (and any slot of a column past Sk but the first) ranges over no
+    q-block at q-block 0, where no event costs a sweep anything."""
+    o_r = tl.arange(0, RUNS)[None, :]
+    m_col = m_j[:, None]
+    p_run = IV + row.to(tl.int64) * Sk * (2 * RUNS) + o_j[:, None] * (2 * RUNS) + 2 * o_r  # [TILE_N, RUNS]
+    start = tl.load(p_run, mask=m_col, other=0)
+    end = tl.load(p_run + 1, mask=m_col, other=0)
+    p_planar = PLANAR + row.to(tl.int64) * (2 * RUNS) * Sk + 2 * o_r * Sk + o_j[:, None]
+    tl.store(p_planar, start, mask=m_col)
+    tl.store(p_planar + Sk, end, mask=m_col)
+    cov_lo, cov_hi, touch_lo, touch_hi = _block_range(start, end, Sq, NQB, TILE_M)
+    live = m_col & (end > start)
+    cov_lo = tl.where(live, cov_lo, 0)
+    cov_hi = tl.where(live, cov_hi, tl.where(~m_col & (o_r == 0), NQB, 0))
+    touch_lo = tl.where(live, touch_lo, 0)
+    touch_hi = tl.where(live, touch_hi, 0)
+    n_flat: tl.constexpr = TILE_N * RUNS
+    return (tl.reshape(cov_lo, [n_flat]), tl.reshape(cov_hi, [n_flat]), tl.reshape(touch_lo, [n_flat]),
+            tl.reshape(touch_hi, [n_flat]))
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "NKB", "G_ROW", "offset", "P0", "P1", "P2", "DOC_STRIDE",
+                               "DOC_ITERS", "RAGGED_N", "B_P0", "B_P1", "B_P2", "B_DOC_STRIDE", "B_DOC_ITERS"])
+def _classify_kernel(
+    IV, PLANAR, GRID, DIFFS, DOCS, PREFIXES,
+    Sq, Sk, NQB, NKB, G_ROW, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS, RAGGED_N,
+    FAMILY: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, CHUNK: tl.constexpr,
+    # the tables' offsets and FULL counts (`build_tables_device`'s meta layout), written by the
+    # last program to finish; None: classify only
+    META=None,
+    # `a & b` (AND) or `a | b` of two built-in families: a is FAMILY, b is B_FAMILY (None: no b);
+    # *_BCAST: the operand has one row for every row of the result; SHIFT 1 (2): a (b) is moved
+    # to each batch row's cache by the lengths of the other operand, a kv_cache mask
+    B_DOCS=None, B_PREFIXES=None, B_P0=0, B_P1=0, B_P2=0, B_DOC_STRIDE=2, B_DOC_ITERS=0,
+    B_FAMILY: tl.constexpr = None, AND: tl.constexpr = True, A_BCAST: tl.constexpr = False,
+    B_BCAST: tl.constexpr = False, SHIFT: tl.constexpr = 0,
+    # runs per column of IV ([rows, Sk, 2 * RUNS] (start, end) pairs, loaded): past 2, k runs
+    RUNS: tl.constexpr = 2,
+):
+    n = tl.program_id(0)
+    row = tl.program_id(1)
+    n_rows = tl.num_programs(1)
+    o_j = n * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] key columns
+    m_j = o_j < Sk
+    if RUNS > 2:
+        cov_lo, cov_hi, touch_lo, touch_hi = _run_ranges(IV, PLANAR, row, o_j, m_j, Sq, Sk, NQB, TILE_N, TILE_M, RUNS)
+    else:
+        cov_lo, cov_hi, touch_lo, touch_hi = _interval_ranges(
+            IV, PLANAR, DOCS, PREFIXES, row, o_j, m_j, Sq, Sk, NQB, offset, P0, P1, P2, DOC_STRIDE, DOC_ITERS,
+            FAMILY, TILE_M, B_DOCS, B_PREFIXES, B_P0, B_P1, B_P2, B_DOC_STRIDE, B_DOC_ITERS, B_FAMILY, AND, A_BCAST,
+            B_BCAST, SHIFT)
 
     ragged = n == RAGGED_N  # the kernels bounds-check this kv-block: never FULL in the lists
     # DIFFS: the difference arrays [2, n_rows, NQB + 1], the ticket, the counts [2, n_rows * NKB]
@@ -290,7 +341,7 @@ def _classify_kernel(
     touching = 0  # column ranges touching it
     # Sweep down the q-blocks by chunks: the number of columns covering (touching) q-block m
     # changes by the ranges starting at m minus those ending at m, counted by histograms, so a
-    # chunk costs O(TILE_N + CHUNK) whatever the intervals (the two covered ranges of a column
+    # chunk costs O(TILE_N * RUNS + CHUNK) whatever the intervals (the covered ranges of a column
     # are disjoint: a count of TILE_N means every column covers m).
     for c0 in range(0, NQB, CHUNK):
         o_m = c0 + o_c  # [CHUNK]
@@ -299,9 +350,9 @@ def _classify_kernel(
         # diagonal, its documents, its window) keeps the class of the q-block before it, so
         # its classes, counts and (zero) differences need no histograms. Chunk 0 always takes
         # the histograms: nothing precedes q-block 0.
-        if (c0 == 0) | _any_event_in(cl1, cl2, ch1, ch2, tl1, tl2, th1, th2, c0, CHUNK):
-            d_cover = _events(cl1, cl2, ch1, ch2, c0, CHUNK)  # [CHUNK]
-            d_touch = _events(tl1, tl2, th1, th2, c0, CHUNK)
+        if (c0 == 0) | _any_event_in(cov_lo, cov_hi, touch_lo, touch_hi, c0, CHUNK):
+            d_cover = _events(cov_lo, cov_hi, c0, CHUNK)  # [CHUNK]
+            d_touch = _events(touch_lo, touch_hi, c0, CHUNK)
             cover = covering + tl.cumsum(d_cover, 0)
             touch = touching + tl.cumsum(d_touch, 0)
             cls = tl.where(cover == TILE_N, 0, tl.where(touch == 0, 2, 1))
@@ -324,7 +375,7 @@ def _classify_kernel(
         n_full += tl.sum((cls == 2).to(tl.int32), 0)
         n_partial += tl.sum((cls == 1).to(tl.int32), 0)
     # runs reaching the last q-block end at NQB
-    last = _class_at(NQB - 1, cl1, ch1, tl1, th1, cl2, ch2, tl2, th2)
+    last = _class_at(NQB - 1, cov_lo, cov_hi, touch_lo, touch_hi, TILE_N)
     tl.atomic_add(p_dv + NQB, -(last != 0).to(tl.int32), mask=last != 0)
     tl.atomic_add(p_df + NQB, -((last == 2) & (~ragged)).to(tl.int32), mask=(last == 2) & (~ragged))
     seg = row * NKB + n
@@ -559,21 +610,30 @@ def _workspace(n_zero: int, n_scratch: int, device) -> tuple:
     return zeros, scratch
 
 
+def classify_warps(runs: int) -> int:
+    """The classify kernel's warps for `runs` per column: a warp per run past four, so that a
+    program's TILE_N x runs ranges stay in registers (ptxas spilled at 8 and 16 runs on 4 warps)."""
+    return max(4, runs)
+
+
 def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, rows: int, capacity: int | None,
                         intervals: torch.Tensor | None = None, family: tuple | None = None,
                         shape: tuple | None = None, device=None, pair: Pair | None = None) -> dict:
     """The tables of a CompiledMask, in two launches and no host sync.
 
-    Either `intervals` (canonical int32 [Bm, Hm, kv_len, 4], contiguous) or `family` =
+    Either `intervals` (canonical int32 [Bm, Hm, kv_len, 4], or k runs [Bm, Hm, kv_len, 2K] as
+    `runs_to_intervals` gives them; contiguous) or `family` =
     (code, p0, p1, p2, docs, prefixes) with `shape` (Bm, Hm) and `device`: the classify kernel then
     computes the canonical intervals itself (with `pair`: those of `family <op> pair.b`).
     `capacity` (>= the tiles visited, known on the host) sizes fwd_blocks, bwd_blocks and
     bwd_exact; None counts the tiles first, at the price of one host sync. The tables are views of
     one allocation; the transients come from `_workspace` (host time: each allocation costs
     about as much on the host as the GPU spends on the small tables)."""
+    width = 4  # (start, end) pairs per column
     if intervals is not None:
         device = intervals.device
         shape = tuple(intervals.shape[:2])
+        width = intervals.shape[-1]
         code, p0, p1, p2, docs, prefixes = LOAD, 0, 0, 0, None, None
     else:
         code, p0, p1, p2, docs, prefixes = family
@@ -588,10 +648,10 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     meta = (rows * nqb + 1, rows * nqb, rows * nkb + 1, rows * nkb)  # the layout _scan_tables writes
     n_intervals = 0 if intervals is not None else shape[0] * shape[1] * kv_len * 4
     lists = () if capacity is None else (max(1, capacity),) * 2 + (_cdiv(max(1, capacity), 4),)
-    views = _carve(torch.empty, (n_intervals, rows * 4 * kv_len, meta, *lists), device)
+    views = _carve(torch.empty, (n_intervals, rows * width * kv_len, meta, *lists), device)
     if intervals is None:
         intervals = views[0].view(*shape, kv_len, 4)
-    planar = views[1].view(rows, 4, kv_len)
+    planar = views[1].view(rows, width, kv_len)
     fwd_offsets, fwd_num_full, bwd_offsets, bwd_num_full = views[2:6]
 
     def doc_args(docs, prefixes):  # pointers (unused ones: any tensor), row stride, binary-search steps
@@ -611,7 +671,7 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     _CLASSIFY(  # every parameter, in the kernel's order
         (nkb, rows), intervals, planar, grid, diffs, docs, prefixes,
         q_len, kv_len, nqb, nkb, g_row, kv_len - q_len, p0, p1, p2, doc_stride, doc_iters, ragged_n,
-        code, block_m, block_n, CHUNK_M, views[2], *b_args, num_warps=4,
+        code, block_m, block_n, CHUNK_M, views[2], *b_args, width // 2, num_warps=classify_warps(width // 2),
     )
     if capacity is None:  # no bound given: count first (one host sync)
         capacity = max(1, int(bwd_offsets[-1]))
