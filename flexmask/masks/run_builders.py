@@ -73,13 +73,17 @@ def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
     if g.kv_len != tokens:
         raise ValueError(f"natten over frames={frames} x height={height} x width={width} = {tokens} tokens needs "
                          f"kv_len={tokens}, got kv_len={g.kv_len}")
-    dev = g.device
-    t_att = _axis_attenders(frames, p["time_kernel"], p["time_dilation"], dev)
-    i_att = _axis_attenders(height, p["kernel"][0], p["dilation"][0], dev)
-    j_att = _axis_attenders(width, p["kernel"][1], p["dilation"][1], dev)
+    # each axis on the host (tables of a few thousand entries, ~100 small operations and four counts
+    # read back: on a GPU each would be a launch and the counts host syncs), then one copy each
+    cpu = torch.device("cpu")
+    t_att = _axis_attenders(frames, p["time_kernel"], p["time_dilation"], cpu)
+    i_att = _axis_attenders(height, p["kernel"][0], p["dilation"][0], cpu)
+    j_att = _axis_attenders(width, p["kernel"][1], p["dilation"][1], cpu)
     t_c, t_ok = _coords(t_att)  # [T, At]
     i_c, i_ok = _coords(i_att)  # [H, Ai]
     j_s, j_e, j_ok = _axis_runs(j_att)  # [W, Rj]
+    t_c, t_ok, i_c, i_ok, j_s, j_e, j_ok = (x.to(g.device, non_blocking=True)
+                                             for x in (t_c, t_ok, i_c, i_ok, j_s, j_e, j_ok))
     # key token (t', i', j') x attending (frame a, row b, column run r): [T, H, W, At, Ai, Rj]
     base = (t_c[:, None, None, :, None, None] * height + i_c[None, :, None, None, :, None]) * width
     start = base + j_s[None, None, :, None, None, :]
