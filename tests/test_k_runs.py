@@ -366,7 +366,18 @@ def test_offline_compile_records_every_k_run_launch():
         assert set(fn.arg_names) <= set(params), set(fn.arg_names) - set(params)
 
 
-@pytest.mark.parametrize("k_in", [1, 2, 5, 40])  # 40: past intervals._SCAN_BY_ENTRIES, torch's scans
+def test_running_scans_equal_torch_scans():
+    """intervals._running's doubling steps give torch's cummax and cumsum on every short length."""
+    from flexmask.masks import intervals
+
+    gen = torch.Generator().manual_seed(5)
+    for n in range(0, intervals._SCAN_BY_STEPS + 2):
+        x = torch.randint(-50, 50, (3, 7, n), generator=gen)
+        assert torch.equal(intervals._running(x, torch.maximum), torch.cummax(x, dim=-1).values if n else x), n
+        assert torch.equal(intervals._running(x, torch.add), torch.cumsum(x, dim=-1)), n
+
+
+@pytest.mark.parametrize("k_in", [1, 2, 5, 40])  # 40: past intervals._SCAN_BY_STEPS, torch's scans
 def test_normalize_runs_is_the_union(k_in):
     """Any (start, end) intervals of a column, unsorted, overlapping, touching, empty or out of
     [0, q_len], become its sorted runs: the union of the intervals, row for row."""

@@ -422,20 +422,25 @@ def _normalize_runs(ivs: torch.Tensor, q_len: int, k_out: int) -> torch.Tensor:
     return torch.cat([runs, pad], dim=-2)
 
 
-# Scans over a last dimension at most this long go entry by entry: on a GPU torch's scan over many
+# Scans over a last dimension at most this long go by doubling steps: on a GPU torch's scan over many
 # rows of a few entries is slow (a cummax over 128K columns of one run: 1.36 ms; docs/performance.md 12)
-_SCAN_BY_ENTRIES = 32
+_SCAN_BY_STEPS = 32
 
 
 def _running(x: torch.Tensor, op) -> torch.Tensor:
     """The inclusive scan of x over its last dimension by `op` (torch.maximum: cummax; torch.add:
-    cumsum), one elementwise operation per entry where the dimension is short."""
-    if x.shape[-1] > _SCAN_BY_ENTRIES:
+    cumsum). Where the dimension is short, in log2 steps of two elementwise operations each: entry i
+    takes op(entry i - d, itself) for d = 1, 2, 4, ... (Hillis and Steele), ten operations for 32
+    entries where one per entry took 32."""
+    n = x.shape[-1]
+    if n > _SCAN_BY_STEPS:
         return torch.cummax(x, dim=-1).values if op is torch.maximum else torch.cumsum(x, dim=-1)
-    out = [x[..., 0]] if x.shape[-1] else []
-    for i in range(1, x.shape[-1]):
-        out.append(op(out[-1], x[..., i]))
-    return torch.stack(out, dim=-1) if out else x.clone()
+    x = x.clone() if n < 2 else x
+    step = 1
+    while step < n:
+        x = torch.cat([x[..., :step], op(x[..., step:], x[..., :-step])], dim=-1)
+        step *= 2
+    return x
 
 
 def _compose_runs(m, g: _Geometry) -> torch.Tensor:
