@@ -15,6 +15,7 @@ from flexmask import masks
 from flexmask.kernels import dispatch
 from flexmask.kernels.decode.split_kv import attention_decode
 from flexmask.masks.compiler import compile_spec
+from flexmask.masks.run_builders import _axis_attenders, complement
 
 from conftest import assert_close_to_reference, case_id, default_floor, make_qkv, references
 from test_backward import kernel_grads, random_do
@@ -105,6 +106,44 @@ def test_natten_is_natten(h, w, k, d, f, tk, td):
     want = natten_dense(h, w, k, d, f, tk, td)
     assert torch.equal(mask.to_dense(n, n), want)
     assert torch.equal(mask.to_dense(3, n), want[n - 3:])
+
+
+def test_natten_axis_tables_are_natten():
+    """Each axis's table (the queries holding a key, found by one search of the window starts) equals
+    NATTEN's window rule, ascending, at every length up to 40 with odd kernels and dilations 1-5."""
+    for n in range(1, 41):
+        for kernel in range(1, 12, 2):
+            for dilation in range(1, 6):
+                if kernel * dilation > n:
+                    continue
+                coords, valid = _axis_attenders(n, kernel, dilation)
+                got = torch.zeros(n, n, dtype=torch.bool)
+                for x in range(n):
+                    queries = coords[x][valid[x]].tolist()
+                    assert queries == sorted(set(queries)), (n, kernel, dilation, x)
+                    got[queries, x] = True
+                assert torch.equal(got, natten_axis(n, kernel, dilation)), (n, kernel, dilation)
+
+
+def test_complement_of_intervals_with_invalid_entries_anywhere():
+    """complement's gaps mask exactly the rows no valid interval attends, wherever the invalid
+    entries sit among the valid ones (it orders them without a sort)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k, q_len = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 30, (1,), generator=gen))
+        bounds = torch.sort(torch.randint(-5, q_len + 5, (8, 2 * k), generator=gen), -1).values
+        start, end = bounds[:, 0::2], bounds[:, 1::2]  # ascending, disjoint (some empty, some outside)
+        valid = torch.rand(8, k, generator=gen) < 0.6
+        runs = complement(start, end, valid, q_len)
+        rows = torch.arange(q_len)
+        for c in range(8):
+            attended = torch.zeros(q_len, dtype=torch.bool)
+            for s, e in zip(start[c][valid[c]].tolist(), end[c][valid[c]].tolist()):
+                attended |= (rows >= s) & (rows < e)
+            masked = torch.zeros(q_len, dtype=torch.bool)
+            for s, e in runs[c].tolist():
+                masked |= (rows >= s) & (rows < e)
+            assert torch.equal(masked, ~attended), (start[c], end[c], valid[c], runs[c])
 
 
 def test_global_tokens_and_dilated_windows():

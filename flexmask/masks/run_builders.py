@@ -19,10 +19,12 @@ def complement(att_start: torch.Tensor, att_end: torch.Tensor, valid: torch.Tens
     """Masked runs [..., K + 1, 2] of columns whose attending rows are the disjoint intervals
     [att_start, att_end) [..., K] where `valid`, in ascending order among the valid ones: the gaps
     before, between and after them (empty gaps are left for the caller's merge to drop)."""
-    s = torch.where(valid, att_start.clamp(0, q_len), q_len)
-    e = torch.where(valid, att_end.clamp(0, q_len), q_len)
-    order = torch.sort(s, dim=-1, stable=True).indices  # the invalid ones (at q_len) last
-    s, e = s.gather(-1, order), e.gather(-1, order)
+    s = att_start.clamp(0, q_len)
+    e = torch.where(valid, att_end.clamp(0, q_len), 0)
+    # an invalid entry becomes the empty interval at the end of the valid one before it (0 if none):
+    # the order holds without a sort (sorting every column's entries was most of natten's GPU time)
+    e = torch.cummax(e, -1).values
+    s = torch.where(valid, s, e)
     zero = torch.zeros_like(s[..., :1])
     starts = torch.cat([zero, e], -1)
     ends = torch.cat([s, zero + q_len], -1)
@@ -32,38 +34,26 @@ def complement(att_start: torch.Tensor, att_end: torch.Tensor, valid: torch.Tens
 # --- natten: 2-D (and 3-D) neighbourhood attention ------------------------------------------------
 
 
-def _axis_attenders(n: int, kernel: int, dilation: int, device) -> torch.Tensor:
-    """bool [n, n]: [x, y] True where the query at coordinate y of one axis has key coordinate x in
-    its window. NATTEN's window: the axis splits into `dilation` interleaved sub-grids (y mod
-    dilation); within one of m coordinates the window of sub-index b starts at
-    clamp(b - kernel // 2, 0, m - kernel) and holds `kernel` coordinates."""
-    y = torch.arange(n, device=device)
+def _axis_attenders(n: int, kernel: int, dilation: int):
+    """Per key coordinate x of one axis of n, the query coordinates whose window holds x, ascending:
+    (coords [n, A] int64 padded with 0, valid [n, A]), on the host in O(n A). NATTEN's window: the
+    axis splits into `dilation` interleaved sub-grids (y mod dilation); within one of m coordinates
+    the window of sub-index b starts at clamp(b - kernel // 2, 0, m - kernel) and holds `kernel`
+    coordinates. That start never decreases along a sub-grid, so the queries holding x are one
+    range of it: those whose start lies in [x's sub-index - kernel + 1, x's sub-index]."""
+    y = torch.arange(n)
     residue, sub = y % dilation, y // dilation
     m = (n - residue + dilation - 1) // dilation  # coordinates of y's sub-grid
-    start = torch.minimum((sub - kernel // 2).clamp(min=0), (m - kernel).clamp(min=0))  # [n] per query
-    x = y.view(-1, 1)
-    same = (x % dilation) == residue.view(1, -1)
-    xs = x // dilation
-    return same & (xs >= start.view(1, -1)) & (xs < (start + kernel).view(1, -1))
-
-
-def _coords(att: torch.Tensor):
-    """Per key coordinate (row of `att`), the attending query coordinates, sorted: (coords [n, A]
-    int64 padded with 0, valid [n, A])."""
-    a = max(1, int(att.sum(1).max()))
-    order = torch.sort((~att).to(torch.int8), dim=1, stable=True).indices[:, :a]  # attending first, in order
-    return order, torch.gather(att, 1, order)
-
-
-def _axis_runs(att: torch.Tensor):
-    """Per key coordinate, the attending query coordinates as runs (start, end) of consecutive
-    coordinates: (starts [n, R], ends [n, R], valid [n, R])."""
-    pad = torch.zeros_like(att[:, :1])
-    opens = att & ~torch.cat([pad, att[:, :-1]], 1)
-    closes = att & ~torch.cat([att[:, 1:], pad], 1)
-    s, valid = _coords(opens)
-    e, _ = _coords(closes)
-    return s, e + 1, valid
+    start = torch.minimum((sub - kernel // 2).clamp(min=0), (m - kernel).clamp(min=0))
+    # y in (sub-grid, sub-index) order, keyed so that one search finds a sub-grid's range of starts
+    order = torch.argsort(residue * n + sub)
+    keys = (residue * (n + 1) + start)[order]
+    lo = torch.searchsorted(keys, residue * (n + 1) + (sub - kernel + 1).clamp(min=0))
+    hi = torch.searchsorted(keys, residue * (n + 1) + sub, right=True)
+    a = int((hi - lo).max())
+    at = lo.view(-1, 1) + torch.arange(a).view(1, -1)
+    valid = at < hi.view(-1, 1)
+    return torch.where(valid, order[at.clamp(max=n - 1)], 0), valid
 
 
 def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
@@ -73,15 +63,16 @@ def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
     if g.kv_len != tokens:
         raise ValueError(f"natten over frames={frames} x height={height} x width={width} = {tokens} tokens needs "
                          f"kv_len={tokens}, got kv_len={g.kv_len}")
-    # each axis on the host (tables of a few thousand entries, ~100 small operations and four counts
-    # read back: on a GPU each would be a launch and the counts host syncs), then one copy each
-    cpu = torch.device("cpu")
-    t_att = _axis_attenders(frames, p["time_kernel"], p["time_dilation"], cpu)
-    i_att = _axis_attenders(height, p["kernel"][0], p["dilation"][0], cpu)
-    j_att = _axis_attenders(width, p["kernel"][1], p["dilation"][1], cpu)
-    t_c, t_ok = _coords(t_att)  # [T, At]
-    i_c, i_ok = _coords(i_att)  # [H, Ai]
-    j_s, j_e, j_ok = _axis_runs(j_att)  # [W, Rj]
+    # each axis on the host (a few thousand entries: on a GPU, dozens of launches), copied once
+    t_c, t_ok = _axis_attenders(frames, p["time_kernel"], p["time_dilation"])  # [T, At]
+    i_c, i_ok = _axis_attenders(height, p["kernel"][0], p["dilation"][0])  # [H, Ai]
+    j_c, j_ok = _axis_attenders(width, p["kernel"][1], p["dilation"][1])  # [W, Aj]
+    # a row's attending columns as runs of consecutive columns: one run without dilation, else
+    # each column its own (they are `dilation` apart)
+    if p["dilation"][1] == 1:
+        j_s, j_e, j_ok = j_c[:, :1], j_c.masked_fill(~j_ok, -1).amax(1, keepdim=True) + 1, j_ok[:, :1]
+    else:
+        j_s, j_e = j_c, j_c + 1
     t_c, t_ok, i_c, i_ok, j_s, j_e, j_ok = (x.to(g.device, non_blocking=True)
                                              for x in (t_c, t_ok, i_c, i_ok, j_s, j_e, j_ok))
     # key token (t', i', j') x attending (frame a, row b, column run r): [T, H, W, At, Ai, Rj]
