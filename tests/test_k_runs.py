@@ -126,24 +126,26 @@ def test_natten_axis_tables_are_natten():
 
 
 def test_complement_of_intervals_with_invalid_entries_anywhere():
-    """complement's gaps mask exactly the rows no valid interval attends, wherever the invalid
-    entries sit among the valid ones (it orders them without a sort)."""
+    """complement's gaps mask exactly the rows no kept interval attends, wherever the dropped
+    entries sit among the kept ones (it orders them without a sort), and with none dropped."""
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
         k, q_len = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 30, (1,), generator=gen))
         bounds = torch.sort(torch.randint(-5, q_len + 5, (8, 2 * k), generator=gen), -1).values
         start, end = bounds[:, 0::2], bounds[:, 1::2]  # ascending, disjoint (some empty, some outside)
         valid = torch.rand(8, k, generator=gen) < 0.6
-        runs = complement(start, end, valid, q_len)
         rows = torch.arange(q_len)
-        for c in range(8):
-            attended = torch.zeros(q_len, dtype=torch.bool)
-            for s, e in zip(start[c][valid[c]].tolist(), end[c][valid[c]].tolist()):
-                attended |= (rows >= s) & (rows < e)
-            masked = torch.zeros(q_len, dtype=torch.bool)
-            for s, e in runs[c].tolist():
-                masked |= (rows >= s) & (rows < e)
-            assert torch.equal(masked, ~attended), (start[c], end[c], valid[c], runs[c])
+        for keep in (valid, None):  # None: every entry counts (those outside clip to empty ones)
+            runs = complement(start, end, q_len, keep)
+            keep = torch.ones_like(valid) if keep is None else keep
+            for c in range(8):
+                attended = torch.zeros(q_len, dtype=torch.bool)
+                for s, e in zip(start[c][keep[c]].tolist(), end[c][keep[c]].tolist()):
+                    attended |= (rows >= s) & (rows < e)
+                masked = torch.zeros(q_len, dtype=torch.bool)
+                for s, e in runs[c].tolist():
+                    masked |= (rows >= s) & (rows < e)
+                assert torch.equal(masked, ~attended), (start[c], end[c], keep[c], runs[c])
 
 
 def test_global_tokens_and_dilated_windows():

@@ -15,16 +15,19 @@ import torch
 from .geometry import _Geometry
 
 
-def complement(att_start: torch.Tensor, att_end: torch.Tensor, valid: torch.Tensor, q_len: int) -> torch.Tensor:
+def complement(att_start: torch.Tensor, att_end: torch.Tensor, q_len: int,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
     """Masked runs [..., K + 1, 2] of columns whose attending rows are the disjoint intervals
-    [att_start, att_end) [..., K] where `valid`, in ascending order among the valid ones: the gaps
-    before, between and after them (empty gaps are left for the caller's merge to drop)."""
-    s = att_start.clamp(0, q_len)
-    e = torch.where(valid, att_end.clamp(0, q_len), 0)
-    # an invalid entry becomes the empty interval at the end of the valid one before it (0 if none):
-    # the order holds without a sort (sorting every column's entries was most of natten's GPU time)
-    e = torch.cummax(e, -1).values
-    s = torch.where(valid, s, e)
+    [att_start, att_end) [..., K], ascending, clipped to [0, q_len): the gaps before, between and
+    after them (empty gaps are left for the caller's merge to drop). `valid` drops entries that
+    may sit between valid ones."""
+    s, e = att_start.clamp(0, q_len), att_end.clamp(0, q_len)
+    if valid is not None:
+        # a dropped entry becomes the empty interval at the end of the valid one before it (0 if
+        # none): the order holds without a sort (sorting every column's entries was most of natten's
+        # GPU time)
+        e = torch.cummax(torch.where(valid, e, 0), -1).values
+        s = torch.where(valid, s, e)
     zero = torch.zeros_like(s[..., :1])
     starts = torch.cat([zero, e], -1)
     ends = torch.cat([s, zero + q_len], -1)
@@ -81,7 +84,7 @@ def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
     end = base + j_e[None, None, :, None, None, :]
     ok = t_ok[:, None, None, :, None, None] & i_ok[None, :, None, None, :, None] & j_ok[None, None, :, None, None, :]
     start, end, ok = (x.reshape(tokens, -1) for x in torch.broadcast_tensors(start, end, ok))
-    runs = complement(start - g.offset, end - g.offset, ok, g.q_len)
+    runs = complement(start - g.offset, end - g.offset, g.q_len, ok)
     return runs.view(1, 1, tokens, -1, 2)
 
 
@@ -97,8 +100,7 @@ def global_token_runs(p: dict, g: _Geometry) -> torch.Tensor:
     is_global = torch.zeros(g.kv_len, dtype=torch.bool, device=g.device)
     is_global[pos] = True
     rows = (pos - g.offset).view(1, -1).expand(g.kv_len, -1)  # [Sk, G] rows of the global queries
-    valid = (rows >= 0) & (rows < g.q_len)
-    runs = complement(rows, rows + 1, valid, g.q_len)  # [Sk, G + 1, 2]
+    runs = complement(rows, rows + 1, g.q_len)  # [Sk, G + 1, 2]; rows outside clip to empty ones
     runs = torch.where(is_global.view(-1, 1, 1), 0, runs)  # global columns: nothing masked
     return runs.view(1, 1, g.kv_len, -1, 2)
 
@@ -112,10 +114,8 @@ def dilated_window_runs(p: dict, g: _Geometry) -> torch.Tensor:
     d = torch.tensor(dilations, dtype=torch.int64, device=g.device).view(-1, 1, 1)  # [H, 1, 1]
     s = torch.arange(steps, device=g.device).view(1, 1, -1)
     pos = g.cols.view(1, -1, 1) + s * d  # [H, Sk, steps]
-    valid = s <= left // d
-    rows = pos - g.offset
-    valid = valid & (rows >= 0) & (rows < g.q_len)
-    runs = complement(rows, rows + 1, valid.expand_as(rows), g.q_len)
+    rows = torch.where(s <= left // d, pos - g.offset, g.q_len)  # a head's steps past its window: none
+    runs = complement(rows, rows + 1, g.q_len)  # rows outside clip to empty runs, in order
     return runs.view(1, len(dilations), g.kv_len, -1, 2)
 
 
