@@ -10,6 +10,7 @@ merges touching runs (`_normalize_runs`) and picks the interval form. Positions 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .geometry import _Geometry
@@ -37,26 +38,28 @@ def complement(att_start: torch.Tensor, att_end: torch.Tensor, q_len: int,
 # --- natten: 2-D (and 3-D) neighbourhood attention ------------------------------------------------
 
 
-def _axis_attenders(n: int, kernel: int, dilation: int):
+def _axis_attenders(n: int, kernel: int, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per key coordinate x of one axis of n, the query coordinates whose window holds x, ascending:
-    (coords [n, A] int64 padded with 0, valid [n, A]), on the host in O(n A). NATTEN's window: the
-    axis splits into `dilation` interleaved sub-grids (y mod dilation); within one of m coordinates
-    the window of sub-index b starts at clamp(b - kernel // 2, 0, m - kernel) and holds `kernel`
-    coordinates. That start never decreases along a sub-grid, so the queries holding x are one
-    range of it: those whose start lies in [x's sub-index - kernel + 1, x's sub-index]."""
-    y = torch.arange(n)
+    (coords [n, A] int64 padded with 0, valid [n, A]), on the host in O(n A), by numpy (torch's CPU
+    ops split even these small ones across every intra-op thread: on a busy host, stalls of tens
+    of ms). NATTEN's window: the axis splits into `dilation` interleaved sub-grids (y mod
+    dilation); within one of m coordinates the window of sub-index b starts at clamp(b - kernel //
+    2, 0, m - kernel) and holds `kernel` coordinates. That start never decreases along a sub-grid,
+    so the queries holding x are one range of it: those whose start lies in [x's sub-index -
+    kernel + 1, x's sub-index]."""
+    y = np.arange(n)
     residue, sub = y % dilation, y // dilation
     m = (n - residue + dilation - 1) // dilation  # coordinates of y's sub-grid
-    start = torch.minimum((sub - kernel // 2).clamp(min=0), (m - kernel).clamp(min=0))
+    start = np.minimum(np.maximum(sub - kernel // 2, 0), np.maximum(m - kernel, 0))
     # y in (sub-grid, sub-index) order, keyed so that one search finds a sub-grid's range of starts
-    order = torch.argsort(residue * n + sub)
+    order = np.argsort(residue * n + sub, kind="stable")
     keys = (residue * (n + 1) + start)[order]
-    lo = torch.searchsorted(keys, residue * (n + 1) + (sub - kernel + 1).clamp(min=0))
-    hi = torch.searchsorted(keys, residue * (n + 1) + sub, right=True)
-    a = int((hi - lo).max())
-    at = lo.view(-1, 1) + torch.arange(a).view(1, -1)
-    valid = at < hi.view(-1, 1)
-    return torch.where(valid, order[at.clamp(max=n - 1)], 0), valid
+    lo = np.searchsorted(keys, residue * (n + 1) + np.maximum(sub - kernel + 1, 0), side="left")
+    hi = np.searchsorted(keys, residue * (n + 1) + sub, side="right")
+    at = lo[:, None] + np.arange(int((hi - lo).max()))[None, :]
+    valid = at < hi[:, None]
+    coords = np.where(valid, order[np.minimum(at, n - 1)], 0)
+    return torch.from_numpy(coords.astype(np.int64)), torch.from_numpy(valid)
 
 
 def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
