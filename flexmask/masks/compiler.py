@@ -264,8 +264,9 @@ def retiled(tables, block_m: int, block_n: int, on_device: bool | None = None) -
     view). On a GPU (or with on_device=True) with two intervals per column, no host sync: every
     new tile that is visited contains an attended pair of a visited old tile, and an old tile
     meets at most cdiv(old, new) + 1 new ones along each axis, so that many times
-    num_tiles_visited bound the lists. k runs are counted first (one host sync, once). Inside a CUDA graph's capture a new tiling is built but not kept (its tables are
-    written at each replay, not for eager calls)."""
+    num_tiles_visited bound the lists. k runs are counted first (one host sync, once). Inside a
+    CUDA graph's capture a new tiling is built but not kept (its tables are written at each
+    replay, not for eager calls)."""
     if (block_m, block_n) == (tables.block_m, tables.block_n):
         return tables
     planar = tables.kernel_intervals
