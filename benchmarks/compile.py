@@ -31,7 +31,7 @@ import flexmask
 from . import families as fam
 from .flex_masks import native_mask_mod
 from .providers import build_block_mask, intervals_mask_mod
-from .report import write_marked_block
+from .report import error_status, write_marked_block
 
 TILE = 128
 
@@ -369,7 +369,7 @@ def _run(args, device: str, argv) -> None:
                                extra_bytes_per_col=round((r["peak"] - r["result"]) / (s * r["rows"]), 2),
                                tiles_visited=r["tiles"], tiles_bound=r["tiles_bound"])
                 except Exception as e:  # noqa: BLE001 -- one failed case (e.g. out of memory) must not lose the rest
-                    row.update(status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                    row.update(status=error_status(e, 120))
                     torch.cuda.empty_cache() if device == "cuda" else None
                 if row["status"] == "ok" and "fresh" in r:
                     rounds.append((row, r["fresh"]))

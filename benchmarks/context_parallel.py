@@ -38,6 +38,7 @@ import torch
 
 from benchmarks import context_parallel_ring as ring
 from benchmarks import context_parallel_report
+from benchmarks.report import error_message
 
 COLUMNS = (
     "date", "gpu", "gpus", "torch", "triton", "command", "provider", "variant", "layout",
@@ -304,7 +305,7 @@ def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: i
         try:
             reference = one_gpu(row, mask, seq_len, args, work, device)
         except Exception as err:  # an OOM here still lets the multi-GPU part run
-            status.append(f"1gpu {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+            status.append(f"1gpu {error_message(err, 120)}")
             log(traceback.format_exc())
         empty_cache(device)
     dist.barrier(group=cpu_group)
@@ -312,7 +313,7 @@ def run_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, rank: i
     try:
         multi_gpu(row, mask, seq_len, args, reference, agree, work, device, rank, world, keep, layout)
     except Exception as err:  # e.g. out of memory on every rank: record it, go on with the next config
-        status.append(f"{world}gpu {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+        status.append(f"{world}gpu {error_message(err, 120)}")
         log(traceback.format_exc())
     del reference
     empty_cache(device)
@@ -449,7 +450,7 @@ def run_ring_config(mask_name: str, seq_len: int, args, env: dict, cpu_group, wo
             ring_multi_gpu(row, seq_len, args, gqa, meshes["mesh"], kept, agree, total, work, device, rank, world)
             break
         except Exception as err:  # recorded in the row (with the variant tried); the next one runs
-            failures.append(f"{row['variant']}: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")
+            failures.append(f"{row['variant']}: {error_message(err)}")
             if rank == 0:
                 log(traceback.format_exc())
             for n in ("tw_fwd_ms", "tw_bwd_ms", "tw_fwd_bwd_ms"):

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from .report import CsvWriter, environment, read_csv, run_notes, write_marked_block
+from .report import CsvWriter, environment, error_status, read_csv, run_notes, write_marked_block
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "case", "head_dim", "provider", "compile_mask_ms",
            "first_fwd_ms", "first_bwd_ms", "warm_fwd_bwd_ms", "status")
@@ -131,7 +131,7 @@ def child(spec: dict) -> None:
         _child_steps(spec, report)
         report(status="ok")
     except Exception as err:  # the row keeps the steps done and says what failed
-        report(status=f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}")
+        report(status=error_status(err))
 
 
 def _child_steps(spec: dict, report: Callable[..., None]) -> None:

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .report import CsvWriter, environment, read_csv, run_key, run_notes, write_marked_block
+from .report import CsvWriter, environment, error_status, read_csv, run_key, run_notes, write_marked_block
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "family", "seq_len", "batch", "heads_q", "heads_kv",
            "head_dim", "provider", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "compile_ms", "mask_bytes",
@@ -266,10 +266,6 @@ def block_mask_bytes(block_mask) -> int:
     return sum(t.numel() * t.element_size() for t in vars(block_mask).values() if isinstance(t, torch.Tensor))
 
 
-def _error(err: BaseException) -> str:
-    return f"error: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
-
-
 def prepare(provider: str, case: Case, device) -> tuple[Callable, float, int]:
     """(attn(q, k, v) on (B, H, S, D), compile_ms, mask_bytes) of one provider on one case."""
     import flexmask
@@ -334,9 +330,9 @@ def measure_case(case: Case, providers: Sequence[str], env: dict, write, log, wa
                        bwd_tflops=f"{flops.tflops(work['bwd'], times['bwd'].median):.1f}", status=status)
         except ValueError as err:  # a flexmask mask that does not fit a column's runs
             too_many = runs is not None and runs > MAX_RUNS and provider.startswith("flexmask")
-            row["status"] = f"needs {runs} runs > {MAX_RUNS}" if too_many else _error(err)
+            row["status"] = f"needs {runs} runs > {MAX_RUNS}" if too_many else error_status(err)
         except Exception as err:  # a provider that fails here keeps its row, with the error
-            row["status"] = _error(err)
+            row["status"] = error_status(err)
         write(row)
         log(f"{case.family:20s} S={case.seq_len:6d} {provider:12s} fwd {row.get('fwd_tflops', '-'):>6} "
             f"bwd {row.get('bwd_tflops', '-'):>6} TFLOP/s compile {row.get('compile_ms', '-'):>9} ms  {row['status']}")

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .report import CsvWriter, environment, read_csv, run_key, run_notes, write_marked_block
+from .report import CsvWriter, environment, error_status, read_csv, run_key, run_notes, write_marked_block
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "family", "seq_len", "batch", "heads_q", "heads_kv",
            "head_dim", "provider", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "status")
@@ -349,7 +349,7 @@ def measure_case(case: PeerCase, heads, head_dim: int, providers: Sequence[str],
                        fwd_tflops=f"{flops.tflops(work['fwd'], times['fwd'].median):.1f}",
                        bwd_tflops=f"{flops.tflops(work['bwd'], times['bwd'].median):.1f}", status=status)
         except Exception as err:  # a provider that fails here keeps its row, with the error
-            row["status"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+            row["status"] = error_status(err)
         write(row)
         log(f"{case.family:22s} S={case.seq_len:6d} D={head_dim} H={hq}/{hkv} {provider:10s} "
             f"fwd {row.get('fwd_tflops', '-'):>6} bwd {row.get('bwd_tflops', '-'):>6} TFLOP/s  {row['status']}")

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .report import environment, write_marked_block
+from .report import environment, error_status, write_marked_block
 
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "case", "seq_len", "batch", "heads_q", "heads_kv",
            "head_dim", "provider", "ms")
@@ -153,7 +153,7 @@ def measure(calls: int, seq_lens: Sequence[int], env: dict, log=print,
         try:
             ms = f"{wall_ms(fn, calls):.4f}"
         except Exception as err:  # a provider that cannot run this shape: say so in the row
-            ms = f"error: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
+            ms = error_status(err, 120)
         rows.append({**env, "case": case, "seq_len": seq_len, "batch": batch, "heads_q": hq, "heads_kv": hkv,
                      "head_dim": d, "provider": provider, "ms": ms})
         log(f"{case:18s} S={seq_len:6d} B={batch:3d} H={hq}/{hkv} {provider:18s} {ms}")

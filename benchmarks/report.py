@@ -58,6 +58,23 @@ def environment(mode: str, argv: Sequence[str] | None = None) -> dict:
     }
 
 
+def error_message(err: BaseException, width: int = 160) -> str:
+    """"Type: message" of a failure: the message's first line that says something (Inductor's
+    template errors put a rule of "=" under their first line, the cause below it), cut to `width`
+    characters."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    lines = [line for line in lines if any(c.isalnum() for c in line)]
+    message = lines[0] if lines else ""
+    if message.endswith(":") and len(lines) > 1:  # "CuteDSL template failed:" then the cause
+        message += " " + lines[1]
+    return f"{type(err).__name__}: {message[:width]}"
+
+
+def error_status(err: BaseException, width: int = 160) -> str:
+    """A failed row's status: "error: Type: message" (`error_message`)."""
+    return f"error: {error_message(err, width)}"
+
+
 def _cell(value) -> str:
     if value is None:
         return ""

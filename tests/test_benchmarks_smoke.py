@@ -176,3 +176,14 @@ def test_targets_reports_misses(tmp_path):
     assert "causal 32K D=128: backward 0.83x SDPA cuDNN" in out
     assert "causal 32K D=128: deterministic backward 0.90x FlexAttention" in out
     assert out[-1] == "4 of 7 checks met"
+
+
+def test_error_status_keeps_the_cause_under_a_rule():
+    """A failed row says what failed: Inductor's template errors put a rule of "=" under their
+    first line and the cause below it; the status takes the cause, not the rule."""
+    from benchmarks.report import error_message, error_status
+
+    err = RuntimeError("CuteDSL template failed:\n" + "=" * 80 + "\nNotImplementedError: floordiv of index\nmore")
+    assert error_status(err) == "error: RuntimeError: CuteDSL template failed: NotImplementedError: floordiv of index"
+    assert error_message(ValueError("x" * 300), 10) == "ValueError: " + "x" * 10
+    assert error_status(KeyError()) == "error: KeyError: "
