@@ -169,3 +169,19 @@ def test_results_doc_holds_the_markers_and_the_readme_links_there():
     assert 0 <= doc.index(bench.START) < doc.index(bench.END)
     assert "## Masks beyond two intervals" in doc
     assert "docs/results.md#masks-beyond-two-intervals" in (root / "README.md").read_text(encoding="utf-8")
+
+
+def test_compile_time_tool_builders_are_its_mask_mods(capsys):
+    """tools.mask_mod_compile_time --builders times each mask_mod's builder twin: the same dense
+    mask, and one timing line for each."""
+    from tools import mask_mod_compile_time as tool
+
+    s = 1156  # a 34 x 34 image
+    mods = tool.mask_mods(s, "cpu")
+    for name, make in tool.builders(s).items():
+        fn, heads = mods[name]
+        got = dense_of_mod(fn, s, heads)
+        assert torch.equal(builder_dense(make(), s).expand_as(got), got), name
+    assert tool.main(["--seq-len", "256", "--masks", "causal,natten_k9", "--builders", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines if " builder: " in line] == ["causal", "natten_k9"]

@@ -6,7 +6,7 @@ against FlexAttention on a GPU; this is the quick look that needs none.
     PYTHONPATH=$PWD python -m tools.mask_mod_compile_time [--seq-len 4096] [--device cpu]
                                                           [--first-pass eager|compiled] [--profile]
                                                           [--inductor-options JSON] [--masks a,b]
-                                                          [--compile-mask] [--block-mask]
+                                                          [--compile-mask] [--block-mask] [--builders]
 
 On a GPU, `--first-pass eager` keeps the first pass of the scan eager at every size (the default
 compiles it for large masks: intervals.MASK_MOD_COMPILE_PAIRS); `--first-pass compiled` takes the
@@ -14,7 +14,9 @@ compiled pass at every size and on the CPU too (Inductor's C++ code there: the G
 where there is no GPU; its first call compiles). `--compile-mask` times `flexmask.compile_mask` of
 the mask (runs, tile tables and, for the global tokens, their detection and the reordered tables)
 instead of the runs alone; `--block-mask` times FlexAttention's compiled `create_block_mask` of the
-same functions beside (the mask_mod benchmark's comparison, without its attention). `--profile` adds one more compile of
+same functions beside (the mask_mod benchmark's comparison, without its attention); `--builders` the
+same masks written with flexmask's builders (`masks.natten`, `masks.dilated_sliding_window`,
+`masks.causal`, a window | `masks.global_tokens`). `--profile` adds one more compile of
 each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
 compile's time goes between the compiled pass, the eager operations and the host syncs.
 `--inductor-options` replaces the Inductor options of the compiled pass on CUDA
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -46,6 +49,17 @@ def mask_mods(seq_len: int, device) -> dict:
             "causal": (lambda b, h, q, kv: kv <= q, None),
             "global14_window1024": (mask_mod_bench.global_window_mask_mod(
                 mask_mod_bench.global_positions(seq_len), mask_mod_bench.WINDOW, seq_len, device), None)}
+
+
+def builders(seq_len: int) -> dict:
+    """name: a function making the mask of `mask_mods`' entry of that name with flexmask's builders"""
+    width = math.isqrt(seq_len)
+    positions = mask_mod_bench.global_positions(seq_len)
+    return {"natten_k9": lambda: masks.natten(seq_len // width, width, 9),
+            "dilated_per_head_8": lambda: masks.dilated_sliding_window(896, mask_mod_bench.head_dilations(8)),
+            "causal": masks.causal,
+            "global14_window1024": lambda: (masks.sliding_window(mask_mod_bench.WINDOW - 1)
+                                            | masks.global_tokens(positions))}
 
 
 def profiled(build, device) -> str:
@@ -73,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-mask", action="store_true", help="time compile_mask, not the runs alone")
     ap.add_argument("--block-mask", action="store_true",
                     help="also time FlexAttention's compiled create_block_mask of each function (GPU)")
+    ap.add_argument("--builders", action="store_true",
+                    help="also time the same masks written with flexmask's builders")
     ap.add_argument("--compiled-block-log2", type=int, default=None,
                     help="(pair, q, kv) evaluations of one compiled call, as a power of two "
                          "(intervals.MASK_MOD_COMPILED_BLOCK_ELEMENTS)")
@@ -100,23 +116,36 @@ def main(argv=None) -> int:
                 return flexmask.compile_mask(mask, args.seq_len, args.seq_len, device=device)
             return mask.intervals(args.seq_len, args.seq_len, device=device)
 
-        times = _timed(build, args.repeats, device)
         options = "" if args.inductor_options is None else f" {json.dumps(args.inductor_options)}"
         if args.compiled_block_log2 is not None:
             options += f" blocks of 2^{args.compiled_block_log2}"
         if args.compile_mask:
             options += " compile_mask"
-        print(f"{name:20s} S={args.seq_len} {args.device} {args.first_pass}{options}: first {times[0] * 1e3:9.1f} ms, "
-              f"best {min(times) * 1e3:9.1f} ms of {args.repeats}")
+        print(f"{name:20s} S={args.seq_len} {args.device} {args.first_pass}{options}: "
+              f"{_summary(_timed(build, args.repeats, device))}")
+        if args.builders:
+            make = builders(args.seq_len)[name]
+
+            def build_builder(make=make):
+                if args.compile_mask:
+                    return flexmask.compile_mask(make(), args.seq_len, args.seq_len, device=device)
+                return make().intervals(args.seq_len, args.seq_len, device=device)
+
+            print(f"{name:20s} S={args.seq_len} {args.device} builder{' compile_mask' if args.compile_mask else ''}: "
+                  f"{_summary(_timed(build_builder, args.repeats, device))}")
         if args.block_mask:
             from benchmarks.providers import build_block_mask
 
             times = _timed(lambda: build_block_mask(fn, None, heads, args.seq_len, device), args.repeats, device)
-            print(f"{name:20s} S={args.seq_len} {args.device} create_block_mask: first {times[0] * 1e3:9.1f} ms, "
-                  f"best {min(times) * 1e3:9.1f} ms of {args.repeats}")
+            print(f"{name:20s} S={args.seq_len} {args.device} create_block_mask: {_summary(times)}")
         if args.profile:
             print(profiled(build, device))
     return 0
+
+
+def _summary(times: list[float]) -> str:
+    return (f"first {times[0] * 1e3:9.1f} ms, median {statistics.median(times) * 1e3:9.1f}, "
+            f"best {min(times) * 1e3:9.1f} ms of {len(times)}")
 
 
 def _timed(build, repeats: int, device) -> list[float]:
