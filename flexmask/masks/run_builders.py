@@ -97,9 +97,10 @@ def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
 def global_token_runs(p: dict, g: _Geometry) -> torch.Tensor:
     """Masked runs [1, 1, kv_len, K, 2] of `global_tokens`: a global key is attended by every row;
     any other key only by the rows of the global tokens."""
-    pos = torch.tensor(sorted(set(p["positions"])), dtype=torch.int64, device=g.device)
-    if pos.numel() and int(pos[-1]) >= g.kv_len:
-        raise ValueError(f"global_tokens positions must be < kv_len={g.kv_len}, got {int(pos[-1])}")
+    positions = sorted(set(p["positions"]))  # ints (global_tokens checked them): checked here, no host sync
+    if positions and positions[-1] >= g.kv_len:
+        raise ValueError(f"global_tokens positions must be < kv_len={g.kv_len}, got {positions[-1]}")
+    pos = torch.tensor(positions, dtype=torch.int64, device=g.device)
     is_global = torch.zeros(g.kv_len, dtype=torch.bool, device=g.device)
     is_global[pos] = True
     rows = (pos - g.offset).view(1, -1).expand(g.kv_len, -1)  # [Sk, G] rows of the global queries
