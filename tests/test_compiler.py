@@ -692,12 +692,11 @@ def test_family_kernel_matches_the_torch_builders(sq, sk):
 
 # (sq, sk, start_row, heads, seed): no eviction (start_row 0, >= Sk), one slot, Sq != Sk both
 # ways, odd lengths, more sorted keys than one program's block (runs of a slot across programs),
-# more than MERGE_WAYS runs (a merge pass before the final one), seeds past 2**31 and 2**32, and
-# the docstring picture (start_row=3, seed=4)
+# seeds past 2**31 and 2**32, and the docstring picture (start_row=3, seed=4); merge passes before
+# the final one: test_eviction_merge_passes
 EVICTION_CASES = [(1, 1, 0, 1, 0), (6, 6, 3, 1, 4), (197, 197, 0, 2, 1), (197, 197, 1, 3, 2), (197, 197, 98, 2, 0),
                   (197, 197, 197, 1, 5), (197, 197, 500, 2, 5), (63, 197, 65, 2, 2**32 + 5), (197, 63, 31, 1, 2**31 + 77),
-                  (1, 2501, 1, 1, 3), (2049, 2049, 1000, 2, 12345678901), (3001, 3001, 7, 1, 9),
-                  (9001, 9001, 3, 2, 21)]
+                  (1, 2501, 1, 1, 3), (2049, 2049, 1000, 2, 12345678901), (3001, 3001, 7, 1, 9)]
 
 
 @pytest.mark.parametrize("sq, sk, start_row, heads, seed", EVICTION_CASES,
@@ -714,6 +713,27 @@ def test_eviction_kernels_match_the_torch_builder(sq, sk, start_row, heads, seed
     got = build_intervals(mask, sq, sk, cpu, on_device=True)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(got, want)
+
+
+def test_eviction_merge_passes(monkeypatch):
+    """More sorted runs than one merge takes (MERGE_WAYS): merge passes before the final one, with
+    the kernels' block and ways made small (at their own sizes this needs over 8K keys, ~2 minutes
+    under the interpreter): several passes, then the final merge."""
+    from flexmask.masks import eviction_kernels
+    from flexmask.masks.intervals import build_intervals
+
+    monkeypatch.setattr(eviction_kernels, "BLOCK", 16)
+    monkeypatch.setattr(eviction_kernels, "MERGE_WAYS", 2)
+    launches, merge = [], eviction_kernels._MERGE
+    monkeypatch.setattr(eviction_kernels, "_MERGE", lambda grid, *args, **kw: (launches.append(args[-2]),
+                                                                               merge(grid, *args, **kw)))
+    cpu = torch.device("cpu")
+    # 297 and 210 evicting keys: runs of 16 merged to 32, 64, 128 (and 256), then the final merge
+    for sq, sk, start_row, heads, seed, passes in ((300, 300, 3, 2, 21, 4), (100, 300, 90, 1, 2**31 + 3, 3)):
+        launches.clear()
+        mask = masks.random_eviction(start_row, seed=seed, num_heads=heads)
+        assert torch.equal(build_intervals(mask, sq, sk, cpu, on_device=True), build_intervals(mask, sq, sk, cpu))
+        assert launches == [False] * passes + [True], launches
 
 
 @triton.jit
