@@ -109,12 +109,14 @@ def main(argv=None) -> int:
         if unknown:
             raise ValueError(f"--masks must name some of {sorted(chosen)}, got {unknown}")
         chosen = {n: chosen[n] for n in names}
+    def compiled(mask):  # what one timed call builds from a fresh mask
+        if args.compile_mask:
+            return flexmask.compile_mask(mask, args.seq_len, args.seq_len, device=device)
+        return mask.intervals(args.seq_len, args.seq_len, device=device)
+
     for name, (fn, heads) in chosen.items():
         def build(fn=fn, heads=heads):
-            mask = masks.from_mask_mod(fn, heads=heads, max_runs=16)
-            if args.compile_mask:
-                return flexmask.compile_mask(mask, args.seq_len, args.seq_len, device=device)
-            return mask.intervals(args.seq_len, args.seq_len, device=device)
+            return compiled(masks.from_mask_mod(fn, heads=heads, max_runs=16))
 
         options = "" if args.inductor_options is None else f" {json.dumps(args.inductor_options)}"
         if args.compiled_block_log2 is not None:
@@ -125,14 +127,9 @@ def main(argv=None) -> int:
               f"{_summary(_timed(build, args.repeats, device))}")
         if args.builders:
             make = builders(args.seq_len)[name]
-
-            def build_builder(make=make):
-                if args.compile_mask:
-                    return flexmask.compile_mask(make(), args.seq_len, args.seq_len, device=device)
-                return make().intervals(args.seq_len, args.seq_len, device=device)
-
+            times = _timed(lambda: compiled(make()), args.repeats, device)
             print(f"{name:20s} S={args.seq_len} {args.device} builder{' compile_mask' if args.compile_mask else ''}: "
-                  f"{_summary(_timed(build_builder, args.repeats, device))}")
+                  f"{_summary(times)}")
         if args.block_mask:
             from benchmarks.providers import build_block_mask
 
