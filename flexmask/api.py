@@ -390,7 +390,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         step_key = decode_steps.signature(q, k, v, mask, scale, _step_mask_key)
         step = decode_steps.find(step_key, q, k, v)
         if step is not None:
-            out, lse = step(q, k, v)
+            out, lse = step(q, k, v, return_lse)
             return (out, lse) if return_lse else out
     _check_qkv(q, k, v)
     batch, hq, sq, d = q.shape
@@ -463,7 +463,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
                                terms=terms)
             if terms is None and step_key is not None and all(a is b for a, b in zip((q, k, v), inputs)):
                 decode_steps.remember(step_key, step, q, k, v)  # planned once: kept for its signature's next calls
-            out, lse = step(q, k, v)
+            out, lse = step(q, k, v, return_lse)
         return (out, lse) if return_lse else out
     if compiling:  # the op only for the compiler
         out, lse = attention_fwd(q, k, v, *tables, float(scale), int(deterministic), softcap, alibi_slopes, sinks)

@@ -59,6 +59,31 @@ def test_second_call_takes_the_step_and_equals_the_full_path(builds):
     assert torch.equal(out, attention_decode(q2, k, v, flexmask.compile_mask(masks.full(), 1, 300), 32 ** -0.5)[0])
 
 
+def test_kept_step_reuses_its_scratch_and_returns_fresh_outputs(builds):
+    """A kept step takes its partials, its merge counters and an LSE nobody asked for from scratch
+    it keeps (one stream here): each call's output, and its LSE when asked for, is a tensor of its
+    own that later calls leave alone, and the fused merge's counters are back at 0 after each."""
+    q, k, v = make_qkv(1, 4, 2, 1, 300, 32, BF16, seed=11)
+    cm = flexmask.compile_mask(masks.full(), 1, 300)
+    results = []
+    for i in range(4):
+        qi = torch.randn_like(q)
+        got = flexmask.attention(qi, k, v, return_lse=bool(i % 2))
+        results.append((qi, got if i % 2 else (got, None)))
+    assert len(builds) == 1
+    (kept,) = decode_steps._STEPS.values()
+    (scratch,) = kept.scratch.values()
+    lse_scratch, o_part, lse_part, counters = scratch
+    assert kept.num_splits > 1 and kept.counters > 0  # the interpreter's plan: shares and the fused merge
+    assert o_part.shape[0] == kept.num_splits and not counters.any()
+    for qi, (out, lse) in results:
+        want_out, want_lse = attention_decode(qi, k, v, cm, 32 ** -0.5)
+        assert torch.equal(out, want_out)
+        if lse is not None:
+            assert torch.equal(lse, want_lse) and lse.data_ptr() != lse_scratch.data_ptr()
+    assert len({out.data_ptr() for _, (out, _) in results}) == len(results)
+
+
 def test_signatures_do_not_share(builds):
     """Another cache length, dtype, layout, mask or scale plans its own step, and each result is
     the full path's."""
@@ -154,6 +179,29 @@ def test_score_terms_plan_every_call(builds):
     for _ in range(2):
         flexmask.attention(q, k, v, sinks=sinks)
     assert len(builds) == 2 and not decode_steps._STEPS
+
+
+@pytest.mark.gpu
+def test_gpu_kept_step_has_scratch_per_stream(builds):
+    """Calls of one step on two streams at once (no wait between them) each use their own
+    scratch: both results are attention_decode's."""
+    q, k, v = (t.cuda() for t in make_qkv(1, 32, 8, 1, 8192, 128, BF16, seed=12))
+    cm = flexmask.compile_mask(masks.full(), 1, 8192, device="cuda")
+    flexmask.attention(q, k, v)
+    queries = [torch.randn_like(q) for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    for _ in range(3):
+        for qi, stream in zip(queries, streams):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                outs.append(flexmask.attention(qi, k, v))
+    torch.cuda.synchronize()
+    (kept,) = decode_steps._STEPS.values()
+    assert len(kept.scratch) == 3 and len(builds) == 1  # the default stream's and the two others'
+    wants = [attention_decode(qi, k, v, cm, 128 ** -0.5)[0] for qi in queries]
+    for i, out in enumerate(outs):
+        assert torch.equal(out, wants[i % 2]), i
 
 
 @pytest.mark.gpu

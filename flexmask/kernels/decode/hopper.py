@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..common.launcher import BoundLaunch, FastLaunch
 from ..common.masking import mask_runs
-from ..forward.hopper import _descriptor, _tma_view, shared_layout
+from ..forward.hopper import _descriptor, _new_descriptor, _tma_view, shared_layout
 
 ROWS = gl.constexpr(64)  # one warpgroup's wgmma rows: the GQA group's heads x the query rows, padded
 TILE = 128  # kv columns of the mask's tile (cm.block_n); a step reads the whole tile or one half of it (BLOCK_N)
@@ -373,6 +373,14 @@ def attention_decode_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int,
 def descriptor(t, block_n: int):
     """The TMA descriptor of K or V that the launch takes, in boxes of block_n keys."""
     return _descriptor(t, block_n)[0]
+
+
+def descriptor_maker(t, block_n: int):
+    """descriptor(., block_n) for tensors of t's shape, strides, dtype and 16-byte alignment (a
+    decode step's K or V: its signature fixes them), with the layout's parts looked up once."""
+    made = _descriptor(t, block_n)[0]
+    shape, strides, block, layout = made.shape, made.strides, made.block_shape, made.layout
+    return lambda u: _new_descriptor(u, shape, strides, block, layout)
 
 
 def bound_decode_hopper(q, k, v, o, cm, scale: float, mask_map: tuple[int, int, int], num_splits: int, block_q: int,

@@ -6,7 +6,7 @@ on an H200's host) made an eager step 2.5-3.5x SDPA's. A generation loop calls
 `flexmask.attention` with inputs of one signature step after step (the query's and the cache's
 shapes, strides, dtypes, devices and 16-byte alignment, the mask, the scale), so the first call of
 a signature plans its step (`split_kv.decode_step`) and the later ones find it here and only
-allocate the outputs and launch.
+allocate the output and launch (a kept step holds its partials per stream: DecodeStep).
 
 A step is kept only for a call that the full path checked and sent to the split-KV kernels:
 plain tensors, no gradient needed, no score term, outside torch.compile and CUDA-graph capture
@@ -71,6 +71,7 @@ def remember(key, step, q, k, v) -> None:
         return
     if len(_STEPS) >= STEPS_KEPT:
         _STEPS.clear()
+    step.keep_scratch()  # its calls on one stream run one after another: scratch held per stream
     _STEPS[key] = step
 
 
