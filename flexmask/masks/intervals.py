@@ -845,8 +845,10 @@ def _packed_words(masked: torch.Tensor) -> torch.Tensor:
     n, rows, cols = masked.shape
     chunk = MASK_MOD_CHUNK_ROWS
     if torch.compiler.is_compiling() or chunk % 8:
-        bit = (2 ** torch.arange(chunk, device=masked.device)).to(torch.int32).view(1, 1, chunk, 1)  # 2^31 wraps
-        return torch.where(masked.view(n, rows // chunk, chunk, cols), bit, 0).sum(2, dtype=torch.int32)
+        # bit r by a shift of row r's 0 or 1 (1 << 31 wraps to the sign): computed in the kernel, where
+        # a table of powers of two would be an operation of its own a call and a load a pair
+        row = torch.arange(chunk, dtype=torch.int32, device=masked.device).view(1, 1, chunk, 1)
+        return (masked.view(n, rows // chunk, chunk, cols).to(torch.int32) << row).sum(2, dtype=torch.int32)
     in_byte = (2 ** torch.arange(8, device=masked.device)).to(torch.uint8).view(1, 1, 1, 8, 1)
     by = (masked.view(n, rows // chunk, chunk // 8, 8, cols).to(torch.uint8) * in_byte).sum(3, dtype=torch.uint8)
     in_word = (256 ** torch.arange(chunk // 8, device=masked.device)).view(1, 1, -1, 1)
