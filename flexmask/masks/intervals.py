@@ -722,6 +722,9 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         # are 0-d, which a graph would read as data-dependent integers: those stay eager)
         compiled = (_compiled_words(fn, dev) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
                     else None)
+        # a code whose compiled pass already ran through a mask needs no eager first block (the check
+        # of what it returns): its first block too goes compiled, and eagerly only if that fails
+        checked = compiled is not None and _compiled_key(fn) in _CHECKED
         # every block's indices are slices of these, and the row above the first block is attended (0):
         # made once, not a few small operations a block (each block costs host time as well as its kernels)
         kv_all = torch.arange(-(-kv_len // cols) * cols, device=dev).clamp(max=max(0, kv_len - 1))
@@ -741,11 +744,14 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
                                           placed[where, k0:k1], c0 * chunk, chunk, q_len)
                 changes, count, compiled = _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top[..., :width],
                                                                  q_len, n, (rows, rows_compiled), compiled, together,
-                                                                 eager_first=k0 == 0, take=take)
+                                                                 eager_first=k0 == 0 and not checked,
+                                                                 check_on_failure=k0 == 0 and checked, take=take)
                 if not on_device:
                     first, most = _first_changed_chunks(changes, count, 2 * max_runs)
                     slots[where, k0:k1], changed[where, k0:k1] = first[:, :k1 - k0], count[:, :k1 - k0]
                     busiest[where, k0:k1] = most[:, :k1 - k0]
+        if compiled is not None and not checked:
+            _check_passed(fn)
         if on_device:
             count = change_runs.close(slots, placed, q_len, max_runs)
         else:
@@ -763,15 +769,19 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
 
 
 def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top, q_len: int, n: int, rows: tuple, compiled,
-                          together: bool, eager_first: bool, take=None):
+                          together: bool, eager_first: bool, check_on_failure: bool = False, take=None):
     """The first pass over a block of columns, every block of rows (`rows`: the eager and the
     compiled block's; their q_idx slices of `q_all`, an arange past q_len by a block): the change
     words, [n, cols, chunks] int32 (`_chunk_changes`), how many chunks of each column hold a
     change, [n, cols] int32, and the compiled pass, None once the compiler failed (the rest runs
-    eagerly). Columns, not chunks, lead the words: `_first_changed_chunks` reads each column's
-    chunks in order. With `take`, each block of rows' masked words go to take(words [n, chunks,
-    cols], first chunk, end chunk, the block above's last words [n, 1, cols], `top` (zeros) above
-    the first block) as they come, and neither change words nor counts are made (None, None)."""
+    eagerly). The first block runs eagerly with `eager_first`, which checks what the function
+    returns; with `check_on_failure` (a code checked on an earlier mask) a failed compiled block is
+    run eagerly first, so that the function's own error, if it has one, is the one raised, before
+    the compiler is given up. Columns, not chunks, lead the words: `_first_changed_chunks` reads
+    each column's chunks in order. With `take`, each block of rows' masked words go to take(words
+    [n, chunks, cols], first chunk, end chunk, the block above's last words [n, 1, cols], `top`
+    (zeros) above the first block) as they come, and neither change words nor counts are made
+    (None, None)."""
     chunk = MASK_MOD_CHUNK_ROWS
     n_chunks, cols = -(-q_len // chunk), kv_idx.numel()
     changes = count = None
@@ -792,6 +802,9 @@ def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top, q_len: int, n: i
             try:
                 words = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
             except Exception as err:  # noqa: BLE001 (the compiler failed; the function runs eagerly)
+                if check_on_failure:  # the function's own error first: this block eagerly, the compile kept
+                    eager_first, check_on_failure = True, False
+                    continue
                 compiled = _compile_failed(fn, err)
                 continue  # this block again, eagerly
             q0 += rows[1]
@@ -967,6 +980,13 @@ MASK_MOD_COMPILE_PAIRS = 1 << 26
 MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << 29
 _COMPILED: dict = {}  # a mask_mod's code -> its compiled first pass, the newest few; None: the compiler failed
 _COMPILED_KEPT = 16
+_CHECKED: set = set()  # codes whose compiled pass went through a whole mask after its eager first block
+
+
+def _check_passed(fn) -> None:
+    if len(_CHECKED) >= 4 * _COMPILED_KEPT:
+        _CHECKED.clear()
+    _CHECKED.add(_compiled_key(fn))
 
 
 # the second pass by change_runs' kernels (a GPU), or by torch operations; tests set True to run the
