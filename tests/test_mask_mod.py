@@ -396,6 +396,9 @@ def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns, se
         for fn in (given, branchy):
             got = masks.from_mask_mod(fn, heads=heads, max_runs=16).to_dense(sq, sk)
             assert torch.equal(got, dense[0] if heads is None else dense[None]), (sq, sk, heads, fn.__name__)
+            # rows within [0, Sq]: a run open at the last row (column 2's) ends at Sq
+            rows = masks.from_mask_mod(fn, heads=heads, max_runs=16).intervals(sq, sk)
+            assert 0 <= int(rows.min()) and int(rows.max()) <= sq and int(rows[..., 2, 1].max()) == sq
             with pytest.raises(ValueError) as err:
                 masks.from_mask_mod(fn, heads=heads, max_runs=runs - 1).to_dense(sq, sk)
             found = re.search(r"key column (\d+)(?: \(head (\d+)\))? has (\d+) masked runs of query rows, "

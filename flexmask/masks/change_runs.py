@@ -32,6 +32,7 @@ COLUMNS = 32  # columns a program takes
 CHUNKS = 64  # chunks of a column a program reads at once
 SEGMENT = 256  # chunks of a column one program of a launch takes (a multiple of CHUNKS)
 SEGMENTS_SUMMED = 16  # totals of the segments above a program it sums at once
+CLOSE_BLOCK = 1024  # columns a program of `close` takes
 
 
 @triton.jit
@@ -142,8 +143,28 @@ def _place_kernel(
         tl.store(COUNTS + n * stride_cn + col * stride_ck, k.to(tl.int32), mask=live)
 
 
+@triton.jit
+def _close_kernel(
+    SLOTS, COUNTS, RUNS, total, cols, q_len, max_runs, stride_sn, stride_sk, stride_ss, stride_cn, stride_ck,
+    SPARE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """A program: BLOCK columns of all the pairs (flat, pair-major). A column with an odd count of
+    changes within its slots has a run still open at the last row: it ends at q_len. RUNS gets the
+    column's runs, max_runs + 1 where it has more."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < total
+    n, col = i // cols, i % cols
+    k = tl.load(COUNTS + n * stride_cn + col * stride_ck, mask=live, other=0)
+    open_end = live & (k % 2 == 1) & (k < SPARE)
+    p_slot = SLOTS + n.to(tl.int64) * stride_sn + col.to(tl.int64) * stride_sk + k.to(tl.int64) * stride_ss
+    tl.store(p_slot, tl.full([BLOCK], q_len, tl.int64), mask=open_end)
+    runs = (k + 1) // 2
+    tl.store(RUNS + i, tl.where(runs > max_runs, max_runs + 1, runs), mask=live)
+
+
 _TOTALS = FastLaunch(_change_totals_kernel)
 _PLACE = FastLaunch(_place_kernel)
+_CLOSE = FastLaunch(_close_kernel)
 
 
 def place(words: torch.Tensor, above: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, first_row: int,
@@ -180,11 +201,13 @@ def place(words: torch.Tensor, above: torch.Tensor, slots: torch.Tensor, counts:
 
 def close(slots: torch.Tensor, counts: torch.Tensor, q_len: int, max_runs: int) -> torch.Tensor:
     """End each run still open at the last row at q_len (an odd count of changes), and return the
-    runs of each column, [n, cols] (max_runs + 1 for a column with more runs than max_runs)."""
-    spare = slots.shape[2]
-    k = counts.long()
-    open_end = (k % 2 == 1) & (k < spare)
-    slots.scatter_(2, torch.where(open_end, k, 0).unsqueeze(2),
-                   torch.where(open_end, q_len, slots[..., :1].squeeze(2)).unsqueeze(2))
-    runs = (k + 1) // 2
-    return torch.where(runs > max_runs, max_runs + 1, runs).to(torch.int32)
+    runs of each column, [n, cols] int32 (max_runs + 1 for a column with more runs than max_runs).
+    One launch (`_close_kernel`), where torch operations took a dozen."""
+    n, cols, spare = slots.shape
+    runs = torch.empty((n, cols), dtype=torch.int32, device=slots.device)
+    if n * cols:
+        _CLOSE((cdiv(n * cols, CLOSE_BLOCK),),
+            slots, counts, runs, n * cols, cols, q_len, max_runs, *slots.stride(), *counts.stride(),
+            SPARE=spare, BLOCK=CLOSE_BLOCK, num_warps=4,
+        )
+    return runs
