@@ -396,6 +396,9 @@ def test_two_passes_place_every_change(monkeypatch, chunk, elements, columns, se
         for fn in (given, branchy):
             got = masks.from_mask_mod(fn, heads=heads, max_runs=16).to_dense(sq, sk)
             assert torch.equal(got, dense[0] if heads is None else dense[None]), (sq, sk, heads, fn.__name__)
+            # rows within [0, Sq]: a run open at the last row (column 2's) ends at Sq
+            rows = masks.from_mask_mod(fn, heads=heads, max_runs=16).intervals(sq, sk)
+            assert 0 <= int(rows.min()) and int(rows.max()) <= sq and int(rows[..., 2, 1].max()) == sq
             with pytest.raises(ValueError) as err:
                 masks.from_mask_mod(fn, heads=heads, max_runs=runs - 1).to_dense(sq, sk)
             found = re.search(r"key column (\d+)(?: \(head (\d+)\))? has (\d+) masked runs of query rows, "
@@ -452,6 +455,7 @@ def forced_compiled_pass(monkeypatch):
     monkeypatch.setattr(intervals_module, "_compile_scan", lambda g, pairs: True)
     monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 192)
     monkeypatch.setattr(intervals_module, "_COMPILED", {})
+    monkeypatch.setattr(intervals_module, "_CHECKED", set())
 
 
 @pytest.mark.parametrize("second_pass", ["torch", "kernel"])
@@ -510,6 +514,31 @@ def test_compiled_first_pass_is_shared_by_closures_of_one_code(forced_compiled_p
         assert torch.equal(got, dense_of_mod(fn, 29, 53)[0, 0]), (seed, window)
     assert list(intervals_module._COMPILED) == [fn.__code__]
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_checked_code_skips_the_eager_block_and_still_raises_its_own_errors(monkeypatch, forced_compiled_pass):
+    """Once a code's compiled pass went through a mask, its next closures take no eager first
+    block (the check of what the function returns); a closure of that code that returns the wrong
+    thing still gets its own TypeError, not the compiler's failure, and the compile stays in use."""
+    def make(doc, window, result=lambda m: m):
+        def same_doc_window(b, h, q, kv):
+            return result((doc[q] == doc[kv]) & (kv <= q) & (q - kv < window))
+        return same_doc_window
+
+    doc = torch.sort(torch.randint(0, 4, (53,), generator=torch.Generator().manual_seed(3))).values
+    first = make(doc, 6)
+    assert torch.equal(masks.from_mask_mod(first).to_dense(29, 53), dense_of_mod(first, 29, 53)[0, 0])
+    assert first.__code__ in intervals_module._CHECKED
+    eager, real = [], intervals_module._masked_words
+    monkeypatch.setattr(intervals_module, "_masked_words", lambda *args: eager.append(1) or real(*args))
+    second = make(doc.flip(0).contiguous(), 9)
+    assert torch.equal(masks.from_mask_mod(second).to_dense(29, 53), dense_of_mod(second, 29, 53)[0, 0])
+    assert not eager  # every block compiled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the compiler is not given up
+        with pytest.raises(TypeError, match="mask_mod must return a bool tensor"):
+            masks.from_mask_mod(make(doc, 6, lambda m: m.int())).to_dense(29, 53)
+    assert eager and intervals_module._COMPILED[first.__code__] is not None
 
 
 def test_compiled_first_pass_takes_unhashable_callables(forced_compiled_pass):

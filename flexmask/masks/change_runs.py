@@ -14,8 +14,9 @@ over the GPU in programs of a few columns by a segment of chunks: the first laun
 segment's changes, the second reads each segment's chunks in order, a tile at a time, and writes
 change k of a column to its slot k, k numbered after the column's changes in the blocks and
 segments above. The count of changes so far carries from one block of rows to the next in
-`counts`. Slots past 2 max_runs are counted, not written: such a column has too many runs.
-`close` then ends a run still open at the last row at q_len.
+`counts` (the first launch copies it beside the segments' totals, the second writes it back).
+Slots past 2 max_runs are counted, not written: such a column has too many runs. `close` then
+ends a run still open at the last row at q_len.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ COLUMNS = 32  # columns a program takes
 CHUNKS = 64  # chunks of a column a program reads at once
 SEGMENT = 256  # chunks of a column one program of a launch takes (a multiple of CHUNKS)
 SEGMENTS_SUMMED = 16  # totals of the segments above a program it sums at once
+CLOSE_BLOCK = 1024  # columns a program of `close` takes
 
 
 @triton.jit
@@ -65,23 +67,36 @@ def _change_words(p_words, ci, chunks, live, above, first_row, q_len, stride_wc,
 
 
 @triton.jit
+def _row_above(ABOVE, n, col, live, stride_an, stride_ak, CHUNK: tl.constexpr):
+    """The row above a block, 0 or 1 a column (int64): the last row of the block above's last word
+    (ABOVE [n, cols] int32; zeros above the first block, whose row above reads as attended)."""
+    word = tl.load(ABOVE + n * stride_an + col * stride_ak, mask=live, other=0).to(tl.int64) & 0xFFFFFFFF
+    return (word >> (CHUNK - 1)) & 1
+
+
+@triton.jit
 def _change_totals_kernel(
-    WORDS, ABOVE, TOTALS, cols, chunks, first_row, q_len,
-    stride_wn, stride_wc, stride_wk, stride_an, stride_ak, stride_tn, stride_ts, stride_tk,
+    WORDS, ABOVE, COUNTS, TOTALS, cols, chunks, first_row, q_len,
+    stride_wn, stride_wc, stride_wk, stride_an, stride_ak, stride_cn, stride_ck, stride_tn, stride_ts, stride_tk,
     CHUNK: tl.constexpr, SEGMENT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """A program: the changes each of BLOCK_K columns holds in one segment of SEGMENT chunks."""
+    """A program: the changes each of BLOCK_K columns holds in one segment of SEGMENT chunks, at
+    TOTALS[n, seg + 1]; the program of the first segment also copies each column's changes so far
+    (COUNTS) to TOTALS[n, 0], so that the place launch reads them there and may write COUNTS."""
     seg, n = tl.program_id(1), tl.program_id(2)
     col = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     live = col < cols
-    above = tl.load(ABOVE + n * stride_an + col * stride_ak, mask=live, other=0).to(tl.int64)
+    if seg == 0:
+        so_far = tl.load(COUNTS + n * stride_cn + col * stride_ck, mask=live, other=0)
+        tl.store(TOTALS + n * stride_tn + col * stride_tk, so_far, mask=live)
+    above = _row_above(ABOVE, n, col, live, stride_an, stride_ak, CHUNK)
     p_words = WORDS + n.to(tl.int64) * stride_wn + col.to(tl.int64)[None, :] * stride_wk
     total = tl.zeros([BLOCK_K], dtype=tl.int64)
     for c0 in range(seg * SEGMENT, tl.minimum(chunks, seg * SEGMENT + SEGMENT), BLOCK_C):
         ci = c0 + tl.arange(0, BLOCK_C)
         w = _change_words(p_words, ci, chunks, live, above, first_row, q_len, stride_wc, CHUNK)
         total += tl.sum(_popcount(w), axis=0)
-    tl.store(TOTALS + n * stride_tn + seg * stride_ts + col * stride_tk, total.to(tl.int32), mask=live)
+    tl.store(TOTALS + n * stride_tn + (seg + 1) * stride_ts + col * stride_tk, total.to(tl.int32), mask=live)
 
 
 @triton.jit
@@ -94,19 +109,20 @@ def _place_kernel(
 ):
     """A program: one segment of SEGMENT chunks of BLOCK_K columns, BLOCK_C chunks at a time. A
     column's first change in the segment is its count before the block plus the changes of the
-    segments above (`TOTALS`); a chunk's, that plus the changes of the chunks above it in the
-    segment (an exclusive sum of their bit counts). Then every word of a tile gives up its lowest
-    set bit a round, as many rounds as the tile's busiest word has bits (mostly none or one)."""
+    segments above (both in `TOTALS`, entries 0 .. seg); a chunk's, that plus the changes of the
+    chunks above it in the segment (an exclusive sum of their bit counts). Then every word of a
+    tile gives up its lowest set bit a round, as many rounds as the tile's busiest word has bits
+    (mostly none or one). The program of the last segment writes the columns' new counts."""
     seg, n = tl.program_id(1), tl.program_id(2)
     col = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     live = col < cols
-    k = tl.load(COUNTS + n * stride_cn + col * stride_ck, mask=live, other=0).to(tl.int64)
-    for s0 in range(0, seg, BLOCK_S):
+    k = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for s0 in range(0, seg + 1, BLOCK_S):
         si = s0 + tl.arange(0, BLOCK_S)
         earlier = tl.load(TOTALS + n * stride_tn + si[:, None] * stride_ts + col[None, :] * stride_tk,
-                          mask=(si < seg)[:, None] & live[None, :], other=0)
+                          mask=(si <= seg)[:, None] & live[None, :], other=0)
         k += tl.sum(earlier.to(tl.int64), axis=0)
-    above = tl.load(ABOVE + n * stride_an + col * stride_ak, mask=live, other=0).to(tl.int64)
+    above = _row_above(ABOVE, n, col, live, stride_an, stride_ak, CHUNK)
     p_words = WORDS + n.to(tl.int64) * stride_wn + col.to(tl.int64)[None, :] * stride_wk
     p_slots = SLOTS + n.to(tl.int64) * stride_sn + col.to(tl.int64)[None, :] * stride_sk
     for c0 in range(seg * SEGMENT, tl.minimum(chunks, seg * SEGMENT + SEGMENT), BLOCK_C):
@@ -123,31 +139,55 @@ def _place_kernel(
                 slot = tl.where(changed, slot + 1, slot)
                 w = w ^ low
             k += tl.sum(held, axis=0)
+    if seg == tl.num_programs(1) - 1:  # every program of the launch has read the counts (from TOTALS)
+        tl.store(COUNTS + n * stride_cn + col * stride_ck, k.to(tl.int32), mask=live)
+
+
+@triton.jit
+def _close_kernel(
+    SLOTS, COUNTS, RUNS, total, cols, q_len, max_runs, stride_sn, stride_sk, stride_ss, stride_cn, stride_ck,
+    SPARE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """A program: BLOCK columns of all the pairs (flat, pair-major). A column with an odd count of
+    changes within its slots has a run still open at the last row: it ends at q_len. RUNS gets the
+    column's runs, max_runs + 1 where it has more."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < total
+    n, col = i // cols, i % cols
+    k = tl.load(COUNTS + n * stride_cn + col * stride_ck, mask=live, other=0)
+    open_end = live & (k % 2 == 1) & (k < SPARE)
+    p_slot = SLOTS + n.to(tl.int64) * stride_sn + col.to(tl.int64) * stride_sk + k.to(tl.int64) * stride_ss
+    tl.store(p_slot, tl.full([BLOCK], q_len, tl.int64), mask=open_end)
+    runs = (k + 1) // 2
+    tl.store(RUNS + i, tl.where(runs > max_runs, max_runs + 1, runs), mask=live)
 
 
 _TOTALS = FastLaunch(_change_totals_kernel)
 _PLACE = FastLaunch(_place_kernel)
+_CLOSE = FastLaunch(_close_kernel)
 
 
 def place(words: torch.Tensor, above: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, first_row: int,
           chunk: int, q_len: int) -> None:
     """Write the changes of one block of rows into `slots`: `words` [n, chunks, cols] int32 (the
     masked words of rows first_row .. first_row + chunks * chunk, a bit a row of a chunk), `above`
-    [n, cols] int32 (1 where the row above the block is masked), `slots` [n, cols, spare] int64
-    (change k of a column at slot k; left as they were past its changes), `counts` [n, cols] int32
-    (changes of each column so far: read, then advanced; more than `spare` means too many). Two
-    launches over segments of SEGMENT chunks, so that a block's columns and chunks both spread over
-    the GPU: each segment's changes counted, then placed after the segments above it."""
+    [n, cols] int32 (the block above's last words: their last row is the row above this block;
+    zeros for the first block), `slots` [n, cols, spare] int64 (change k of a column at slot k;
+    left as they were past its changes), `counts` [n, cols] int32 (changes of each column so far:
+    read, then advanced; more than `spare` means too many). Two launches over segments of SEGMENT
+    chunks, so that a block's columns and chunks both spread over the GPU: each segment's changes
+    counted, then placed after the segments above it, the counts advanced by the second."""
     n, chunks, cols = words.shape
     if n == 0 or cols == 0 or chunks == 0:
         return
     segments = cdiv(chunks, SEGMENT)
-    totals = torch.empty((n, segments, cols), dtype=torch.int32, device=words.device)
+    totals = torch.empty((n, segments + 1, cols), dtype=torch.int32, device=words.device)  # [0]: counts so far
     grid = (cdiv(cols, COLUMNS), segments, n)
     block = (words, above)
     strides = (words.stride(0), words.stride(1), words.stride(2), above.stride(0), above.stride(1))
     _TOTALS(grid,
-        *block, totals, cols, chunks, first_row, q_len, *strides, totals.stride(0), totals.stride(1), totals.stride(2),
+        *block, counts, totals, cols, chunks, first_row, q_len, *strides, counts.stride(0), counts.stride(1),
+        totals.stride(0), totals.stride(1), totals.stride(2),
         CHUNK=chunk, SEGMENT=SEGMENT, BLOCK_C=CHUNKS, BLOCK_K=COLUMNS, num_warps=4,
     )
     _PLACE(grid,
@@ -157,16 +197,17 @@ def place(words: torch.Tensor, above: torch.Tensor, slots: torch.Tensor, counts:
         SPARE=slots.shape[2], CHUNK=chunk, SEGMENT=SEGMENT, BLOCK_C=CHUNKS, BLOCK_K=COLUMNS, BLOCK_S=SEGMENTS_SUMMED,
         num_warps=4,
     )
-    counts += totals.sum(1, dtype=torch.int32)
 
 
 def close(slots: torch.Tensor, counts: torch.Tensor, q_len: int, max_runs: int) -> torch.Tensor:
     """End each run still open at the last row at q_len (an odd count of changes), and return the
-    runs of each column, [n, cols] (max_runs + 1 for a column with more runs than max_runs)."""
-    spare = slots.shape[2]
-    k = counts.long()
-    open_end = (k % 2 == 1) & (k < spare)
-    slots.scatter_(2, torch.where(open_end, k, 0).unsqueeze(2),
-                   torch.where(open_end, q_len, slots[..., :1].squeeze(2)).unsqueeze(2))
-    runs = (k + 1) // 2
-    return torch.where(runs > max_runs, max_runs + 1, runs).to(torch.int32)
+    runs of each column, [n, cols] int32 (max_runs + 1 for a column with more runs than max_runs).
+    One launch (`_close_kernel`), where torch operations took a dozen."""
+    n, cols, spare = slots.shape
+    runs = torch.empty((n, cols), dtype=torch.int32, device=slots.device)
+    if n * cols:
+        _CLOSE((cdiv(n * cols, CLOSE_BLOCK),),
+            slots, counts, runs, n * cols, cols, q_len, max_runs, *slots.stride(), *counts.stride(),
+            SPARE=spare, BLOCK=CLOSE_BLOCK, num_warps=4,
+        )
+    return runs

@@ -722,25 +722,36 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         # are 0-d, which a graph would read as data-dependent integers: those stay eager)
         compiled = (_compiled_words(fn, dev) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
                     else None)
+        # a code whose compiled pass already ran through a mask needs no eager first block (the check
+        # of what it returns): its first block too goes compiled, and eagerly only if that fails
+        checked = compiled is not None and _compiled_key(fn) in _CHECKED
+        # every block's indices are slices of these, and the row above the first block is attended (0):
+        # made once, not a few small operations a block (each block costs host time as well as its kernels)
+        kv_all = torch.arange(-(-kv_len // cols) * cols, device=dev).clamp(max=max(0, kv_len - 1))
+        q_all = torch.arange(q_len + max(rows, rows_compiled), device=dev)
+        top = torch.zeros((n, 1, cols), dtype=torch.int32, device=dev)
         for where, b_idx, h_idx in groups:
             for k0 in range(0, kv_len if q_len else 0, cols):
                 # compiled: every block has the full shape (one graph); columns past kv_len repeat the
                 # last one and are dropped
                 width = cols if compiled is not None else min(cols, kv_len - k0)
-                kv_idx = torch.arange(k0, k0 + width, device=dev).clamp(max=kv_len - 1)
+                kv_idx = kv_all[k0:k0 + width]
                 k1 = min(kv_len, k0 + width)
                 take = None
                 if on_device:
                     def take(words, c0, c1, above, where=where, k0=k0, k1=k1):
                         change_runs.place(words[..., :k1 - k0], above[:, 0, :k1 - k0], slots[where, k0:k1],
                                           placed[where, k0:k1], c0 * chunk, chunk, q_len)
-                changes, count, compiled = _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len, n,
-                                                                 (rows, rows_compiled), compiled, together,
-                                                                 eager_first=k0 == 0, take=take)
+                changes, count, compiled = _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top[..., :width],
+                                                                 q_len, n, (rows, rows_compiled), compiled, together,
+                                                                 eager_first=k0 == 0 and not checked,
+                                                                 check_on_failure=k0 == 0 and checked, take=take)
                 if not on_device:
                     first, most = _first_changed_chunks(changes, count, 2 * max_runs)
                     slots[where, k0:k1], changed[where, k0:k1] = first[:, :k1 - k0], count[:, :k1 - k0]
                     busiest[where, k0:k1] = most[:, :k1 - k0]
+        if compiled is not None and not checked:
+            _check_passed(fn)
         if on_device:
             count = change_runs.close(slots, placed, q_len, max_runs)
         else:
@@ -757,35 +768,43 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     return slots[..., : 2 * max(1, most)].reshape(n_b, n_h, kv_len, max(1, most), 2).contiguous()
 
 
-def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tuple, compiled, together: bool,
-                          eager_first: bool, take=None):
+def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top, q_len: int, n: int, rows: tuple, compiled,
+                          together: bool, eager_first: bool, check_on_failure: bool = False, take=None):
     """The first pass over a block of columns, every block of rows (`rows`: the eager and the
-    compiled block's): the change words, [n, cols, chunks] int32 (`_chunk_changes`), how many chunks
-    of each column hold a change, [n, cols] int32, and the compiled pass, None once the compiler
-    failed (the rest runs eagerly). Columns, not chunks, lead the words: `_first_changed_chunks` reads each column's
-    chunks in order. With `take`, each block of rows' masked words go to take(words [n, chunks,
-    cols], first chunk, end chunk, the row above the block [n, 1, cols]) as they come, and neither
-    change words nor counts are made (None, None)."""
+    compiled block's; their q_idx slices of `q_all`, an arange past q_len by a block): the change
+    words, [n, cols, chunks] int32 (`_chunk_changes`), how many chunks of each column hold a
+    change, [n, cols] int32, and the compiled pass, None once the compiler failed (the rest runs
+    eagerly). The first block runs eagerly with `eager_first`, which checks what the function
+    returns; with `check_on_failure` (a code checked on an earlier mask) a failed compiled block is
+    run eagerly first, so that the function's own error, if it has one, is the one raised, before
+    the compiler is given up. Columns, not chunks, lead the words: `_first_changed_chunks` reads
+    each column's chunks in order. With `take`, each block of rows' masked words go to take(words
+    [n, chunks, cols], first chunk, end chunk, the block above's last words [n, 1, cols], `top`
+    (zeros) above the first block) as they come, and neither change words nor counts are made
+    (None, None)."""
     chunk = MASK_MOD_CHUNK_ROWS
     n_chunks, cols = -(-q_len // chunk), kv_idx.numel()
     changes = count = None
     if take is None:
         changes = torch.empty((n, cols, n_chunks), dtype=torch.int32, device=kv_idx.device)
         count = torch.zeros((n, cols), dtype=torch.int32, device=kv_idx.device)
-    above = torch.zeros((n, 1, cols), dtype=torch.int32, device=kv_idx.device)  # above the first row: attended
+    above = top  # above the first row: attended
     q0 = 0
     while q0 < q_len:
         if compiled is None or eager_first:  # the eager pass checks the function on its first block
             c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[0]) // chunk)
-            q_idx = torch.arange(q0, c1 * chunk, device=kv_idx.device)  # past q_len: padding
+            q_idx = q_all[q0:c1 * chunk]  # past q_len: padding
             words = _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
             eager_first, q0 = False, q0 + rows[0]
         else:
             c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[1]) // chunk)
-            q_idx = torch.arange(q0, q0 + rows[1], device=kv_idx.device)  # rows past the last chunk: dropped
+            q_idx = q_all[q0:q0 + rows[1]]  # rows past the last chunk: dropped
             try:
                 words = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
             except Exception as err:  # noqa: BLE001 (the compiler failed; the function runs eagerly)
+                if check_on_failure:  # the function's own error first: this block eagerly, the compile kept
+                    eager_first, check_on_failure = True, False
+                    continue
                 compiled = _compile_failed(fn, err)
                 continue  # this block again, eagerly
             q0 += rows[1]
@@ -796,19 +815,20 @@ def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_len: int, n: int, rows: tu
             block, held = _chunk_changes(words, c0 * chunk, q_len, above)
             changes[:, :, c0:c1] = block.transpose(1, 2)
             count += held
-        above = (words[:, -1:] >> (chunk - 1)) & 1  # the block's last row (the shift copies the sign)
+        if q0 < q_len:  # a block follows: its row above is the last row of these words (a copy: the block's
+            above = words[:, -1:].clone()  # words are not kept alive beside the next block's)
     return changes, count, compiled
 
 
 def _chunk_changes(words: torch.Tensor, first_row: int, q_len: int, above: torch.Tensor):
     """A block of rows' masked words [n, chunks, cols] (`_masked_words`, from row `first_row`) as
-    change words, bit r where row r of the chunk differs from the row above it (`above`, [n, 1,
-    cols] 0 or 1: the block's row above; the first row's is attended), no change at rows from q_len
-    on, [n, chunks, cols] int32 (bit 31 the sign), and how many chunks of each column hold a
-    change, [n, cols] int32."""
+    change words, bit r where row r of the chunk differs from the row above it (the last row of
+    `above`, [n, 1, cols]: the block above's last words, zeros above the first row, which reads as
+    attended), no change at rows from q_len on, [n, chunks, cols] int32 (bit 31 the sign), and how
+    many chunks of each column hold a change, [n, cols] int32."""
     chunk = MASK_MOD_CHUNK_ROWS
-    last_rows = (words >> (chunk - 1)) & 1  # each chunk's last row (the shift copies the sign): the next chunk's row above
-    row_above = torch.cat([above, last_rows[:, :-1]], dim=1)
+    # each chunk's row above: the last row of the word above it (the shift copies the sign)
+    row_above = (torch.cat([above, words[:, :-1]], dim=1) >> (chunk - 1)) & 1
     # a run open at the last row does not end at q_len: bits of rows past it are dropped (in int64, where
     # 1 << 32 fits, then the low 32 bits)
     rows = first_row + chunk * torch.arange(words.shape[1], device=words.device)
@@ -838,8 +858,10 @@ def _packed_words(masked: torch.Tensor) -> torch.Tensor:
     n, rows, cols = masked.shape
     chunk = MASK_MOD_CHUNK_ROWS
     if torch.compiler.is_compiling() or chunk % 8:
-        bit = (2 ** torch.arange(chunk, device=masked.device)).to(torch.int32).view(1, 1, chunk, 1)  # 2^31 wraps
-        return torch.where(masked.view(n, rows // chunk, chunk, cols), bit, 0).sum(2, dtype=torch.int32)
+        # bit r by a shift of row r's 0 or 1 (1 << 31 wraps to the sign): computed in the kernel, where
+        # a table of powers of two would be an operation of its own a call and a load a pair
+        row = torch.arange(chunk, dtype=torch.int32, device=masked.device).view(1, 1, chunk, 1)
+        return (masked.view(n, rows // chunk, chunk, cols).to(torch.int32) << row).sum(2, dtype=torch.int32)
     in_byte = (2 ** torch.arange(8, device=masked.device)).to(torch.uint8).view(1, 1, 1, 8, 1)
     by = (masked.view(n, rows // chunk, chunk // 8, 8, cols).to(torch.uint8) * in_byte).sum(3, dtype=torch.uint8)
     in_word = (256 ** torch.arange(chunk // 8, device=masked.device)).view(1, 1, -1, 1)
@@ -958,6 +980,13 @@ MASK_MOD_COMPILE_PAIRS = 1 << 26
 MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << 29
 _COMPILED: dict = {}  # a mask_mod's code -> its compiled first pass, the newest few; None: the compiler failed
 _COMPILED_KEPT = 16
+_CHECKED: set = set()  # codes whose compiled pass went through a whole mask after its eager first block
+
+
+def _check_passed(fn) -> None:
+    if len(_CHECKED) >= 4 * _COMPILED_KEPT:
+        _CHECKED.clear()
+    _CHECKED.add(_compiled_key(fn))
 
 
 # the second pass by change_runs' kernels (a GPU), or by torch operations; tests set True to run the
