@@ -456,3 +456,46 @@ def test_dq_pass_default_at_128_keeps_the_wait_in_line(wait_schedules):
     assert len(default["ex2"]) == 4 and max(default["ex2"]) < 32, default
     assert on["ex2"] == [32] * 4, on
     assert _spill_bytes(on["report"]) == 0, on
+
+
+@pytest.mark.parametrize("case", ["dense", "bshd", "strided_dk", "no_dq", "split"])
+def test_backward_launch_stores_dk_and_dv_by_tma_where_the_copy_engine_can(monkeypatch, case):
+    """backward_hopper hands the kernel DKV_TMA with descriptors of dk and dv in 64-row,
+    64-column boxes in K's coordinates ((B, H, S, D) and (B, S, H, D) alike); a dk the copy engine
+    cannot write (a column stride), a launch without dQ (no staging buffers of its own) or a split
+    GQA group (its dK/dV go to fp32 sums) keep element stores, the descriptor slots then holding
+    the dQ buffer's (never read). The launch is recorded, not run."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flexmask.kernels.backward import configs
+    from flexmask.kernels.common import scheduler
+
+    calls = []
+    monkeypatch.setattr(backward_hopper, "_BACKWARD_HOPPER_LAUNCH", lambda grid, *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(backward_hopper, "_num_sms", lambda index: 4)
+    monkeypatch.setattr(scheduler, "counters", lambda device: torch.zeros(2, dtype=torch.int32))
+    monkeypatch.setattr(configs, "HOPPER_BACKWARD_DKV_TMA", True)
+    b, hq, hkv, sq, sk, d = 2, 4, 2, 200, 300, 128
+    if case == "split":
+        monkeypatch.setattr(configs, "HOPPER_SPLIT_GROUP", True)
+    q = torch.randn(b, hq, sq, d, dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, sk, d, dtype=torch.bfloat16)
+    if case == "bshd":
+        k = torch.randn(b, sk, hkv, d, dtype=torch.bfloat16).transpose(1, 2)
+    dk, dv = torch.empty_like(k), torch.empty_like(k)
+    if case == "strided_dk":
+        dk = torch.empty(b, hkv, sk, 2 * d, dtype=torch.bfloat16)[..., ::2]
+    cm = compile_mask(masks.causal(), sq, sk, device="cpu", block_m=128, block_n=128)
+    dq_acc = None if case == "no_dq" else torch.zeros(b * hq, sq, d)
+    backward_hopper.backward_hopper(q, k, k, q, torch.zeros(b * hq, 2, sq), dq_acc, dk, dv, cm, d ** -0.5,
+                                    (0, 1, 0))
+    (args, kwargs), = calls
+    want = case in ("dense", "bshd")
+    assert kwargs["DKV_TMA"] is want
+    dq_desc, dk_desc, dv_desc = args[4], args[7], args[8]
+    if want:
+        for desc, t in ((dk_desc, dk), (dv_desc, dv)):
+            assert desc.base is t and list(desc.block_shape) == [1, 64, 64]
+            k_desc = args[1]
+            assert list(desc.shape) == list(k_desc.shape) and list(desc.strides) == list(k_desc.strides)
+    else:
+        assert dk_desc is dq_desc and dv_desc is dq_desc

@@ -9,7 +9,12 @@ Switches:
 
     PYTHONPATH=$PWD python3 -m tools.backward_ab --switch keys_on_rows [--alibi]
 
-`--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward.
+- `dkv_tma`: configs.HOPPER_BACKWARD_DKV_TMA, dK and dV out by element stores against TMA stores.
+- `early_v`: configs.HOPPER_BACKWARD_EARLY_V, V released with K against after the walk's last dP.
+
+`--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
+times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
+instead of 8K and 32K.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ from tools.forward_ab import peer_inputs
 
 SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows"), (False, True)),
+    "dkv_tma": ("HOPPER_BACKWARD_DKV_TMA", ("element stores", "TMA stores"), (False, True)),
+    "early_v": ("HOPPER_BACKWARD_EARLY_V", ("V with K", "V early"), (False, True)),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
+SHORT_CASES = ((512, 32), (1024, 16), (2048, 8))
 HEADS = ((16, 16), (32, 8))
 
 
@@ -41,6 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--switch", choices=sorted(SWITCHES), default="keys_on_rows")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes (a score term)")
+    parser.add_argument("--short", action="store_true", help="S = 512, 1K and 2K (16K tokens a batch)")
     args = parser.parse_args(argv)
     require_cuda("tools.backward_ab")
     print(torch.cuda.get_device_name(), flush=True)
@@ -48,7 +57,7 @@ def main(argv=None) -> int:
     kept = getattr(configs, attribute)
     d = args.head_dim
     scale = d ** -0.5
-    for S, B in CASES:
+    for S, B in (SHORT_CASES if args.short else CASES):
         for hq, hkv in HEADS:
             for family in PEER_FAMILIES:
                 q, k, v, cm, flops = peer_inputs(family, S, B, hq, hkv, d)

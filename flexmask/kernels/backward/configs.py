@@ -132,6 +132,13 @@ def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: 
     return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not softcap and runs <= 2
             and sq > 0 and sq % 4 == 0)
 
+# The Hopper backward's dK and dV out by TMA stores staged in the dQ buffers (hopper._store_rows),
+# where the copy engine can write them in K's layout, rather than by per-element stores.
+HOPPER_BACKWARD_DKV_TMA = True
+# V released after a walk's last dP, so that the next item's V loads during the last step's dK and dQ
+# products and the epilogue (hopper._load_kv); K after the last dQ.
+HOPPER_BACKWARD_EARLY_V = True
+
 # The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP
 # in a basic block of its own (`if Sk > 0`, its else a wait that never runs), so that ptxas cannot
 # hoist it above P's exponentials (offline SASS, python -m tools.offline_compile waits: 0 of a half

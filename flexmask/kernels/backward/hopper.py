@@ -140,11 +140,13 @@ def _halves(x):
 
 
 @gluon.jit
-def _add_boxes(sums_desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, bhk, row0):
-    """Bulk-add the [ROWS, 32] `parts` (the 32-column boxes of one tensor, in order) at
-    (bhk, row0): through `per_round` shared buffers, waiting for the previous round's reads before
-    a buffer is written again; from lo_bufs[base] and hi_bufs[base] in turn (two allocations, so
-    that no warpgroup barrier separates consecutive stores)."""
+def _put_boxes(desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, per_round: gl.constexpr, x, row0, col0,
+               REDUCE: gl.constexpr):
+    """Write the [ROWS, W] `parts` (the W-column boxes of one tensor, in order) at (x, row0,
+    col0 + W j) by TMA: bulk-added (REDUCE) or stored; through `per_round` shared buffers, waiting
+    for the previous round's reads before a buffer is written again; from lo_bufs[base] and
+    hi_bufs[base] in turn (two allocations, so that no warpgroup barrier separates consecutive
+    stores)."""
     for j in gl.static_range(len(parts)):
         if (first + j) % per_round == 0:
             tma.store_wait(0)
@@ -154,23 +156,34 @@ def _add_boxes(sums_desc, lo_bufs, hi_bufs, base, parts, first: gl.constexpr, pe
             buf = hi_bufs.index(base + (first + j) % per_round // 2)
         buf.reshape([parts[j].shape[0], parts[j].shape[1]]).store(parts[j])
         fence_async_shared()
-        _tma_reduce_add(sums_desc, [bhk, row0, 32 * j], buf)
+        if REDUCE:
+            _tma_reduce_add(desc, [x, row0, col0 + parts[j].shape[1] * j], buf)
+        else:
+            tma.async_copy_shared_to_global(desc, [x, row0, col0 + parts[j].shape[1] * j], buf)
 
 
 @gluon.jit
-def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr, Q_STEP: gl.constexpr):
+def _staging_boxes(dq_lo_smem, dq_hi_smem, desc, ROWS: gl.constexpr, WG: gl.constexpr):
+    """The dQ buffers (4 x [Q_STEP, 32] fp32 in two allocations, free between items: the walk waits
+    for their reads before it writes them again) as boxes of `desc` ([1, ROWS, COLS] of as many
+    bytes as [ROWS, 32] fp32): (lo boxes, hi boxes, this warpgroup's first, boxes a warpgroup)."""
+    Q_STEP: gl.constexpr = dq_lo_smem.shape[2]
+    PER_WG: gl.constexpr = 2 * Q_STEP // ROWS  # the dQ buffers hold 4 x [Q_STEP, 32]: half each
+    COLS: gl.constexpr = desc.block_type.shape[2]
+    lo_bufs = dq_lo_smem._reinterpret(desc.dtype, [PER_WG, 1, ROWS, COLS], desc.layout)
+    hi_bufs = dq_hi_smem._reinterpret(desc.dtype, [PER_WG, 1, ROWS, COLS], desc.layout)
+    return lo_bufs, hi_bufs, WG * PER_WG // 2, PER_WG
+
+
+@gluon.jit
+def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG: gl.constexpr):
     """Add a split item's [ROWS, HEAD_DIM] fp32 dK and dV into the group's sums ([2, B, Hkv, Sk, D]
     under `sums_desc`, dV B * Hkv heads on) by TMA bulk reductions, in 32-column boxes staged in
-    this warpgroup's half of the dQ buffers (free between items: the walk waits for their reads
-    before it writes them again), as FA3's GQA epilogue adds them; rows past Sk fall outside the
-    descriptor. Per-element fp32 atomics took 128 instructions a thread and a tensor."""
+    this warpgroup's half of the dQ buffers, as FA3's GQA epilogue adds them; rows past Sk fall
+    outside the descriptor. Per-element fp32 atomics took 128 instructions a thread and a tensor."""
     ROWS: gl.constexpr = dk.shape[0]
     HEAD_DIM: gl.constexpr = dk.shape[1]
-    PER_WG: gl.constexpr = 2 * Q_STEP // ROWS  # the dQ buffers hold 4 x [Q_STEP, 32]: half each
-    # two allocations of 2 x [Q_STEP, 32], one box of each a warpgroup
-    lo_bufs = dq_lo_smem._reinterpret(gl.float32, [PER_WG, 1, ROWS, 32], sums_desc.layout)
-    hi_bufs = dq_hi_smem._reinterpret(gl.float32, [PER_WG, 1, ROWS, 32], sums_desc.layout)
-    mine = WG * PER_WG // 2
+    lo_bufs, hi_bufs, mine, PER_WG = _staging_boxes(dq_lo_smem, dq_hi_smem, sums_desc, ROWS, WG)
     BOXES: gl.constexpr = HEAD_DIM // 32
     if HEAD_DIM == 128:
         k_lo, k_hi = _halves(dk)
@@ -179,13 +192,32 @@ def _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk, dv, bhk, B_HKV, row0, WG
         k2, k3 = _halves(k_hi)
         v0, v1 = _halves(v_lo)
         v2, v3 = _halves(v_hi)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0)
+        _put_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1, k2, k3), 0, PER_WG, bhk, row0, 0, True)
+        _put_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1, v2, v3), BOXES, PER_WG, bhk + B_HKV, row0, 0, True)
     else:
         k0, k1 = _halves(dk)
         v0, v1 = _halves(dv)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1), 0, PER_WG, bhk, row0)
-        _add_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0)
+        _put_boxes(sums_desc, lo_bufs, hi_bufs, mine, (k0, k1), 0, PER_WG, bhk, row0, 0, True)
+        _put_boxes(sums_desc, lo_bufs, hi_bufs, mine, (v0, v1), BOXES, PER_WG, bhk + B_HKV, row0, 0, True)
+
+
+@gluon.jit
+def _store_rows(dk_desc, dv_desc, dq_lo_smem, dq_hi_smem, dk, dv, x, row0, col0, WG: gl.constexpr):
+    """Store a warpgroup's [ROWS, HEAD_DIM] dK and dV, in the inputs' dtype, by TMA in 64-column
+    boxes staged in its half of the dQ buffers (as `_add_to_sums`): the stores run on while the
+    next item starts, and rows past Sk fall outside the descriptors. Per-element stores took some
+    300 instructions a thread an item (offline SASS, D = 128)."""
+    ROWS: gl.constexpr = dk.shape[0]
+    HEAD_DIM: gl.constexpr = dk.shape[1]
+    lo_bufs, hi_bufs, mine, PER_WG = _staging_boxes(dq_lo_smem, dq_hi_smem, dk_desc, ROWS, WG)
+    if HEAD_DIM == 128:
+        k0, k1 = _halves(dk)
+        v0, v1 = _halves(dv)
+        _put_boxes(dk_desc, lo_bufs, hi_bufs, mine, (k0, k1), 0, PER_WG, x, row0, col0, False)
+        _put_boxes(dv_desc, lo_bufs, hi_bufs, mine, (v0, v1), 2, PER_WG, x, row0, col0, False)
+    else:
+        _put_boxes(dk_desc, lo_bufs, hi_bufs, mine, (dk,), 0, PER_WG, x, row0, col0, False)
+        _put_boxes(dv_desc, lo_bufs, hi_bufs, mine, (dv,), 1, PER_WG, x, row0, col0, False)
 
 
 @gluon.jit
@@ -194,12 +226,12 @@ def _producer(
     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-    STAGES: gl.constexpr, Q_STEP: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
+    STAGES: gl.constexpr, Q_STEP: gl.constexpr, KEYS_ON_ROWS: gl.constexpr, EARLY_V: gl.constexpr,
 ):
     """One warp: claims work items (scheduler.py) and hands them to the consumers; per item, K
     and V once, then Q and dO step by step in walk order (with KEYS_ON_ROWS, the step's LSE and
     delta beside them)."""
-    kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
+    kv_ready, kv_empty, v_ready, v_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     step = 0
     item_count = 0
     w = scheduler.claim(COUNTER)
@@ -239,10 +271,10 @@ def _producer(
                 # K and V once the first step's Q/dO are on their way: that step's loads need not
                 # wait until the consumers release the previous item's K and V
                 if step == first_step:
-                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv)
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, x_kv, n, c_kv, EARLY_V)
                 step += 1
         if step == first_step:  # an item with no tiles: its dK/dV are zeros, K/V still handed over
-            _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv)
+            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, x_kv, n, c_kv, EARLY_V)
         item_count += 1
         w = w_next
     scheduler.publish(item_slots, item_ready, item_empty, item_count, -1, 0, 0, 0)  # the list is done
@@ -250,17 +282,29 @@ def _producer(
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_count, x_kv, n, c_kv):
-    mbarrier.wait(kv_empty, (item_count & 1) ^ 1)
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, v_smem.index(0))
+def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, x_kv, n, c_kv, EARLY_V: gl.constexpr):
+    """An item's K and V, once the consumers have released the last ones. EARLY_V: V first, under
+    barriers of its own: the consumers release it after the walk's last dP, K only after its last
+    dQ."""
+    kv_ready, kv_empty, v_ready, v_empty = bars[0], bars[1], bars[2], bars[3]
+    if EARLY_V:
+        mbarrier.wait(v_empty, (item_count & 1) ^ 1)
+        mbarrier.expect(v_ready, v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [x_kv, n * KV_BLOCK, c_kv], v_ready, v_smem.index(0))
+        mbarrier.wait(kv_empty, (item_count & 1) ^ 1)
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, k_smem.index(0))
+    else:
+        mbarrier.wait(kv_empty, (item_count & 1) ^ 1)
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, k_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [x_kv, n * KV_BLOCK, c_kv], kv_ready, v_smem.index(0))
 
 
 @gluon.jit
 def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
                          n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, lts, lte, uts, ute, t, t_mid, step,
-                         WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                         v_empty, release_v, EARLY_V: gl.constexpr, WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                          NUM_RUNS: gl.constexpr, s_layout: gl.constexpr, WG: gl.constexpr):
     """One step of a consumer with queries on the rows of S: S = Q K^T and dP = dO V^T
     [Q_STEP, ROWS], P and dS through shared memory into dV += P^T dO and dK += dS^T Q; dS also
@@ -288,6 +332,8 @@ def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds
     if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2; P itself is stored already
         p = p * (1.0 - th * th)
     dp = warpgroup_mma_wait(0, deps=(dp,))
+    if EARLY_V:  # the walk's last read of V is done: the next item's V may load
+        mbarrier.arrive(v_empty, count=1, pred=release_v)
     ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)  # [Q_STEP, ROWS]
     # dS to shared memory, once the other warpgroup has read the last one
     if WITH_DQ:
@@ -332,7 +378,7 @@ def _mask_key_rows(st, w0, w1):
 @gluon.jit
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
                            lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
-                           WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                           v_empty, release_v, EARLY_V: gl.constexpr, WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            st_layout: gl.constexpr, a_layout: gl.constexpr):
     """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
     Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
@@ -366,6 +412,8 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
         pt = gl.exp2(st * qk_scale - lse2)  # [ROWS, Q_STEP]
     delta = stats.slice(1, 1, dim=0).load(st_layout)
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    if EARLY_V:  # the walk's last read of V is done: the next item's V may load
+        mbarrier.arrive(v_empty, count=1, pred=release_v)
     if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2
         dst = (pt * (1.0 - th * th) * (dpt - delta)).to(dtype)
     else:
@@ -385,22 +433,26 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
 @gluon.jit
 def _consumer(
     WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc,
-    sums_desc, bars,
+    sums_desc, dk_desc, dv_desc, bars,
     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
+    Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
+    KV_X_B, KV_X_H, KV_C_H, qk_scale,
     sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
-    KEYS_ON_ROWS: gl.constexpr,
+    KEYS_ON_ROWS: gl.constexpr, DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
     registers (no softcap; `_keys_on_rows_products`).
     WITH_DQ=False leaves dQ out (the deterministic path computes it in its own pass). SPLIT_GROUP:
     items of one query head, whose dK/dV are added into fp32 sums (DK, DV) with the other heads
-    of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring)."""
-    kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
+    of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring). DKV_TMA: dK and dV
+    out by TMA stores (`_store_rows`), not per element. EARLY_V: V released after the walk's last
+    dP (v_empty), so that the next item's V loads while the last step's dK, dQ and the epilogue run;
+    K after its last dQ."""
+    kv_ready, kv_empty, v_ready, v_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
     # dQ = dS K is [Q_STEP, HEAD_DIM]: at head dim 128 each warpgroup takes 64 of its columns every
@@ -436,6 +488,9 @@ def _consumer(
         dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
         mbarrier.wait(kv_ready, item_count & 1)
+        if EARLY_V:
+            mbarrier.wait(v_ready, item_count & 1)
+        last_steps = 0  # the last head's steps: the last of them releases V (EARLY_V)
         for g in range(HEADS_PER_ITEM):
             h = h0 + g
             if g == 0:
@@ -451,6 +506,7 @@ def _consumer(
                 slope2 = gl.load(ALIBI + b.to(gl.int64) * alibi_stride_b + h) * 1.4426950408889634
             STEPS: gl.constexpr = KV_BLOCK // Q_STEP
             n_steps = STEPS * (t_hi - t_lo)
+            last_steps = n_steps
             # this warpgroup's keys' interval ends, once per walk (the PARTIAL steps' masks)
             if KEYS_ON_ROWS:  # in the rows' layout of S^T: no layout conversion a step
                 lts, lte, uts, ute = _key_intervals(INTV, row, 2 * n + WG, Sk, ROWS, t_mid < t_hi,
@@ -481,17 +537,19 @@ def _consumer(
                 mbarrier.wait(q_ready.index(s), (step // STAGES) & 1)
                 q_view = q_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
                 do_view = do_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
+                release_v = (g == HEADS_PER_ITEM - 1) & (i == n_steps - 1)  # (read with EARLY_V)
                 if KEYS_ON_ROWS:
                     dv, dk = _keys_on_rows_products(
                         k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
                         ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
                         t >= t_mid, step, n * KV_BLOCK + WG * ROWS, tanh_scale, softcap2, slope2, alibi_shift,
-                        WITH_DQ, SOFTCAP, HAS_ALIBI, st_layout, a_layout)
+                        v_empty, release_v, EARLY_V, WITH_DQ, SOFTCAP, HAS_ALIBI, st_layout, a_layout)
                 else:
                     dv, dk = _query_rows_products(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
                         n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
-                        lts, lte, uts, ute, t, t_mid, step, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG)
+                        lts, lte, uts, ute, t, t_mid, step, v_empty, release_v, EARLY_V,
+                        WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG)
                 # with keys on the rows (dQ split by columns) the Q/dO stage is released beside ds_free:
                 # each arrive is lowered between two warpgroup barriers, and side by side they share one
                 LATE_RELEASE: gl.constexpr = KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
@@ -524,12 +582,17 @@ def _consumer(
                 step += 1
                 start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
+        if EARLY_V:  # an item whose last head has no step: V was not released in the walk
+            mbarrier.arrive(v_empty, count=1, pred=last_steps == 0)
         item_count += 1
 
         # epilogue: this warpgroup's rows of dK (scaled) and dV
         if SPLIT_GROUP:  # this query head's share of its kv head's dK/dV, added to the fp32 sums
             _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
-                         n * KV_BLOCK + WG * ROWS, WG, Q_STEP)
+                         n * KV_BLOCK + WG * ROWS, WG)
+        elif DKV_TMA:
+            _store_rows(dk_desc, dv_desc, dq_lo_smem, dq_hi_smem, (dk * sm_scale).to(dtype), dv.to(dtype),
+                        b * KV_X_B + hk * KV_X_H, n * KV_BLOCK + WG * ROWS, hk * KV_C_H, WG)
         else:
             om = n * KV_BLOCK + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, kv_layout))
             od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -545,7 +608,7 @@ def _consumer(
 
 @gluon.jit
 def _backward_hopper_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, STATS, DK, DV,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, dk_desc, dv_desc, STATS, DK, DV,
     INTV, WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -554,7 +617,7 @@ def _backward_hopper_kernel(
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
-    num_warps: gl.constexpr,
+    DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -577,12 +640,17 @@ def _backward_hopper_kernel(
     dq_hi_smem = gl.allocate_shared_memory(gl.float32, [DQ_BOXES] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(kv_empty, count=2)  # both consumer warpgroups release K/V
+    mbarrier.init(kv_empty, count=2)  # both consumer warpgroups release K/V (K alone with EARLY_V)
+    if EARLY_V:  # (only when used: see ds_ready below)
+        mbarrier.init(v_ready, count=1)
+        mbarrier.init(v_empty, count=2)
     if WITH_DQ:
         # Only when used: without dQ the two barriers are dead after their init and Triton gives their
         # bytes to the first consumer's layout-conversion scratch (the PARTIAL steps' row words) while
@@ -595,26 +663,30 @@ def _backward_hopper_kernel(
         mbarrier.init(q_empty.index(i), count=2)
     item_slots, item_ready, item_empty = scheduler.allocate_ring()
     fence_async_shared()
-    bars = (kv_ready, kv_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty)
+    bars = (kv_ready, kv_empty, v_ready, v_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty)
 
     gl.warp_specialize([
-        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc, bars,
+        (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
+                     dk_desc, dv_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
-                     qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
-        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc, bars,
+                     KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
+                     DKV_TMA, EARLY_V)),
+        (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
+                     dk_desc, dv_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
-                     qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS)),
+                     KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
+                     HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
+                     DKV_TMA, EARLY_V)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                     STAGES, Q_STEP, KEYS_ON_ROWS)),
+                     STAGES, Q_STEP, KEYS_ON_ROWS, EARLY_V)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -778,19 +850,27 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     sums_desc = dq_desc  # (unused without the split)
     keys_on_rows = configs.hopper_backward_keys_on_rows(d, q_step, score_flags["SOFTCAP"], sq, mask_runs(cm))
     stats_desc = _stats_descriptor(stats, q_step) if keys_on_rows else dq_desc
+    dk_desc = dv_desc = dq_desc  # (unused with element stores)
+    dkv_tma = False
+    if configs.HOPPER_BACKWARD_DKV_TMA and with_dq and not split:  # dK/dV by TMA, staged in the dQ buffers
+        dk_made, dv_made = _descriptor(dk, KV_ROWS // 2, 64), _descriptor(dv, KV_ROWS // 2, 64)
+        # where the copy engine cannot write them, or their layout is not K's (the kernel takes K's
+        # coordinates), element stores
+        if dk_made is not None and dv_made is not None and dk_made[1] == dv_made[1] == (kxb, kxh, kch):
+            (dk_desc, _), (dv_desc, _), dkv_tma = dk_made, dv_made, True
     if split:  # fp32 sums of the group's heads, cast into dk and dv after the kernel
         sums = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device)
         dk, dv = sums.unbind(0)
         sums_desc = tma_descriptor(sums, (2 * batch * hkv, sk, d), (sk * d, d, 1), (1, KV_ROWS // 2, 32))
     _BACKWARD_HOPPER_LAUNCH(grid,
-        q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, stats, dk, dv,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, dk_desc, dv_desc, stats, dk, dv,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, cm.num_kv_blocks, hq, batch * hkv, item_heads, hq // item_heads, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows,
+        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.HOPPER_BACKWARD_EARLY_V,
         num_warps=4, maxnreg=168,
     )
     if split:

@@ -956,17 +956,19 @@ def _new_descriptor(base, shape: list, strides: list, block: list, layout) -> Te
     return desc
 
 
-def _descriptor(t: torch.Tensor, block_rows: int):
-    """(TMA descriptor of t's _tma_view in boxes of block_rows rows, coordinates of (b, h)), or None
-    where the copy engine cannot read t. Everything but the tensor is kept per layout."""
-    key = (t.shape, t.stride(), t.dtype, t.data_ptr() & 15, block_rows)
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
+    """(TMA descriptor of t's _tma_view in boxes of block_rows rows and block_cols columns (the head
+    dim by default), coordinates of (b, h)), or None where the copy engine cannot read t. Everything
+    but the tensor is kept per layout."""
+    block_cols = t.shape[-1] if block_cols is None else block_cols
+    key = (t.shape, t.stride(), t.dtype, t.data_ptr() & 15, block_rows, block_cols)
     parts = _DESCRIPTOR_PARTS.get(key)
     if parts is None:
         view = _tma_view(t)
         if view is None:
             return None
         shape, strides, coords = view
-        made = tma_descriptor(t, shape, strides, (1, block_rows, t.shape[-1]))  # raises on an empty shape
+        made = tma_descriptor(t, shape, strides, (1, block_rows, block_cols))  # raises on an empty shape
         parts = (made.shape, made.strides, made.block_shape, made.layout, coords)
         if len(_DESCRIPTOR_PARTS) >= LAYOUTS_KEPT:
             _DESCRIPTOR_PARTS.clear()
