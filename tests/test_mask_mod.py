@@ -561,6 +561,46 @@ def test_compiled_first_pass_takes_unhashable_callables(forced_compiled_pass):
     assert list(intervals_module._COMPILED) == [Window]
 
 
+@pytest.mark.parametrize("first_pass, second_pass", [("eager", "torch"), ("eager", "kernel"), ("compiled", "torch")])
+def test_tables_of_exactly_q_len_rows(request, monkeypatch, first_pass, second_pass):
+    """A mask_mod that reads tensors of exactly q_len rows and kv_len columns at q_idx and kv_idx
+    (a document id a query and a key): the rows past q_len that pad the last chunk (and, compiled,
+    the block's fixed shape) reach the function as the last row again, never past its tables, and
+    leave no change past q_len. Lengths off the chunk both ways, a mask per head (pairs together)
+    and one alone; the second pass by torch operations and by change_runs' kernels."""
+    if first_pass == "compiled":
+        request.getfixturevalue("forced_compiled_pass")
+    monkeypatch.setattr(intervals_module, "MASK_MOD_RUNS_KERNEL", second_pass == "kernel")
+    gen = torch.Generator().manual_seed(5)
+    for sq, sk in ((45, 37), (29, 53)):
+        q_doc = torch.sort(torch.randint(0, 3, (sq,), generator=gen)).values
+        kv_doc = torch.sort(torch.randint(0, 3, (sk,), generator=gen)).values
+
+        def same_doc(b, h, q, kv):  # the last row masked in some columns: its repeats too
+            return (q_doc[q] == kv_doc[kv]) & (kv <= q + h)
+        for heads in (None, 2):
+            got = masks.from_mask_mod(same_doc, heads=heads).to_dense(sq, sk)
+            want = dense_of_mod(same_doc, sq, sk, heads=heads)
+            assert torch.equal(got, want[0, 0] if got.dim() == 2 else want), (sq, sk, heads)
+
+
+def test_compiled_first_pass_graph_does_not_depend_on_q_len(forced_compiled_pass):
+    """q_len is no input of the compiled pass (its indices come clamped, its words are inverted once
+    rather than each row tested): two lengths of one block shape (24 rows x 8 columns here) share
+    one graph."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+
+    def causal_window(b, h, q, kv):
+        return (kv <= q) & (q - kv < 6)
+
+    for sq in (26, 29):
+        got = masks.from_mask_mod(causal_window).to_dense(sq, 53)
+        assert torch.equal(got, dense_of_mod(causal_window, sq, 53)[0, 0]), sq
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_compiled_first_pass_failure_warns_once(monkeypatch, forced_compiled_pass):
     """Where the compiler fails on a mask_mod (after its eager first block ran: the function is
     fine), the pass goes on eagerly with a RuntimeWarning, the tables right, and that function is

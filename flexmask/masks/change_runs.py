@@ -3,7 +3,8 @@ Triton launches per block of rows (masks/intervals.py, `_mask_mod_runs`).
 
 The first pass leaves, for a block of rows and a block of columns, one int32 word per chunk of
 MASK_MOD_CHUNK_ROWS rows and column, bit r set where row r of the chunk is masked ([n, chunks,
-cols], columns contiguous). A row starts or ends a masked run where it differs from the row above
+cols], columns contiguous; rows past q_len, the last chunk's padding, repeat the last row and are
+dropped here). A row starts or ends a masked run where it differs from the row above
 it: the word xor itself shifted a row, the chunk above's last row (or the block's row above)
 shifted in. A column's k-th change is the start (k even) or the end (k odd) of its run k // 2.
 The torch path turns the words into change words, gathers each column's first changed chunks
@@ -56,7 +57,8 @@ def _popcount(x):
 def _change_words(p_words, ci, chunks, live, above, first_row, q_len, stride_wc, CHUNK: tl.constexpr):
     """The change words of chunks `ci` of a program's columns (int64 below 2^32): bit r where row r
     of the chunk differs from the row above it (the last row of the chunk above, or `above` for the
-    block's first chunk), none at rows from q_len on (a run open at the last row ends there)."""
+    block's first chunk), none at rows from q_len on (padding, the last row again; a run open at the
+    last row ends there)."""
     inside = (ci < chunks)[:, None] & live[None, :]
     w = tl.load(p_words + ci.to(tl.int64)[:, None] * stride_wc, mask=inside, other=0).to(tl.int64) & 0xFFFFFFFF
     up = tl.load(p_words + (ci - 1).to(tl.int64)[:, None] * stride_wc, mask=inside & (ci > 0)[:, None], other=0)

@@ -651,10 +651,11 @@ def _mask_mod_block(fn, b, h, q_idx, kv_idx, device) -> torch.Tensor:
     """mask_mod on broadcast indices, checked, as a bool tensor on `device` of their broadcast
     shape with a leading pairs dimension: one (b, h) pair from 0-d b and h (q_idx [rows, 1] or
     [rows, cols], kv_idx [1, cols]), or every pair at once from b and h [pairs, 1, 1] (q_idx
-    [1, rows, 1] or [pairs, rows, cols], kv_idx [1, 1, cols])."""
-    # int32 indices, as FlexAttention's kernels give them: a predicate's divisions and remainders
-    # (NATTEN's row and column of a token) in 32-bit arithmetic, not int64
-    out = fn(b, h, q_idx.to(torch.int32), kv_idx.to(torch.int32))
+    [1, rows, 1] or [pairs, rows, cols], kv_idx [1, 1, cols]). q_idx and kv_idx come as int32,
+    as FlexAttention's kernels give them (a predicate's divisions and remainders, NATTEN's row and
+    column of a token, in 32-bit arithmetic, not int64): the callers make them so, once, not a
+    conversion a call."""
+    out = fn(b, h, q_idx, kv_idx)
     if not isinstance(out, torch.Tensor):
         if not isinstance(out, bool):
             raise TypeError(f"mask_mod must return a bool tensor (True = attend), got {type(out).__name__}")
@@ -676,19 +677,21 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
     """Runs [B|1, H|1, Sk, K, 2] of `from_mask_mod`, in two passes. First the function is evaluated
     once on every (q, kv) pair, in blocks of rows x columns (MASK_MOD_BLOCK_ELEMENTS at most): each
     chunk of MASK_MOD_CHUNK_ROWS rows of a column becomes a word with a bit per masked row
-    (`_masked_words`). On a GPU each block's words go to change_runs' kernels as they come: a change
-    (a masked row below an attended one or the first row, an attended row below a masked one) is
-    found where the words differ from themselves shifted a row, and change k of a column is written
-    to its slot k, the start (k even) or the end (k odd) of run k // 2. Elsewhere by torch
-    operations: the words become change words, the changed chunks of each column are counted
-    (`_chunk_changes`) and its first 2 max_runs changed chunks gathered (`_first_changed_chunks`: a
-    column that fits has no more); then, after one host sync for the most such chunks a column of
-    each slice of columns holds, the changes' rows are read from those words (`_place_changes`). A
-    mask per batch row or head is evaluated for every (b, h) pair at once, b and h broadcast like
-    q_idx and kv_idx, where the function's first block so evaluated equals its pair-by-pair
-    evaluation (else pair by pair: a function with Python branches on b or h). On a GPU a large mask
-    takes the first pass through torch.compile (`_compiled_words`), after an eager first block, in
-    blocks of MASK_MOD_COMPILED_BLOCK_ELEMENTS. A last host sync reads the most runs of a column."""
+    (`_masked_words`; the indices int32 and clamped in range once per mask, rows past q_len
+    repeating the last row, whose bits the second pass drops). On a GPU each block's words go to
+    change_runs' kernels as they come: a change (a masked row below an attended one or the first
+    row, an attended row below a masked one) is found where the words differ from themselves
+    shifted a row, and change k of a column is written to its slot k, the start (k even) or the end
+    (k odd) of run k // 2. Elsewhere by torch operations: the words become change words, the
+    changed chunks of each column are counted (`_chunk_changes`) and its first 2 max_runs changed
+    chunks gathered (`_first_changed_chunks`: a column that fits has no more); then, after one host
+    sync for the most such chunks a column of each slice of columns holds, the changes' rows are
+    read from those words (`_place_changes`). A mask per batch row or head is evaluated for every
+    (b, h) pair at once, b and h broadcast like q_idx and kv_idx, where the function's first block
+    so evaluated equals its pair-by-pair evaluation (else pair by pair: a function with Python
+    branches on b or h). On a GPU a large mask takes the first pass through torch.compile
+    (`_compiled_words`), after an eager first block, in blocks of MASK_MOD_COMPILED_BLOCK_ELEMENTS.
+    A last host sync reads the most runs of a column."""
     p = m.params()
     fn, max_runs = p["mask_mod"], p["max_runs"]
     n_b, n_h = p["batch"] or 1, p["heads"] or 1
@@ -726,9 +729,14 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         # of what it returns): its first block too goes compiled, and eagerly only if that fails
         checked = compiled is not None and _compiled_key(fn) in _CHECKED
         # every block's indices are slices of these, and the row above the first block is attended (0):
-        # made once, not a few small operations a block (each block costs host time as well as its kernels)
-        kv_all = torch.arange(-(-kv_len // cols) * cols, device=dev).clamp(max=max(0, kv_len - 1))
-        q_all = torch.arange(q_len + max(rows, rows_compiled), device=dev)
+        # made once, not a few small operations a block (each block costs host time as well as its kernels).
+        # int32, the mask_mod's indices, and clamped in range: columns past kv_len repeat the last one, rows
+        # past q_len (the last chunk's padding, the compiled block's fixed shape) the last row, so that the
+        # function never sees an index out of range and no pair clamps or tests its row; the bits of those
+        # rows are dropped with the change words (`_chunk_changes`, change_runs' `_change_words`)
+        kv_all = torch.arange(-(-kv_len // cols) * cols, dtype=torch.int32, device=dev).clamp(max=max(0, kv_len - 1))
+        q_all = torch.arange(q_len + max(rows, rows_compiled), dtype=torch.int32, device=dev).clamp(
+            max=max(0, q_len - 1))
         top = torch.zeros((n, 1, cols), dtype=torch.int32, device=dev)
         for where, b_idx, h_idx in groups:
             for k0 in range(0, kv_len if q_len else 0, cols):
@@ -771,9 +779,10 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
 def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top, q_len: int, n: int, rows: tuple, compiled,
                           together: bool, eager_first: bool, check_on_failure: bool = False, take=None):
     """The first pass over a block of columns, every block of rows (`rows`: the eager and the
-    compiled block's; their q_idx slices of `q_all`, an arange past q_len by a block): the change
-    words, [n, cols, chunks] int32 (`_chunk_changes`), how many chunks of each column hold a
-    change, [n, cols] int32, and the compiled pass, None once the compiler failed (the rest runs
+    compiled block's; their q_idx slices of `q_all`, an int32 arange a block past q_len whose rows
+    from q_len on are the last row again): the change words, [n, cols, chunks] int32
+    (`_chunk_changes`), how many chunks of each column hold a change, [n, cols] int32, and the
+    compiled pass, None once the compiler failed (the rest runs
     eagerly). The first block runs eagerly with `eager_first`, which checks what the function
     returns; with `check_on_failure` (a code checked on an earlier mask) a failed compiled block is
     run eagerly first, so that the function's own error, if it has one, is the one raised, before
@@ -793,14 +802,14 @@ def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top, q_len: int, n: i
     while q0 < q_len:
         if compiled is None or eager_first:  # the eager pass checks the function on its first block
             c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[0]) // chunk)
-            q_idx = q_all[q0:c1 * chunk]  # past q_len: padding
-            words = _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
+            q_idx = q_all[q0:c1 * chunk]  # past q_len: padding (the last row again)
+            words = _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, together)
             eager_first, q0 = False, q0 + rows[0]
         else:
             c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[1]) // chunk)
             q_idx = q_all[q0:q0 + rows[1]]  # rows past the last chunk: dropped
             try:
-                words = compiled(fn, b_idx, h_idx, q_idx, kv_idx, q_len, together)
+                words = compiled(fn, b_idx, h_idx, q_idx, kv_idx, together)
             except Exception as err:  # noqa: BLE001 (the compiler failed; the function runs eagerly)
                 if check_on_failure:  # the function's own error first: this block eagerly, the compile kept
                     eager_first, check_on_failure = True, False
@@ -824,8 +833,9 @@ def _chunk_changes(words: torch.Tensor, first_row: int, q_len: int, above: torch
     """A block of rows' masked words [n, chunks, cols] (`_masked_words`, from row `first_row`) as
     change words, bit r where row r of the chunk differs from the row above it (the last row of
     `above`, [n, 1, cols]: the block above's last words, zeros above the first row, which reads as
-    attended), no change at rows from q_len on, [n, chunks, cols] int32 (bit 31 the sign), and how
-    many chunks of each column hold a change, [n, cols] int32."""
+    attended), no change at rows from q_len on (the words' bits there are padding: the last row
+    again), [n, chunks, cols] int32 (bit 31 the sign), and how many chunks of each column hold a
+    change, [n, cols] int32."""
     chunk = MASK_MOD_CHUNK_ROWS
     # each chunk's row above: the last row of the word above it (the shift copies the sign)
     row_above = (torch.cat([above, words[:, :-1]], dim=1) >> (chunk - 1)) & 1
@@ -837,34 +847,35 @@ def _chunk_changes(words: torch.Tensor, first_row: int, q_len: int, above: torch
     return changes, (changes != 0).sum(1, dtype=torch.int32)
 
 
-def _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, q_len: int, together: bool) -> torch.Tensor:
+def _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, together: bool) -> torch.Tensor:
     """One block of rows (a whole number of chunks) of a block of columns: each chunk's masked rows
-    as a word, bit r for the chunk's row r (rows past q_len read as attended), [n, chunks, cols]
-    int32 (bit 31 the sign). Each pair is evaluated once, with nothing but a sum after it (Inductor
-    fuses the two)."""
+    as a word, bit r for the chunk's row r, [n, chunks, cols] int32 (bit 31 the sign). q_idx and
+    kv_idx are int32 and in range (`_mask_mod_runs` clamped them once: rows past q_len are the last
+    row again, their bits dropped by the second pass). Each pair is evaluated once, with nothing but
+    a sum after it (Inductor fuses the two): the attended rows are packed and the word inverted, an
+    operation a word, not a negation a pair. Nothing here reads q_len, so one compiled graph serves
+    every q_len of a block shape."""
     q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_idx.view(-1, 1), kv_idx.view(1, -1))
-    inside = (q_idx < q_len).view(1, -1, 1)
-    masked = ~_mask_mod_block(fn, b_idx, h_idx, q_in.clamp(max=q_len - 1), kv_in, kv_idx.device) & inside
-    return _packed_words(masked)
+    return ~_packed_words(_mask_mod_block(fn, b_idx, h_idx, q_in, kv_in, kv_idx.device))
 
 
-def _packed_words(masked: torch.Tensor) -> torch.Tensor:
-    """Each chunk of a bool block [n, rows, cols] as an int32 word [n, chunks, cols], bit r for row r
-    of the chunk (bit 31 the sign). Compiled, one int32 sum over the chunk's rows, which Inductor
-    fuses with the predicate (distinct bits never carry, so the sum is the word even where it wraps
-    past 2^31; int64 arithmetic takes two instructions a step on a GPU); eagerly, the rows summed
-    first into bytes (uint8 arithmetic: 20x faster on a CPU than the int64 sum), then four bytes
-    into a word."""
-    n, rows, cols = masked.shape
+def _packed_words(rows_set: torch.Tensor) -> torch.Tensor:
+    """Each chunk of a bool block [n, rows, cols] as an int32 word [n, chunks, cols], bit r set where
+    row r of the chunk is True (bit 31 the sign). Compiled, one int32 sum over the chunk's rows,
+    which Inductor fuses with the predicate (distinct bits never carry, so the sum is the word even
+    where it wraps past 2^31; int64 arithmetic takes two instructions a step on a GPU); eagerly, the
+    rows summed first into bytes (uint8 arithmetic: 20x faster on a CPU than the int64 sum), then
+    four bytes into a word."""
+    n, rows, cols = rows_set.shape
     chunk = MASK_MOD_CHUNK_ROWS
     if torch.compiler.is_compiling() or chunk % 8:
         # bit r by a shift of row r's 0 or 1 (1 << 31 wraps to the sign): computed in the kernel, where
         # a table of powers of two would be an operation of its own a call and a load a pair
-        row = torch.arange(chunk, dtype=torch.int32, device=masked.device).view(1, 1, chunk, 1)
-        return (masked.view(n, rows // chunk, chunk, cols).to(torch.int32) << row).sum(2, dtype=torch.int32)
-    in_byte = (2 ** torch.arange(8, device=masked.device)).to(torch.uint8).view(1, 1, 1, 8, 1)
-    by = (masked.view(n, rows // chunk, chunk // 8, 8, cols).to(torch.uint8) * in_byte).sum(3, dtype=torch.uint8)
-    in_word = (256 ** torch.arange(chunk // 8, device=masked.device)).view(1, 1, -1, 1)
+        row = torch.arange(chunk, dtype=torch.int32, device=rows_set.device).view(1, 1, chunk, 1)
+        return (rows_set.view(n, rows // chunk, chunk, cols).to(torch.int32) << row).sum(2, dtype=torch.int32)
+    in_byte = (2 ** torch.arange(8, device=rows_set.device)).to(torch.uint8).view(1, 1, 1, 8, 1)
+    by = (rows_set.view(n, rows // chunk, chunk // 8, 8, cols).to(torch.uint8) * in_byte).sum(3, dtype=torch.uint8)
+    in_word = (256 ** torch.arange(chunk // 8, device=rows_set.device)).view(1, 1, -1, 1)
     return (by.long() * in_word).sum(2).to(torch.int32)
 
 
@@ -961,9 +972,9 @@ def _column_run_count(fn, b: int, h: int, j: int, q_len: int, device) -> int:
     error names where the first pass only knew it was more than max_runs."""
     runs, above = 0, torch.zeros(1, dtype=torch.bool, device=device)
     b_idx, h_idx = torch.tensor(b, device=device), torch.tensor(h, device=device)
-    kv = torch.tensor([[j]], device=device)
+    kv = torch.tensor([[j]], dtype=torch.int32, device=device)  # int32 indices (`_mask_mod_block`)
     for q0 in range(0, q_len, MASK_MOD_BLOCK_ELEMENTS):
-        q = torch.arange(q0, min(q_len, q0 + MASK_MOD_BLOCK_ELEMENTS), device=device).view(-1, 1)
+        q = torch.arange(q0, min(q_len, q0 + MASK_MOD_BLOCK_ELEMENTS), dtype=torch.int32, device=device).view(-1, 1)
         masked = ~_mask_mod_block(fn, b_idx, h_idx, q, kv, device)[0, :, 0]
         runs += int((masked & ~torch.cat([above, masked[:-1]])).sum())
         above = masked[-1:]
@@ -1074,8 +1085,8 @@ def _broadcasts_over_pairs(fn, n_b: int, n_h: int, q_len: int, kv_len: int, devi
     first block of rows x columns, what it gives pair by pair; a function that raises so (a Python
     branch on b or h) or differs is evaluated pair by pair. The pair-by-pair block also raises a
     bad function's error first."""
-    q = torch.arange(min(q_len, 64), device=device)
-    kv = torch.arange(min(kv_len, 64), device=device)
+    q = torch.arange(min(q_len, 64), dtype=torch.int32, device=device)  # int32 indices (`_mask_mod_block`)
+    kv = torch.arange(min(kv_len, 64), dtype=torch.int32, device=device)
     one_by_one = torch.cat([
         _mask_mod_block(fn, torch.tensor(i // n_h, device=device), torch.tensor(i % n_h, device=device),
                         q.view(-1, 1), kv.view(1, -1), device)
