@@ -10,7 +10,7 @@ Switches:
     PYTHONPATH=$PWD python3 -m tools.backward_ab --switch keys_on_rows [--alibi]
 
 - `dkv_tma`: configs.HOPPER_BACKWARD_DKV_TMA, dK and dV out by element stores against TMA stores.
-- `early_v`: configs.HOPPER_BACKWARD_EARLY_V, V released with K against after the walk's last dP.
+- `early_v`: configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS, V released with K against after the walk's last dP.
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
@@ -37,7 +37,7 @@ from tools.forward_ab import peer_inputs
 SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows"), (False, True)),
     "dkv_tma": ("HOPPER_BACKWARD_DKV_TMA", ("element stores", "TMA stores"), (False, True)),
-    "early_v": ("HOPPER_BACKWARD_EARLY_V", ("V with K", "V early"), (False, True)),
+    "early_v": ("HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", ("V with K", "V early"), (frozenset(), frozenset({64, 128}))),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 SHORT_CASES = ((512, 32), (1024, 16), (2048, 8))

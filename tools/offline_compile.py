@@ -137,7 +137,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     keys_on_rows = bc.hopper_backward_keys_on_rows(head_dim, q_step, term_consts["SOFTCAP"], 1024, runs)
     stats_desc = bh._stats_descriptor(torch.empty(8, 2, 1024), q_step) if keys_on_rows else dqd
     dkv_tma = (bc.HOPPER_BACKWARD_DKV_TMA if dkv_tma is None else dkv_tma) and with_dq and not split
-    early_v = bc.HOPPER_BACKWARD_EARLY_V if early_v is None else early_v
+    early_v = bc.hopper_backward_early_v(head_dim) if early_v is None else early_v
     dkv_desc = fh._descriptor(k, bh.KV_ROWS // 2, 64)[0] if dkv_tma else dqd
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, sums_desc=sums, stats_desc=stats_desc,
                 dk_desc=dkv_desc, dv_desc=dkv_desc, STATS=torch.empty(8),

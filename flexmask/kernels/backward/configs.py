@@ -136,8 +136,16 @@ def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: 
 # where the copy engine can write them in K's layout, rather than by per-element stores.
 HOPPER_BACKWARD_DKV_TMA = True
 # V released after a walk's last dP, so that the next item's V loads during the last step's dK and dQ
-# products and the epilogue (hopper._load_kv); K after the last dQ.
-HOPPER_BACKWARD_EARLY_V = True
+# products and the epilogue (hopper._load_kv); K after the last dQ. At D = 128 only: on an H200
+# (python -m tools.backward_ab --switch early_v [--short] [--head-dim 64]) it gained 0.997-1.018x at
+# 8K-32K and was mixed at 512-2K (0.970-1.045x) at D = 128; at D = 64, where it adds spills (offline
+# 156/216 -> 172/252 bytes), 0.974-1.014x (docs/performance.md, section 5).
+HOPPER_BACKWARD_EARLY_V_HEAD_DIMS = frozenset({128})
+
+
+def hopper_backward_early_v(head_dim: int) -> bool:
+    """Whether the Hopper backward releases V after a walk's last dP (HOPPER_BACKWARD_EARLY_V_HEAD_DIMS)."""
+    return head_dim in HOPPER_BACKWARD_EARLY_V_HEAD_DIMS
 
 # The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP
 # in a basic block of its own (`if Sk > 0`, its else a wait that never runs), so that ptxas cannot

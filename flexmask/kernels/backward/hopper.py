@@ -870,7 +870,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.HOPPER_BACKWARD_EARLY_V,
+        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
         num_warps=4, maxnreg=168,
     )
     if split:
