@@ -499,3 +499,31 @@ def test_backward_launch_stores_dk_and_dv_by_tma_where_the_copy_engine_can(monke
             assert list(desc.shape) == list(k_desc.shape) and list(desc.strides) == list(k_desc.strides)
     else:
         assert dk_desc is dq_desc and dv_desc is dq_desc
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("head_dims", [frozenset(), frozenset({128}), frozenset({64, 128})])
+def test_backward_launch_releases_v_early_at_the_configured_head_dims(monkeypatch, d, head_dims):
+    """backward_hopper hands the kernel EARLY_V where configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS
+    holds the head dim (D = 128 by default: at 64 it measured slower). Recorded, not run."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flexmask.kernels.backward import configs
+    from flexmask.kernels.common import scheduler
+
+    calls = []
+    monkeypatch.setattr(backward_hopper, "_BACKWARD_HOPPER_LAUNCH", lambda grid, *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(backward_hopper, "_num_sms", lambda index: 4)
+    monkeypatch.setattr(scheduler, "counters", lambda device: torch.zeros(2, dtype=torch.int32))
+    monkeypatch.setattr(configs, "HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", head_dims)
+    q = torch.randn(1, 2, 256, d, dtype=torch.bfloat16)
+    cm = compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
+    backward_hopper.backward_hopper(q, q, q, q, torch.zeros(2, 2, 256), torch.zeros(2, 256, d), torch.empty_like(q),
+                                    torch.empty_like(q), cm, d ** -0.5, (0, 1, 0))
+    (_, kwargs), = calls
+    assert kwargs["EARLY_V"] is (d in head_dims)
+
+
+def test_early_v_default_is_the_measured_one():
+    from flexmask.kernels.backward import configs
+
+    assert configs.hopper_backward_early_v(128) and not configs.hopper_backward_early_v(64)

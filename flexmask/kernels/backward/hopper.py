@@ -25,6 +25,11 @@ matrix products with the tensor cores idle. Here, as in the Hopper forward:
   dS are in shared memory, each warpgroup computes
       dQ[:, half]  = dS K[:, half]  [64 q, D / 2]   (at D = 64 one takes all of dQ, in turns)
   and adds it to the fp32 dQ buffer with a TMA bulk reduction (no per-element atomics).
+An item's dK and dV leave through shared memory (the dQ buffers, free between items) by TMA
+stores that run on while the next item starts (`_store_rows`, configs.HOPPER_BACKWARD_DKV_TMA); at
+D = 128 V is released after the walk's last dP, so that the next item's V loads during the last
+step (configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS). Short walks (S = 512: 1-4 tiles an item) gained
+most: docs/performance.md, section 5.
 Masks come from the same column intervals, turned into one word of masked rows per key as in
 the Hopper forward (`forward_hopper._row_words`); with k runs per column (NUM_RUNS > 2) the words
 are OR-ed over the runs, read from the tables at every step.
