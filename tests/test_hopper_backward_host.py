@@ -458,21 +458,28 @@ def test_dq_pass_default_at_128_keeps_the_wait_in_line(wait_schedules):
     assert _spill_bytes(on["report"]) == 0, on
 
 
-@pytest.mark.parametrize("case", ["dense", "bshd", "strided_dk", "no_dq", "split"])
-def test_backward_launch_stores_dk_and_dv_by_tma_where_the_copy_engine_can(monkeypatch, case):
-    """backward_hopper hands the kernel DKV_TMA with descriptors of dk and dv in 64-row,
-    64-column boxes in K's coordinates ((B, H, S, D) and (B, S, H, D) alike); a dk the copy engine
-    cannot write (a column stride), a launch without dQ (no staging buffers of its own) or a split
-    GQA group (its dK/dV go to fp32 sums) keep element stores, the descriptor slots then holding
-    the dQ buffer's (never read). The launch is recorded, not run."""
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """backward_hopper's launches recorded (arguments, keyword arguments), not run, on 4 SMs."""
     pytest.importorskip("triton.experimental.gluon")
-    from flexmask.kernels.backward import configs
     from flexmask.kernels.common import scheduler
 
     calls = []
     monkeypatch.setattr(backward_hopper, "_BACKWARD_HOPPER_LAUNCH", lambda grid, *a, **kw: calls.append((a, kw)))
     monkeypatch.setattr(backward_hopper, "_num_sms", lambda index: 4)
     monkeypatch.setattr(scheduler, "counters", lambda device: torch.zeros(2, dtype=torch.int32))
+    return calls
+
+
+@pytest.mark.parametrize("case", ["dense", "bshd", "strided_dk", "no_dq", "split"])
+def test_backward_launch_stores_dk_and_dv_by_tma_where_the_copy_engine_can(monkeypatch, recorded_launches, case):
+    """backward_hopper hands the kernel DKV_TMA with descriptors of dk and dv in 64-row,
+    64-column boxes in K's coordinates ((B, H, S, D) and (B, S, H, D) alike); a dk the copy engine
+    cannot write (a column stride), a launch without dQ (no staging buffers of its own) or a split
+    GQA group (its dK/dV go to fp32 sums) keep element stores, the descriptor slots then holding
+    the dQ buffer's (never read). The launch is recorded, not run."""
+    from flexmask.kernels.backward import configs
+
     monkeypatch.setattr(configs, "HOPPER_BACKWARD_DKV_TMA", True)
     b, hq, hkv, sq, sk, d = 2, 4, 2, 200, 300, 128
     if case == "split":
@@ -488,7 +495,7 @@ def test_backward_launch_stores_dk_and_dv_by_tma_where_the_copy_engine_can(monke
     dq_acc = None if case == "no_dq" else torch.zeros(b * hq, sq, d)
     backward_hopper.backward_hopper(q, k, k, q, torch.zeros(b * hq, 2, sq), dq_acc, dk, dv, cm, d ** -0.5,
                                     (0, 1, 0))
-    (args, kwargs), = calls
+    (args, kwargs), = recorded_launches
     want = case in ("dense", "bshd")
     assert kwargs["DKV_TMA"] is want
     dq_desc, dk_desc, dv_desc = args[4], args[7], args[8]
@@ -503,23 +510,17 @@ def test_backward_launch_stores_dk_and_dv_by_tma_where_the_copy_engine_can(monke
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("head_dims", [frozenset(), frozenset({128}), frozenset({64, 128})])
-def test_backward_launch_releases_v_early_at_the_configured_head_dims(monkeypatch, d, head_dims):
+def test_backward_launch_releases_v_early_at_the_configured_head_dims(monkeypatch, recorded_launches, d, head_dims):
     """backward_hopper hands the kernel EARLY_V where configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS
     holds the head dim (D = 128 by default: at 64 it measured slower). Recorded, not run."""
-    pytest.importorskip("triton.experimental.gluon")
     from flexmask.kernels.backward import configs
-    from flexmask.kernels.common import scheduler
 
-    calls = []
-    monkeypatch.setattr(backward_hopper, "_BACKWARD_HOPPER_LAUNCH", lambda grid, *a, **kw: calls.append((a, kw)))
-    monkeypatch.setattr(backward_hopper, "_num_sms", lambda index: 4)
-    monkeypatch.setattr(scheduler, "counters", lambda device: torch.zeros(2, dtype=torch.int32))
     monkeypatch.setattr(configs, "HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", head_dims)
     q = torch.randn(1, 2, 256, d, dtype=torch.bfloat16)
     cm = compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
     backward_hopper.backward_hopper(q, q, q, q, torch.zeros(2, 2, 256), torch.zeros(2, 256, d), torch.empty_like(q),
                                     torch.empty_like(q), cm, d ** -0.5, (0, 1, 0))
-    (_, kwargs), = calls
+    (_, kwargs), = recorded_launches
     assert kwargs["EARLY_V"] is (d in head_dims)
 
 
