@@ -211,7 +211,7 @@ def _store_rows(dk_desc, dv_desc, dq_lo_smem, dq_hi_smem, dk, dv, x, row0, col0,
     """Store a warpgroup's [ROWS, HEAD_DIM] dK and dV, in the inputs' dtype, by TMA in 64-column
     boxes staged in its half of the dQ buffers (as `_add_to_sums`): the stores run on while the
     next item starts, and rows past Sk fall outside the descriptors. With per-element stores (64-bit
-    addresses, a mask a row) the D = 128 kernel had 3236 instructions, with these 2789 (offline SASS)."""
+    addresses, a mask a row) the D = 128 kernel had 3236 PTX instructions, with these 2789 (offline)."""
     ROWS: gl.constexpr = dk.shape[0]
     HEAD_DIM: gl.constexpr = dk.shape[1]
     lo_bufs, hi_bufs, mine, PER_WG = _staging_boxes(dq_lo_smem, dq_hi_smem, dk_desc, ROWS, WG)
