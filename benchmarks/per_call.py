@@ -51,18 +51,49 @@ START, END = "<!-- per-call:start -->", "<!-- per-call:end -->"  # README: the s
 FULL_START, FULL_END = "<!-- per-call-full:start -->", "<!-- per-call-full:end -->"  # docs/results.md: every case
 
 
+def _round_ms(fn: Callable, calls: int, sync: Callable) -> float:
+    """Wall time of `calls` calls with one synchronize at the end, ms a call."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
 def wall_ms(fn: Callable, calls: int, rounds: int = 3) -> float:
     """Median over rounds of (wall time of `calls` calls, one synchronize at the end) / calls."""
     fn()
     torch.cuda.synchronize()
-    times = []
+    return statistics.median(_round_ms(fn, calls, torch.cuda.synchronize) for _ in range(rounds))
+
+
+def interleaved_wall_ms(steps: dict, calls: int, rounds: int = 3, sync: Callable = None) -> dict:
+    """`wall_ms` of several steps, name -> (step, with gradients), their rounds taken in turn: round
+    r times every step once, in order, so that a drift of the host's speed (it moves step to step
+    on these machines: docs/performance.md, section 7) reaches every provider of a row alike rather
+    than the ones timed in its slow minutes. name -> ms, or the error status of a step that raised
+    (its row says so; the others go on). `sync`: torch.cuda.synchronize unless given."""
+    sync = torch.cuda.synchronize if sync is None else sync
+    out, times = {}, {}
+    for name, (fn, grad) in steps.items():  # warm-up, and the steps that cannot run at all
+        try:
+            with torch.set_grad_enabled(grad):
+                fn()
+            sync()
+            times[name] = []
+        except Exception as err:  # a provider that cannot run this shape: say so in the row
+            out[name] = error_status(err, 120)
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / calls * 1e3)
-    return statistics.median(times)
+        for name in [n for n in times if n not in out]:
+            fn, grad = steps[name]
+            try:
+                with torch.set_grad_enabled(grad):
+                    times[name].append(_round_ms(fn, calls, sync))
+            except Exception as err:
+                out[name] = error_status(err, 120)
+    for name, samples in times.items():
+        out.setdefault(name, statistics.median(samples))
+    return {name: out[name] for name in steps}
 
 
 def _causal_mask_mod(b, h, q_idx, kv_idx):
@@ -149,14 +180,13 @@ def measure(calls: int, seq_lens: Sequence[int], env: dict, log=print,
     rows = []
     d, dtype = 128, torch.bfloat16
 
-    def add(case, seq_len, batch, hq, hkv, provider, fn):
-        try:
-            ms = f"{wall_ms(fn, calls):.4f}"
-        except Exception as err:  # a provider that cannot run this shape: say so in the row
-            ms = error_status(err, 120)
-        rows.append({**env, "case": case, "seq_len": seq_len, "batch": batch, "heads_q": hq, "heads_kv": hkv,
-                     "head_dim": d, "provider": provider, "ms": ms})
-        log(f"{case:18s} S={seq_len:6d} B={batch:3d} H={hq}/{hkv} {provider:18s} {ms}")
+    def add(case, seq_len, batch, hq, hkv, steps):
+        """One row a provider of `steps` (name -> (step, with gradients)), timed in turn."""
+        for provider, ms in interleaved_wall_ms(steps, calls).items():
+            ms = ms if isinstance(ms, str) else f"{ms:.4f}"
+            rows.append({**env, "case": case, "seq_len": seq_len, "batch": batch, "heads_q": hq, "heads_kv": hkv,
+                         "head_dim": d, "provider": provider, "ms": ms})
+            log(f"{case:18s} S={seq_len:6d} B={batch:3d} H={hq}/{hkv} {provider:18s} {ms}")
 
     for document in (False, True) if "training" in cases else ():
         for hq, hkv in HEADS:
@@ -164,21 +194,17 @@ def measure(calls: int, seq_lens: Sequence[int], env: dict, log=print,
                 batch = max(1, TOKENS // seq_len)
                 q, k, v, do = training_inputs(batch, hq, hkv, seq_len, d, dtype)
                 suffix = "_document" if document else ""
-                for name, attn in training_providers(seq_len, batch, hq, hkv, d, document).items():
-                    for case, backward in (("fwd_bwd", True), ("fwd", False)):
-                        if backward:
-                            add(case + suffix, seq_len, batch, hq, hkv, name, _step(attn, q, k, v, do, True))
-                        else:
-                            with torch.no_grad():
-                                add(case + suffix, seq_len, batch, hq, hkv, name, _step(attn, q, k, v, do, False))
+                providers = training_providers(seq_len, batch, hq, hkv, d, document)
+                for case, backward in (("fwd_bwd", True), ("fwd", False)):
+                    add(case + suffix, seq_len, batch, hq, hkv,
+                        {name: (_step(attn, q, k, v, do, backward), backward) for name, attn in providers.items()})
     hq, hkv = 32, 8
     for batch, sk in DECODE if "decode" in cases else ():
         q = torch.randn(batch, hq, 1, d, device="cuda", dtype=dtype)
         k = torch.randn(batch, hkv, sk, d, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
-        with torch.no_grad():
-            for name, attn in decode_providers(batch, sk, hq, hkv).items():
-                add("decode", sk, batch, hq, hkv, name, _step(attn, q, k, v, None, False))
+        add("decode", sk, batch, hq, hkv,
+            {name: (_step(attn, q, k, v, None, False), False) for name, attn in decode_providers(batch, sk, hq, hkv).items()})
     return rows
 
 

@@ -100,3 +100,33 @@ def test_table_takes_each_case_from_its_last_run(tmp_path):
     text = per_call.table(rows)
     assert "0.300" in text and "0.050" in text and "0.900" not in text and "OTHER GPU" not in text
     assert "fwd: " in text and "`full run`" in text and "decode: " in text and "`decode run`" in text
+
+
+def test_interleaved_rounds_take_the_providers_in_turn(monkeypatch):
+    """interleaved_wall_ms times round r of every step before round r + 1 of any (a drift of the
+    host's speed reaches all providers of a row alike), runs each under its own grad mode, keeps a
+    step that raises as its error status while the others go on, and gives each step's median
+    round in ms a call (a fake clock: one second per call of step "b")."""
+    import torch
+
+    order, grad_modes, clock = [], {}, [0.0]
+    monkeypatch.setattr(per_call.time, "perf_counter", lambda: clock[0])
+
+    def step(name, seconds):
+        def fn():
+            order.append(name)
+            grad_modes[name] = torch.is_grad_enabled()
+            clock[0] += seconds
+        return fn
+
+    def broken():
+        raise RuntimeError("no kernel for this shape")
+
+    steps = {"a": (step("a", 0.002), True), "bad": (broken, True), "b": (step("b", 1.0), False)}
+    out = per_call.interleaved_wall_ms(steps, calls=2, rounds=3, sync=lambda: None)
+    assert list(out) == ["a", "bad", "b"]
+    assert out["bad"].startswith("error: RuntimeError: no kernel")
+    assert abs(out["a"] - 2.0) < 1e-9 and abs(out["b"] - 1000.0) < 1e-9
+    # warm-ups a, b; then rounds of two calls each, a before b in every round
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    assert grad_modes == {"a": True, "b": False}
