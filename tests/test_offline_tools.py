@@ -121,3 +121,25 @@ def test_ab_runs_each_tree_from_its_own_directory(tmp_path):
     lines = [line for line in run.stdout.splitlines() if ": tree " in line]
     assert lines == ["A r1: tree a", "B r1: tree b", "A r2: tree a", "B r2: tree b"], run.stdout
     assert f"A r1: imports {tmp_path / 'a' / 'flexmask'}" in run.stdout, run.stdout
+
+
+def test_ab_adds_b_extra_to_side_b_only(tmp_path):
+    """tools/gpu_jobs/ab.sh with B_EXTRA: the A/B of a switch within one tree, side B's command
+    given the extra arguments, side A's not."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    (tmp_path / "t" / "flexmask").mkdir(parents=True)
+    (tmp_path / "t" / "flexmask" / "__init__.py").write_text("")
+    (tmp_path / "t" / "args.py").write_text("import sys\nprint('args', sys.argv[1:])\n")
+    env = {**os.environ, "NEED_GPUS": "0", "ROUNDS": "1", "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+           "B_EXTRA": "--words-by-row"}
+    run = subprocess.run(["bash", "tools/gpu_jobs/ab.sh", str(tmp_path / "t"), str(tmp_path / "t"), "--",
+                          sys.executable, "-m", "args", "--seq-len", "8"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stdout.splitlines() if ": args " in line]
+    assert lines == ["A r1: args ['--seq-len', '8']", "B r1: args ['--seq-len', '8', '--words-by-row']"], run.stdout

@@ -9,6 +9,9 @@
 # directory first on sys.path, so a command started from the repository root imports the root's
 # flexmask whatever PYTHONPATH says (docs/performance.md, section 12, an A/B that measured one tree
 # twice). Each side first prints the flexmask it imports, so that a log shows which code ran.
+# B_EXTRA: arguments added to side B's command, for the A/B of a switch within one tree:
+#
+#   B_EXTRA=--words-by-row bash tools/gpu_jobs/ab.sh . . -- python3 -m tools.mask_mod_compile_time --device cuda
 set -uo pipefail
 . tools/gpu_jobs/setup.sh
 if [ $# -lt 4 ] || [ "$3" != "--" ]; then
@@ -19,13 +22,13 @@ A=$(cd "$1" && pwd)
 B=$(cd "$2" && pwd)
 shift 3
 for round in $(seq 1 "${ROUNDS:-2}"); do
-    for tree in "$A" "$B"; do
-        name=$([ "$tree" = "$A" ] && echo A || echo B)
+    for name in A B; do
+        tree=$([ "$name" = A ] && echo "$A" || echo "$B")
         (
             cd "$tree" || exit 1
             export PYTHONPATH=$tree
             "$PYTHON" -c "import flexmask, os; print('imports', os.path.dirname(flexmask.__file__))"
-            "$@"
+            if [ "$name" = B ]; then "$@" ${B_EXTRA:-}; else "$@"; fi
         ) 2>&1 | grep -v -i warn | sed "s|^|$name r$round: |"
     done
 done
