@@ -855,8 +855,15 @@ def _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, together: bool) -> torch.Tens
     a sum after it (Inductor fuses the two): the attended rows are packed and the word inverted, an
     operation a word, not a negation a pair. Nothing here reads q_len, so one compiled graph serves
     every q_len of a block shape."""
-    q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_idx.view(-1, 1), kv_idx.view(1, -1))
-    return ~_packed_words(_mask_mod_block(fn, b_idx, h_idx, q_in, kv_in, kv_idx.device))
+    return ~_packed_words(_mask_mod_block(fn, b_idx, h_idx, *_block_indices(q_idx, kv_idx, together), kv_idx.device))
+
+
+def _block_indices(q_idx, kv_idx, together: bool):
+    """q_idx [rows] and kv_idx [cols] as `_mask_mod_block` broadcasts them: [1, rows, 1] and
+    [1, 1, cols] beside b and h of every pair (together), else [rows, 1] and [1, cols]."""
+    if together:
+        return q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)
+    return q_idx.view(-1, 1), kv_idx.view(1, -1)
 
 
 # The compiled first pass as `_masked_words_by_row` (read when a mask_mod's code is first compiled).
@@ -874,8 +881,7 @@ def _masked_words_by_row(fn, b_idx, h_idx, q_idx, kv_idx, together: bool) -> tor
     rows = q_idx.view(-1, MASK_MOD_CHUNK_ROWS)
     word = None
     for r in range(MASK_MOD_CHUNK_ROWS):
-        q_r = rows[:, r]
-        q_in, kv_in = (q_r.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_r.view(-1, 1), kv_idx.view(1, -1))
+        q_in, kv_in = _block_indices(rows[:, r], kv_idx, together)
         bit = _mask_mod_block(fn, b_idx, h_idx, q_in, kv_in, kv_idx.device).to(torch.int32) << r
         word = bit if word is None else word | bit
     return ~word
