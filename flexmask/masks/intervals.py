@@ -869,7 +869,9 @@ def _block_indices(q_idx, kv_idx, together: bool):
 # The compiled first pass as `_masked_words_by_row` (read when a mask_mod's code is first compiled).
 # An experiment, off: Inductor's persistent reduction over a word's 32 rows spent ~68 instructions a
 # pair on the global tokens (docs/performance.md, section 12), the rows spread over lanes and summed
-# across them; unrolled, each thread builds whole words and loads a column's terms once a word.
+# across them; unrolled, each thread builds whole words and loads a column's terms once a word. On an
+# H200 it won only where the predicate gathers per pair (the global tokens' 128K compile 27-28 -> 20-23
+# ms), lost 9-16% on arithmetic ones (NATTEN, the dilated window) and compiled 2-8x longer the first time.
 MASK_MOD_WORDS_BY_ROW = False
 
 
