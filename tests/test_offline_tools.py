@@ -143,3 +143,24 @@ def test_ab_adds_b_extra_to_side_b_only(tmp_path):
     assert run.returncode == 0, run.stderr
     lines = [line for line in run.stdout.splitlines() if ": args " in line]
     assert lines == ["A r1: args ['--seq-len', '8']", "B r1: args ['--seq-len', '8', '--words-by-row']"], run.stdout
+
+
+def test_l2_share_sweep_times_unhoisted_lists_and_puts_the_lists_back(monkeypatch):
+    """tools.l2_share_sweep --hoist: the unhoisted side builds its work lists with hoist = 0 and the
+    hoisted side with the caller's hoist, in turn; the modules' work-list functions are restored after."""
+    from flexmask.kernels.backward import hopper as backward_hopper
+    from flexmask.kernels.forward import hopper as forward_hopper
+    from tools import l2_share_sweep
+
+    hoists = []
+    monkeypatch.setattr(forward_hopper, "work_list", lambda *a, hoist=0: hoists.append(("fwd", hoist)))
+    monkeypatch.setattr(backward_hopper, "backward_work_list", lambda *a, hoist=0: hoists.append(("bwd", hoist)))
+    kept = (forward_hopper.work_list, backward_hopper.backward_work_list)
+    runs = {"fwd": lambda: forward_hopper.work_list(None, hoist=132),
+            "bwd": lambda: backward_hopper.backward_work_list(None, hoist=132)}
+    monkeypatch.setattr(l2_share_sweep.triton.testing, "do_bench", lambda fn, **_: fn() or 1.0)
+    best = {}
+    l2_share_sweep._time_hoist(runs, best)
+    assert hoists == [("fwd", 132), ("bwd", 132), ("fwd", 0), ("bwd", 0)] * 2
+    assert set(best) == {("fwd", True), ("bwd", True), ("fwd", False), ("bwd", False)}
+    assert (forward_hopper.work_list, backward_hopper.backward_work_list) == kept

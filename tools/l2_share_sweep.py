@@ -3,11 +3,15 @@ cases) with `L2_SHARE_BYTES` (the K/V, or Q/dO, bytes of the heads whose items r
 forward_hopper.work_list, backward_hopper.backward_work_list) at 6, 12, 24 (the default), 48 and
 96 MB. D = 128, bf16, 8K and 32K tokens a batch, heads 16/16 and 32/8; best of two interleaved
 do_bench runs a value, printed as TFLOP/s at 24 MB and each other value's speed-up over it.
+`--hoist` instead times the lists as they are (the P heaviest items hoisted ahead of the chunks,
+forward_hopper.heaviest_first) against none hoisted, the share at its default.
 
-    PYTHONPATH=$PWD python3 -m tools.l2_share_sweep
+    PYTHONPATH=$PWD python3 -m tools.l2_share_sweep [--hoist]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import triton
@@ -26,9 +30,19 @@ CASES = ((8192, 4), (32768, 1))
 HEADS = ((16, 16), (32, 8))
 FAMILIES = ("causal", "full", "causal_document", "sliding_window_1024")
 MODULES = {"fwd": forward_hopper, "bwd": backward_hopper}
+LISTS = {"fwd": "work_list", "bwd": "backward_work_list"}
 
 
-def main() -> int:
+def _unhoisted(direction: str):
+    """The direction's work-list function with no item hoisted."""
+    listed = getattr(MODULES[direction], LISTS[direction])
+    return lambda *args, **kwargs: listed(*args, **{**kwargs, "hoist": 0})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hoist", action="store_true", help="hoisted against none, instead of the shares")
+    args = parser.parse_args(argv)
     require_cuda("tools.l2_share_sweep")
     print(torch.cuda.get_device_name(), flush=True)
     for S, B in CASES:
@@ -42,6 +56,14 @@ def main() -> int:
                         "bwd": lambda: attention_backward(do, None, q, k, v, o, lse, cm, 0.125, deterministic=False,
                                                           kernel="hopper")}
                 best = {}
+                if args.hoist:
+                    _time_hoist(runs, best)
+                    print(f"{family:20s} S={S} {hq}/{hkv}: " + "; ".join(
+                        f"{direction} hoisted {flops[direction] / best[direction, True] / 1e9:6.1f} TF, "
+                        f"none x{best[direction, True] / best[direction, False]:.3f}" for direction in MODULES),
+                        flush=True)
+                    del q, k, v, do, o, lse
+                    continue
                 try:
                     for _ in range(2):
                         for mb in SHARES_MB:
@@ -61,6 +83,21 @@ def main() -> int:
                           f"{flops[direction] / base / 1e9:6.1f} TF; {others}", flush=True)
                 del q, k, v, do, o, lse
     return 0
+
+
+def _time_hoist(runs, best) -> None:
+    """Best of two interleaved runs with the work lists hoisted (True) and not (False)."""
+    kept = {direction: getattr(module, LISTS[direction]) for direction, module in MODULES.items()}
+    try:
+        for _ in range(2):
+            for hoisted in (True, False):
+                for direction, module in MODULES.items():
+                    setattr(module, LISTS[direction], kept[direction] if hoisted else _unhoisted(direction))
+                    ms = triton.testing.do_bench(runs[direction], warmup=20, rep=120)
+                    best[direction, hoisted] = min(ms, best.get((direction, hoisted), float("inf")))
+    finally:
+        for direction, module in MODULES.items():
+            setattr(module, LISTS[direction], kept[direction])
 
 
 if __name__ == "__main__":
