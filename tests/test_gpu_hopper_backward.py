@@ -164,6 +164,48 @@ def test_gqa_items_split_or_whole(split, per_item, b, hq, hkv, sq, sk, d, layout
     _check(family, b, hq, hkv, sq, sk, torch.bfloat16, layout, seed=sq + hq, d=d)
 
 
+@pytest.mark.parametrize(
+    "split,per_item,b,hq,hkv,sq,sk,family",
+    [
+        (False, 1, 2, 4, 4, 700, 700, "causal"),
+        (False, 1, 1, 8, 2, 1537, 1537, "document"),  # items of a whole GQA group: several heads' walks
+        (True, 1, 1, 8, 2, 1537, 1537, "causal"),
+        (True, 2, 2, 4, 2, 1300, 700, "prefix_lm_document"),
+        (False, 1, 1, 4, 2, 300, 1999, "sliding_window"),  # Sq < Sk: kv-blocks no query sees, items of no step
+        (False, 1, 2, 4, 4, 4096, 4096, "random_eviction"),  # many items a program: ds_ready's phases wrap
+    ],
+)
+def test_v_released_by_ds_ready(split, per_item, b, hq, hkv, sq, sk, family, monkeypatch):
+    """configs.HOPPER_BACKWARD_V_BY_DS (D = 128, keys on the rows, early V): the producer takes V as
+    free from ds_ready's phase of the step before an item's first instead of v_empty. The gradients
+    match the reference, and dK/dV equal the v_empty kernel's bit for bit where the group is whole
+    (the release's timing changes no arithmetic; split items add their dK/dV in fp32 in any order)."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels.backward import configs, hopper
+
+    monkeypatch.setattr(configs, "HOPPER_SPLIT_GROUP", split)
+    monkeypatch.setattr(configs, "SPLIT_GROUP_HEADS", per_item)
+    assert hopper.splits_group(hq, hkv, sq) is split and configs.hopper_backward_early_v(128)
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, 128, torch.bfloat16, seed=sq))
+    do = torch.randn(b, hq, sq, 128, generator=torch.Generator().manual_seed(sq + 1)).to(torch.bfloat16).cuda()
+    mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=sq)
+    cm = compile_mask(mask, sq, sk, device="cuda")
+    grads = {}
+    for on in (False, True):
+        monkeypatch.setattr(configs, "HOPPER_BACKWARD_V_BY_DS", on)
+        grads[on] = _grads(q, k, v, do, cm, 128 ** -0.5, "hopper")
+        torch.cuda.synchronize()
+    ref64 = reference_grads(q, k, v, mask, do)[2:]
+    low = reference_grads(q, k, v, mask, do, dtype=torch.bfloat16)[2:]
+    floor = default_floor(torch.bfloat16, gradient=True)
+    for name, g, r, l in zip(("dq", "dk", "dv"), grads[True], ref64, low):
+        assert_close_to_reference(g, r, l, floor, name)
+    if not split:
+        for name, a, c in zip(("dk", "dv"), grads[False][1:], grads[True][1:]):
+            assert torch.equal(a, c), f"{name}: the V release by ds_ready changed the arithmetic"
+
+
 def test_default_items_of_two_heads():
     """The defaults at head dim 64 in a GQA group of 8 from SPLIT_GROUP_MIN_ROWS rows: split items
     of two query heads each (configs.SPLIT_GROUP_HEADS = "auto"), matching the reference."""

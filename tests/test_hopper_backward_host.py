@@ -524,6 +524,40 @@ def test_backward_launch_releases_v_early_at_the_configured_head_dims(monkeypatc
     assert kwargs["EARLY_V"] is (d in head_dims)
 
 
+@pytest.mark.parametrize("switch", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("with_dq", [False, True])
+def test_backward_launch_releases_v_by_ds_ready_where_it_can(monkeypatch, recorded_launches, switch, d, with_dq):
+    """backward_hopper hands the kernel V_BY_DS (the producer reading V's release from ds_ready)
+    only with the switch on, early V, keys on the rows and dQ: ds_ready is arrived every step by
+    both warpgroups only there. Recorded, not run."""
+    from flexmask.kernels.backward import configs
+
+    monkeypatch.setattr(configs, "HOPPER_BACKWARD_V_BY_DS", switch)
+    q = torch.randn(1, 2, 256, d, dtype=torch.bfloat16)
+    cm = compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
+    dq_acc = torch.zeros(2, 256, d) if with_dq else None
+    backward_hopper.backward_hopper(q, q, q, q, torch.zeros(2, 2, 256), dq_acc, torch.empty_like(q),
+                                    torch.empty_like(q), cm, d ** -0.5, (0, 1, 0))
+    (_, kwargs), = recorded_launches
+    assert kwargs["V_BY_DS"] is (switch and d == 128 and with_dq)
+    assert kwargs["EARLY_V"] is (d == 128) and kwargs["KEYS_ON_ROWS"] is (d == 128)
+
+
+def test_v_by_ds_rule():
+    from flexmask.kernels.backward import configs
+
+    assert not configs.HOPPER_BACKWARD_V_BY_DS  # off until timed
+    assert not configs.hopper_backward_v_by_ds(True, True, True)
+    configs.HOPPER_BACKWARD_V_BY_DS = True
+    try:
+        assert configs.hopper_backward_v_by_ds(True, True, True)
+        for args in ((False, True, True), (True, False, True), (True, True, False)):
+            assert not configs.hopper_backward_v_by_ds(*args)
+    finally:
+        configs.HOPPER_BACKWARD_V_BY_DS = False
+
+
 def test_early_v_default_is_the_measured_one():
     from flexmask.kernels.backward import configs
 

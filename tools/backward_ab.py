@@ -11,6 +11,8 @@ Switches:
 
 - `dkv_tma`: configs.HOPPER_BACKWARD_DKV_TMA, dK and dV out by element stores against TMA stores.
 - `early_v`: configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS, V released with K against after the walk's last dP.
+- `v_by_ds`: configs.HOPPER_BACKWARD_V_BY_DS, early V's release by v_empty arrives (two warpgroup
+  barriers a step) against the producer reading it from ds_ready (D = 128).
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
@@ -38,6 +40,7 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows"), (False, True)),
     "dkv_tma": ("HOPPER_BACKWARD_DKV_TMA", ("element stores", "TMA stores"), (False, True)),
     "early_v": ("HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", ("V with K", "V early"), (frozenset(), frozenset({64, 128}))),
+    "v_by_ds": ("HOPPER_BACKWARD_V_BY_DS", ("v_empty", "ds_ready"), (False, True)),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 SHORT_CASES = ((512, 32), (1024, 16), (2048, 8))

@@ -147,6 +147,20 @@ def hopper_backward_early_v(head_dim: int) -> bool:
     """Whether the Hopper backward releases V after a walk's last dP (HOPPER_BACKWARD_EARLY_V_HEAD_DIMS)."""
     return head_dim in HOPPER_BACKWARD_EARLY_V_HEAD_DIMS
 
+# Early V without an arrive in the step: the producer takes V as free once the previous item's last
+# step has put its dS in shared memory (ds_ready's phase of that step: both warpgroups' dP^T, the
+# last reads of V, are done by then) instead of waiting for v_empty. Each mbarrier.arrive costs its
+# warpgroup a barrier before it, and Triton's barrier analysis adds one after it when a wgmma follows:
+# the predicated v_empty arrive put two `bar.sync`s in every step (offline, sm_90, D = 128: 8 a step,
+# 6 without early V). Off until timed (python -m tools.backward_ab --switch v_by_ds).
+HOPPER_BACKWARD_V_BY_DS = False
+
+
+def hopper_backward_v_by_ds(early_v: bool, keys_on_rows: bool, with_dq: bool) -> bool:
+    """Whether the Hopper backward's producer reads V's release from ds_ready (HOPPER_BACKWARD_V_BY_DS):
+    with early V, keys on the rows and dQ (ds_ready is arrived by both warpgroups every step only there)."""
+    return HOPPER_BACKWARD_V_BY_DS and early_v and keys_on_rows and with_dq
+
 # The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP
 # in a basic block of its own (`if Sk > 0`, its else a wait that never runs), so that ptxas cannot
 # hoist it above P's exponentials (offline SASS, python -m tools.offline_compile waits: 0 of a half
