@@ -542,6 +542,11 @@ def test_backward_launch_releases_v_by_ds_ready_where_it_can(monkeypatch, record
     (_, kwargs), = recorded_launches
     assert kwargs["V_BY_DS"] is (switch and d == 128 and with_dq)
     assert kwargs["EARLY_V"] is (d == 128) and kwargs["KEYS_ON_ROWS"] is (d == 128)
+    recorded_launches.clear()  # three Q/dO stages: the parity wait's bound (hopper._load_kv) needs two
+    backward_hopper.backward_hopper(q, q, q, q, torch.zeros(2, 2, 256), dq_acc, torch.empty_like(q),
+                                    torch.empty_like(q), cm, d ** -0.5, (0, 1, 0), stages=3)
+    (_, kwargs), = recorded_launches
+    assert kwargs["V_BY_DS"] is False
 
 
 def test_v_by_ds_rule():

@@ -301,7 +301,8 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, first_step, k_fir
     dQ. V_BY_DS: V is free once the step before this item's first (`first_step` - 1, the last that
     read a V) has completed ds_ready, which both warpgroups arrive at after their dP^T. A parity
     wait tells only two neighbouring phases apart: here ds_ready has completed every step up to
-    first_step - 2 (that step released the Q/dO stage this item's first step was loaded into) and
+    first_step - 2 (that step released the Q/dO stage this item's first step was loaded into: two
+    stages) and
     none past first_step - 1 (the next step needs the V loaded here). Where this item or the last
     one has no step (`k_first`) that bound does not hold, and a V loaded for an item of no step must
     have been waited for by the consumers before v_ready is armed again: V then waits, like K, for
@@ -898,7 +899,8 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
         NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v,
-        V_BY_DS=configs.hopper_backward_v_by_ds(early_v, keys_on_rows, with_dq), num_warps=4, maxnreg=168,
+        V_BY_DS=configs.hopper_backward_v_by_ds(early_v, keys_on_rows, with_dq) and stages == 2,  # (_load_kv)
+        num_warps=4, maxnreg=168,
     )
     if split:
         dk_out.copy_(dk)
