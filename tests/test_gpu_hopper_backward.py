@@ -175,11 +175,13 @@ def test_gqa_items_split_or_whole(split, per_item, b, hq, hkv, sq, sk, d, layout
         (False, 1, 2, 4, 4, 4096, 4096, "random_eviction"),  # many items a program: ds_ready's phases wrap
     ],
 )
-def test_v_released_by_ds_ready(split, per_item, b, hq, hkv, sq, sk, family, monkeypatch):
+def test_fewer_arrives(split, per_item, b, hq, hkv, sq, sk, family, monkeypatch):
     """configs.HOPPER_BACKWARD_V_BY_DS (D = 128, keys on the rows, early V): the producer takes V as
-    free from ds_ready's phase of the step before an item's first instead of v_empty. The gradients
-    match the reference, and dK/dV equal the v_empty kernel's bit for bit where the group is whole
-    (the release's timing changes no arithmetic; split items add their dK/dV in fp32 in any order)."""
+    free from ds_ready's phase of the step before an item's first instead of v_empty; and
+    configs.HOPPER_BACKWARD_DS_BY_Q: dS is written again once the last step's Q/dO stage is released,
+    not on ds_free. Each alone and both: the gradients match the reference, and dK/dV equal the
+    kernel's without them bit for bit where the group is whole (the releases' timing changes no
+    arithmetic; split items add their dK/dV in fp32 in any order)."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     from flexmask.kernels.backward import configs, hopper
@@ -192,18 +194,20 @@ def test_v_released_by_ds_ready(split, per_item, b, hq, hkv, sq, sk, family, mon
     mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=sq)
     cm = compile_mask(mask, sq, sk, device="cuda")
     grads = {}
-    for on in (False, True):
-        monkeypatch.setattr(configs, "HOPPER_BACKWARD_V_BY_DS", on)
-        grads[on] = _grads(q, k, v, do, cm, 128 ** -0.5, "hopper")
+    for switches in ((False, False), (True, False), (False, True), (True, True)):
+        monkeypatch.setattr(configs, "HOPPER_BACKWARD_V_BY_DS", switches[0])
+        monkeypatch.setattr(configs, "HOPPER_BACKWARD_DS_BY_Q", switches[1])
+        grads[switches] = _grads(q, k, v, do, cm, 128 ** -0.5, "hopper")
         torch.cuda.synchronize()
     ref64 = reference_grads(q, k, v, mask, do)[2:]
     low = reference_grads(q, k, v, mask, do, dtype=torch.bfloat16)[2:]
     floor = default_floor(torch.bfloat16, gradient=True)
-    for name, g, r, l in zip(("dq", "dk", "dv"), grads[True], ref64, low):
-        assert_close_to_reference(g, r, l, floor, name)
-    if not split:
-        for name, a, c in zip(("dk", "dv"), grads[False][1:], grads[True][1:]):
-            assert torch.equal(a, c), f"{name}: the V release by ds_ready changed the arithmetic"
+    for switches in ((True, False), (False, True), (True, True)):
+        for name, g, r, l in zip(("dq", "dk", "dv"), grads[switches], ref64, low):
+            assert_close_to_reference(g, r, l, floor, f"{name} {switches}")
+        if not split:
+            for name, a, c in zip(("dk", "dv"), grads[False, False][1:], grads[switches][1:]):
+                assert torch.equal(a, c), f"{name}: V_BY_DS, DS_BY_Q = {switches} changed the arithmetic"
 
 
 def test_default_items_of_two_heads():

@@ -549,6 +549,26 @@ def test_backward_launch_releases_v_by_ds_ready_where_it_can(monkeypatch, record
     assert kwargs["V_BY_DS"] is False
 
 
+@pytest.mark.parametrize("switch", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("with_dq", [False, True])
+def test_backward_launch_reads_ds_free_from_the_stage_release_where_it_can(monkeypatch, recorded_launches, switch,
+                                                                           d, with_dq):
+    """backward_hopper hands the kernel DS_BY_Q (dS written again once the last step's Q/dO stage is
+    released) only with the switch on, keys on the rows, dQ and D = 128, where both warpgroups
+    release the stage right after their dQ products. Recorded, not run."""
+    from flexmask.kernels.backward import configs
+
+    monkeypatch.setattr(configs, "HOPPER_BACKWARD_DS_BY_Q", switch)
+    q = torch.randn(1, 2, 256, d, dtype=torch.bfloat16)
+    cm = compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
+    dq_acc = torch.zeros(2, 256, d) if with_dq else None
+    backward_hopper.backward_hopper(q, q, q, q, torch.zeros(2, 2, 256), dq_acc, torch.empty_like(q),
+                                    torch.empty_like(q), cm, d ** -0.5, (0, 1, 0))
+    (_, kwargs), = recorded_launches
+    assert kwargs["DS_BY_Q"] is (switch and d == 128 and with_dq)
+
+
 def test_v_by_ds_rule():
     from flexmask.kernels.backward import configs
 
@@ -561,6 +581,14 @@ def test_v_by_ds_rule():
             assert not configs.hopper_backward_v_by_ds(*args)
     finally:
         configs.HOPPER_BACKWARD_V_BY_DS = False
+    assert not configs.HOPPER_BACKWARD_DS_BY_Q and not configs.hopper_backward_ds_by_q(128, True, True)
+    configs.HOPPER_BACKWARD_DS_BY_Q = True
+    try:
+        assert configs.hopper_backward_ds_by_q(128, True, True)
+        for args in ((64, True, True), (128, False, True), (128, True, False)):
+            assert not configs.hopper_backward_ds_by_q(*args)
+    finally:
+        configs.HOPPER_BACKWARD_DS_BY_Q = False
 
 
 def test_early_v_default_is_the_measured_one():

@@ -13,6 +13,8 @@ Switches:
 - `early_v`: configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS, V released with K against after the walk's last dP.
 - `v_by_ds`: configs.HOPPER_BACKWARD_V_BY_DS, early V's release by v_empty arrives (two warpgroup
   barriers a step) against the producer reading it from ds_ready (D = 128).
+- `fewer_arrives`: V_BY_DS and configs.HOPPER_BACKWARD_DS_BY_Q together (dS's buffer free read from
+  the Q/dO stage's release, no ds_free arrive): 8 against 5 warpgroup barriers a step at D = 128.
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
@@ -41,6 +43,8 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "dkv_tma": ("HOPPER_BACKWARD_DKV_TMA", ("element stores", "TMA stores"), (False, True)),
     "early_v": ("HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", ("V with K", "V early"), (frozenset(), frozenset({64, 128}))),
     "v_by_ds": ("HOPPER_BACKWARD_V_BY_DS", ("v_empty", "ds_ready"), (False, True)),
+    "fewer_arrives": (("HOPPER_BACKWARD_V_BY_DS", "HOPPER_BACKWARD_DS_BY_Q"), ("8 barriers", "5 barriers"),
+                      ((False, False), (True, True))),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 SHORT_CASES = ((512, 32), (1024, 16), (2048, 8))
@@ -57,7 +61,9 @@ def main(argv=None) -> int:
     require_cuda("tools.backward_ab")
     print(torch.cuda.get_device_name(), flush=True)
     attribute, labels, values = SWITCHES[args.switch]
-    kept = getattr(configs, attribute)
+    if isinstance(attribute, str):  # one attribute, or several set together
+        attribute, values = (attribute,), tuple((value,) for value in values)
+    kept = tuple(getattr(configs, name) for name in attribute)
     d = args.head_dim
     scale = d ** -0.5
     for S, B in (SHORT_CASES if args.short else CASES):
@@ -74,14 +80,16 @@ def main(argv=None) -> int:
                 best, grads = {}, {}
                 try:
                     for side in (0, 1, 0, 1):
-                        setattr(configs, attribute, values[side])
+                        for name, value in zip(attribute, values[side]):
+                            setattr(configs, name, value)
                         run = lambda: attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=False,
                                                          kernel="hopper", terms=terms)
                         ms = triton.testing.do_bench(run, warmup=20, rep=150)
                         best[side] = min(ms, best.get(side, float("inf")))
                         grads.setdefault(side, [g.float() for g in run()[:3]])
                 finally:
-                    setattr(configs, attribute, kept)
+                    for name, value in zip(attribute, kept):
+                        setattr(configs, name, value)
                 diff = [float((a - b).abs().max()) for a, b in zip(grads[0], grads[1])]
                 print(f"{family:20s} D={d} S={S:6d} {hq}/{hkv}{' alibi' if args.alibi else ''}: {labels[0]} {best[0]:7.3f} ms "
                       f"{flops / best[0] / 1e9:6.1f} TF, {labels[1]} {best[1]:7.3f} ms {flops / best[1] / 1e9:6.1f} TF, "

@@ -30,7 +30,8 @@ stores that run on while the next item starts (`_store_rows`, configs.HOPPER_BAC
 D = 128 V is released after the walk's last dP, so that the next item's V loads during the last
 step (configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS; with configs.HOPPER_BACKWARD_V_BY_DS, off until
 timed, the producer reads that release from ds_ready instead of a v_empty arrive, whose warpgroup
-barriers every step paid). Short walks (S = 512: 1-4 tiles an item) gained most: docs/performance.md,
+barriers every step paid; with configs.HOPPER_BACKWARD_DS_BY_Q the consumers read dS's release from
+the last step's Q/dO stage release instead of a ds_free arrive). Short walks (S = 512: 1-4 tiles an item) gained most: docs/performance.md,
 section 5.
 Masks come from the same column intervals, turned into one word of masked rows per key as in
 the Hopper forward (`forward_hopper._row_words`); with k runs per column (NUM_RUNS > 2) the words
@@ -404,13 +405,16 @@ def _mask_key_rows(st, w0, w1):
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
                            lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
                            v_empty, release_v, EARLY_V: gl.constexpr, WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                           st_layout: gl.constexpr, a_layout: gl.constexpr):
+                           st_layout: gl.constexpr, a_layout: gl.constexpr, DS_BY_Q: gl.constexpr = False,
+                           STAGES: gl.constexpr = 2):
     """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
     Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
     memory once, for the dQ products. A query's LSE and delta are per column here (16 registers a
     thread each): `stats` holds them in shared memory (loaded with Q and dO), read where used.
     lts, lte, uts, ute: the interval ends of this warpgroup's keys in the rows' slice of S^T
-    (_key_intervals), so that a PARTIAL step's words move through no shared memory."""
+    (_key_intervals), so that a PARTIAL step's words move through no shared memory. `ds_free`: the
+    barrier that says the last step's dS has been read (with DS_BY_Q, the last step's Q/dO stage of
+    STAGES, released after its dQ products)."""
     Q_STEP: gl.constexpr = q_view.shape[0]
     ROWS: gl.constexpr = k_rows.shape[0]
     dtype: gl.constexpr = q_view.dtype
@@ -446,7 +450,10 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_view, dv, is_async=True)  # P^T dO
     # dS to shared memory (query-major, the dQ products' A), once the other warpgroup has read the last one
     if WITH_DQ:
-        mbarrier.wait(ds_free, (step & 1) ^ 1)
+        if DS_BY_Q:  # step - 1's release completes that stage's phase (step - 1) // STAGES (at step 0: 1 passes)
+            mbarrier.wait(ds_free, ((step + STAGES - 1) // STAGES + 1) & 1)
+        else:
+            mbarrier.wait(ds_free, (step & 1) ^ 1)
     ds_cols.permute((1, 0)).store(dst)
     fence_async_shared()
     if WITH_DQ:
@@ -467,6 +474,7 @@ def _consumer(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
     KEYS_ON_ROWS: gl.constexpr, DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, V_BY_DS: gl.constexpr,
+    DS_BY_Q: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
@@ -476,7 +484,9 @@ def _consumer(
     of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring). DKV_TMA: dK and dV
     out by TMA stores (`_store_rows`), not per element. EARLY_V: V released after the walk's last
     dP (v_empty), so that the next item's V loads while the last step's dK, dQ and the epilogue run;
-    K after its last dQ. V_BY_DS: no v_empty arrive, the producer reads the release from ds_ready."""
+    K after its last dQ. V_BY_DS: no v_empty arrive, the producer reads the release from ds_ready.
+    DS_BY_Q (keys on the rows, dQ split by columns): no ds_free arrive, the last step's Q/dO stage
+    release (after the same dQ products) says dS may be written again."""
     kv_ready, kv_empty, v_ready, v_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
@@ -565,11 +575,16 @@ def _consumer(
                 do_view = do_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
                 release_v = (g == HEADS_PER_ITEM - 1) & (i == n_steps - 1)  # (read with EARLY_V)
                 if KEYS_ON_ROWS:
+                    if DS_BY_Q:  # the last step's dS read: its Q/dO stage released, after its dQ products
+                        free_bar = q_empty.index((step + STAGES - 1) % STAGES)
+                    else:
+                        free_bar = ds_free
                     dv, dk = _keys_on_rows_products(
                         k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
-                        ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
+                        ds_cols, free_bar, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
                         t >= t_mid, step, n * KV_BLOCK + WG * ROWS, tanh_scale, softcap2, slope2, alibi_shift,
-                        v_empty, release_v, ARRIVE_V, WITH_DQ, SOFTCAP, HAS_ALIBI, st_layout, a_layout)
+                        v_empty, release_v, ARRIVE_V, WITH_DQ, SOFTCAP, HAS_ALIBI, st_layout, a_layout, DS_BY_Q,
+                        STAGES)
                 else:
                     dv, dk = _query_rows_products(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
@@ -591,7 +606,8 @@ def _consumer(
                     dq = warpgroup_mma(ds_all, k_cols, gl.zeros([Q_STEP, DQ_N], gl.float32, layout=dq_layout),
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(0, deps=(dq,))
-                    mbarrier.arrive(ds_free, count=1)
+                    if not DS_BY_Q:
+                        mbarrier.arrive(ds_free, count=1)
                     if LATE_RELEASE:  # beside ds_free: the two arrives share their warpgroup barriers
                         mbarrier.arrive(q_empty.index(s), count=1)
                     # two boxes of BOX columns
@@ -643,7 +659,8 @@ def _backward_hopper_kernel(
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
-    DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, V_BY_DS: gl.constexpr, num_warps: gl.constexpr,
+    DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, V_BY_DS: gl.constexpr, DS_BY_Q: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -684,7 +701,8 @@ def _backward_hopper_kernel(
         # they are still valid mbarriers, never invalidated, which PTX leaves undefined. Suspected cause
         # of the rare wrong kv-block on a time-sliced GPU (docs/performance.md, section 5).
         mbarrier.init(ds_ready, count=2)  # both halves of dS written
-        mbarrier.init(ds_free, count=DQ_READERS)  # every warpgroup that took a dQ product has read dS
+        if not DS_BY_Q:  # (with DS_BY_Q the Q/dO stages' releases say it)
+            mbarrier.init(ds_free, count=DQ_READERS)  # every warpgroup that took a dQ product has read dS
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
@@ -700,7 +718,7 @@ def _backward_hopper_kernel(
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, V_BY_DS)),
+                     DKV_TMA, EARLY_V, V_BY_DS, DS_BY_Q)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
                      dk_desc, dv_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
@@ -708,7 +726,7 @@ def _backward_hopper_kernel(
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, V_BY_DS)),
+                     DKV_TMA, EARLY_V, V_BY_DS, DS_BY_Q)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -900,7 +918,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
         NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v,
         V_BY_DS=configs.hopper_backward_v_by_ds(early_v, keys_on_rows, with_dq) and stages == 2,  # (_load_kv)
-        num_warps=4, maxnreg=168,
+        DS_BY_Q=configs.hopper_backward_ds_by_q(d, keys_on_rows, with_dq), num_warps=4, maxnreg=168,
     )
     if split:
         dk_out.copy_(dk)
