@@ -28,11 +28,11 @@ matrix products with the tensor cores idle. Here, as in the Hopper forward:
 An item's dK and dV leave through shared memory (the dQ buffers, free between items) by TMA
 stores that run on while the next item starts (`_store_rows`, configs.HOPPER_BACKWARD_DKV_TMA); at
 D = 128 V is released after the walk's last dP, so that the next item's V loads during the last
-step (configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS; with configs.HOPPER_BACKWARD_V_BY_DS, off until
-timed, the producer reads that release from ds_ready instead of a v_empty arrive, whose warpgroup
-barriers every step paid; with configs.HOPPER_BACKWARD_DS_BY_Q the consumers read dS's release from
-the last step's Q/dO stage release instead of a ds_free arrive). Short walks (S = 512: 1-4 tiles an item) gained most: docs/performance.md,
-section 5.
+step (configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS). Short walks (S = 512: 1-4 tiles an item) gained
+most: docs/performance.md, section 5. Two switches, off until timed, take arrives (each with its
+warpgroup barriers) out of every step: with configs.HOPPER_BACKWARD_V_BY_DS the producer reads V's
+release from ds_ready instead of a v_empty arrive, with configs.HOPPER_BACKWARD_DS_BY_Q the
+consumers read dS's from the last step's Q/dO stage release instead of a ds_free arrive.
 Masks come from the same column intervals, turned into one word of masked rows per key as in
 the Hopper forward (`forward_hopper._row_words`); with k runs per column (NUM_RUNS > 2) the words
 are OR-ed over the runs, read from the tables at every step.
@@ -302,12 +302,11 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, first_step, k_fir
     dQ. V_BY_DS: V is free once the step before this item's first (`first_step` - 1, the last that
     read a V) has completed ds_ready, which both warpgroups arrive at after their dP^T. A parity
     wait tells only two neighbouring phases apart: here ds_ready has completed every step up to
-    first_step - 2 (that step released the Q/dO stage this item's first step was loaded into: two
-    stages) and
-    none past first_step - 1 (the next step needs the V loaded here). Where this item or the last
-    one has no step (`k_first`) that bound does not hold, and a V loaded for an item of no step must
-    have been waited for by the consumers before v_ready is armed again: V then waits, like K, for
-    the consumers to release the last item (kv_empty)."""
+    first_step - 2 (with two stages, that step released the Q/dO stage this item's first step was
+    loaded into) and none past first_step - 1 (the next step needs the V loaded here). Where this
+    item or the last one has no step (`k_first`) that bound does not hold, and a V loaded for an
+    item of no step must have been waited for by the consumers before v_ready is armed again: V
+    then waits, like K, for the consumers to release the last item (kv_empty)."""
     kv_ready, kv_empty, v_ready, v_empty, ds_ready = bars[0], bars[1], bars[2], bars[3], bars[6]
     if V_BY_DS:
         mbarrier.wait(kv_empty, (item_count & 1) ^ 1, pred=k_first)
@@ -591,8 +590,8 @@ def _consumer(
                         n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                         lts, lte, uts, ute, t, t_mid, step, v_empty, release_v, ARRIVE_V,
                         WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG)
-                # with keys on the rows (dQ split by columns) the Q/dO stage is released beside ds_free:
-                # each arrive is lowered between two warpgroup barriers, and side by side they share one
+                # with keys on the rows (dQ split by columns) the Q/dO stage is released beside ds_free,
+                # after the dQ products (DS_BY_Q reads dS's release from it)
                 LATE_RELEASE: gl.constexpr = KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
                 if not LATE_RELEASE:
                     mbarrier.arrive(q_empty.index(s), count=1)
@@ -608,7 +607,7 @@ def _consumer(
                     dq = warpgroup_mma_wait(0, deps=(dq,))
                     if not DS_BY_Q:
                         mbarrier.arrive(ds_free, count=1)
-                    if LATE_RELEASE:  # beside ds_free: the two arrives share their warpgroup barriers
+                    if LATE_RELEASE:  # beside ds_free (each arrive takes a warpgroup barrier)
                         mbarrier.arrive(q_empty.index(s), count=1)
                     # two boxes of BOX columns
                     dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
