@@ -165,17 +165,20 @@ def test_gqa_items_split_or_whole(split, per_item, b, hq, hkv, sq, sk, d, layout
 
 
 @pytest.mark.parametrize(
-    "split,per_item,b,hq,hkv,sq,sk,family",
+    "split,per_item,b,hq,hkv,sq,sk,family,order",
     [
-        (False, 1, 2, 4, 4, 700, 700, "causal"),
-        (False, 1, 1, 8, 2, 1537, 1537, "document"),  # items of a whole GQA group: several heads' walks
-        (True, 1, 1, 8, 2, 1537, 1537, "causal"),
-        (True, 2, 2, 4, 2, 1300, 700, "prefix_lm_document"),
-        (False, 1, 1, 4, 2, 300, 1999, "sliding_window"),  # Sq < Sk: kv-blocks no query sees, items of no step
-        (False, 1, 2, 4, 4, 4096, 4096, "random_eviction"),  # many items a program: ds_ready's phases wrap
+        (False, 1, 2, 4, 4, 700, 700, "causal", "auto"),
+        (False, 1, 1, 8, 2, 1537, 1537, "document", "auto"),  # items of a whole GQA group: several heads' walks
+        (True, 1, 1, 8, 2, 1537, 1537, "causal", "auto"),
+        (True, 2, 2, 4, 2, 1300, 700, "prefix_lm_document", "auto"),
+        # Sq < Sk: 10 of 16 kv-blocks no query sees, items of no step: last in the heaviest-first list
+        # (after items with steps, and after each other), first in index order (items with steps after them)
+        (False, 1, 1, 4, 2, 300, 1999, "sliding_window", "auto"),
+        (False, 1, 1, 4, 2, 300, 1999, "sliding_window", "index"),
+        (False, 1, 2, 4, 4, 4096, 4096, "random_eviction", "auto"),  # many items a program: ds_ready's phases wrap
     ],
 )
-def test_fewer_arrives(split, per_item, b, hq, hkv, sq, sk, family, monkeypatch):
+def test_fewer_arrives(split, per_item, b, hq, hkv, sq, sk, family, order, monkeypatch):
     """configs.HOPPER_BACKWARD_V_BY_DS (D = 128, keys on the rows, early V): the producer takes V as
     free from ds_ready's phase of the step before an item's first instead of v_empty; and
     configs.HOPPER_BACKWARD_DS_BY_Q: dS is written again once the last step's Q/dO stage is released,
@@ -188,6 +191,7 @@ def test_fewer_arrives(split, per_item, b, hq, hkv, sq, sk, family, monkeypatch)
 
     monkeypatch.setattr(configs, "HOPPER_SPLIT_GROUP", split)
     monkeypatch.setattr(configs, "SPLIT_GROUP_HEADS", per_item)
+    monkeypatch.setattr(configs, "HOPPER_BACKWARD_ORDER", order)
     assert hopper.splits_group(hq, hkv, sq) is split and configs.hopper_backward_early_v(128)
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, 128, torch.bfloat16, seed=sq))
     do = torch.randn(b, hq, sq, 128, generator=torch.Generator().manual_seed(sq + 1)).to(torch.bfloat16).cuda()
