@@ -164,3 +164,21 @@ def test_l2_share_sweep_times_unhoisted_lists_and_puts_the_lists_back(monkeypatc
     assert hoists == [("fwd", 132), ("bwd", 132), ("fwd", 0), ("bwd", 0)] * 2
     assert set(best) == {("fwd", True), ("bwd", True), ("fwd", False), ("bwd", False)}
     assert (forward_hopper.work_list, backward_hopper.backward_work_list) == kept
+
+
+def test_l2_share_sweep_times_every_share_and_puts_the_default_back(monkeypatch):
+    """tools.l2_share_sweep: each direction timed at every share of SHARES_MB, twice, with its work
+    lists rebuilt for the share (the cache cleared); the default share is back afterwards."""
+    from flexmask.kernels.backward import hopper as backward_hopper
+    from flexmask.kernels.forward import hopper as forward_hopper
+    from tools import l2_share_sweep
+
+    seen = []
+    runs = {"fwd": lambda: seen.append(("fwd", forward_hopper.L2_SHARE_BYTES >> 20, len(forward_hopper._WORK_CACHE))),
+            "bwd": lambda: seen.append(("bwd", backward_hopper.L2_SHARE_BYTES >> 20, len(backward_hopper._WORK_CACHE)))}
+    monkeypatch.setattr(l2_share_sweep.triton.testing, "do_bench", lambda fn, **_: fn() or 1.0)
+    best = {}
+    l2_share_sweep._time_shares(runs, best)
+    assert seen == [(d, mb, 0) for mb in l2_share_sweep.SHARES_MB for d in ("fwd", "bwd")] * 2
+    assert set(best) == {(d, mb) for d in ("fwd", "bwd") for mb in l2_share_sweep.SHARES_MB}
+    assert forward_hopper.L2_SHARE_BYTES == backward_hopper.L2_SHARE_BYTES == l2_share_sweep.DEFAULT_MB << 20

@@ -62,27 +62,32 @@ def main(argv=None) -> int:
                         f"{direction} hoisted {flops[direction] / best[direction, True] / 1e9:6.1f} TF, "
                         f"none x{best[direction, True] / best[direction, False]:.3f}" for direction in MODULES),
                         flush=True)
-                    del q, k, v, do, o, lse
-                    continue
-                try:
-                    for _ in range(2):
-                        for mb in SHARES_MB:
-                            for direction, module in MODULES.items():
-                                module.L2_SHARE_BYTES = mb << 20
-                                module._WORK_CACHE.clear()  # work lists are kept per table, not per share
-                                ms = triton.testing.do_bench(runs[direction], warmup=20, rep=120)
-                                best[direction, mb] = min(ms, best.get((direction, mb), float("inf")))
-                finally:
-                    for module in MODULES.values():
-                        module.L2_SHARE_BYTES = DEFAULT_MB << 20
-                        module._WORK_CACHE.clear()
-                for direction in MODULES:
-                    base = best[direction, DEFAULT_MB]
-                    others = " ".join(f"{mb}MB x{base / best[direction, mb]:.3f}" for mb in SHARES_MB if mb != DEFAULT_MB)
-                    print(f"{family:20s} S={S} {hq}/{hkv} {direction}: {DEFAULT_MB}MB "
-                          f"{flops[direction] / base / 1e9:6.1f} TF; {others}", flush=True)
+                else:
+                    _time_shares(runs, best)
+                    for direction in MODULES:
+                        base = best[direction, DEFAULT_MB]
+                        others = " ".join(f"{mb}MB x{base / best[direction, mb]:.3f}"
+                                          for mb in SHARES_MB if mb != DEFAULT_MB)
+                        print(f"{family:20s} S={S} {hq}/{hkv} {direction}: {DEFAULT_MB}MB "
+                              f"{flops[direction] / base / 1e9:6.1f} TF; {others}", flush=True)
                 del q, k, v, do, o, lse
     return 0
+
+
+def _time_shares(runs, best) -> None:
+    """Best of two interleaved runs at each share of SHARES_MB (best[direction, MB]); the default after."""
+    try:
+        for _ in range(2):
+            for mb in SHARES_MB:
+                for direction, module in MODULES.items():
+                    module.L2_SHARE_BYTES = mb << 20
+                    module._WORK_CACHE.clear()  # work lists are kept per table, not per share
+                    ms = triton.testing.do_bench(runs[direction], warmup=20, rep=120)
+                    best[direction, mb] = min(ms, best.get((direction, mb), float("inf")))
+    finally:
+        for module in MODULES.values():
+            module.L2_SHARE_BYTES = DEFAULT_MB << 20
+            module._WORK_CACHE.clear()
 
 
 def _time_hoist(runs, best) -> None:

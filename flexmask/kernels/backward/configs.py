@@ -156,6 +156,12 @@ def hopper_backward_early_v(head_dim: int) -> bool:
 HOPPER_BACKWARD_V_BY_DS = False
 
 
+def hopper_backward_v_by_ds(early_v: bool, keys_on_rows: bool, with_dq: bool) -> bool:
+    """Whether the Hopper backward's producer reads V's release from ds_ready (HOPPER_BACKWARD_V_BY_DS):
+    with early V, keys on the rows and dQ (ds_ready is arrived by both warpgroups every step only there)."""
+    return HOPPER_BACKWARD_V_BY_DS and early_v and keys_on_rows and with_dq
+
+
 # dS's buffer free again read from the Q/dO stage's release: with keys on the rows and dQ split by
 # columns (D = 128) both warpgroups release the last step's stage right after their dQ products, where
 # they also arrived at ds_free; its arrive (and its warpgroup barrier) goes. Off until timed (python -m
@@ -168,12 +174,6 @@ def hopper_backward_ds_by_q(head_dim: int, keys_on_rows: bool, with_dq: bool) ->
     before writing dS (HOPPER_BACKWARD_DS_BY_Q): keys on the rows, dQ, and D = 128 (both warpgroups take
     a dQ product every step and release the stage after it)."""
     return HOPPER_BACKWARD_DS_BY_Q and keys_on_rows and with_dq and head_dim == 128
-
-
-def hopper_backward_v_by_ds(early_v: bool, keys_on_rows: bool, with_dq: bool) -> bool:
-    """Whether the Hopper backward's producer reads V's release from ds_ready (HOPPER_BACKWARD_V_BY_DS):
-    with early V, keys on the rows and dQ (ds_ready is arrived by both warpgroups every step only there)."""
-    return HOPPER_BACKWARD_V_BY_DS and early_v and keys_on_rows and with_dq
 
 # The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP
 # in a basic block of its own (`if Sk > 0`, its else a wait that never runs), so that ptxas cannot

@@ -308,12 +308,12 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, first_step, k_fir
     item of no step must have been waited for by the consumers before v_ready is armed again: V
     then waits, like K, for the consumers to release the last item (kv_empty)."""
     kv_ready, kv_empty, v_ready, v_empty, ds_ready = bars[0], bars[1], bars[2], bars[3], bars[6]
-    if V_BY_DS:
-        mbarrier.wait(kv_empty, (item_count & 1) ^ 1, pred=k_first)
-        mbarrier.wait(ds_ready, (first_step - 1) & 1, pred=(first_step > 0) & (k_first == 0))
-    if EARLY_V and not V_BY_DS:
-        mbarrier.wait(v_empty, (item_count & 1) ^ 1)
     if EARLY_V:
+        if V_BY_DS:
+            mbarrier.wait(kv_empty, (item_count & 1) ^ 1, pred=k_first)
+            mbarrier.wait(ds_ready, (first_step - 1) & 1, pred=(first_step > 0) & (k_first == 0))
+        else:
+            mbarrier.wait(v_empty, (item_count & 1) ^ 1)
         mbarrier.expect(v_ready, v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [x_kv, n * KV_BLOCK, c_kv], v_ready, v_smem.index(0))
         mbarrier.wait(kv_empty, (item_count & 1) ^ 1)
