@@ -214,6 +214,33 @@ def test_fewer_arrives(split, per_item, b, hq, hkv, sq, sk, family, order, monke
                 assert torch.equal(a, c), f"{name}: V_BY_DS, DS_BY_Q = {switches} changed the arithmetic"
 
 
+@pytest.mark.parametrize(
+    "family,b,hq,hkv,sq,sk,d,order",
+    [
+        ("full", 1, 4, 4, 1300, 1300, 128, "auto"),  # 11 tiles a walk: pieces of 2, 2, ..., 1
+        ("causal", 2, 4, 2, 1537, 1537, 64, "auto"),  # whole GQA groups; short walks end in empty pieces
+        ("document", 1, 8, 2, 2053, 2053, 128, "index"),  # split groups (one query head an item) and pieces
+        ("sliding_window", 1, 4, 2, 300, 1999, 128, "auto"),  # Sq < Sk: kv-blocks no query sees
+        ("prefix_lm", 1, 4, 4, 1999, 300, 64, "rows"),  # Sq > Sk
+    ],
+)
+def test_walk_pieces(family, b, hq, hkv, sq, sk, d, order, monkeypatch):
+    """Walks cut into pieces of two tiles (configs.PIECE_TILES), each an item whose dK/dV are added
+    into fp32 sums: the gradients match the reference, with PARTIAL tiles in any piece, pieces past
+    a walk's end (dropped), split and whole GQA groups and Sq != Sk."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    from flexmask.kernels.backward import configs, hopper
+
+    monkeypatch.setattr(configs, "PIECE_TILES", 2)
+    monkeypatch.setattr(configs, "PIECE_MIN_ROWS", 0)
+    monkeypatch.setattr(configs, "PIECE_MIN_SHARE", 0.0)
+    monkeypatch.setattr(configs, "HOPPER_BACKWARD_ORDER", order)
+    cm = compile_mask(make_mask(family, sq, sk, batch=b, heads=hq, seed=sq), sq, sk, device="cuda")
+    assert hopper.walk_pieces(cm, b, hq, True) == -(-cm.num_q_blocks // 2) > 1
+    _check(family, b, hq, hkv, sq, sk, torch.bfloat16, "bhsd", seed=sq, d=d)
+
+
 def test_default_items_of_two_heads():
     """The defaults at head dim 64 in a GQA group of 8 from SPLIT_GROUP_MIN_ROWS rows: split items
     of two query heads each (configs.SPLIT_GROUP_HEADS = "auto"), matching the reference."""

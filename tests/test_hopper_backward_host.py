@@ -583,3 +583,56 @@ def test_early_v_default_is_the_measured_one():
     from flexmask.kernels.backward import configs
 
     assert configs.hopper_backward_early_v(128) and not configs.hopper_backward_early_v(64)
+
+
+@pytest.mark.parametrize("order", ["heaviest", "index", "rows"])
+@pytest.mark.parametrize("mask_heads", [1, 4], ids=lambda h: f"Hm{h}")
+def test_work_list_in_pieces(mask_heads, order, monkeypatch):
+    """Walks cut into pieces of PIECE_TILES tiles: every (item, piece) once; pieces with tiles first,
+    a chunk's piece by piece (heaviest first inside one in "heaviest"), each weighing its share of
+    the group's walks; pieces past their walk's end last of all; one piece is the whole-walk list."""
+    monkeypatch.setattr(backward_configs, "PIECE_TILES", 3)
+    batch, hq, hkv, s, pieces = 2, 4, 2, 900, 3
+    mask = masks.causal() if mask_heads == 1 else masks.random_eviction(s // 2, seed=5, num_heads=mask_heads)
+    cm = compile_mask(mask, s, s, device="cpu", block_m=128, block_n=128)
+    mask_map = mask_broadcast(cm, batch, hq, hkv)
+    q_bytes = 2 * s * 128 * 2 * 64  # large: several chunks
+    work = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order=order, pieces=pieces).long()
+    nkb, group = cm.num_kv_blocks, hq // hkv
+    assert torch.equal(work.sort().values, torch.arange(batch * hkv * pieces * nkb))
+    counts = (cm.bwd_offsets[1:] - cm.bwd_offsets[:-1]).view(-1, nkb)
+    bhk, piece, n = work // nkb // pieces, work // nkb % pieces, work % nkb
+    weight = torch.zeros_like(work)
+    for g in range(group):
+        bh = (bhk // hkv) * hq + (bhk % hkv) * group + g
+        rows = (bh // hq) * mask_map[0] + ((bh % hq) // mask_map[1]) * mask_map[2]
+        weight += (counts[rows, n] - 3 * piece).clamp(0, 3)
+    empty = (weight == 0) & (piece > 0)
+    kept = int((~empty).sum())
+    assert 0 < kept < work.numel() and not empty[:kept].any(), "pieces past a walk's end not last"
+    chunk = (bhk // max(1, backward_hopper.L2_SHARE_BYTES // (group * q_bytes))) * pieces + piece
+    chunk, weight = chunk[:kept], weight[:kept]
+    assert (chunk[:-1] <= chunk[1:]).all(), "a chunk's pieces out of order"
+    if order == "heaviest":
+        same = chunk[:-1] == chunk[1:]
+        assert (weight[:-1][same] >= weight[1:][same]).all(), "not heaviest first inside a piece"
+    whole = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order=order)
+    assert torch.equal(backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order=order,
+                                                          pieces=1), whole)
+
+
+def test_walk_pieces_rule():
+    """Walks are cut (configs.hopper_backward_pieces) from PIECE_MIN_ROWS query rows where the mean
+    walk is long (full attention), with dQ only; not causal documents, causal or the dK/dV pass."""
+    s = backward_configs.PIECE_MIN_ROWS
+    full = compile_mask(masks.full(), s, s, device="cpu", block_m=128, block_n=128)
+    assert backward_hopper.walk_pieces(full, 1, 16, True) == -(-full.num_q_blocks // backward_configs.PIECE_TILES) > 1
+    assert backward_hopper.walk_pieces(full, 1, 16, False) == 1
+    causal = compile_mask(masks.causal(), s, s, device="cpu", block_m=128, block_n=128)
+    assert backward_hopper.walk_pieces(causal, 1, 16, True) == 1
+    short = compile_mask(masks.full(), s // 2, s // 2, device="cpu", block_m=128, block_n=128)
+    assert backward_hopper.walk_pieces(short, 1, 16, True) == 1
+    q_blocks = 4 * backward_configs.PIECE_TILES
+    assert backward_configs.hopper_backward_pieces(q_blocks, s, q_blocks * 0.8, True) == 4
+    assert backward_configs.hopper_backward_pieces(q_blocks, s, q_blocks * 0.7, True) == 1
+    assert backward_configs.hopper_backward_pieces(q_blocks, s - 1, q_blocks, True) == 1

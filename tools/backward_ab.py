@@ -15,10 +15,12 @@ Switches:
   barriers a step) against the producer reading it from ds_ready (D = 128).
 - `fewer_arrives`: V_BY_DS and configs.HOPPER_BACKWARD_DS_BY_Q together (dS's buffer free read from
   the Q/dO stage's release, no ds_free arrive): 8 against 5 warpgroup barriers a step at D = 128.
+- `pieces`: whole walks against walks cut into pieces (configs.HOPPER_BACKWARD_PIECES), the latter on
+  for every mask (PIECE_MIN_SHARE 0), not only where the mean walk is long; with `--long`.
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
-instead of 8K and 32K.
+instead of 8K and 32K; `--long` 64K and 128K at one sequence a batch.
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "v_by_ds": ("HOPPER_BACKWARD_V_BY_DS", ("v_empty", "ds_ready"), (False, True)),
     "fewer_arrives": (("HOPPER_BACKWARD_V_BY_DS", "HOPPER_BACKWARD_DS_BY_Q"), ("8 barriers", "5 barriers"),
                       ((False, False), (True, True))),
+    "pieces": (("HOPPER_BACKWARD_PIECES", "PIECE_MIN_SHARE"), ("whole walks", "pieces"), ((False, 0.75), (True, 0.0))),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 SHORT_CASES = ((512, 32), (1024, 16), (2048, 8))
+LONG_CASES = ((65536, 1), (131072, 1))
 HEADS = ((16, 16), (32, 8))
 
 
@@ -57,6 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--alibi", action="store_true", help="with ALiBi slopes (a score term)")
     parser.add_argument("--short", action="store_true", help="S = 512, 1K and 2K (16K tokens a batch)")
+    parser.add_argument("--long", action="store_true", help="S = 64K and 128K (one sequence a batch)")
     args = parser.parse_args(argv)
     require_cuda("tools.backward_ab")
     print(torch.cuda.get_device_name(), flush=True)
@@ -66,7 +71,7 @@ def main(argv=None) -> int:
     kept = tuple(getattr(configs, name) for name in attribute)
     d = args.head_dim
     scale = d ** -0.5
-    for S, B in (SHORT_CASES if args.short else CASES):
+    for S, B in (SHORT_CASES if args.short else LONG_CASES if args.long else CASES):
         for hq, hkv in HEADS:
             for family in PEER_FAMILIES:
                 q, k, v, cm, flops = peer_inputs(family, S, B, hq, hkv, d)

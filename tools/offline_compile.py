@@ -117,9 +117,10 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
                      runs: int = 2, split: bool = False, dkv_tma: bool | None = None, early_v: bool | None = None,
-                     v_by_ds: bool | None = None, ds_by_q: bool | None = None):
+                     v_by_ds: bool | None = None, ds_by_q: bool | None = None, pieces: bool = False):
     """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
-    `dkv_tma`, `early_v`, `v_by_ds`, `ds_by_q`: the kernel's switches (default: configs', as launched)."""
+    `dkv_tma`, `early_v`, `v_by_ds`, `ds_by_q`: the kernel's switches (default: configs', as launched);
+    `pieces`: walks cut into pieces of configs.PIECE_TILES tiles, dK/dV added into fp32 sums."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import configs as bc
     from flexmask.kernels.backward import hopper as bh
@@ -132,12 +133,14 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     kd, _ = fh._descriptor(k, bh.KV_ROWS)
     dqd = bh._dq_descriptor(torch.empty(8, 1024, head_dim), q_step)
     i32 = torch.empty(8, dtype=torch.int32)
-    dkv = torch.empty(2, 2, 1024, head_dim) if split else k
-    sums = fh.tma_descriptor(dkv, (8, 1024, head_dim), (1024 * head_dim, head_dim, 1), (1, 64, 32)) if split else dqd
+    sums_needed = split or pieces
+    dkv = torch.empty(2, 2, 1024, head_dim) if sums_needed else k
+    sums = (fh.tma_descriptor(dkv, (8, 1024, head_dim), (1024 * head_dim, head_dim, 1), (1, 64, 32)) if sums_needed
+            else dqd)
     term_args, term_consts = _backward_terms(terms)
     keys_on_rows = bc.hopper_backward_keys_on_rows(head_dim, q_step, term_consts["SOFTCAP"], 1024, runs)
     stats_desc = bh._stats_descriptor(torch.empty(8, 2, 1024), q_step) if keys_on_rows else dqd
-    dkv_tma = (bc.HOPPER_BACKWARD_DKV_TMA if dkv_tma is None else dkv_tma) and with_dq and not split
+    dkv_tma = (bc.HOPPER_BACKWARD_DKV_TMA if dkv_tma is None else dkv_tma) and with_dq and not sums_needed
     early_v = bc.hopper_backward_early_v(head_dim) if early_v is None else early_v
     if v_by_ds is None:
         v_by_ds = bc.hopper_backward_v_by_ds(early_v, keys_on_rows, with_dq)
@@ -148,14 +151,14 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
                 dk_desc=dkv_desc, dv_desc=dkv_desc, STATS=torch.empty(8),
                 DK=dkv, DV=dkv,
                 INTV=i32, WORK=i32, COUNTER=i32, BWD_OFFSETS=i32, BWD_NUM_FULL=i32, BWD_BLOCKS=i32, n_items=1000,
-                stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
+                PIECES=3, stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
                 Sq=1000, Sk=1000, NKB=7, HQ=4, B_HKV=4, ITEM_HEADS=4 if split else 2, HEADS_PER_ITEM=1 if split else 2,
                 GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
                   KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v, V_BY_DS=v_by_ds,
-                  DS_BY_Q=ds_by_q, num_warps=4)
+                  DS_BY_Q=ds_by_q, num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

@@ -175,6 +175,31 @@ def hopper_backward_ds_by_q(head_dim: int, keys_on_rows: bool, with_dq: bool) ->
     a dQ product every step and release the stage after it)."""
     return HOPPER_BACKWARD_DS_BY_Q and keys_on_rows and with_dq and head_dim == 128
 
+
+# Long walks cut into pieces of PIECE_TILES table tiles (backward/hopper.py, walk_pieces): each piece
+# an item of its own, its dK/dV added into fp32 sums, the pieces of one range of rows run together.
+# Full attention at 128K on an H200 fell to 544 TFLOP/s (16/16) and 506 (32/8) against 557-562 at
+# 32K and 64K: the programs' walks drift apart over 1024 tiles until the running items span a
+# head's whole Q, dO and dQ (128 MB), L2 hits fall from 99% to 75% (665 GB read from DRAM against
+# 35 for causal), and the card, at its 700 W cap, clocks 1.43 GHz against 1.56 (ncu). The same
+# backward over 32K query rows against the 128K keys ran at 573-575 (docs/performance.md,
+# section 5). On from PIECE_MIN_ROWS query rows where a walk averages PIECE_MIN_SHARE of the rows
+# (the tables' tile count): full attention, not causal documents.
+HOPPER_BACKWARD_PIECES = True
+PIECE_TILES = 256
+PIECE_MIN_ROWS = 1 << 17
+PIECE_MIN_SHARE = 0.75
+
+
+def hopper_backward_pieces(q_blocks: int, sq: int, mean_walk: float, with_dq: bool) -> int:
+    """Pieces a walk of the Hopper backward is cut into (HOPPER_BACKWARD_PIECES): 1 (whole walks)
+    without dQ (the deterministic path's dK/dV, bitwise), below PIECE_MIN_ROWS query rows, or where
+    the mean walk (tiles) is under PIECE_MIN_SHARE of the `q_blocks`; else cdiv(q_blocks, PIECE_TILES)."""
+    if not (HOPPER_BACKWARD_PIECES and with_dq and sq >= PIECE_MIN_ROWS and q_blocks > PIECE_TILES
+            and mean_walk >= PIECE_MIN_SHARE * q_blocks):
+        return 1
+    return -(-q_blocks // PIECE_TILES)
+
 # The deterministic path's Hopper dQ pass (backward/hopper_dq.py, DQ_WAIT_BLOCK): the wait for dP
 # in a basic block of its own (`if Sk > 0`, its else a wait that never runs), so that ptxas cannot
 # hoist it above P's exponentials (offline SASS, python -m tools.offline_compile waits: 0 of a half

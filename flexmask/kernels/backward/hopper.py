@@ -101,21 +101,32 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _decode_item(entry, NKB, ITEM_HEADS):
-    """A work-list entry bhi * NKB + n as (batch, item head, kv-block): the item head is a kv
-    head, or a query head where the GQA group is split (SPLIT_GROUP)."""
+def _decode_item(entry, NKB, ITEM_HEADS, PIECES, PIECE_TILES: gl.constexpr):
+    """A work-list entry (bhi * PIECES + piece) * NKB + n as (batch, item head, kv-block, piece):
+    the item head is a kv head, or a query head where the GQA group is split (SPLIT_GROUP); the
+    piece of the walk is 0 unless walks are cut (PIECE_TILES > 0, `walk_pieces`)."""
     bhi = entry // NKB
-    return bhi // ITEM_HEADS, bhi % ITEM_HEADS, entry % NKB
+    piece = 0
+    if PIECE_TILES > 0:
+        piece = bhi % PIECES
+        bhi = bhi // PIECES
+    return bhi // ITEM_HEADS, bhi % ITEM_HEADS, entry % NKB, piece
 
 
 @gluon.jit
-def _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE):
-    """Mask row of (b, h) and its walk over kv-block n: (row, first FULL, first PARTIAL, end)."""
+def _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, piece,
+               PIECE_TILES: gl.constexpr):
+    """Mask row of (b, h) and its walk over kv-block n: (row, first FULL, first PARTIAL, end); with
+    PIECE_TILES > 0 only the piece's tiles [piece * PIECE_TILES, + PIECE_TILES) of the walk (the
+    first PARTIAL stays the walk's: a tile is PARTIAL where its index reaches it)."""
     row = b * MASK_B_STRIDE + (h // MASK_H_DIV) * MASK_H_STRIDE
     seg = row * NKB + n
     t_lo = gl.load(BWD_OFFSETS + seg)
     t_mid = t_lo + gl.load(BWD_NUM_FULL + seg)
     t_hi = gl.load(BWD_OFFSETS + seg + 1)
+    if PIECE_TILES > 0:
+        t_lo = gl.minimum(t_lo + piece * PIECE_TILES, t_hi)
+        t_hi = gl.minimum(t_lo + PIECE_TILES, t_hi)
     return row, t_lo, t_mid, t_hi
 
 
@@ -231,11 +242,11 @@ def _store_rows(dk_desc, dv_desc, dq_lo_smem, dq_hi_smem, dk, dv, x, row0, col0,
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
-    WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+    WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
     NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     STAGES: gl.constexpr, Q_STEP: gl.constexpr, KEYS_ON_ROWS: gl.constexpr, EARLY_V: gl.constexpr,
-    V_BY_DS: gl.constexpr,
+    V_BY_DS: gl.constexpr, PIECE_TILES: gl.constexpr,
 ):
     """One warp: claims work items (scheduler.py) and hands them to the consumers; per item, K
     and V once, then Q and dO step by step in walk order (with KEYS_ON_ROWS, the step's LSE and
@@ -248,11 +259,11 @@ def _producer(
     while w < n_items:
         w_next = scheduler.claim(COUNTER)  # one ahead: its latency hides behind this item's loads
         entry = gl.load(WORK + w)
-        b, hi, n = _decode_item(entry, NKB, ITEM_HEADS)
+        b, hi, n, piece = _decode_item(entry, NKB, ITEM_HEADS, PIECES, PIECE_TILES)
         h0 = hi * HEADS_PER_ITEM
         hk = h0 // GROUP
         _, t_lo0, t_mid0, t_hi0 = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h0, n, NKB,
-                                             MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+                                             MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, piece, PIECE_TILES)
         scheduler.publish(item_slots, item_ready, item_empty, item_count, entry, t_lo0, t_mid0, t_hi0)
         x_kv = b * KV_X_B + hk * KV_X_H
         c_kv = hk * KV_C_H
@@ -260,7 +271,7 @@ def _producer(
         for g in range(HEADS_PER_ITEM):
             h = h0 + g
             row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
-                                                MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+                                                MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, piece, PIECE_TILES)
             x_q = b * Q_X_B + h * Q_X_H
             c_q = h * Q_C_H
             STEPS: gl.constexpr = KV_BLOCK // Q_STEP
@@ -465,7 +476,7 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
 def _consumer(
     WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc,
     sums_desc, dk_desc, dv_desc, bars,
-    STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+    STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     KV_X_B, KV_X_H, KV_C_H, qk_scale,
@@ -473,7 +484,7 @@ def _consumer(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
     KEYS_ON_ROWS: gl.constexpr, DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, V_BY_DS: gl.constexpr,
-    DS_BY_Q: gl.constexpr,
+    DS_BY_Q: gl.constexpr, PIECE_TILES: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
@@ -517,7 +528,7 @@ def _consumer(
     # each step's q-block is loaded one step ahead, so that no step waits on a chain of loads
     entry, t_lo0, t_mid0, t_hi0 = scheduler.receive(item_slots, item_ready, item_empty, 0, num_warps)
     while entry >= 0:
-        b, hi, n = _decode_item(entry, NKB, ITEM_HEADS)
+        b, hi, n, piece = _decode_item(entry, NKB, ITEM_HEADS, PIECES, PIECE_TILES)
         h0 = hi * HEADS_PER_ITEM
         hk = h0 // GROUP
         dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=kv_layout)
@@ -526,6 +537,7 @@ def _consumer(
         if EARLY_V:
             mbarrier.wait(v_ready, item_count & 1)
         last_steps = 0  # the last head's steps: the last of them releases V (EARLY_V)
+        item_first = step
         for g in range(HEADS_PER_ITEM):
             h = h0 + g
             if g == 0:
@@ -533,7 +545,7 @@ def _consumer(
                 t_lo, t_mid, t_hi = t_lo0, t_mid0, t_hi0
             else:
                 row, t_lo, t_mid, t_hi = _head_walk(BWD_OFFSETS, BWD_NUM_FULL, b, h, n, NKB,
-                                                    MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
+                                                    MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, piece, PIECE_TILES)
             bh = b * HQ + h
             p_stats = STATS + bh.to(gl.int64) * 2 * Sq
             slope2 = 0.0
@@ -628,7 +640,11 @@ def _consumer(
         item_count += 1
 
         # epilogue: this warpgroup's rows of dK (scaled) and dV
-        if SPLIT_GROUP:  # this query head's share of its kv head's dK/dV, added to the fp32 sums
+        if PIECE_TILES > 0:  # a piece's share (of a query head's, if split), added to the zeroed fp32 sums
+            if step > item_first:  # (the many empty pieces of short walks add nothing)
+                _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
+                             n * KV_BLOCK + WG * ROWS, WG)
+        elif SPLIT_GROUP:  # this query head's share of its kv head's dK/dV, added to the fp32 sums
             _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
                          n * KV_BLOCK + WG * ROWS, WG)
         elif DKV_TMA:
@@ -650,7 +666,7 @@ def _consumer(
 @gluon.jit
 def _backward_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, dk_desc, dv_desc, STATS, DK, DV,
-    INTV, WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+    INTV, WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
@@ -659,7 +675,7 @@ def _backward_hopper_kernel(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
     DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, V_BY_DS: gl.constexpr, DS_BY_Q: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, PIECE_TILES: gl.constexpr = 0,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -712,25 +728,25 @@ def _backward_hopper_kernel(
     gl.warp_specialize([
         (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
                      dk_desc, dv_desc, bars,
-                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, V_BY_DS, DS_BY_Q)),
+                     DKV_TMA, EARLY_V, V_BY_DS, DS_BY_Q, PIECE_TILES)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
                      dk_desc, dv_desc, bars,
-                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, V_BY_DS, DS_BY_Q)),
+                     DKV_TMA, EARLY_V, V_BY_DS, DS_BY_Q, PIECE_TILES)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
-                     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items,
+                     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                     STAGES, Q_STEP, KEYS_ON_ROWS, EARLY_V, V_BY_DS)),
+                     STAGES, Q_STEP, KEYS_ON_ROWS, EARLY_V, V_BY_DS, PIECE_TILES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -744,7 +760,7 @@ BACKWARD_ORDERS = ("heaviest", "bucketed", "index", "rows")
 
 
 def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tuple[int, int, int],
-                       q_bytes: int, order: str | None = None, hoist: int = 0) -> torch.Tensor:
+                       q_bytes: int, order: str | None = None, hoist: int = 0, pieces: int = 1) -> torch.Tensor:
     """(batch x kv head, kv-block) items packed as bhk * NKB + n, heaviest first (tiles summed
     over the GQA group) within chunks of kv heads whose groups' Q and dO (`q_bytes` per query
     head) fit in L2_SHARE_BYTES; `order` (default configs.HOPPER_BACKWARD_ORDER): "heaviest" by
@@ -755,6 +771,9 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
     Q and dO fit in L2_SHARE_BYTES too, where one head's do not (the documents of those rows stay
     in L2 and the heaviest items still start first), or "auto": "index" from
     configs.INDEX_ORDER_MIN_KEYS keys, "rows" below (which is "heaviest" where a head fits).
+    `pieces` > 1 (walk_pieces): items (bhk, piece, n) packed as (bhk * pieces + piece) * NKB + n, each
+    piece [piece * configs.PIECE_TILES, + PIECE_TILES) of its walk; a chunk's pieces run piece by
+    piece (the running items walk the same rows), and pieces past a walk's end come last of all.
     `hoist`: see forward_hopper.heaviest_first. Cached per tile table."""
     order = configs.HOPPER_BACKWARD_ORDER if order is None else order
     if order == "auto":  # long sequences: the running items' rows fit in L2 only in index order
@@ -767,24 +786,35 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
             del _WORK_CACHE[key]
         entry = _WORK_CACHE[id(cm.bwd_offsets)] = (weakref.ref(cm.bwd_offsets), {})
     per_table = entry[1]
-    key = (batch, q_heads, kv_heads, mask_map, q_bytes, order, hoist)
+    piece_tiles = configs.PIECE_TILES if pieces > 1 else 0
+    key = (batch, q_heads, kv_heads, mask_map, q_bytes, order, hoist, pieces, piece_tiles)
     if key not in per_table:
         nkb = cm.num_kv_blocks
         group = q_heads // kv_heads
         mb, mdiv, mh = mask_map
+        device = cm.bwd_offsets.device
         counts = (cm.bwd_offsets[1:] - cm.bwd_offsets[:-1]).view(-1, nkb)  # [mask rows, NKB]
-        bh = torch.arange(batch * q_heads, device=counts.device)
+        bh = torch.arange(batch * q_heads, device=device)
         rows = (bh // q_heads) * mb + ((bh % q_heads) // mdiv) * mh
-        per_item = counts[rows].view(batch * kv_heads, group, nkb).sum(1).reshape(-1).to(torch.int64)
+        per_head = counts[rows].unsqueeze(1)  # [B * Hq, 1, NKB]
+        if pieces > 1:  # each piece's tiles of each head's walk
+            first = torch.arange(pieces, device=device).view(1, -1, 1) * piece_tiles
+            per_head = (per_head - first).clamp(0, piece_tiles)  # [B * Hq, pieces, NKB]
+        per_item = per_head.reshape(batch * kv_heads, group, pieces * nkb).sum(1).reshape(-1).to(torch.int64)
         heads_per_chunk = max(1, L2_SHARE_BYTES // max(1, group * q_bytes))
-        chunk = (torch.arange(batch * kv_heads, device=counts.device) // heads_per_chunk).repeat_interleave(nkb)
+        chunk = (torch.arange(batch * kv_heads, device=device) // heads_per_chunk).repeat_interleave(pieces * nkb)
+        if pieces > 1:  # a chunk's heads piece by piece
+            chunk = chunk * pieces + torch.arange(pieces, device=device).repeat_interleave(nkb).repeat(batch * kv_heads)
         if order == "rows":  # kv-block n meets q rows near n (documents, windows): chunks of rows too
             row_bytes = group * q_bytes * cm.block_n // max(1, cm.q_len)  # one kv-block's rows of Q and dO
             blocks_per_chunk = max(1, L2_SHARE_BYTES // max(1, row_bytes))
             row_chunks = -(-nkb // blocks_per_chunk)
-            n = torch.arange(nkb, device=counts.device).repeat(batch * kv_heads)
+            n = torch.arange(nkb, device=device).repeat(batch * kv_heads * pieces)
             chunk = chunk * row_chunks + n // blocks_per_chunk
-        max_weight = cm.num_q_blocks * group  # a kv-block meets <= NQB q-blocks per head
+        if pieces > 1:  # pieces past their walk's end: last of all (each is claimed and dropped)
+            empty = (per_item == 0) & (torch.arange(per_item.numel(), device=device) // nkb % pieces > 0)
+            chunk = torch.where(empty, chunk.max() + 1, chunk)
+        max_weight = (piece_tiles or cm.num_q_blocks) * group  # a kv-block meets <= NQB q-blocks per head
         rank = None
         if order == "bucketed":  # frexp's exponent: 0 for no tile, k + 1 for [2**k, 2**(k+1))
             per_item, max_weight = torch.frexp(per_item.double()).exponent.long(), 64
@@ -792,6 +822,13 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
             rank = torch.zeros_like(per_item)
         per_table[key] = heaviest_first(per_item, chunk, max_weight, hoist, rank)
     return per_table[key]
+
+
+def walk_pieces(cm, batch: int, q_heads: int, with_dq: bool) -> int:
+    """Pieces each kv-block's walk is cut into (configs.hopper_backward_pieces): the mean walk from
+    the tables' tile count, known on the host."""
+    mean_walk = cm.num_tiles_visited / max(1, cm.batch * cm.heads * cm.num_kv_blocks)
+    return configs.hopper_backward_pieces(cm.num_q_blocks, cm.q_len, mean_walk, with_dq)
 
 
 def splits_group(q_heads: int, kv_heads: int, sq: int) -> bool:
@@ -883,7 +920,8 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     with_dq = dq_acc is not None
     split = with_dq and splits_group(hq, hkv, sq)
     item_heads = hq // split_heads(hq, hkv, d) if split else hkv
-    work = backward_work_list(cm, batch, hq, item_heads, mask_map, q_bytes, hoist=programs)
+    pieces = walk_pieces(cm, batch, hq, with_dq)
+    work = backward_work_list(cm, batch, hq, item_heads, mask_map, q_bytes, hoist=programs, pieces=pieces)
     n_items = work.numel()
     grid = (min(n_items, programs),)
     mb, mdiv, mh = mask_map
@@ -896,21 +934,22 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     stats_desc = _stats_descriptor(stats, q_step) if keys_on_rows else dq_desc
     dk_desc = dv_desc = dq_desc  # (unused with element stores)
     dkv_tma = False
-    if configs.HOPPER_BACKWARD_DKV_TMA and with_dq and not split:  # dK/dV by TMA, staged in the dQ buffers
+    sums_needed = split or pieces > 1  # several items add into each kv-block's dK/dV
+    if configs.HOPPER_BACKWARD_DKV_TMA and with_dq and not sums_needed:  # dK/dV by TMA, staged in the dQ buffers
         dk_made, dv_made = _descriptor(dk, KV_ROWS // 2, 64), _descriptor(dv, KV_ROWS // 2, 64)
         # where the copy engine cannot write them, or their layout is not K's (the kernel takes K's
         # coordinates), element stores
         if dk_made is not None and dv_made is not None and dk_made[1] == dv_made[1] == (kxb, kxh, kch):
             (dk_desc, _), (dv_desc, _), dkv_tma = dk_made, dv_made, True
     early_v = configs.hopper_backward_early_v(d)
-    if split:  # fp32 sums of the group's heads, cast into dk and dv after the kernel
+    if sums_needed:  # fp32 sums of the group's heads or the walk's pieces, cast into dk and dv after the kernel
         sums = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device)
         dk, dv = sums.unbind(0)
         sums_desc = tma_descriptor(sums, (2 * batch * hkv, sk, d), (sk * d, d, 1), (1, KV_ROWS // 2, 32))
     _BACKWARD_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, dk_desc, dv_desc, stats, dk, dv,
         cm.kernel_intervals, work, scheduler.counters(q.device), cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        pieces, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, cm.num_kv_blocks, hq, batch * hkv, item_heads, hq // item_heads, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
@@ -918,8 +957,9 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v,
         V_BY_DS=configs.hopper_backward_v_by_ds(early_v, keys_on_rows, with_dq) and stages == 2,  # (_load_kv)
         DS_BY_Q=configs.hopper_backward_ds_by_q(d, keys_on_rows, with_dq), num_warps=4, maxnreg=168,
+        PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0,
     )
-    if split:
+    if sums_needed:
         dk_out.copy_(dk)
         dv_out.copy_(dv)
 
