@@ -636,3 +636,16 @@ def test_walk_pieces_rule():
     assert backward_configs.hopper_backward_pieces(q_blocks, s, q_blocks * 0.8, True) == 4
     assert backward_configs.hopper_backward_pieces(q_blocks, s, q_blocks * 0.7, True) == 1
     assert backward_configs.hopper_backward_pieces(q_blocks, s - 1, q_blocks, True) == 1
+
+
+def test_backward_ab_switches_name_configs():
+    """Every switch of tools.backward_ab sets attributes that configs has, two values a side."""
+    from tools.backward_ab import SWITCHES
+
+    for name, (attributes, labels, values) in SWITCHES.items():
+        attributes = (attributes,) if isinstance(attributes, str) else attributes
+        assert len(labels) == len(values) == 2, name
+        for attribute in attributes:
+            assert hasattr(backward_configs, attribute), f"{name}: configs has no {attribute}"
+        if len(attributes) > 1:
+            assert all(len(side) == len(attributes) for side in values), name

@@ -152,7 +152,8 @@ def hopper_backward_early_v(head_dim: int) -> bool:
 # last reads of V, are done by then) instead of waiting for v_empty. Each mbarrier.arrive costs its
 # warpgroup a barrier before it, and Triton's barrier analysis adds one after it when a wgmma follows:
 # the predicated v_empty arrive put two `bar.sync`s in every step (offline, sm_90, D = 128: 8 a step,
-# 6 without early V). Off until timed (python -m tools.backward_ab --switch v_by_ds).
+# 6 without early V). Timed on an H200 (python -m tools.backward_ab --switch v_by_ds): 0.978-1.012x,
+# 12 of 16 rows below 1.0; off (docs/performance.md, section 5).
 HOPPER_BACKWARD_V_BY_DS = False
 
 
@@ -164,8 +165,9 @@ def hopper_backward_v_by_ds(early_v: bool, keys_on_rows: bool, with_dq: bool) ->
 
 # dS's buffer free again read from the Q/dO stage's release: with keys on the rows and dQ split by
 # columns (D = 128) both warpgroups release the last step's stage right after their dQ products, where
-# they also arrived at ds_free; its arrive (and its warpgroup barrier) goes. Off until timed (python -m
-# tools.backward_ab --switch fewer_arrives, with V_BY_DS).
+# they also arrived at ds_free; its arrive (and its warpgroup barrier) goes. With V_BY_DS (python -m
+# tools.backward_ab --switch fewer_arrives [--short], H200): 0.977-1.008x at 8K-32K, 0.950-1.006x at
+# 512-2K; off.
 HOPPER_BACKWARD_DS_BY_Q = False
 
 

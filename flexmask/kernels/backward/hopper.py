@@ -29,10 +29,14 @@ An item's dK and dV leave through shared memory (the dQ buffers, free between it
 stores that run on while the next item starts (`_store_rows`, configs.HOPPER_BACKWARD_DKV_TMA); at
 D = 128 V is released after the walk's last dP, so that the next item's V loads during the last
 step (configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS). Short walks (S = 512: 1-4 tiles an item) gained
-most: docs/performance.md, section 5. Two switches, off until timed, take arrives (each with its
+most: docs/performance.md, section 5. Two switches, off (timed: no gain), take arrives (each with its
 warpgroup barriers) out of every step: with configs.HOPPER_BACKWARD_V_BY_DS the producer reads V's
 release from ds_ready instead of a v_empty arrive, with configs.HOPPER_BACKWARD_DS_BY_Q the
 consumers read dS's from the last step's Q/dO stage release instead of a ds_free arrive.
+Long walks (full attention from 128K query rows, `walk_pieces`) are cut into pieces of
+configs.PIECE_TILES tiles, each an item whose dK/dV are added into fp32 sums, so that the items
+running at once walk the same rows: whole 1024-tile walks drifted apart until their Q, dO and dQ
+no longer fit in L2, and the DRAM traffic cost the power-capped card its clock.
 Masks come from the same column intervals, turned into one word of masked rows per key as in
 the Hopper forward (`forward_hopper._row_words`); with k runs per column (NUM_RUNS > 2) the words
 are OR-ed over the runs, read from the tables at every step.
