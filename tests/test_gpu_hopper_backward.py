@@ -237,7 +237,7 @@ def test_walk_pieces(family, b, hq, hkv, sq, sk, d, order, monkeypatch):
     monkeypatch.setattr(configs, "PIECE_MIN_SHARE", 0.0)
     monkeypatch.setattr(configs, "HOPPER_BACKWARD_ORDER", order)
     cm = compile_mask(make_mask(family, sq, sk, batch=b, heads=hq, seed=sq), sq, sk, device="cuda")
-    assert hopper.walk_pieces(cm, b, hq, True) == -(-cm.num_q_blocks // 2) > 1
+    assert hopper.walk_pieces(cm, True) == -(-cm.num_q_blocks // 2) > 1
     _check(family, b, hq, hkv, sq, sk, torch.bfloat16, "bhsd", seed=sq, d=d)
 
 

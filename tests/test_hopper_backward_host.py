@@ -626,12 +626,12 @@ def test_walk_pieces_rule():
     walk is long (full attention), with dQ only; not causal documents, causal or the dK/dV pass."""
     s = backward_configs.PIECE_MIN_ROWS
     full = compile_mask(masks.full(), s, s, device="cpu", block_m=128, block_n=128)
-    assert backward_hopper.walk_pieces(full, 1, 16, True) == -(-full.num_q_blocks // backward_configs.PIECE_TILES) > 1
-    assert backward_hopper.walk_pieces(full, 1, 16, False) == 1
+    assert backward_hopper.walk_pieces(full, True) == -(-full.num_q_blocks // backward_configs.PIECE_TILES) > 1
+    assert backward_hopper.walk_pieces(full, False) == 1
     causal = compile_mask(masks.causal(), s, s, device="cpu", block_m=128, block_n=128)
-    assert backward_hopper.walk_pieces(causal, 1, 16, True) == 1
+    assert backward_hopper.walk_pieces(causal, True) == 1
     short = compile_mask(masks.full(), s // 2, s // 2, device="cpu", block_m=128, block_n=128)
-    assert backward_hopper.walk_pieces(short, 1, 16, True) == 1
+    assert backward_hopper.walk_pieces(short, True) == 1
     q_blocks = 4 * backward_configs.PIECE_TILES
     assert backward_configs.hopper_backward_pieces(q_blocks, s, q_blocks * 0.8, True) == 4
     assert backward_configs.hopper_backward_pieces(q_blocks, s, q_blocks * 0.7, True) == 1

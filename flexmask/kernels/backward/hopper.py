@@ -828,9 +828,11 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
     return per_table[key]
 
 
-def walk_pieces(cm, batch: int, q_heads: int, with_dq: bool) -> int:
+def walk_pieces(cm, with_dq: bool) -> int:
     """Pieces each kv-block's walk is cut into (configs.hopper_backward_pieces): the mean walk from
     the tables' tile count, known on the host."""
+    if cm.q_len < configs.PIECE_MIN_ROWS:  # every short call's answer, without the arithmetic
+        return 1
     mean_walk = cm.num_tiles_visited / max(1, cm.batch * cm.heads * cm.num_kv_blocks)
     return configs.hopper_backward_pieces(cm.num_q_blocks, cm.q_len, mean_walk, with_dq)
 
@@ -924,7 +926,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     with_dq = dq_acc is not None
     split = with_dq and splits_group(hq, hkv, sq)
     item_heads = hq // split_heads(hq, hkv, d) if split else hkv
-    pieces = walk_pieces(cm, batch, hq, with_dq)
+    pieces = walk_pieces(cm, with_dq)
     work = backward_work_list(cm, batch, hq, item_heads, mask_map, q_bytes, hoist=programs, pieces=pieces)
     n_items = work.numel()
     grid = (min(n_items, programs),)
