@@ -278,6 +278,7 @@ cases = [("forward", d, qb, lambda d=d, qb=qb: oc._hopper_forward(d, 2, qb)) for
 cases += [("forward", 64, "192 rows", lambda: oc._hopper_forward(64, 2, 1, block_m=192))]
 cases += [("backward", d, dq, lambda d=d, dq=dq: oc._hopper_backward(2, d, dq)) for d, dq in ((128, True), (64, True), (128, False))]
 cases += [("backward_split", d, True, lambda d=d: oc._hopper_backward(2, d, True, split=True)) for d in (128, 64)]
+cases += [("backward_pieces", d, True, lambda d=d: oc._hopper_backward(2, d, True, pieces=True)) for d in (128, 64)]
 cases += [("dq", d, None, lambda d=d: oc._hopper_dq(2, d)) for d in (128, 64)]
 cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16)) for d in (128, 64)]
 cases += [("backward_k_runs", 128, 16, lambda: oc._hopper_backward(2, 128, True, runs=16)),
@@ -302,7 +303,7 @@ def test_hopper_kernels_compile_for_sm90():
     three with 16 runs per column (k-run masks) compile too; they spill some (section 12)."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
-    assert len(results) == 15, results
+    assert len(results) == 17, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["variant"] == "192 rows":  # two values stored at entry, under the launch's 128 registers
@@ -317,7 +318,7 @@ def test_hopper_kernels_compile_for_sm90():
     # 4 at 64, in each of the two consumer warpgroups), no per-element atomics: the same atomics as
     # the whole-group kernel (the scheduler's)
     whole = {r["d"]: r for r in results if r["name"] == "backward" and r["variant"] is True}
-    for r in (r for r in results if r["name"] == "backward_split"):
+    for r in (r for r in results if r["name"] in ("backward_split", "backward_pieces")):  # pieces add theirs alike
         assert r["atomics"] == whole[r["d"]]["atomics"], (r, whole[r["d"]])
         assert r["bulk_reductions"] == whole[r["d"]]["bulk_reductions"] + 2 * 2 * r["d"] // 32, (r, whole[r["d"]])
 
