@@ -17,6 +17,8 @@ Switches:
   the Q/dO stage's release, no ds_free arrive): 8 against 5 warpgroup barriers a step at D = 128.
 - `pieces`: whole walks against walks cut into pieces (configs.HOPPER_BACKWARD_PIECES), the latter on
   for every mask (PIECE_MIN_SHARE 0), not only where the mean walk is long; with `--long`.
+- `pieces_live`: configs.HOPPER_BACKWARD_PIECES_LIVE off against on (pieces past a walk's end never
+  claimed, and split groups' walks cut whatever their mean: causal documents at 32/8); with `--long`.
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
@@ -48,6 +50,7 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "fewer_arrives": (("HOPPER_BACKWARD_V_BY_DS", "HOPPER_BACKWARD_DS_BY_Q"), ("8 barriers", "5 barriers"),
                       ((False, False), (True, True))),
     "pieces": (("HOPPER_BACKWARD_PIECES", "PIECE_MIN_SHARE"), ("whole walks", "pieces"), ((False, 0.75), (True, 0.0))),
+    "pieces_live": ("HOPPER_BACKWARD_PIECES_LIVE", ("claimed", "live count"), (False, True)),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 SHORT_CASES = ((512, 32), (1024, 16), (2048, 8))

@@ -117,10 +117,12 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
                      runs: int = 2, split: bool = False, dkv_tma: bool | None = None, early_v: bool | None = None,
-                     v_by_ds: bool | None = None, ds_by_q: bool | None = None, pieces: bool = False):
+                     v_by_ds: bool | None = None, ds_by_q: bool | None = None, pieces: bool = False,
+                     live: bool = False):
     """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
     `dkv_tma`, `early_v`, `v_by_ds`, `ds_by_q`: the kernel's switches (default: configs', as launched);
-    `pieces`: walks cut into pieces of configs.PIECE_TILES tiles, dK/dV added into fp32 sums."""
+    `pieces`: walks cut into pieces of configs.PIECE_TILES tiles, dK/dV added into fp32 sums; `live`:
+    with them, the producer stops at the list's live count (HOPPER_BACKWARD_PIECES_LIVE)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import configs as bc
     from flexmask.kernels.backward import hopper as bh
@@ -158,7 +160,8 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
                   KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v, V_BY_DS=v_by_ds,
-                  DS_BY_Q=ds_by_q, num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0)
+                  DS_BY_Q=ds_by_q, num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0,
+                  LIVE_ITEMS=pieces and live)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
