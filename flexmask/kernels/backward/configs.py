@@ -194,9 +194,10 @@ PIECE_MIN_SHARE = 0.75
 # Pieces past their walk's end never claimed: the producer stops at the list's live count (they
 # cost each program a claim and K/V loads otherwise, 3 of 4 items for causal documents at 128K:
 # 0.91-0.95x there with pieces forced on). With it, where the GQA group is split (dK/dV in fp32
-# sums already) walks are cut from PIECE_MIN_ROWS whatever their mean: long documents (the 64K ones
-# of 512K-1M sequences) walk up to 512 tiles. Off until run on a GPU (test_walk_pieces) and timed
-# (python -m tools.backward_ab --switch pieces_live --long; tools.backward_gqa --long at 512K-1M).
+# sums already) walks are cut from PIECE_MIN_ROWS whatever their mean (causal gained 1.005-1.013x
+# with its empty pieces claimed; whether long documents gain is open: full attention at 64K did
+# not). Off until run on a GPU (test_walk_pieces) and timed (python -m tools.backward_ab --switch
+# pieces_live --long; tools.backward_gqa --long at 512K-1M).
 HOPPER_BACKWARD_PIECES_LIVE = False
 
 
