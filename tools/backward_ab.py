@@ -18,7 +18,7 @@ Switches:
 - `pieces`: whole walks against walks cut into pieces (configs.HOPPER_BACKWARD_PIECES), the latter on
   for every mask (PIECE_MIN_SHARE 0), not only where the mean walk is long; with `--long`.
 - `pieces_live`: configs.HOPPER_BACKWARD_PIECES_LIVE off against on (pieces past a walk's end never
-  claimed, and split groups' walks cut whatever their mean: causal documents at 32/8); with `--long`.
+  claimed, and split groups' walks cut whatever their mean: every mask at 128K and 32/8); with `--long`.
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
