@@ -647,13 +647,10 @@ def _consumer(
         item_count += 1
 
         # epilogue: this warpgroup's rows of dK (scaled) and dV
-        if PIECE_TILES > 0:  # a piece's share (of a query head's, if split), added to the zeroed fp32 sums
-            if step > item_first:  # (the many empty pieces of short walks add nothing)
+        if SPLIT_GROUP or PIECE_TILES > 0:  # a query head's or a piece's share, added to the zeroed fp32 sums
+            if PIECE_TILES == 0 or step > item_first:  # (the many empty pieces of short walks add nothing)
                 _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
                              n * KV_BLOCK + WG * ROWS, WG)
-        elif SPLIT_GROUP:  # this query head's share of its kv head's dK/dV, added to the fp32 sums
-            _add_to_sums(sums_desc, dq_lo_smem, dq_hi_smem, dk * sm_scale, dv, (b * HQ + h0) // GROUP, B_HKV,
-                         n * KV_BLOCK + WG * ROWS, WG)
         elif DKV_TMA:
             _store_rows(dk_desc, dv_desc, dq_lo_smem, dq_hi_smem, (dk * sm_scale).to(dtype), dv.to(dtype),
                         b * KV_X_B + hk * KV_X_H, n * KV_BLOCK + WG * ROWS, hk * KV_C_H, WG)
@@ -811,8 +808,9 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
         per_item = per_head.reshape(batch * kv_heads, group, pieces * nkb).sum(1).reshape(-1).to(torch.int64)
         heads_per_chunk = max(1, L2_SHARE_BYTES // max(1, group * q_bytes))
         chunk = (torch.arange(batch * kv_heads, device=device) // heads_per_chunk).repeat_interleave(pieces * nkb)
+        piece = torch.arange(per_item.numel(), device=device) // nkb % pieces
         if pieces > 1:  # a chunk's heads piece by piece
-            chunk = chunk * pieces + torch.arange(pieces, device=device).repeat_interleave(nkb).repeat(batch * kv_heads)
+            chunk = chunk * pieces + piece
         if order == "rows":  # kv-block n meets q rows near n (documents, windows): chunks of rows too
             row_bytes = group * q_bytes * cm.block_n // max(1, cm.q_len)  # one kv-block's rows of Q and dO
             blocks_per_chunk = max(1, L2_SHARE_BYTES // max(1, row_bytes))
@@ -821,7 +819,7 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
             chunk = chunk * row_chunks + n // blocks_per_chunk
         empty = None
         if pieces > 1:  # pieces past their walk's end: last of all (dropped by the consumers, or never claimed)
-            empty = (per_item == 0) & (torch.arange(per_item.numel(), device=device) // nkb % pieces > 0)
+            empty = (per_item == 0) & (piece > 0)
             chunk = torch.where(empty, chunk.max() + 1, chunk)
         max_weight = (piece_tiles or cm.num_q_blocks) * group  # a kv-block meets <= NQB q-blocks per head
         rank = None
