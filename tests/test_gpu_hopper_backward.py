@@ -165,56 +165,6 @@ def test_gqa_items_split_or_whole(split, per_item, b, hq, hkv, sq, sk, d, layout
 
 
 @pytest.mark.parametrize(
-    "split,per_item,b,hq,hkv,sq,sk,family,order",
-    [
-        (False, 1, 2, 4, 4, 700, 700, "causal", "auto"),
-        (False, 1, 1, 8, 2, 1537, 1537, "document", "auto"),  # items of a whole GQA group: several heads' walks
-        (True, 1, 1, 8, 2, 1537, 1537, "causal", "auto"),
-        (True, 2, 2, 4, 2, 1300, 700, "prefix_lm_document", "auto"),
-        # Sq < Sk: 10 of 16 kv-blocks no query sees, items of no step: last in the heaviest-first list
-        # (after items with steps, and after each other), first in index order (items with steps after them)
-        (False, 1, 1, 4, 2, 300, 1999, "sliding_window", "auto"),
-        (False, 1, 1, 4, 2, 300, 1999, "sliding_window", "index"),
-        (False, 1, 2, 4, 4, 4096, 4096, "random_eviction", "auto"),  # many items a program: ds_ready's phases wrap
-    ],
-)
-def test_fewer_arrives(split, per_item, b, hq, hkv, sq, sk, family, order, monkeypatch):
-    """configs.HOPPER_BACKWARD_V_BY_DS (D = 128, keys on the rows, early V): the producer takes V as
-    free from ds_ready's phase of the step before an item's first instead of v_empty; and
-    configs.HOPPER_BACKWARD_DS_BY_Q: dS is written again once the last step's Q/dO stage is released,
-    not on ds_free. Each alone and both: the gradients match the reference, and dK/dV equal the
-    kernel's without them bit for bit where the group is whole (the releases' timing changes no
-    arithmetic; split items add their dK/dV in fp32 in any order)."""
-    if not _hopper():
-        pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels.backward import configs, hopper
-
-    monkeypatch.setattr(configs, "HOPPER_SPLIT_GROUP", split)
-    monkeypatch.setattr(configs, "SPLIT_GROUP_HEADS", per_item)
-    monkeypatch.setattr(configs, "HOPPER_BACKWARD_ORDER", order)
-    assert hopper.splits_group(hq, hkv, sq) is split and configs.hopper_backward_early_v(128)
-    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, 128, torch.bfloat16, seed=sq))
-    do = torch.randn(b, hq, sq, 128, generator=torch.Generator().manual_seed(sq + 1)).to(torch.bfloat16).cuda()
-    mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=sq)
-    cm = compile_mask(mask, sq, sk, device="cuda")
-    grads = {}
-    for switches in ((False, False), (True, False), (False, True), (True, True)):
-        monkeypatch.setattr(configs, "HOPPER_BACKWARD_V_BY_DS", switches[0])
-        monkeypatch.setattr(configs, "HOPPER_BACKWARD_DS_BY_Q", switches[1])
-        grads[switches] = _grads(q, k, v, do, cm, 128 ** -0.5, "hopper")
-        torch.cuda.synchronize()
-    ref64 = reference_grads(q, k, v, mask, do)[2:]
-    low = reference_grads(q, k, v, mask, do, dtype=torch.bfloat16)[2:]
-    floor = default_floor(torch.bfloat16, gradient=True)
-    for switches in ((True, False), (False, True), (True, True)):
-        for name, g, r, l in zip(("dq", "dk", "dv"), grads[switches], ref64, low):
-            assert_close_to_reference(g, r, l, floor, f"{name} {switches}")
-        if not split:
-            for name, a, c in zip(("dk", "dv"), grads[False, False][1:], grads[switches][1:]):
-                assert torch.equal(a, c), f"{name}: V_BY_DS, DS_BY_Q = {switches} changed the arithmetic"
-
-
-@pytest.mark.parametrize(
     "family,b,hq,hkv,sq,sk,d,order",
     [
         ("full", 1, 4, 4, 1300, 1300, 128, "auto"),  # 11 tiles a walk: pieces of 2, 2, ..., 1

@@ -526,61 +526,6 @@ def test_backward_launch_releases_v_early_at_the_configured_head_dims(monkeypatc
     assert kwargs["EARLY_V"] is (d in head_dims)
 
 
-def _causal_launch(recorded_launches, d: int, with_dq: bool, stages: int = 2) -> dict:
-    """The keyword arguments of backward_hopper's recorded launch for a causal mask, B = 1, 2 heads, S = 256."""
-    recorded_launches.clear()
-    q = torch.randn(1, 2, 256, d, dtype=torch.bfloat16)
-    cm = compile_mask(masks.causal(), 256, 256, device="cpu", block_m=128, block_n=128)
-    dq_acc = torch.zeros(2, 256, d) if with_dq else None
-    backward_hopper.backward_hopper(q, q, q, q, torch.zeros(2, 2, 256), dq_acc, torch.empty_like(q),
-                                    torch.empty_like(q), cm, d ** -0.5, (0, 1, 0), stages=stages)
-    (_, kwargs), = recorded_launches
-    return kwargs
-
-
-@pytest.mark.parametrize("switch", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("with_dq", [False, True])
-@pytest.mark.parametrize("name", ["V_BY_DS", "DS_BY_Q"])
-def test_backward_launch_reads_releases_from_barriers_already_waited_for(monkeypatch, recorded_launches, name, switch,
-                                                                        d, with_dq):
-    """backward_hopper hands the kernel V_BY_DS (the producer reading V's release from ds_ready) and
-    DS_BY_Q (dS written again once the last step's Q/dO stage is released) only with their switch
-    on, keys on the rows, dQ and D = 128 (early V there too): ds_ready is arrived every step by both
-    warpgroups, and both release the stage after their dQ products, only there. V_BY_DS's parity
-    wait needs two Q/dO stages (hopper._load_kv). Recorded, not run."""
-    from flexmask.kernels.backward import configs
-
-    monkeypatch.setattr(configs, f"HOPPER_BACKWARD_{name}", switch)
-    kwargs = _causal_launch(recorded_launches, d, with_dq)
-    assert kwargs[name] is (switch and d == 128 and with_dq)
-    assert kwargs["EARLY_V"] is (d == 128) and kwargs["KEYS_ON_ROWS"] is (d == 128)
-    if name == "V_BY_DS":
-        assert _causal_launch(recorded_launches, d, with_dq, stages=3)["V_BY_DS"] is False
-
-
-def test_v_by_ds_rule():
-    from flexmask.kernels.backward import configs
-
-    assert not configs.HOPPER_BACKWARD_V_BY_DS  # off until timed
-    assert not configs.hopper_backward_v_by_ds(True, True, True)
-    configs.HOPPER_BACKWARD_V_BY_DS = True
-    try:
-        assert configs.hopper_backward_v_by_ds(True, True, True)
-        for args in ((False, True, True), (True, False, True), (True, True, False)):
-            assert not configs.hopper_backward_v_by_ds(*args)
-    finally:
-        configs.HOPPER_BACKWARD_V_BY_DS = False
-    assert not configs.HOPPER_BACKWARD_DS_BY_Q and not configs.hopper_backward_ds_by_q(128, True, True)
-    configs.HOPPER_BACKWARD_DS_BY_Q = True
-    try:
-        assert configs.hopper_backward_ds_by_q(128, True, True)
-        for args in ((64, True, True), (128, False, True), (128, True, False)):
-            assert not configs.hopper_backward_ds_by_q(*args)
-    finally:
-        configs.HOPPER_BACKWARD_DS_BY_Q = False
-
-
 def test_early_v_default_is_the_measured_one():
     from flexmask.kernels.backward import configs
 

@@ -11,10 +11,6 @@ Switches:
 
 - `dkv_tma`: configs.HOPPER_BACKWARD_DKV_TMA, dK and dV out by element stores against TMA stores.
 - `early_v`: configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS, V released with K against after the walk's last dP.
-- `v_by_ds`: configs.HOPPER_BACKWARD_V_BY_DS, early V's release by v_empty arrives (two warpgroup
-  barriers a step) against the producer reading it from ds_ready (D = 128).
-- `fewer_arrives`: V_BY_DS and configs.HOPPER_BACKWARD_DS_BY_Q together (dS's buffer free read from
-  the Q/dO stage's release, no ds_free arrive): 8 against 5 warpgroup barriers a step at D = 128.
 - `pieces`: whole walks against walks cut into pieces (configs.HOPPER_BACKWARD_PIECES), the latter on
   for every mask (PIECE_MIN_SHARE 0), not only where the mean walk is long; with `--long`.
 - `pieces_live`: configs.HOPPER_BACKWARD_PIECES_LIVE off against on (pieces past a walk's end never
@@ -46,9 +42,6 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows"), (False, True)),
     "dkv_tma": ("HOPPER_BACKWARD_DKV_TMA", ("element stores", "TMA stores"), (False, True)),
     "early_v": ("HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", ("V with K", "V early"), (frozenset(), frozenset({64, 128}))),
-    "v_by_ds": ("HOPPER_BACKWARD_V_BY_DS", ("v_empty", "ds_ready"), (False, True)),
-    "fewer_arrives": (("HOPPER_BACKWARD_V_BY_DS", "HOPPER_BACKWARD_DS_BY_Q"), ("8 barriers", "5 barriers"),
-                      ((False, False), (True, True))),
     "pieces": (("HOPPER_BACKWARD_PIECES", "PIECE_MIN_SHARE"), ("whole walks", "pieces"), ((False, 0.75), (True, 0.0))),
     "pieces_live": ("HOPPER_BACKWARD_PIECES_LIVE", ("claimed", "live count"), (False, True)),
 }

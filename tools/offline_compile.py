@@ -117,10 +117,9 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
                      runs: int = 2, split: bool = False, dkv_tma: bool | None = None, early_v: bool | None = None,
-                     v_by_ds: bool | None = None, ds_by_q: bool | None = None, pieces: bool = False,
-                     live: bool = False):
+                     pieces: bool = False, live: bool = False):
     """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
-    `dkv_tma`, `early_v`, `v_by_ds`, `ds_by_q`: the kernel's switches (default: configs', as launched);
+    `dkv_tma`, `early_v`: the kernel's switches (default: configs', as launched);
     `pieces`: walks cut into pieces of configs.PIECE_TILES tiles, dK/dV added into fp32 sums; `live`:
     with them, the producer stops at the list's live count (HOPPER_BACKWARD_PIECES_LIVE)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -144,10 +143,6 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     stats_desc = bh._stats_descriptor(torch.empty(8, 2, 1024), q_step) if keys_on_rows else dqd
     dkv_tma = (bc.HOPPER_BACKWARD_DKV_TMA if dkv_tma is None else dkv_tma) and with_dq and not sums_needed
     early_v = bc.hopper_backward_early_v(head_dim) if early_v is None else early_v
-    if v_by_ds is None:
-        v_by_ds = bc.hopper_backward_v_by_ds(early_v, keys_on_rows, with_dq)
-    if ds_by_q is None:
-        ds_by_q = bc.hopper_backward_ds_by_q(head_dim, keys_on_rows, with_dq)
     dkv_desc = fh._descriptor(k, bh.KV_ROWS // 2, 64)[0] if dkv_tma else dqd
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, sums_desc=sums, stats_desc=stats_desc,
                 dk_desc=dkv_desc, dv_desc=dkv_desc, STATS=torch.empty(8),
@@ -159,8 +154,8 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5, sm_scale=0.3)  # as launched
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
-                  KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v, V_BY_DS=v_by_ds,
-                  DS_BY_Q=ds_by_q, num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0,
+                  KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v,
+                  num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0,
                   LIVE_ITEMS=pieces and live)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)

@@ -147,36 +147,6 @@ def hopper_backward_early_v(head_dim: int) -> bool:
     """Whether the Hopper backward releases V after a walk's last dP (HOPPER_BACKWARD_EARLY_V_HEAD_DIMS)."""
     return head_dim in HOPPER_BACKWARD_EARLY_V_HEAD_DIMS
 
-# Early V without an arrive in the step: the producer takes V as free once the previous item's last
-# step has put its dS in shared memory (ds_ready's phase of that step: both warpgroups' dP^T, the
-# last reads of V, are done by then) instead of waiting for v_empty. Each mbarrier.arrive costs its
-# warpgroup a barrier before it, and Triton's barrier analysis adds one after it when a wgmma follows:
-# the predicated v_empty arrive put two `bar.sync`s in every step (offline, sm_90, D = 128: 8 a step,
-# 6 without early V). Timed on an H200 (python -m tools.backward_ab --switch v_by_ds): 0.978-1.012x,
-# 12 of 16 rows below 1.0; off (docs/performance.md, section 5).
-HOPPER_BACKWARD_V_BY_DS = False
-
-
-def hopper_backward_v_by_ds(early_v: bool, keys_on_rows: bool, with_dq: bool) -> bool:
-    """Whether the Hopper backward's producer reads V's release from ds_ready (HOPPER_BACKWARD_V_BY_DS):
-    with early V, keys on the rows and dQ (ds_ready is arrived by both warpgroups every step only there)."""
-    return HOPPER_BACKWARD_V_BY_DS and early_v and keys_on_rows and with_dq
-
-
-# dS's buffer free again read from the Q/dO stage's release: with keys on the rows and dQ split by
-# columns (D = 128) both warpgroups release the last step's stage right after their dQ products, where
-# they also arrived at ds_free; its arrive (and its warpgroup barrier) goes. With V_BY_DS (python -m
-# tools.backward_ab --switch fewer_arrives [--short], H200): 0.977-1.008x at 8K-32K, 0.950-1.006x at
-# 512-2K; off.
-HOPPER_BACKWARD_DS_BY_Q = False
-
-
-def hopper_backward_ds_by_q(head_dim: int, keys_on_rows: bool, with_dq: bool) -> bool:
-    """Whether the Hopper backward's consumers wait for the last step's Q/dO stage release, not ds_free,
-    before writing dS (HOPPER_BACKWARD_DS_BY_Q): keys on the rows, dQ, and D = 128 (both warpgroups take
-    a dQ product every step and release the stage after it)."""
-    return HOPPER_BACKWARD_DS_BY_Q and keys_on_rows and with_dq and head_dim == 128
-
 
 # Long walks cut into pieces of PIECE_TILES table tiles (backward/hopper.py, walk_pieces): each piece
 # an item of its own, its dK/dV added into fp32 sums, the pieces of one range of rows run together.

@@ -29,10 +29,7 @@ An item's dK and dV leave through shared memory (the dQ buffers, free between it
 stores that run on while the next item starts (`_store_rows`, configs.HOPPER_BACKWARD_DKV_TMA); at
 D = 128 V is released after the walk's last dP, so that the next item's V loads during the last
 step (configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS). Short walks (S = 512: 1-4 tiles an item) gained
-most: docs/performance.md, section 5. Two switches, off (timed: no gain), take arrives (each with its
-warpgroup barriers) out of every step: with configs.HOPPER_BACKWARD_V_BY_DS the producer reads V's
-release from ds_ready instead of a v_empty arrive, with configs.HOPPER_BACKWARD_DS_BY_Q the
-consumers read dS's from the last step's Q/dO stage release instead of a ds_free arrive.
+most: docs/performance.md, section 5.
 Long walks (full attention from 128K query rows, `walk_pieces`) are cut into pieces of
 configs.PIECE_TILES tiles, each an item whose dK/dV are added into fp32 sums, so that the items
 running at once walk the same rows: whole 1024-tile walks drifted apart until their Q, dO and dQ
@@ -250,7 +247,7 @@ def _producer(
     NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     STAGES: gl.constexpr, Q_STEP: gl.constexpr, KEYS_ON_ROWS: gl.constexpr, EARLY_V: gl.constexpr,
-    V_BY_DS: gl.constexpr, PIECE_TILES: gl.constexpr, LIVE_ITEMS: gl.constexpr,
+    PIECE_TILES: gl.constexpr, LIVE_ITEMS: gl.constexpr,
 ):
     """One warp: claims work items (scheduler.py) and hands them to the consumers; per item, K
     and V once, then Q and dO step by step in walk order (with KEYS_ON_ROWS, the step's LSE and
@@ -261,7 +258,6 @@ def _producer(
         n_items = gl.load(WORK + n_items)
     step = 0
     item_count = 0
-    prev_steps = 1  # the last item's steps (V_BY_DS; none before the first item)
     w = scheduler.claim(COUNTER)
     while w < n_items:
         w_next = scheduler.claim(COUNTER)  # one ahead: its latency hides behind this item's loads
@@ -299,13 +295,10 @@ def _producer(
                 # K and V once the first step's Q/dO are on their way: that step's loads need not
                 # wait until the consumers release the previous item's K and V
                 if step == first_step:
-                    _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, first_step, prev_steps == 0,
-                             x_kv, n, c_kv, EARLY_V, V_BY_DS)
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, x_kv, n, c_kv, EARLY_V)
                 step += 1
         if step == first_step:  # an item with no tiles: its dK/dV are zeros, K/V still handed over
-            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, first_step, step == first_step,
-                     x_kv, n, c_kv, EARLY_V, V_BY_DS)
-        prev_steps = step - first_step
+            _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, x_kv, n, c_kv, EARLY_V)
         item_count += 1
         w = w_next
     scheduler.publish(item_slots, item_ready, item_empty, item_count, -1, 0, 0, 0)  # the list is done
@@ -313,25 +306,13 @@ def _producer(
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, first_step, k_first, x_kv, n, c_kv,
-             EARLY_V: gl.constexpr, V_BY_DS: gl.constexpr):
+def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, x_kv, n, c_kv, EARLY_V: gl.constexpr):
     """An item's K and V, once the consumers have released the last ones. EARLY_V: V first, under
     barriers of its own: the consumers release it after the walk's last dP, K only after its last
-    dQ. V_BY_DS: V is free once the step before this item's first (`first_step` - 1, the last that
-    read a V) has completed ds_ready, which both warpgroups arrive at after their dP^T. A parity
-    wait tells only two neighbouring phases apart: here ds_ready has completed every step up to
-    first_step - 2 (with two stages, that step released the Q/dO stage this item's first step was
-    loaded into) and none past first_step - 1 (the next step needs the V loaded here). Where this
-    item or the last one has no step (`k_first`) that bound does not hold, and a V loaded for an
-    item of no step must have been waited for by the consumers before v_ready is armed again: V
-    then waits, like K, for the consumers to release the last item (kv_empty)."""
-    kv_ready, kv_empty, v_ready, v_empty, ds_ready = bars[0], bars[1], bars[2], bars[3], bars[6]
+    dQ."""
+    kv_ready, kv_empty, v_ready, v_empty = bars[0], bars[1], bars[2], bars[3]
     if EARLY_V:
-        if V_BY_DS:
-            mbarrier.wait(kv_empty, (item_count & 1) ^ 1, pred=k_first)
-            mbarrier.wait(ds_ready, (first_step - 1) & 1, pred=(first_step > 0) & (k_first == 0))
-        else:
-            mbarrier.wait(v_empty, (item_count & 1) ^ 1)
+        mbarrier.wait(v_empty, (item_count & 1) ^ 1)
         mbarrier.expect(v_ready, v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [x_kv, n * KV_BLOCK, c_kv], v_ready, v_smem.index(0))
         mbarrier.wait(kv_empty, (item_count & 1) ^ 1)
@@ -422,16 +403,13 @@ def _mask_key_rows(st, w0, w1):
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
                            lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
                            v_empty, release_v, EARLY_V: gl.constexpr, WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                           st_layout: gl.constexpr, a_layout: gl.constexpr, DS_BY_Q: gl.constexpr = False,
-                           STAGES: gl.constexpr = 2):
+                           st_layout: gl.constexpr, a_layout: gl.constexpr):
     """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
     Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
     memory once, for the dQ products. A query's LSE and delta are per column here (16 registers a
     thread each): `stats` holds them in shared memory (loaded with Q and dO), read where used.
     lts, lte, uts, ute: the interval ends of this warpgroup's keys in the rows' slice of S^T
-    (_key_intervals), so that a PARTIAL step's words move through no shared memory. `ds_free`: the
-    barrier that says the last step's dS has been read (with DS_BY_Q, the last step's Q/dO stage of
-    STAGES, released after its dQ products)."""
+    (_key_intervals), so that a PARTIAL step's words move through no shared memory."""
     Q_STEP: gl.constexpr = q_view.shape[0]
     ROWS: gl.constexpr = k_rows.shape[0]
     dtype: gl.constexpr = q_view.dtype
@@ -467,10 +445,7 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_view, dv, is_async=True)  # P^T dO
     # dS to shared memory (query-major, the dQ products' A), once the other warpgroup has read the last one
     if WITH_DQ:
-        if DS_BY_Q:  # step - 1's release completes that stage's phase (step - 1) // STAGES (at step 0: 1 passes)
-            mbarrier.wait(ds_free, ((step + STAGES - 1) // STAGES + 1) & 1)
-        else:
-            mbarrier.wait(ds_free, (step & 1) ^ 1)
+        mbarrier.wait(ds_free, (step & 1) ^ 1)
     ds_cols.permute((1, 0)).store(dst)
     fence_async_shared()
     if WITH_DQ:
@@ -490,8 +465,7 @@ def _consumer(
     sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
-    KEYS_ON_ROWS: gl.constexpr, DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, V_BY_DS: gl.constexpr,
-    DS_BY_Q: gl.constexpr, PIECE_TILES: gl.constexpr,
+    KEYS_ON_ROWS: gl.constexpr, DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, PIECE_TILES: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
@@ -501,9 +475,7 @@ def _consumer(
     of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring). DKV_TMA: dK and dV
     out by TMA stores (`_store_rows`), not per element. EARLY_V: V released after the walk's last
     dP (v_empty), so that the next item's V loads while the last step's dK, dQ and the epilogue run;
-    K after its last dQ. V_BY_DS: no v_empty arrive, the producer reads the release from ds_ready.
-    DS_BY_Q (keys on the rows, dQ split by columns): no ds_free arrive, the last step's Q/dO stage
-    release (after the same dQ products) says dS may be written again."""
+    K after its last dQ."""
     kv_ready, kv_empty, v_ready, v_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
@@ -527,7 +499,6 @@ def _consumer(
                                                         instr_shape=[16, Q_STEP, 16])  # S^T: [ROWS, Q_STEP]
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)  # P^T, dS^T as A
     dq_col = WG * DQ_N if SPLIT_DQ else 0
-    ARRIVE_V: gl.constexpr = EARLY_V and not V_BY_DS  # V's release by v_empty arrives
 
     step = 0
     item_count = 0
@@ -593,24 +564,19 @@ def _consumer(
                 do_view = do_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
                 release_v = (g == HEADS_PER_ITEM - 1) & (i == n_steps - 1)  # (read with EARLY_V)
                 if KEYS_ON_ROWS:
-                    if DS_BY_Q:  # the last step's dS read: its Q/dO stage released, after its dQ products
-                        free_bar = q_empty.index((step + STAGES - 1) % STAGES)
-                    else:
-                        free_bar = ds_free
                     dv, dk = _keys_on_rows_products(
                         k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
-                        ds_cols, free_bar, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
+                        ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
                         t >= t_mid, step, n * KV_BLOCK + WG * ROWS, tanh_scale, softcap2, slope2, alibi_shift,
-                        v_empty, release_v, ARRIVE_V, WITH_DQ, SOFTCAP, HAS_ALIBI, st_layout, a_layout, DS_BY_Q,
-                        STAGES)
+                        v_empty, release_v, EARLY_V, WITH_DQ, SOFTCAP, HAS_ALIBI, st_layout, a_layout)
                 else:
                     dv, dk = _query_rows_products(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
                         n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
-                        lts, lte, uts, ute, t, t_mid, step, v_empty, release_v, ARRIVE_V,
+                        lts, lte, uts, ute, t, t_mid, step, v_empty, release_v, EARLY_V,
                         WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG)
                 # with keys on the rows (dQ split by columns) the Q/dO stage is released beside ds_free,
-                # after the dQ products (DS_BY_Q reads dS's release from it)
+                # after the dQ products
                 LATE_RELEASE: gl.constexpr = KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
                 if not LATE_RELEASE:
                     mbarrier.arrive(q_empty.index(s), count=1)
@@ -624,8 +590,7 @@ def _consumer(
                     dq = warpgroup_mma(ds_all, k_cols, gl.zeros([Q_STEP, DQ_N], gl.float32, layout=dq_layout),
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(0, deps=(dq,))
-                    if not DS_BY_Q:
-                        mbarrier.arrive(ds_free, count=1)
+                    mbarrier.arrive(ds_free, count=1)
                     if LATE_RELEASE:  # beside ds_free (each arrive takes a warpgroup barrier)
                         mbarrier.arrive(q_empty.index(s), count=1)
                     # two boxes of BOX columns
@@ -642,7 +607,7 @@ def _consumer(
                 step += 1
                 start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
-        if ARRIVE_V:  # an item whose last head has no step: V was not released in the walk
+        if EARLY_V:  # an item whose last head has no step: V was not released in the walk
             mbarrier.arrive(v_empty, count=1, pred=last_steps == 0)
         item_count += 1
 
@@ -678,8 +643,7 @@ def _backward_hopper_kernel(
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
-    DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, V_BY_DS: gl.constexpr, DS_BY_Q: gl.constexpr,
-    num_warps: gl.constexpr, PIECE_TILES: gl.constexpr = 0, LIVE_ITEMS: gl.constexpr = False,
+    DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, num_warps: gl.constexpr, PIECE_TILES: gl.constexpr = 0, LIVE_ITEMS: gl.constexpr = False,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -712,16 +676,14 @@ def _backward_hopper_kernel(
     mbarrier.init(kv_empty, count=2)  # both consumer warpgroups release K/V (K alone with EARLY_V)
     if EARLY_V:  # (only when used: see ds_ready below)
         mbarrier.init(v_ready, count=1)
-        if not V_BY_DS:  # (with V_BY_DS the producer reads ds_ready instead)
-            mbarrier.init(v_empty, count=2)
+        mbarrier.init(v_empty, count=2)
     if WITH_DQ:
         # Only when used: without dQ the two barriers are dead after their init and Triton gives their
         # bytes to the first consumer's layout-conversion scratch (the PARTIAL steps' row words) while
         # they are still valid mbarriers, never invalidated, which PTX leaves undefined. Suspected cause
         # of the rare wrong kv-block on a time-sliced GPU (docs/performance.md, section 5).
         mbarrier.init(ds_ready, count=2)  # both halves of dS written
-        if not DS_BY_Q:  # (with DS_BY_Q the Q/dO stages' releases say it)
-            mbarrier.init(ds_free, count=DQ_READERS)  # every warpgroup that took a dQ product has read dS
+        mbarrier.init(ds_free, count=DQ_READERS)  # every warpgroup that took a dQ product has read dS
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
@@ -737,7 +699,7 @@ def _backward_hopper_kernel(
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, V_BY_DS, DS_BY_Q, PIECE_TILES)),
+                     DKV_TMA, EARLY_V, PIECE_TILES)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
                      dk_desc, dv_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
@@ -745,12 +707,12 @@ def _backward_hopper_kernel(
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, V_BY_DS, DS_BY_Q, PIECE_TILES)),
+                     DKV_TMA, EARLY_V, PIECE_TILES)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                     STAGES, Q_STEP, KEYS_ON_ROWS, EARLY_V, V_BY_DS, PIECE_TILES, LIVE_ITEMS)),
+                     STAGES, Q_STEP, KEYS_ON_ROWS, EARLY_V, PIECE_TILES, LIVE_ITEMS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -953,7 +915,6 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         # coordinates), element stores
         if dk_made is not None and dv_made is not None and dk_made[1] == dv_made[1] == (kxb, kxh, kch):
             (dk_desc, _), (dv_desc, _), dkv_tma = dk_made, dv_made, True
-    early_v = configs.hopper_backward_early_v(d)
     if sums_needed:  # fp32 sums of the group's heads or the walk's pieces, cast into dk and dv after the kernel
         sums = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device)
         dk, dv = sums.unbind(0)
@@ -966,9 +927,8 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v,
-        V_BY_DS=configs.hopper_backward_v_by_ds(early_v, keys_on_rows, with_dq) and stages == 2,  # (_load_kv)
-        DS_BY_Q=configs.hopper_backward_ds_by_q(d, keys_on_rows, with_dq), num_warps=4, maxnreg=168,
+        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
+        num_warps=4, maxnreg=168,
         PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0,
         LIVE_ITEMS=pieces > 1 and configs.HOPPER_BACKWARD_PIECES_LIVE,
     )
