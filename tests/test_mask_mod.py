@@ -458,17 +458,15 @@ def forced_compiled_pass(monkeypatch):
     monkeypatch.setattr(intervals_module, "_CHECKED", set())
 
 
-@pytest.mark.parametrize("second_pass, by_row", [("torch", False), ("kernel", False), ("torch", True)])
-def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_pass, second_pass, by_row):
+@pytest.mark.parametrize("second_pass", ["torch", "kernel"])
+def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_pass, second_pass):
     """The compiled first pass (taken on GPUs for large masks) on this CPU, forced on: fixed-shape
     blocks whose rows past the last chunk and columns past kv_len are padding, the first block of
     a mask eager; the tables equal the function's dense mask for captured tensors, masks per head
     (pairs together) and lengths that leave partial blocks both ways; a mask_mod branching on h in
     Python stays eager (pair by pair). The second pass by torch operations and by change_runs'
-    kernels (a GPU's, here under the interpreter); the compiled pass as the word sums or with a
-    word's rows unrolled (MASK_MOD_WORDS_BY_ROW)."""
+    kernels (a GPU's, here under the interpreter)."""
     monkeypatch.setattr(intervals_module, "MASK_MOD_RUNS_KERNEL", second_pass == "kernel")
-    monkeypatch.setattr(intervals_module, "MASK_MOD_WORDS_BY_ROW", by_row)
     compile_for, calls = intervals_module._compiled_words, []
 
     def counting(fn, device=None):
@@ -492,24 +490,6 @@ def test_compiled_first_pass_matches_the_eager_one(monkeypatch, forced_compiled_
         return (kv <= q) if int(h) == 0 else ((q - kv).abs() <= 2)
     assert torch.equal(masks.from_mask_mod(branchy, heads=2).to_dense(29, 53), dense_of_mod(branchy, 29, 53, heads=2))
     assert not calls
-
-
-@pytest.mark.parametrize("together", [False, True])
-def test_words_by_row_equal_the_word_sums(together):
-    """`_masked_words_by_row` (a word's rows unrolled) gives `_masked_words`' words bit for bit,
-    bit 31 included: a predicate with a per-row table, the head and a column term, for one (b, h)
-    pair and for two heads at once."""
-    generator = torch.Generator().manual_seed(3)
-    table = torch.rand(64, generator=generator) < 0.5
-    q, kv = torch.arange(64, dtype=torch.int32), torch.arange(40, dtype=torch.int32)
-
-    def fn(b, h, q_idx, kv_idx):
-        return table[q_idx] ^ ((q_idx + kv_idx + h) % 3 == 0)
-    b_idx, h_idx = intervals_module._pair_indices(1, 2, "cpu", together)
-    want = intervals_module._masked_words(fn, b_idx, h_idx, q, kv, together)
-    got = intervals_module._masked_words_by_row(fn, b_idx, h_idx, q, kv, together)
-    assert want.shape == (2 if together else 1, 2, 40) and bool((want < 0).any())
-    assert torch.equal(got, want)
 
 
 def test_compiled_first_pass_is_shared_by_closures_of_one_code(forced_compiled_pass):

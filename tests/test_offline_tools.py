@@ -136,13 +136,13 @@ def test_ab_adds_b_extra_to_side_b_only(tmp_path):
     (tmp_path / "t" / "flexmask" / "__init__.py").write_text("")
     (tmp_path / "t" / "args.py").write_text("import sys\nprint('args', sys.argv[1:])\n")
     env = {**os.environ, "NEED_GPUS": "0", "ROUNDS": "1", "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
-           "B_EXTRA": "--words-by-row"}
+           "B_EXTRA": "--switch"}
     run = subprocess.run(["bash", "tools/gpu_jobs/ab.sh", str(tmp_path / "t"), str(tmp_path / "t"), "--",
                           sys.executable, "-m", "args", "--seq-len", "8"], cwd=root, env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     lines = [line for line in run.stdout.splitlines() if ": args " in line]
-    assert lines == ["A r1: args ['--seq-len', '8']", "B r1: args ['--seq-len', '8', '--words-by-row']"], run.stdout
+    assert lines == ["A r1: args ['--seq-len', '8']", "B r1: args ['--seq-len', '8', '--switch']"], run.stdout
 
 
 def test_l2_share_sweep_times_unhoisted_lists_and_puts_the_lists_back(monkeypatch):

@@ -7,7 +7,6 @@ against FlexAttention on a GPU; this is the quick look that needs none.
                                                           [--first-pass eager|compiled] [--profile]
                                                           [--inductor-options JSON] [--masks a,b]
                                                           [--compile-mask] [--block-mask] [--builders]
-                                                          [--words-by-row]
 
 On a GPU, `--first-pass eager` keeps the first pass of the scan eager at every size (the default
 compiles it for large masks: intervals.MASK_MOD_COMPILE_PAIRS); `--first-pass compiled` takes the
@@ -23,8 +22,7 @@ compile's time goes between the compiled pass, the eager operations and the host
 `--inductor-options` replaces the Inductor options of the compiled pass on CUDA
 (intervals._WORD_KERNEL_OPTIONS), e.g. '{}' for Inductor's defaults or
 '{"triton.prefer_nd_tiling": true}' (2-D tiles: per-row and per-column terms computed once a
-tile row or column instead of per pair). `--words-by-row` compiles the pass with a word's rows
-unrolled (intervals.MASK_MOD_WORDS_BY_ROW: a pointwise kernel, no reduction across lanes).
+tile row or column instead of per pair).
 """
 
 from __future__ import annotations
@@ -94,10 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compiled-block-log2", type=int, default=None,
                     help="(pair, q, kv) evaluations of one compiled call, as a power of two "
                          "(intervals.MASK_MOD_COMPILED_BLOCK_ELEMENTS)")
-    ap.add_argument("--words-by-row", action="store_true",
-                    help="the compiled pass with a word's rows unrolled (intervals.MASK_MOD_WORDS_BY_ROW)")
     args = ap.parse_args(argv)
-    intervals.MASK_MOD_WORDS_BY_ROW = args.words_by_row
     if args.compiled_block_log2 is not None:
         intervals.MASK_MOD_COMPILED_BLOCK_ELEMENTS = 1 << args.compiled_block_log2
     if args.inductor_options is not None:

@@ -855,38 +855,8 @@ def _masked_words(fn, b_idx, h_idx, q_idx, kv_idx, together: bool) -> torch.Tens
     a sum after it (Inductor fuses the two): the attended rows are packed and the word inverted, an
     operation a word, not a negation a pair. Nothing here reads q_len, so one compiled graph serves
     every q_len of a block shape."""
-    return ~_packed_words(_mask_mod_block(fn, b_idx, h_idx, *_block_indices(q_idx, kv_idx, together), kv_idx.device))
-
-
-def _block_indices(q_idx, kv_idx, together: bool):
-    """q_idx [rows] and kv_idx [cols] as `_mask_mod_block` broadcasts them: [1, rows, 1] and
-    [1, 1, cols] beside b and h of every pair (together), else [rows, 1] and [1, cols]."""
-    if together:
-        return q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)
-    return q_idx.view(-1, 1), kv_idx.view(1, -1)
-
-
-# The compiled first pass as `_masked_words_by_row` (read when a mask_mod's code is first compiled).
-# An experiment, off: Inductor's persistent reduction over a word's 32 rows spent ~68 instructions a
-# pair on the global tokens (docs/performance.md, section 12), the rows spread over lanes and summed
-# across them; unrolled, each thread builds whole words and loads a column's terms once a word. On an
-# H200 it won only where the predicate gathers per pair (the global tokens' 128K compile 27-28 -> 20-23
-# ms), lost 9-16% on arithmetic ones (NATTEN, the dilated window) and compiled 2-8x longer the first time.
-MASK_MOD_WORDS_BY_ROW = False
-
-
-def _masked_words_by_row(fn, b_idx, h_idx, q_idx, kv_idx, together: bool) -> torch.Tensor:
-    """`_masked_words` with a chunk's rows unrolled: the function evaluated on row r of every chunk
-    at once (q_idx's rows [chunks]), its 0 or 1 shifted to bit r and OR-ed into the words, for r in
-    0 .. MASK_MOD_CHUNK_ROWS - 1. Compiled, one pointwise kernel over [n, chunks, cols] that holds
-    MASK_MOD_CHUNK_ROWS copies of the predicate: no reduction."""
-    rows = q_idx.view(-1, MASK_MOD_CHUNK_ROWS)
-    word = None
-    for r in range(MASK_MOD_CHUNK_ROWS):
-        q_in, kv_in = _block_indices(rows[:, r], kv_idx, together)
-        bit = _mask_mod_block(fn, b_idx, h_idx, q_in, kv_in, kv_idx.device).to(torch.int32) << r
-        word = bit if word is None else word | bit
-    return ~word
+    q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_idx.view(-1, 1), kv_idx.view(1, -1))
+    return ~_packed_words(_mask_mod_block(fn, b_idx, h_idx, q_in, kv_in, kv_idx.device))
 
 
 def _packed_words(rows_set: torch.Tensor) -> torch.Tensor:
@@ -1069,8 +1039,7 @@ def _compiled_words(fn, device=None):
     if key not in _COMPILED:
         while len(_COMPILED) >= _COMPILED_KEPT:
             _COMPILED.pop(next(iter(_COMPILED)))
-        words = _masked_words_by_row if MASK_MOD_WORDS_BY_ROW else _masked_words
-        own = types.FunctionType(words.__code__.replace(), words.__globals__, words.__name__)
+        own = types.FunctionType(_masked_words.__code__.replace(), _masked_words.__globals__, "_masked_words")
         cuda = device is not None and torch.device(device).type == "cuda"
         options = _WORD_KERNEL_OPTIONS if cuda else None
         _COMPILED[key] = torch.compile(own, fullgraph=True, dynamic=False, options=options)

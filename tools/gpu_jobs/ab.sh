@@ -11,7 +11,7 @@
 # twice). Each side first prints the flexmask it imports, so that a log shows which code ran.
 # B_EXTRA: arguments added to side B's command, for the A/B of a switch within one tree:
 #
-#   B_EXTRA=--words-by-row bash tools/gpu_jobs/ab.sh . . -- python3 -m tools.mask_mod_compile_time --device cuda
+#   B_EXTRA=--block-mask bash tools/gpu_jobs/ab.sh . . -- python3 -m tools.mask_mod_compile_time --device cuda
 set -uo pipefail
 . tools/gpu_jobs/setup.sh
 if [ $# -lt 4 ] || [ "$3" != "--" ]; then
