@@ -174,17 +174,14 @@ def test_gqa_items_split_or_whole(split, per_item, b, hq, hkv, sq, sk, d, layout
         ("prefix_lm", 1, 4, 4, 1999, 300, 64, "rows"),  # Sq > Sk
     ],
 )
-@pytest.mark.parametrize("live", [False, True], ids=["claimed", "live"])
-def test_walk_pieces(family, b, hq, hkv, sq, sk, d, order, live, monkeypatch):
+def test_walk_pieces(family, b, hq, hkv, sq, sk, d, order, monkeypatch):
     """Walks cut into pieces of two tiles (configs.PIECE_TILES), each an item whose dK/dV are added
     into fp32 sums: the gradients match the reference, with PARTIAL tiles in any piece, pieces past
-    a walk's end (dropped by the consumers, or with the live count never claimed:
-    HOPPER_BACKWARD_PIECES_LIVE), split and whole GQA groups and Sq != Sk."""
+    a walk's end (dropped), split and whole GQA groups and Sq != Sk."""
     if not _hopper():
         pytest.skip("needs a Hopper GPU")
     from flexmask.kernels.backward import configs, hopper
 
-    monkeypatch.setattr(configs, "HOPPER_BACKWARD_PIECES_LIVE", live)
     monkeypatch.setattr(configs, "PIECE_TILES", 2)
     monkeypatch.setattr(configs, "PIECE_MIN_ROWS", 0)
     monkeypatch.setattr(configs, "PIECE_MIN_SHARE", 0.0)

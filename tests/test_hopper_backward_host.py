@@ -279,7 +279,6 @@ cases += [("forward", 64, "192 rows", lambda: oc._hopper_forward(64, 2, 1, block
 cases += [("backward", d, dq, lambda d=d, dq=dq: oc._hopper_backward(2, d, dq)) for d, dq in ((128, True), (64, True), (128, False))]
 cases += [("backward_split", d, True, lambda d=d: oc._hopper_backward(2, d, True, split=True)) for d in (128, 64)]
 cases += [("backward_pieces", d, True, lambda d=d: oc._hopper_backward(2, d, True, pieces=True)) for d in (128, 64)]
-cases += [("backward_pieces", 128, "live", lambda: oc._hopper_backward(2, 128, True, pieces=True, live=True))]
 cases += [("dq", d, None, lambda d=d: oc._hopper_dq(2, d)) for d in (128, 64)]
 cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16)) for d in (128, 64)]
 cases += [("backward_k_runs", 128, 16, lambda: oc._hopper_backward(2, 128, True, runs=16)),
@@ -304,7 +303,7 @@ def test_hopper_kernels_compile_for_sm90():
     three with 16 runs per column (k-run masks) compile too; they spill some (section 12)."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
-    assert len(results) == 18, results
+    assert len(results) == 17, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["variant"] == "192 rows":  # two values stored at entry, under the launch's 128 registers
@@ -537,16 +536,14 @@ def test_early_v_default_is_the_measured_one():
 def test_work_list_in_pieces(mask_heads, order, monkeypatch):
     """Walks cut into pieces of PIECE_TILES tiles: every (item, piece) once; pieces with tiles first,
     a chunk's piece by piece (heaviest first inside one in "heaviest"), each weighing its share of
-    the group's walks; pieces past their walk's end last of all, counted by the list's last entry;
-    one piece is the whole-walk list."""
+    the group's walks; pieces past their walk's end last of all; one piece is the whole-walk list."""
     monkeypatch.setattr(backward_configs, "PIECE_TILES", 3)
     batch, hq, hkv, s, pieces = 2, 4, 2, 900, 3
     mask = masks.causal() if mask_heads == 1 else masks.random_eviction(s // 2, seed=5, num_heads=mask_heads)
     cm = compile_mask(mask, s, s, device="cpu", block_m=128, block_n=128)
     mask_map = mask_broadcast(cm, batch, hq, hkv)
     q_bytes = 2 * s * 128 * 2 * 64  # large: several chunks
-    listed = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order=order, pieces=pieces).long()
-    work, live = listed[:-1], int(listed[-1])
+    work = backward_hopper.backward_work_list(cm, batch, hq, hkv, mask_map, q_bytes, order=order, pieces=pieces).long()
     nkb, group = cm.num_kv_blocks, hq // hkv
     assert torch.equal(work.sort().values, torch.arange(batch * hkv * pieces * nkb))
     counts = (cm.bwd_offsets[1:] - cm.bwd_offsets[:-1]).view(-1, nkb)
@@ -559,7 +556,6 @@ def test_work_list_in_pieces(mask_heads, order, monkeypatch):
     empty = (weight == 0) & (piece > 0)
     kept = int((~empty).sum())
     assert 0 < kept < work.numel() and not empty[:kept].any(), "pieces past a walk's end not last"
-    assert live == kept, "the list's last entry is not the count of items before the empty pieces"
     chunk = (bhk // max(1, backward_hopper.L2_SHARE_BYTES // (group * q_bytes))) * pieces + piece
     chunk, weight = chunk[:kept], weight[:kept]
     assert (chunk[:-1] <= chunk[1:]).all(), "a chunk's pieces out of order"
@@ -571,7 +567,7 @@ def test_work_list_in_pieces(mask_heads, order, monkeypatch):
                                                           pieces=1), whole)
 
 
-def test_walk_pieces_rule(monkeypatch):
+def test_walk_pieces_rule():
     """Walks are cut (configs.hopper_backward_pieces) from PIECE_MIN_ROWS query rows where the mean
     walk is long (full attention), with dQ only; not causal documents, causal or the dK/dV pass."""
     s = backward_configs.PIECE_MIN_ROWS
@@ -586,13 +582,6 @@ def test_walk_pieces_rule(monkeypatch):
     assert backward_configs.hopper_backward_pieces(q_blocks, s, q_blocks * 0.8, True) == 4
     assert backward_configs.hopper_backward_pieces(q_blocks, s, q_blocks * 0.7, True) == 1
     assert backward_configs.hopper_backward_pieces(q_blocks, s - 1, q_blocks, True) == 1
-    # split groups (fp32 sums already) take pieces whatever the mean walk, with the live count only
-    assert backward_configs.hopper_backward_pieces(q_blocks, s, 1.0, True, split=True) == 1
-    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_PIECES_LIVE", True)
-    assert backward_configs.hopper_backward_pieces(q_blocks, s, 1.0, True, split=True) == 4
-    assert backward_configs.hopper_backward_pieces(q_blocks, s, 1.0, True, split=False) == 1
-    assert backward_configs.hopper_backward_pieces(q_blocks, s, 1.0, False, split=True) == 1
-    assert backward_hopper.walk_pieces(causal, True, split=True) == -(-causal.num_q_blocks // backward_configs.PIECE_TILES)
 
 
 def test_backward_ab_switches_name_configs():

@@ -13,8 +13,6 @@ Switches:
 - `early_v`: configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS, V released with K against after the walk's last dP.
 - `pieces`: whole walks against walks cut into pieces (configs.HOPPER_BACKWARD_PIECES), the latter on
   for every mask (PIECE_MIN_SHARE 0), not only where the mean walk is long; with `--long`.
-- `pieces_live`: configs.HOPPER_BACKWARD_PIECES_LIVE off against on (pieces past a walk's end never
-  claimed, and split groups' walks cut whatever their mean: every mask at 128K and 32/8); with `--long`.
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
@@ -43,7 +41,6 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "dkv_tma": ("HOPPER_BACKWARD_DKV_TMA", ("element stores", "TMA stores"), (False, True)),
     "early_v": ("HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", ("V with K", "V early"), (frozenset(), frozenset({64, 128}))),
     "pieces": (("HOPPER_BACKWARD_PIECES", "PIECE_MIN_SHARE"), ("whole walks", "pieces"), ((False, 0.75), (True, 0.0))),
-    "pieces_live": ("HOPPER_BACKWARD_PIECES_LIVE", ("claimed", "live count"), (False, True)),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 SHORT_CASES = ((512, 32), (1024, 16), (2048, 8))

@@ -161,23 +161,14 @@ HOPPER_BACKWARD_PIECES = True
 PIECE_TILES = 256
 PIECE_MIN_ROWS = 1 << 17
 PIECE_MIN_SHARE = 0.75
-# Pieces past their walk's end never claimed: the producer stops at the list's live count (they
-# cost each program a claim and K/V loads otherwise, 3 of 4 items for causal documents at 128K:
-# 0.91-0.95x there with pieces forced on). With it, where the GQA group is split (dK/dV in fp32
-# sums already) walks are cut from PIECE_MIN_ROWS whatever their mean (causal gained 1.005-1.013x
-# with its empty pieces claimed; whether long documents gain is open: full attention at 64K did
-# not). Off until run on a GPU (test_walk_pieces) and timed (python -m tools.backward_ab --switch
-# pieces_live --long; tools.backward_gqa --long at 512K-1M).
-HOPPER_BACKWARD_PIECES_LIVE = False
 
 
-def hopper_backward_pieces(q_blocks: int, sq: int, mean_walk: float, with_dq: bool, split: bool = False) -> int:
+def hopper_backward_pieces(q_blocks: int, sq: int, mean_walk: float, with_dq: bool) -> int:
     """Pieces a walk of the Hopper backward is cut into (HOPPER_BACKWARD_PIECES): 1 (whole walks)
     without dQ (the deterministic path's dK/dV, bitwise), below PIECE_MIN_ROWS query rows, or where
-    the mean walk (tiles) is under PIECE_MIN_SHARE of the `q_blocks` (unless the group is `split` and
-    HOPPER_BACKWARD_PIECES_LIVE is on); else cdiv(q_blocks, PIECE_TILES)."""
-    long_walks = mean_walk >= PIECE_MIN_SHARE * q_blocks or (split and HOPPER_BACKWARD_PIECES_LIVE)
-    if not (HOPPER_BACKWARD_PIECES and with_dq and sq >= PIECE_MIN_ROWS and q_blocks > PIECE_TILES and long_walks):
+    the mean walk (tiles) is under PIECE_MIN_SHARE of the `q_blocks`; else cdiv(q_blocks, PIECE_TILES)."""
+    if not (HOPPER_BACKWARD_PIECES and with_dq and sq >= PIECE_MIN_ROWS and q_blocks > PIECE_TILES
+            and mean_walk >= PIECE_MIN_SHARE * q_blocks):
         return 1
     return -(-q_blocks // PIECE_TILES)
 

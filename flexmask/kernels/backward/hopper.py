@@ -247,15 +247,12 @@ def _producer(
     NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     STAGES: gl.constexpr, Q_STEP: gl.constexpr, KEYS_ON_ROWS: gl.constexpr, EARLY_V: gl.constexpr,
-    PIECE_TILES: gl.constexpr, LIVE_ITEMS: gl.constexpr,
+    PIECE_TILES: gl.constexpr,
 ):
     """One warp: claims work items (scheduler.py) and hands them to the consumers; per item, K
     and V once, then Q and dO step by step in walk order (with KEYS_ON_ROWS, the step's LSE and
-    delta beside them). LIVE_ITEMS: the list's last entry counts the items before the pieces past
-    their walks' end, which are then never claimed."""
+    delta beside them)."""
     kv_ready, kv_empty, v_ready, v_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
-    if LIVE_ITEMS:
-        n_items = gl.load(WORK + n_items)
     step = 0
     item_count = 0
     w = scheduler.claim(COUNTER)
@@ -643,7 +640,7 @@ def _backward_hopper_kernel(
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
-    DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, num_warps: gl.constexpr, PIECE_TILES: gl.constexpr = 0, LIVE_ITEMS: gl.constexpr = False,
+    DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, num_warps: gl.constexpr, PIECE_TILES: gl.constexpr = 0,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -712,7 +709,7 @@ def _backward_hopper_kernel(
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                     STAGES, Q_STEP, KEYS_ON_ROWS, EARLY_V, PIECE_TILES, LIVE_ITEMS)),
+                     STAGES, Q_STEP, KEYS_ON_ROWS, EARLY_V, PIECE_TILES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -739,8 +736,7 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
     configs.INDEX_ORDER_MIN_KEYS keys, "rows" below (which is "heaviest" where a head fits).
     `pieces` > 1 (walk_pieces): items (bhk, piece, n) packed as (bhk * pieces + piece) * NKB + n, each
     piece [piece * configs.PIECE_TILES, + PIECE_TILES) of its walk; a chunk's pieces run piece by
-    piece (the running items walk the same rows), pieces past a walk's end come last of all, and one
-    more entry ends the list: how many items come before those (computed on the device, no sync).
+    piece (the running items walk the same rows), and pieces past a walk's end come last of all.
     `hoist`: see forward_hopper.heaviest_first. Cached per tile table."""
     order = configs.HOPPER_BACKWARD_ORDER if order is None else order
     if order == "auto":  # long sequences: the running items' rows fit in L2 only in index order
@@ -779,8 +775,7 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
             row_chunks = -(-nkb // blocks_per_chunk)
             n = torch.arange(nkb, device=device).repeat(batch * kv_heads * pieces)
             chunk = chunk * row_chunks + n // blocks_per_chunk
-        empty = None
-        if pieces > 1:  # pieces past their walk's end: last of all (dropped by the consumers, or never claimed)
+        if pieces > 1:  # pieces past their walk's end: last of all (each is claimed and dropped)
             empty = (per_item == 0) & (piece > 0)
             chunk = torch.where(empty, chunk.max() + 1, chunk)
         max_weight = (piece_tiles or cm.num_q_blocks) * group  # a kv-block meets <= NQB q-blocks per head
@@ -789,20 +784,17 @@ def backward_work_list(cm, batch: int, q_heads: int, kv_heads: int, mask_map: tu
             per_item, max_weight = torch.frexp(per_item.double()).exponent.long(), 64
         elif order == "index":  # kv-blocks in order: running items share their documents' Q and dO
             rank = torch.zeros_like(per_item)
-        work = heaviest_first(per_item, chunk, max_weight, hoist, rank)
-        if empty is not None:  # the items before those pieces, read by the kernel (HOPPER_BACKWARD_PIECES_LIVE)
-            work = torch.cat([work, (~empty).sum(dtype=torch.int32).view(1)])
-        per_table[key] = work
+        per_table[key] = heaviest_first(per_item, chunk, max_weight, hoist, rank)
     return per_table[key]
 
 
-def walk_pieces(cm, with_dq: bool, split: bool = False) -> int:
+def walk_pieces(cm, with_dq: bool) -> int:
     """Pieces each kv-block's walk is cut into (configs.hopper_backward_pieces): the mean walk from
-    the tables' tile count, known on the host; `split`: the GQA group's items add into fp32 sums."""
+    the tables' tile count, known on the host."""
     if cm.q_len < configs.PIECE_MIN_ROWS:  # every short call's answer, without the arithmetic
         return 1
     mean_walk = cm.num_tiles_visited / max(1, cm.batch * cm.heads * cm.num_kv_blocks)
-    return configs.hopper_backward_pieces(cm.num_q_blocks, cm.q_len, mean_walk, with_dq, split)
+    return configs.hopper_backward_pieces(cm.num_q_blocks, cm.q_len, mean_walk, with_dq)
 
 
 def splits_group(q_heads: int, kv_heads: int, sq: int) -> bool:
@@ -894,9 +886,9 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     with_dq = dq_acc is not None
     split = with_dq and splits_group(hq, hkv, sq)
     item_heads = hq // split_heads(hq, hkv, d) if split else hkv
-    pieces = walk_pieces(cm, with_dq, split)
+    pieces = walk_pieces(cm, with_dq)
     work = backward_work_list(cm, batch, hq, item_heads, mask_map, q_bytes, hoist=programs, pieces=pieces)
-    n_items = work.numel() - (pieces > 1)  # (the live count at the end)
+    n_items = work.numel()
     grid = (min(n_items, programs),)
     mb, mdiv, mh = mask_map
     dk_out, dv_out = dk, dv
@@ -930,7 +922,6 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
         num_warps=4, maxnreg=168,
         PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0,
-        LIVE_ITEMS=pieces > 1 and configs.HOPPER_BACKWARD_PIECES_LIVE,
     )
     if sums_needed:
         dk_out.copy_(dk)
