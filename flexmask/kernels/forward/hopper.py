@@ -1097,10 +1097,18 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     `configs.hopper_forward_tc_bias` (never with a softcap, which would bend the tensor cores' -inf
     bias to -softcap). `terms`: the score terms (common.score_terms.ScoreTerms) or None.
     `block_m`: query rows per work item, 128 (two consumer warpgroups) or 192 (three, on the
-    mask's tables retiled to 192 x 128 once: CompiledMask.retiled); None takes
-    `configs.hopper_forward_block_m`."""
+    mask's tables retiled to 192 x 128 once: CompiledMask.retiled), or 64 (one consumer warpgroup a
+    CTA on tables retiled to 64 x 128, two CTAs a multiprocessor, so that one's epilogue runs beside
+    the other's products; its K/V stages are what two CTAs' shared memory holds: 1 at head dim 128,
+    2 at 64); None takes `configs.hopper_forward_block_m`."""
     d = q.shape[-1]
     default_stages, default_pingpong = configs.hopper_forward_schedule(d)
+    if block_m == SHORT_BLOCK:  # two CTAs an SM: one K/V stage at D = 128 (96 KB a CTA), two at 64 (80 KB)
+        short_stages = 1 if d == 128 else 2
+        if stages not in (None, short_stages):
+            raise ValueError(f"block_m=64 takes {short_stages} K/V stage(s) at head dim {d} (two CTAs share a "
+                             f"multiprocessor's shared memory), got stages={stages!r}")
+        stages = short_stages
     stages = default_stages if stages is None else stages
     if block_m is None:  # the two-warpgroup kernel's options, asked for, take its 128 rows
         two_wg = pingpong or column_bias or tc_bias or q_buffers == 2
@@ -1135,9 +1143,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
                          f"head dim {d}")
     if q_buffers not in (1, 2):
         raise ValueError(f"q_buffers must be 1 or 2, got {q_buffers!r}")
-    if block_m == SHORT_BLOCK:  # two CTAs an SM: one K/V stage at D = 128 (96 KB a CTA), two at 64 (80 KB)
-        stages = 1 if d == 128 else 2
-    if stages not in (1, 2, 3, 4):
+    if stages not in (2, 3, 4) and not (block_m == SHORT_BLOCK and stages == 1):
         raise ValueError(f"stages must be 2, 3 or 4, got {stages!r}")
     if _tile_bytes(d, block_m, stages, q_buffers) > HOPPER_SHARED_BYTES:
         raise ValueError(f"stages={stages} with q_buffers={q_buffers} at head dim {d} needs "
