@@ -79,14 +79,14 @@ def _score_terms(terms: str | None, tensor) -> tuple[dict, dict]:
 
 def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
                     column_bias: bool | None = None, tc_bias: bool | None = None, terms: str | None = None,
-                    runs: int = 2, block_m: int | None = None, block_n: int = 128):
+                    runs: int = 2, block_m: int | None = None):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.forward import hopper as fh
 
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
     qd, _ = fh._descriptor(q, fh.HOPPER_BLOCK // 2)
-    kd, _ = fh._descriptor(k, block_n)
+    kd, _ = fh._descriptor(k, fh.HOPPER_BLOCK)
     i32 = torch.empty(8, dtype=torch.int32)
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, o_desc=qd, LSE=torch.empty(8), INTV=i32, WORK=i32, COUNTER=i32,
                 FWD_OFFSETS=i32, FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, O_X_B=4, O_X_H=1, O_C_H=0,
@@ -102,7 +102,7 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
     if tc_bias is None:  # as attention_forward_hopper chooses it: never with a softcap
         tc_bias = (forward_configs.hopper_forward_tc_bias(head_dim, q_buffers) and column_bias
                    and not term_consts["SOFTCAP"])
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
+    consts = dict(BLOCK_M=block_m, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
                   COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim, block_m),
                   TC_BIAS=bool(tc_bias), **term_consts, NUM_RUNS=runs,
                   EARLY_Q=forward_configs.HOPPER_FORWARD_EARLY_Q and block_m <= 128,

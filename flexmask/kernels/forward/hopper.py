@@ -1155,13 +1155,12 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
     q_desc, (qxb, qxh, qch) = _descriptor(q, HOPPER_BLOCK // 2)
     o_desc, (oxb, oxh, och) = _descriptor(o, HOPPER_BLOCK // 2)  # o is dense: always TMA-addressable
-    block_n = HOPPER_BLOCK
-    k_desc, (kxb, kxh, kch) = _descriptor(k, block_n)
-    v_desc, _ = _descriptor(v, block_n)
+    k_desc, (kxb, kxh, kch) = _descriptor(k, HOPPER_BLOCK)
+    v_desc, _ = _descriptor(v, HOPPER_BLOCK)
     kv_bytes = 2 * sk * d * k.element_size()  # one kv head's K and V
     # persistent programs: one a multiprocessor, two with 64-row items (a CTA of ~100 KB, 32K registers)
     programs = _num_sms(q.device.index or 0) * (2 if block_m == SHORT_BLOCK else 1)
-    tables = cm.retiled(block_m, block_n)
+    tables = cm.retiled(block_m, HOPPER_BLOCK)
     work = work_list(tables, batch, hq, hkv, mask_map, kv_bytes, order, hoist=programs)
     n_items = work.numel()
     grid = (min(n_items, programs),)
@@ -1175,7 +1174,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         sq, sk, tables.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, *score_args,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
+        BLOCK_M=block_m, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
         TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
         EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m <= HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
