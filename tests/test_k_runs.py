@@ -66,6 +66,33 @@ def natten_dense(height, width, kernel, dilation=(1, 1), frames=1, time_kernel=1
     return dense if q_len is None else dense[n - q_len:]
 
 
+def sta_dense(canvas, kernel, tile, text_tokens, kv_len, q_len=None):
+    """Sliding tile attention as FastVideo / attention-gym define it, pair by pair: token -> its
+    tile's coordinates (tile-major order), the box centred on the query tile clamped into the grid
+    (left border k // 2, right border k // 2 + k % 2 - 1 tiles), vision queries to text keys, text
+    (and later) queries to every vision and text key."""
+    if len(canvas) == 2:
+        canvas, kernel, tile = (1, *canvas), (1, *kernel), (1, *tile)
+    grid = [n // t for n, t in zip(canvas, tile)]
+    box = [k // t for k, t in zip(kernel, tile)]
+    size, vision = tile[0] * tile[1] * tile[2], canvas[0] * canvas[1] * canvas[2]
+    q_len = kv_len if q_len is None else q_len
+    p, j = positions(q_len, kv_len)
+
+    def coords(idx):
+        t = idx // size
+        return t // (grid[1] * grid[2]), t % (grid[1] * grid[2]) // grid[2], t % grid[2]
+
+    inside = torch.ones(q_len, kv_len, dtype=torch.bool)
+    for qc, kc, n, k in zip(coords(p), coords(j), grid, box):
+        left, right = k // 2, k // 2 + k % 2 - 1
+        centre = qc.clamp(left, n - 1 - right)
+        inside &= (kc >= centre - left) & (kc <= centre + right)
+    text_end = vision + text_tokens
+    return ((p < vision) & (j < vision) & inside) | ((p < vision) & (j >= vision) & (j < text_end)) \
+        | ((p >= vision) & (j < text_end))
+
+
 def positions(sq, sk):
     return torch.arange(sq).view(-1, 1) + (sk - sq), torch.arange(sk).view(1, -1)
 
@@ -106,6 +133,31 @@ def test_natten_is_natten(h, w, k, d, f, tk, td):
     want = natten_dense(h, w, k, d, f, tk, td)
     assert torch.equal(mask.to_dense(n, n), want)
     assert torch.equal(mask.to_dense(3, n), want[n - 3:])
+
+
+STA_CASES = [
+    # (canvas, kernel, tile, text tokens, extra keys past the text)
+    ((4, 6), (2, 4), (2, 2), 0, 0),
+    ((4, 6), (4, 2), (2, 2), 3, 0),
+    ((6, 6), (6, 6), (2, 3), 2, 5),  # the box is the whole canvas
+    ((8, 4), (6, 4), (2, 2), 4, 0),  # an odd box of three tile rows
+    ((4, 4, 6), (2, 4, 4), (2, 2, 2), 3, 2),  # video
+    ((6, 2, 4), (4, 2, 2), (2, 1, 2), 0, 0),
+]
+
+
+@pytest.mark.parametrize("canvas, kernel, tile, text, extra", STA_CASES, ids=[f"{c[0]}-k{c[1]}-t{c[2]}-text{c[3]}"
+                                                                              for c in STA_CASES])
+def test_sliding_tile_is_sta(canvas, kernel, tile, text, extra):
+    """Every (query, key) pair equals sliding tile attention's own definition, at q_len = kv_len
+    and for the last rows, with text tokens and keys past them."""
+    n = 1
+    for c in canvas:
+        n *= c
+    sk = n + text + extra
+    mask = masks.sliding_tile(canvas, kernel, tile, text_tokens=text)
+    assert torch.equal(mask.to_dense(sk, sk), sta_dense(canvas, kernel, tile, text, sk))
+    assert torch.equal(mask.to_dense(5, sk), sta_dense(canvas, kernel, tile, text, sk, q_len=5))
 
 
 def test_natten_axis_tables_are_natten():
@@ -174,6 +226,20 @@ def test_builder_errors():
         masks.dilated_sliding_window(30, 2)
     with pytest.raises(ValueError, match="positions must be < kv_len=8"):
         masks.global_tokens([3, 8]).to_dense(8, 8)
+    with pytest.raises(ValueError, match="axis 1 needs canvas and kernel multiples of the tile, got canvas 6, kernel 3"):
+        masks.sliding_tile((4, 6), (2, 3), (2, 2))
+    with pytest.raises(ValueError, match=r"the kernel \(8\) must fit the canvas \(4\) on axis 0"):
+        masks.sliding_tile((4, 6), (8, 2), (2, 2))
+    with pytest.raises(ValueError, match=r"kernel must be 2 positive ints, got \(2, 2, 2\)"):
+        masks.sliding_tile((4, 6), (2, 2, 2), (2, 2))
+    with pytest.raises(ValueError, match=r"canvas must be \(height, width\) or \(frames, height, width\)"):
+        masks.sliding_tile(24, 4, 2)
+    with pytest.raises(TypeError, match="text_tokens must be an int"):
+        masks.sliding_tile((4, 4), (2, 2), (2, 2), text_tokens=1.5)
+    with pytest.raises(ValueError, match=r"needs kv_len >= 19, got kv_len=18"):
+        masks.sliding_tile((4, 4), (2, 2), (2, 2), text_tokens=3).to_dense(18, 18)
+    with pytest.raises(ValueError, match=r"key column \d+ needs \d+ masked runs .*more than max_runs=16"):
+        masks.sliding_tile((10, 10, 10), (6, 6, 2), (2, 2, 2), text_tokens=4).intervals(1004, 1004)
 
 
 def test_storage_is_k_times_kv_len():
@@ -219,9 +285,10 @@ def test_tile_tables_equal_brute_force(sq, sk, bm, bn, k, lead):
     assert tables[0].num_tiles_visited == tables[1].num_tiles_visited  # exact on both paths
 
 
-@pytest.mark.parametrize("name", ["natten", "global", "dilated_per_head", "natten_video"])
+@pytest.mark.parametrize("name", ["natten", "global", "dilated_per_head", "natten_video", "sliding_tile"])
 def test_builder_tile_tables_equal_brute_force(name):
     mask, sq, sk = {
+        "sliding_tile": (masks.sliding_tile((4, 6, 4), (4, 4, 2), (2, 2, 2), text_tokens=7), 60, 103),
         "natten": (masks.natten(9, 11, 5), 99, 99),
         "global": (masks.sliding_window(4, 4) | masks.global_tokens([0, 30, 61, 62]), 70, 90),
         "dilated_per_head": (masks.dilated_sliding_window(12, [1, 2, 3, 4]), 77, 77),
@@ -273,6 +340,7 @@ CASES = {
     "natten": (masks.natten(7, 9, 3), 1, 2, 1, 63, 63),
     "natten_dilated": (masks.natten(6, 8, 3, dilation=(2, 1)), 1, 2, 2, 48, 48),
     "natten_decode_rows": (masks.natten(7, 9, 3), 1, 2, 1, 40, 63),
+    "sliding_tile_text": (masks.sliding_tile((4, 8, 4), (4, 4, 2), (2, 2, 2), text_tokens=9), 1, 2, 1, 137, 137),
     "global_mid": (masks.sliding_window(3, 3) | masks.global_tokens([20, 41]), 1, 2, 1, 61, 61),
     "dilated_per_head_gqa": (masks.dilated_sliding_window(10, [1, 3]), 1, 4, 2, 53, 53),
     "per_head_mod": (masks.from_mask_mod(per_head_mod, heads=3, max_runs=16), 1, 3, 3, 29, 37),

@@ -20,7 +20,7 @@ from .specs import (
     share_question,
     sliding_window,
 )
-from .run_specs import dilated_sliding_window, global_tokens, natten
+from .run_specs import dilated_sliding_window, global_tokens, natten, sliding_tile
 
 __all__ = [
     "Mask",
@@ -45,6 +45,7 @@ __all__ = [
     "from_mask_mod",
     "kv_cache",
     "natten",
+    "sliding_tile",
     "global_tokens",
     "dilated_sliding_window",
 ]

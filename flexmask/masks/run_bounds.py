@@ -100,8 +100,16 @@ def _natten_bound(p) -> int:
     return attenders(p["frames"], p["time_kernel"]) * attenders(p["height"], p["kernel"][0]) * cols + 1
 
 
+def _sliding_tile_bound(p) -> int:
+    """Attending tile frames x tile rows of one vision key (each one run of tiles along the width),
+    plus the text rows' run, plus one."""
+    frames, rows = (min(n // t, k // t + k // t // 2) for n, k, t in zip(p["canvas"][:2], p["kernel"], p["tile"]))
+    return frames * rows + 2
+
+
 _K_RUN_BUILDERS = {
     "natten": _natten_bound,
+    "sliding_tile": _sliding_tile_bound,
     "global_tokens": lambda p: len(set(p["positions"])) + 1,
     "dilated_sliding_window": lambda p: max(p["left"] // d for d in (
         p["dilation"] if isinstance(p["dilation"], list) else [p["dilation"]])) + 2,

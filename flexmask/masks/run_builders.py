@@ -1,5 +1,5 @@
 """Masked row runs of the builders whose columns need more than two intervals (DESIGN.md 2.1):
-`natten`, `global_tokens`, `dilated_sliding_window`.
+`natten`, `sliding_tile`, `global_tokens`, `dilated_sliding_window`.
 
 Each builder gives, per key column, the query rows that ATTEND it as a few sorted (start, end)
 intervals computed from its parameters in O(runs x kv_len) (never q_len x kv_len), and
@@ -91,6 +91,50 @@ def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
     return runs.view(1, 1, tokens, -1, 2)
 
 
+def sliding_tile_runs(p: dict, g: _Geometry) -> torch.Tensor:
+    """Masked runs [1, 1, kv_len, K, 2] of `sliding_tile`: NATTEN's clamped windows on the grid of
+    tiles (a tile's box), each attending tile's tokens one run (tiles in row-major order, tokens
+    tile by tile), then the rows from the first text token on; text keys are attended by every row,
+    keys past the text by none."""
+    (frames, height, width), kernel, tile = p["canvas"], p["kernel"], p["tile"]
+    tiles = [n // t for n, t in zip(p["canvas"], tile)]  # the grid of tiles, per axis
+    boxes = [k // t for k, t in zip(kernel, tile)]
+    size = tile[0] * tile[1] * tile[2]  # tokens a tile
+    vision = frames * height * width
+    text_end = vision + p["text_tokens"]
+    if g.kv_len < text_end:
+        raise ValueError(f"sliding_tile over {vision} vision tokens and {p['text_tokens']} text tokens needs "
+                         f"kv_len >= {text_end}, got kv_len={g.kv_len}")
+    t_c, t_ok = _axis_attenders(tiles[0], boxes[0], 1)  # [T, At]: query tiles along each axis, ascending
+    i_c, i_ok = _axis_attenders(tiles[1], boxes[1], 1)  # [H, Ai]
+    j_c, j_ok = _axis_attenders(tiles[2], boxes[2], 1)  # [W, Aj]: one range of consecutive tiles
+    j_s, j_e = j_c[:, :1], j_c.masked_fill(~j_ok, -1).amax(1, keepdim=True) + 1
+    t_c, t_ok, i_c, i_ok, j_s, j_e = (x.to(g.device, non_blocking=True) for x in (t_c, t_ok, i_c, i_ok, j_s, j_e))
+    # key tile (t', i', j') x attending (tile frame a, tile row b): [T, H, W, At, Ai] runs of tiles
+    base = (t_c[:, None, None, :, None] * tiles[1] + i_c[None, :, None, None, :]) * tiles[2]
+    start = (base + j_s[None, None, :, :, None]) * size
+    end = (base + j_e[None, None, :, :, None]) * size
+    ok = t_ok[:, None, None, :, None] & i_ok[None, :, None, None, :]
+    n_tiles = tiles[0] * tiles[1] * tiles[2]
+    start, end, ok = (x.reshape(n_tiles, -1) for x in torch.broadcast_tensors(start, end, ok))
+    key_tile = torch.arange(vision, device=g.device) // size  # a vision key's tile
+    start, end, ok = start[key_tile], end[key_tile], ok[key_tile]  # [vision, A]
+    # then the text rows (and any after them): one run to the last position
+    start = torch.cat([start, start.new_full((vision, 1), vision)], 1)
+    end = torch.cat([end, end.new_full((vision, 1), g.kv_len)], 1)
+    ok = torch.cat([ok, ok.new_ones((vision, 1))], 1)
+    # text keys: every row attends (one run of all positions); padding keys: none
+    rest = g.kv_len - vision
+    text = (torch.arange(rest, device=g.device) < p["text_tokens"]).view(-1, 1)
+    first = torch.zeros(rest, start.shape[1], dtype=torch.bool, device=g.device)
+    first[:, 0] = True
+    start = torch.cat([start, start.new_zeros((rest, start.shape[1]))], 0)
+    end = torch.cat([end, end.new_full((rest, end.shape[1]), g.kv_len)], 0)
+    ok = torch.cat([ok, first & text], 0)
+    runs = complement(start - g.offset, end - g.offset, g.q_len, ok)
+    return runs.view(1, 1, g.kv_len, -1, 2)
+
+
 # --- global tokens and dilated windows --------------------------------------------------------------
 
 
@@ -125,6 +169,7 @@ def dilated_window_runs(p: dict, g: _Geometry) -> torch.Tensor:
 
 RUN_BUILDERS = {
     "natten": natten_runs,
+    "sliding_tile": sliding_tile_runs,
     "global_tokens": global_token_runs,
     "dilated_sliding_window": dilated_window_runs,
 }

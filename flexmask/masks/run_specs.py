@@ -1,6 +1,6 @@
 """Builders of masks whose key columns need more than FlashMask's two masked intervals (k runs per
-column, DESIGN.md 2.1): 2-D / 3-D neighbourhood attention, global tokens anywhere in the sequence,
-dilated windows per head (attention-gym's mask examples). Their runs are computed from the
+column, DESIGN.md 2.1): 2-D / 3-D neighbourhood attention, sliding tile attention, global tokens
+anywhere in the sequence, dilated windows per head (attention-gym's mask examples). Their runs are computed from the
 parameters in O(runs x kv_len) by `run_builders.py`; the kernels read them in partial tiles only.
 
 Pictures: rows are queries, columns are keys, ``#`` attends, ``.`` is masked.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from .run_bounds import MAX_RUNS_LIMIT
 from .specs import Mask, _check_int, _check_lengths, _Simple
 
-__all__ = ["natten", "global_tokens", "dilated_sliding_window"]
+__all__ = ["natten", "sliding_tile", "global_tokens", "dilated_sliding_window"]
 
 
 def _pair(name: str, value) -> list:
@@ -70,6 +70,62 @@ def natten(height: int, width: int, kernel, dilation=1, *, frames: int = 1, time
         if kk * dd > n:
             raise ValueError(f"natten: kernel x dilation = {kk} x {dd} does not fit {axis}={n}")
     return _Simple("natten", height=h, width=w, kernel=k, dilation=d, frames=t, time_kernel=tk, time_dilation=td)
+
+
+def _shape(name: str, value, rank: int | None = None) -> list:
+    """A (height, width) or (frames, height, width) tuple of positive ints."""
+    if not isinstance(value, (tuple, list)) or len(value) not in (2, 3) or (rank is not None and len(value) != rank):
+        want = f"{rank} positive ints" if rank else "(height, width) or (frames, height, width)"
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    return [_check_int(f"{name}[{i}]", v, 1) for i, v in enumerate(value)]
+
+
+def sliding_tile(canvas, kernel, tile, *, text_tokens: int = 0) -> Mask:
+    """Sliding tile attention (STA, as FastVideo runs video diffusion models; attention-gym's
+    `sta` masks): the tokens of an image ``canvas = (height, width)`` or a video ``(frames, height,
+    width)`` come in tile-major order, ``tile`` tokens per tile (each axis of the canvas a multiple of
+    its tile; token = tile index x tile size + its place in the tile, tiles in row-major order), and
+    every query tile attends the box of ``kernel // tile`` tiles per axis around it, clamped at the
+    borders as NATTEN clamps a window (a tile near an edge keeps a whole box, shifted inwards; an even
+    box reaches one tile further back). ``kernel`` is in tokens, a multiple of the tile and at most
+    the canvas on each axis. The ``text_tokens`` after the vision tokens are attended by every query
+    and attend every vision and text key, as do the queries past them; keys past both (padding) are
+    attended by none. kv_len must
+    be at least the vision tokens plus ``text_tokens``; with q_len < kv_len the queries are the last
+    tokens (DESIGN.md 2.3).
+    ::
+        sliding_tile((1, 8), kernel=(1, 4), tile=(1, 2), text_tokens=2): four tiles of two tokens in a
+        row, boxes of two tiles (tile 0's box shifted inwards to tiles 0-1, tile 2's reaching back
+        to tiles 1-2), the last two tokens text
+        ####....##
+        ####....##
+        ####....##
+        ####....##
+        ..####..##
+        ..####..##
+        ....######
+        ....######
+        ##########
+        ##########
+
+    Runs: a vision key is attended by up to min(n, k + k // 2) tile rows of each of the frame and
+    height axes (k the box in tiles, n the canvas in tiles), each a run of tiles along the width,
+    and by the text rows: its column masks up to that product plus one runs. A column holds at most
+    16: 2-D boxes of up to 9 tile rows fit any canvas; video boxes of 3 x 3 tiles and more fit only
+    where the canvas is few tiles deep (a ValueError names the column).
+    """
+    c = _shape("canvas", canvas)
+    k, t = _shape("kernel", kernel, len(c)), _shape("tile", tile, len(c))
+    text = _check_int("text_tokens", text_tokens, 0)
+    for axis, (n, kk, tt) in enumerate(zip(c, k, t)):
+        if n % tt or kk % tt:
+            raise ValueError(f"sliding_tile: axis {axis} needs canvas and kernel multiples of the tile, got canvas "
+                             f"{n}, kernel {kk}, tile {tt}")
+        if kk > n:
+            raise ValueError(f"sliding_tile: the kernel ({kk}) must fit the canvas ({n}) on axis {axis}")
+    if len(c) == 2:  # an image: a video of one frame
+        c, k, t = [1] + c, [1] + k, [1] + t
+    return _Simple("sliding_tile", canvas=c, kernel=k, tile=t, text_tokens=text)
 
 
 def global_tokens(positions) -> Mask:
