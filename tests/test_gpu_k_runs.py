@@ -35,6 +35,8 @@ def k_run_masks() -> dict:
         "natten_32x32_k7": (masks.natten(32, 32, 7), 1, 4, 2, 1024),
         "natten_48x64_k9": (masks.natten(48, 64, 9), 1, 4, 4, 3072),
         "natten_video_8x16x16": (masks.natten(16, 16, 3, frames=8, time_kernel=2), 1, 2, 1, 2048),
+        # 4 x 16 x 24 video tokens in 2 x 4 x 4 tiles, boxes of 2 x 3 x 3 tiles, 256 text tokens
+        "sliding_tile_video": (masks.sliding_tile((4, 16, 24), (4, 12, 12), (2, 4, 4), text_tokens=256), 1, 4, 2, 1792),
         "global_mid_window": (masks.sliding_window(128, 128) | masks.global_tokens([0, 700, 1401, 2047]), 1, 4, 1, 2048),
         "global_mid_mod": (masks.from_mask_mod(global_mid_mod, max_runs=16), 1, 4, 1, 2048),
         "dilated_per_head": (masks.dilated_sliding_window(56, [4, 8, 4, 8]), 1, 4, 4, 4096),
