@@ -9,7 +9,7 @@ Each family's mask is written once as a `mask_mod(b, h, q_idx, kv_idx)` (the fun
 that one function serves FlexAttention (flex_flash: `kernel_options={"BACKEND": "FLASH"}`; flex:
 the Triton backend; both compiled, with `create_block_mask` compiled) and flexmask_mod
 (`masks.from_mask_mod(mask_mod, heads=..., max_runs=16)`); flexmask is the builder that states the
-same mask (`masks.natten`, `masks.global_tokens`, `masks.dilated_sliding_window`), so flexmask_mod
+same mask (`masks.natten`, `masks.sliding_tile`, `masks.global_tokens`, `masks.dilated_sliding_window`), so flexmask_mod
 against flexmask checks that a mask brought as a function runs as fast as the builder's.
 
 Families (bf16, D = 128, heads 16/16, 32K tokens per batch; the NATTEN families define their own
@@ -25,6 +25,10 @@ token counts, one shape for each of the sizes 32K and 128K):
                     window (each frame with the one before it, 3 x 3 around the token). The most
                     runs that fit: up to 3 attending frames x 4 attending rows = 12 runs of query
                     tokens, 13 masked runs; 3 x 3 x 3 needs 17 and 3 x 7 x 7 needs 41.
+  sta3d_t2_k3       sliding tile attention (video models' STA, no text tokens): 8 frames of 64 x 64 (32K)
+                    and of 128 x 128 (128K) in tiles of 2 x 8 x 8 tokens, each query tile attending the
+                    box of 2 x 3 x 3 tiles around it (clamped at the borders): up to 3 x 4 runs of query
+                    tiles a key, 13 masked runs.
   global14_window1024  a causal window of 1024 keys (itself included) and 14 global tokens spread
                     through the sequence (at i * S / 15, i = 1..14; they attend and are attended by
                     every token): a column needs up to 16 runs (16 global tokens would need 18).
@@ -61,7 +65,7 @@ from .report import CsvWriter, environment, error_status, read_csv, run_key, run
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "family", "seq_len", "batch", "heads_q", "heads_kv",
            "head_dim", "provider", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "compile_ms", "mask_bytes",
            "status")
-FAMILIES = ("natten2d_k9", "natten3d_t2_k3", "global14_window1024", "dilated_per_head", "natten2d_k13")
+FAMILIES = ("natten2d_k9", "natten3d_t2_k3", "global14_window1024", "dilated_per_head", "sta3d_t2_k3", "natten2d_k13")
 PROVIDERS = ("flexmask", "flexmask_mod", "flex_flash", "flex")
 SIZES = ("32K", "128K")
 HEADS = 16
@@ -79,6 +83,10 @@ NATTEN_SHAPES = {
     "natten3d": {"32K": (8, 64, 64), "128K": (8, 128, 128)},
 }
 SEQ_LENS = {"32K": 32768, "128K": 131072}
+# sta3d_t2_k3: (frames, height, width) per size, the tile and the box (in tiles) around a query tile
+STA_SHAPES = {"32K": (8, 64, 64), "128K": (8, 128, 128)}
+STA_TILE = (2, 8, 8)
+STA_BOX = (2, 3, 3)
 
 
 # --- the mask_mods: each written once, for FlexAttention and for masks.from_mask_mod ---------------
@@ -97,6 +105,29 @@ def natten_mask_mod(height: int, width: int, kernel: int, frames: int = 1, time_
         qt, qr, qc = q_idx // (height * width), (q_idx // width) % height, q_idx % width
         kt, kr, kc = kv_idx // (height * width), (kv_idx // width) % height, kv_idx % width
         return axis(qt, kt, frames, time_kernel) & axis(qr, kr, height, kernel) & axis(qc, kc, width, kernel)
+
+    return mask_mod
+
+
+def sta_mask_mod(canvas: Sequence[int], tile: Sequence[int], box: Sequence[int]) -> Callable:
+    """Sliding tile attention without text tokens (FastVideo's STA, attention-gym's sta mask_mod):
+    tokens in tile-major order (tiles row-major over the (frame, row, column) grid of tiles), and a
+    query tile attends the box of tiles around it, on each axis of n tiles starting at
+    clamp(t - k // 2, 0, n - k) for a box of k."""
+    grid = [n // t for n, t in zip(canvas, tile)]
+    size = tile[0] * tile[1] * tile[2]
+
+    def coords(idx):
+        t = idx // size
+        return t // (grid[1] * grid[2]), (t // grid[2]) % grid[1], t % grid[2]
+
+    def axis(q, kv, n, k):
+        start = (q - k // 2).clamp(0, n - k)
+        return (kv >= start) & (kv < start + k)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        (qa, qb, qc), (ka, kb, kc) = coords(q_idx), coords(kv_idx)
+        return axis(qa, ka, grid[0], box[0]) & axis(qb, kb, grid[1], box[1]) & axis(qc, kc, grid[2], box[2])
 
     return mask_mod
 
@@ -185,6 +216,29 @@ def natten_case(family: str, frames: int, height: int, width: int) -> Case:
                 runs=lambda: natten_runs_needed(height, width, kernel, frames, time_kernel))
 
 
+def runs_needed(mask, n: int) -> int:
+    """The most masked runs of query rows a key column of a k-run builder's mask holds at n tokens."""
+    from flexmask.masks.geometry import _Geometry
+    from flexmask.masks.run_builders import RUN_BUILDERS
+
+    runs = RUN_BUILDERS[mask.kind](mask.params(), _Geometry(n, n, torch.device("cpu")))
+    return int((runs[..., 1] > runs[..., 0]).sum(-1).max())
+
+
+def sta_case(frames: int, height: int, width: int) -> Case:
+    from flexmask import masks
+
+    canvas = (frames, height, width)
+    kernel = tuple(b * t for b, t in zip(STA_BOX, STA_TILE))
+    n = frames * height * width
+    tokens = STA_BOX[0] * STA_BOX[1] * STA_BOX[2] * STA_TILE[0] * STA_TILE[1] * STA_TILE[2]  # a box, whole
+    return Case("sta3d_t2_k3", n, max(1, TOKENS // n), None,
+                build=lambda: masks.sliding_tile(canvas, kernel, STA_TILE),
+                mask_mod=lambda device: sta_mask_mod(canvas, STA_TILE, STA_BOX),
+                pairs=lambda device: n * tokens * HEADS,
+                runs=lambda: runs_needed(masks.sliding_tile(canvas, kernel, STA_TILE), n))
+
+
 def make_case(family: str, size: str, seq_len: int | None = None) -> Case:
     """A family at one size ("32K", "128K"); `seq_len` overrides the token count of the
     non-NATTEN families (the tests' small sizes)."""
@@ -192,6 +246,8 @@ def make_case(family: str, size: str, seq_len: int | None = None) -> Case:
 
     if family.startswith("natten"):
         return natten_case(family, *NATTEN_SHAPES[family.split("_")[0]][size])
+    if family == "sta3d_t2_k3":
+        return sta_case(*STA_SHAPES[size])
     s = SEQ_LENS[size] if seq_len is None else seq_len
     batch = max(1, TOKENS // s)
 
@@ -364,6 +420,12 @@ def describe(family: str, seq_len: int) -> str:
                     return f"NATTEN {height}x{width} image, {kernel}x{kernel}"
                 return f"NATTEN {frames}x{height}x{width} video, {time_kernel}x{kernel}x{kernel}"
         return f"NATTEN, kernel {kernel}"
+    if family == "sta3d_t2_k3":
+        for frames, height, width in STA_SHAPES.values():
+            if frames * height * width == seq_len:
+                return (f"STA {frames}x{height}x{width} video, tiles {'x'.join(map(str, STA_TILE))}, "
+                        f"box {'x'.join(map(str, STA_BOX))}")
+        return "STA video"
     if family == "global14_window1024":
         return f"{GLOBAL_TOKENS} global tokens + window {WINDOW}"
     if family == "dilated_per_head":

@@ -31,6 +31,7 @@ SMALL = [
     pytest.param(lambda: bench.natten_case("natten2d_k9", 1, 20, 23), id="natten2d_k9-20x23"),
     pytest.param(lambda: bench.natten_case("natten2d_k13", 1, 14, 17), id="natten2d_k13-14x17"),
     pytest.param(lambda: bench.natten_case("natten3d_t2_k3", 4, 6, 7), id="natten3d_t2_k3-4x6x7"),
+    pytest.param(lambda: bench.sta_case(6, 24, 32), id="sta3d_t2_k3-6x24x32"),
     pytest.param(lambda: bench.make_case("global14_window1024", "32K", seq_len=2900), id="global14_window1024-S2900"),
     pytest.param(lambda: bench.make_case("dilated_per_head", "32K", seq_len=1100), id="dilated_per_head-S1100"),
 ]
@@ -70,6 +71,10 @@ def test_family_shapes_fit_sixteen_runs_and_kernel_13_does_not():
     assert bench.natten_runs_needed(64, 64, 3, frames=8, time_kernel=3) == 17
     with pytest.raises(ValueError, match="more than max_runs=16"):
         masks.natten(128, 128, 13).intervals(128 * 128, 128 * 128)
+    for size in bench.SIZES:  # the STA video: 3 x 4 runs of query tiles, 13 masked runs
+        case = bench.make_case("sta3d_t2_k3", size)
+        frames, h, w = bench.STA_SHAPES[size]
+        assert case.seq_len == frames * h * w and case.runs() == 13
     assert bench.global_positions(32768) == [i * 32768 // 15 for i in range(1, 15)]
     assert bench.head_dilations()[:5] == [64, 128, 192, 256, 64]
 
@@ -83,7 +88,8 @@ def test_global_and_dilated_fit_at_full_size():
 
 def test_plan_measures_kernel_13_last():
     order = list(bench.plan(bench.FAMILIES, bench.SIZES))
-    assert order[:4] == [(f, "32K") for f in bench.FAMILIES if f != "natten2d_k13"]
+    fitting = [(f, "32K") for f in bench.FAMILIES if f != "natten2d_k13"]
+    assert order[:len(fitting)] == fitting
     assert order[-2:] == [("natten2d_k13", "32K"), ("natten2d_k13", "128K")]
 
 
