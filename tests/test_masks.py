@@ -402,6 +402,17 @@ def max_masked_runs(masked):
     return int(starts.sum(-2).max())
 
 
+@pytest.mark.parametrize("sq, sk, window, sinks", [(20, 20, 3, 4), (33, 33, 5, 1), (16, 16, 20, 2), (7, 30, 4, 3)])
+def test_streaming_sinks_are_a_composition(sq, sk, window, sinks):
+    """StreamingLLM's attention sinks as the README writes them, global_sliding_window(sinks, window,
+    0) & causal(): the query at position p attends j <= p with p - j <= window or j < sinks (the
+    definition attention-gym writes as a mask_mod), in two intervals a column."""
+    mask = masks.global_sliding_window(sinks, window, 0) & masks.causal()
+    p, j = torch.arange(sq).view(-1, 1) + (sk - sq), torch.arange(sk).view(1, -1)
+    assert torch.equal(mask.to_dense(sq, sk), (j <= p) & ((p - j <= window) | (j < sinks)))
+    assert mask.intervals(sq, sk, "cpu").shape[-1] == 4
+
+
 def test_composition_is_associative_and_nests():
     s = 197
     a, b, c = masks.causal(), masks.sliding_window(40, 3), make_mask("document_bidir", s, s)
