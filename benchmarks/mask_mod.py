@@ -92,19 +92,21 @@ STA_BOX = (2, 3, 3)
 # --- the mask_mods: each written once, for FlexAttention and for masks.from_mask_mod ---------------
 
 
-def natten_mask_mod(height: int, width: int, kernel: int, frames: int = 1, time_kernel: int = 1) -> Callable:
-    """NATTEN's neighbourhood (dilation 1) over tokens in row-major (frame, row, column) order: on
-    each axis of n coordinates, the window of coordinate y starts at clamp(y - k // 2, 0, n - k)
-    and holds k coordinates (attention-gym's natten mask_mod, with a time axis)."""
+def _window(q, kv, n: int, k: int):
+    """Whether coordinate kv lies in q's window on an axis of n coordinates: k of them from
+    clamp(q - k // 2, 0, n - k) (NATTEN's window, dilation 1; STA's box of tiles)."""
+    start = (q - k // 2).clamp(0, n - k)
+    return (kv >= start) & (kv < start + k)
 
-    def axis(q, kv, n, k):
-        start = (q - k // 2).clamp(0, n - k)
-        return (kv >= start) & (kv < start + k)
+
+def natten_mask_mod(height: int, width: int, kernel: int, frames: int = 1, time_kernel: int = 1) -> Callable:
+    """NATTEN's neighbourhood (dilation 1) over tokens in row-major (frame, row, column) order, each
+    axis's window as `_window` (attention-gym's natten mask_mod, with a time axis)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         qt, qr, qc = q_idx // (height * width), (q_idx // width) % height, q_idx % width
         kt, kr, kc = kv_idx // (height * width), (kv_idx // width) % height, kv_idx % width
-        return axis(qt, kt, frames, time_kernel) & axis(qr, kr, height, kernel) & axis(qc, kc, width, kernel)
+        return _window(qt, kt, frames, time_kernel) & _window(qr, kr, height, kernel) & _window(qc, kc, width, kernel)
 
     return mask_mod
 
@@ -112,8 +114,7 @@ def natten_mask_mod(height: int, width: int, kernel: int, frames: int = 1, time_
 def sta_mask_mod(canvas: Sequence[int], tile: Sequence[int], box: Sequence[int]) -> Callable:
     """Sliding tile attention without text tokens (FastVideo's STA, attention-gym's sta mask_mod):
     tokens in tile-major order (tiles row-major over the (frame, row, column) grid of tiles), and a
-    query tile attends the box of tiles around it, on each axis of n tiles starting at
-    clamp(t - k // 2, 0, n - k) for a box of k."""
+    query tile attends the box of tiles around it, each axis's as `_window`."""
     grid = [n // t for n, t in zip(canvas, tile)]
     size = tile[0] * tile[1] * tile[2]
 
@@ -121,13 +122,9 @@ def sta_mask_mod(canvas: Sequence[int], tile: Sequence[int], box: Sequence[int])
         t = idx // size
         return t // (grid[1] * grid[2]), (t // grid[2]) % grid[1], t % grid[2]
 
-    def axis(q, kv, n, k):
-        start = (q - k // 2).clamp(0, n - k)
-        return (kv >= start) & (kv < start + k)
-
     def mask_mod(b, h, q_idx, kv_idx):
         (qa, qb, qc), (ka, kb, kc) = coords(q_idx), coords(kv_idx)
-        return axis(qa, ka, grid[0], box[0]) & axis(qb, kb, grid[1], box[1]) & axis(qc, kc, grid[2], box[2])
+        return _window(qa, ka, grid[0], box[0]) & _window(qb, kb, grid[1], box[1]) & _window(qc, kc, grid[2], box[2])
 
     return mask_mod
 
@@ -190,17 +187,22 @@ def _natten_params(family: str) -> tuple[int, int]:
     return int(family.split("_k")[1]), 1
 
 
-def natten_runs_needed(height: int, width: int, kernel: int, frames: int = 1, time_kernel: int = 1) -> int:
-    """The most masked runs of query rows a key column of `masks.natten` holds (exact, from the
-    builder's runs, O(runs x tokens), so a shape that does not fit says by how much)."""
+def runs_needed(mask, n: int) -> int:
+    """The most masked runs of query rows a key column of a k-run builder's mask holds at n tokens
+    (exact, from the builder's runs, O(runs x tokens), so a shape that does not fit says by how much)."""
     from flexmask.masks.geometry import _Geometry
-    from flexmask.masks.run_builders import natten_runs
+    from flexmask.masks.run_builders import RUN_BUILDERS
 
-    n = frames * height * width
-    params = dict(frames=frames, height=height, width=width, kernel=[kernel, kernel], dilation=[1, 1],
-                  time_kernel=time_kernel, time_dilation=1)
-    runs = natten_runs(params, _Geometry(n, n, torch.device("cpu")))
+    runs = RUN_BUILDERS[mask.kind](mask.params(), _Geometry(n, n, torch.device("cpu")))
     return int((runs[..., 1] > runs[..., 0]).sum(-1).max())
+
+
+def natten_runs_needed(height: int, width: int, kernel: int, frames: int = 1, time_kernel: int = 1) -> int:
+    """`runs_needed` of `masks.natten` at its own token count."""
+    from flexmask import masks
+
+    return runs_needed(masks.natten(height, width, kernel, frames=frames, time_kernel=time_kernel),
+                       frames * height * width)
 
 
 def natten_case(family: str, frames: int, height: int, width: int) -> Case:
@@ -214,15 +216,6 @@ def natten_case(family: str, frames: int, height: int, width: int) -> Case:
                 # a window clamped inwards always holds time_kernel x kernel x kernel keys
                 pairs=lambda device: n * time_kernel * kernel * kernel * HEADS,
                 runs=lambda: natten_runs_needed(height, width, kernel, frames, time_kernel))
-
-
-def runs_needed(mask, n: int) -> int:
-    """The most masked runs of query rows a key column of a k-run builder's mask holds at n tokens."""
-    from flexmask.masks.geometry import _Geometry
-    from flexmask.masks.run_builders import RUN_BUILDERS
-
-    runs = RUN_BUILDERS[mask.kind](mask.params(), _Geometry(n, n, torch.device("cpu")))
-    return int((runs[..., 1] > runs[..., 0]).sum(-1).max())
 
 
 def sta_case(frames: int, height: int, width: int) -> Case:
