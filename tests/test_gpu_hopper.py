@@ -110,32 +110,6 @@ def test_three_warpgroups(family, stages, column_bias):
 
 @pytest.mark.parametrize("d", [128, 64], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("family", FAMILIES, ids=str)
-def test_short_items(family, d):
-    """attention_forward_hopper(block_m=64): one consumer warpgroup a CTA on 64-row items and 64-key
-    tiles (the mask's tables retiled to 64 x 64), two CTAs a multiprocessor; against the reference on
-    every family, GQA, Sq > Sk and Sq < Sk at lengths that are no multiple of 64, both memory orders,
-    fp16 and bf16; many items a program (claims past the grid's first round)."""
-    if not _hopper():
-        pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels.forward import hopper as forward_hopper
-    from flexmask.kernels.common.masking import mask_broadcast
-
-    for b, hq, hkv, sq, sk, dtype, layout in ((2, 4, 2, 1500, 700, torch.bfloat16, "bhsd"),
-                                              (1, 6, 3, 130, 1000, torch.float16, "bshd"),
-                                              (8, 8, 8, 509, 509, torch.bfloat16, "bhsd")):
-        q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=7, layout=layout))
-        mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=7)
-        cm = compile_mask(mask, sq, sk, device="cuda")
-        out, lse = forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_broadcast(cm, b, hq, hkv),
-                                                           block_m=64)
-        (ref_o, ref_lse), (low_o, low_lse) = references(q, k, v, mask, scale=0.125)
-        floor = default_floor(dtype)
-        assert_close_to_reference(out, ref_o, low_o, floor, f"out {sq}x{sk}")
-        assert_close_to_reference(lse, ref_lse, low_lse, floor, f"lse {sq}x{sk}")
-
-
-@pytest.mark.parametrize("d", [128, 64], ids=lambda d: f"D{d}")
-@pytest.mark.parametrize("family", FAMILIES, ids=str)
 def test_q_released_after_the_walk(family, d, monkeypatch):
     """configs.HOPPER_FORWARD_EARLY_Q off (the Q buffer released after the last O += P V, as
     before): the same results as the reference, many short items (Sq > Sk, GQA)."""

@@ -248,19 +248,14 @@ def test_block_m_rule(mask, seq, head_dim, terms, want):
 
 
 def test_block_m_argument_is_checked():
-    """block_m is 64, 128 or 192, and the ping-pong of two warpgroups is refused with one or three;
-    64-row items take the K/V stages two CTAs' shared memory holds; the two-warpgroup options asked
-    for without block_m take 128 rows (before any device work)."""
+    """block_m is 128 or 192, and the ping-pong of two warpgroups is refused with three; the
+    two-warpgroup options asked for without block_m take 128 rows (before any device work)."""
     q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
     cm = compile_mask(masks.causal(), 128, 128, device="cpu", block_m=128, block_n=128)
-    with pytest.raises(ValueError, match=r"block_m must be 64, 128 or 192, got 256"):
+    with pytest.raises(ValueError, match=r"block_m must be 128 or 192, got 256"):
         forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), block_m=256)
-    with pytest.raises(ValueError, match=r"block_m=192 has 3, got pingpong=True"):
+    with pytest.raises(ValueError, match=r"block_m=192 has three, got pingpong=True"):
         forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), block_m=192, pingpong=True)
-    with pytest.raises(ValueError, match=r"block_m=64 has 1, got pingpong=True"):
-        forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), block_m=64, pingpong=True)
-    with pytest.raises(ValueError, match=r"block_m=64 takes 2 K/V stage\(s\) at head dim 64 .* got stages=3"):
-        forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), block_m=64, stages=3)
     with pytest.raises(ValueError, match=r"stages must be 2, 3 or 4, got 5"):  # got past block_m: 128 taken
         forward_hopper.attention_forward_hopper(q, q, q, cm, 0.125, (0, 1, 0), pingpong=True, stages=5)
     with pytest.raises(ValueError, match=r"stages must be 2, 3 or 4, got 5"):  # no tc_bias asked of one loop

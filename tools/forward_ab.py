@@ -13,8 +13,6 @@ and the largest difference between the two outputs. Switches:
   for every item against the FULL-rest loop (configs.hopper_forward_full_rest) at both head dims;
 - `full_rest_partials` (D = 128, heads 16/16 and 32/8, S = 8K, 32K): the FULL-rest loop for items with one
   PARTIAL tile against items with up to two (configs.HOPPER_FORWARD_FULL_REST_PARTIALS 1 / 2).
-- `short_items` (D = 128 and 64, heads 16/16 and 32/8, S = 512, 1K, 2K, 8K): the head dims' own items against
-  64-row items on 128-key tiles, one consumer warpgroup a CTA and two CTAs a multiprocessor (block_m=64).
 
     PYTHONPATH=$PWD python3 -m tools.forward_ab --switch block_m
 """
@@ -42,17 +40,12 @@ SWITCHES = {  # name: (head dims, heads, (S, batch) cases, the two sides' labels
     "pingpong": ((128, 64), ((16, 16), (32, 8)), ((2048, 16), (8192, 4), (32768, 1)), ("no turns", "turns")),
     "full_rest": ((128, 64), ((16, 16), (32, 8)), ((8192, 4), (32768, 1)), ("one loop", "FULL rest")),
     "full_rest_partials": ((128,), ((16, 16), (32, 8)), ((8192, 4), (32768, 1)), ("1 PARTIAL", "2 PARTIAL")),
-    # an item's fixed cost at short walks, hidden by a second CTA: where per_call's forward trails cuDNN
-    "short_items": ((128, 64), ((16, 16), (32, 8)), ((512, 64), (1024, 32), (2048, 16), (8192, 4)),
-                    ("own items", "64-row items")),
 }
 
 
 def _run(switch: str, side: int, q, k, v, cm, mask_map):
     if switch == "block_m":
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=(128, 192)[side])
-    if switch == "short_items":
-        return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=(None, 64)[side])
     if switch == "pingpong":
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=128, pingpong=bool(side))
     if switch == "full_rest":

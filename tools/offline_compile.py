@@ -105,12 +105,12 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
     consts = dict(BLOCK_M=block_m, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, Q_BUFS=q_buffers, PINGPONG=pingpong,
                   COLUMN_BIAS=column_bias, SPLIT_LOOPS=forward_configs.hopper_forward_split_loops(head_dim, block_m),
                   TC_BIAS=bool(tc_bias), **term_consts, NUM_RUNS=runs,
-                  EARLY_Q=forward_configs.HOPPER_FORWARD_EARLY_Q and block_m <= 128,
+                  EARLY_Q=forward_configs.HOPPER_FORWARD_EARLY_Q and block_m == 128,
                   FULL_REST=forward_configs.hopper_forward_full_rest(head_dim, block_m),
                   FULL_REST_PARTIALS=forward_configs.HOPPER_FORWARD_FULL_REST_PARTIALS, num_warps=4)
     if runs > 2:
         consts.update(COLUMN_BIAS=False, TC_BIAS=False)
-    maxnreg = 168 if block_m == 128 else 128  # as attention_forward_hopper launches it (64 rows: two CTAs an SM)
+    maxnreg = 168 if block_m == 128 else 128  # as attention_forward_hopper launches it
     return compile_offline(fh._forward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": maxnreg},
                            source_cls=GluonASTSource)
 

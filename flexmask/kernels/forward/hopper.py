@@ -848,22 +848,6 @@ def _forward_hopper_kernel(
                          Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                          BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
         ], [4, 4, 1], [CONSUMER_REGS_3, CONSUMER_REGS_3, PRODUCER_REGS])
-    elif NUM_WG == 1:  # a 64-row block (short walks): one consumer; two such CTAs share an SM
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
-                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                         O_X_B, O_X_H, O_C_H,
-                         Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
-                         tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
-                         TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
-                         NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
-                         Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
-                         BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
-        ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
@@ -1073,9 +1057,6 @@ def supports(q, k, v, cm) -> bool:
 HOPPER_SHARED_BYTES = 232448  # an sm_90 block's shared memory (227 KB, opted in)
 
 
-SHORT_BLOCK = 64  # rows of an item for short walks (block_m=64): two CTAs share an SM
-
-
 def _tile_bytes(d: int, block_m: int, stages: int, q_buffers: int) -> int:
     """Shared memory of the forward's bf16/fp16 tiles: Q (per buffer), the K/V stages and O's
     epilogue buffer (the barriers and bias buffers come on top)."""
@@ -1097,27 +1078,19 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     `configs.hopper_forward_tc_bias` (never with a softcap, which would bend the tensor cores' -inf
     bias to -softcap). `terms`: the score terms (common.score_terms.ScoreTerms) or None.
     `block_m`: query rows per work item, 128 (two consumer warpgroups) or 192 (three, on the
-    mask's tables retiled to 192 x 128 once: CompiledMask.retiled), or 64 (one consumer warpgroup a
-    CTA on tables retiled to 64 x 128, two CTAs a multiprocessor, so that one's epilogue runs beside
-    the other's products; its K/V stages are what two CTAs' shared memory holds: 1 at head dim 128,
-    2 at 64); None takes `configs.hopper_forward_block_m`."""
+    mask's tables retiled to 192 x 128 once: CompiledMask.retiled); None takes
+    `configs.hopper_forward_block_m`."""
     d = q.shape[-1]
     default_stages, default_pingpong = configs.hopper_forward_schedule(d)
-    if block_m == SHORT_BLOCK:  # two CTAs an SM: one K/V stage at D = 128 (96 KB a CTA), two at 64 (80 KB)
-        short_stages = 1 if d == 128 else 2
-        if stages not in (None, short_stages):
-            raise ValueError(f"block_m=64 takes {short_stages} K/V stage(s) at head dim {d} (two CTAs share a "
-                             f"multiprocessor's shared memory), got stages={stages!r}")
-        stages = short_stages
     stages = default_stages if stages is None else stages
     if block_m is None:  # the two-warpgroup kernel's options, asked for, take its 128 rows
         two_wg = pingpong or column_bias or tc_bias or q_buffers == 2
         block_m = HOPPER_BLOCK if two_wg else configs.hopper_forward_block_m(d, cm, terms)
-    if block_m not in (SHORT_BLOCK, HOPPER_BLOCK, 3 * HOPPER_BLOCK // 2):
-        raise ValueError(f"block_m must be 64, 128 or 192, got {block_m!r}")
+    if block_m not in (HOPPER_BLOCK, 3 * HOPPER_BLOCK // 2):
+        raise ValueError(f"block_m must be 128 or 192, got {block_m!r}")
     if block_m != HOPPER_BLOCK and pingpong:
-        raise ValueError(f"pingpong takes turns between two consumer warpgroups; block_m={block_m} has "
-                         f"{block_m // SHORT_BLOCK}, got pingpong={pingpong!r}")
+        raise ValueError("pingpong takes turns between two consumer warpgroups; block_m=192 has three, "
+                         f"got pingpong={pingpong!r}")
     pingpong = (default_pingpong and block_m == HOPPER_BLOCK) if pingpong is None else pingpong
     if column_bias is None:
         column_bias = configs.hopper_forward_column_bias(d, cm) and block_m == HOPPER_BLOCK
@@ -1143,7 +1116,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
                          f"head dim {d}")
     if q_buffers not in (1, 2):
         raise ValueError(f"q_buffers must be 1 or 2, got {q_buffers!r}")
-    if stages not in (2, 3, 4) and not (block_m == SHORT_BLOCK and stages == 1):
+    if stages not in (2, 3, 4):
         raise ValueError(f"stages must be 2, 3 or 4, got {stages!r}")
     if _tile_bytes(d, block_m, stages, q_buffers) > HOPPER_SHARED_BYTES:
         raise ValueError(f"stages={stages} with q_buffers={q_buffers} at head dim {d} needs "
@@ -1158,8 +1131,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     k_desc, (kxb, kxh, kch) = _descriptor(k, HOPPER_BLOCK)
     v_desc, _ = _descriptor(v, HOPPER_BLOCK)
     kv_bytes = 2 * sk * d * k.element_size()  # one kv head's K and V
-    # persistent programs: one a multiprocessor, two with 64-row items (a CTA of ~100 KB, 32K registers)
-    programs = _num_sms(q.device.index or 0) * (2 if block_m == SHORT_BLOCK else 1)
+    programs = _num_sms(q.device.index or 0)
     tables = cm.retiled(block_m, HOPPER_BLOCK)
     work = work_list(tables, batch, hq, hkv, mask_map, kv_bytes, order, hoist=programs)
     n_items = work.numel()
@@ -1177,12 +1149,11 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         BLOCK_M=block_m, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
         TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
-        EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m <= HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
+        EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m == HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
         FULL_REST=configs.hopper_forward_full_rest(d, block_m),
         FULL_REST_PARTIALS=configs.HOPPER_FORWARD_FULL_REST_PARTIALS,
         # the launch's registers a thread (64K a CTA): 12 warps at 168; 16 at 128 (three consumers; Triton
-        # rounds the partitions to whole warpgroups), which setmaxnreg then moves to the consumers; 64 rows:
-        # 8 warps at 128, 32K a CTA, so that two CTAs share a multiprocessor (the consumer gets 232)
+        # rounds the partitions to whole warpgroups), which setmaxnreg then moves to the consumers
         num_warps=4, maxnreg=168 if block_m == HOPPER_BLOCK else 128,
     )
     return o, lse
