@@ -1,6 +1,7 @@
 """GPU tests (marked `gpu`; skipped without CUDA) of masks with k runs per key column (DESIGN.md
 2.1) at 1K-4K tokens, bf16, D = 64 and 128: the CUDA compile equals the CPU's tables, the dispatch
-sends them to the Hopper kernels on sm_90 as it sends two-interval masks, and the Hopper and
+sends them to the Hopper kernels on sm_90 as it sends two-interval masks (tables whose every tile is
+FULL as two-interval ones: common.masking.kernel_runs), and the Hopper and
 portable forwards and backwards (both paths) and split-KV decoding match the dense reference (float32 as the truth, the same math in bf16 as the baseline,
 DESIGN.md section 4)."""
 
@@ -12,6 +13,7 @@ import torch
 import flexmask
 from flexmask import masks, reference
 from flexmask.kernels import dispatch
+from flexmask.kernels.common.masking import kernel_runs
 
 from conftest import assert_close_by_norm
 
@@ -37,6 +39,8 @@ def k_run_masks() -> dict:
         "natten_video_8x16x16": (masks.natten(16, 16, 3, frames=8, time_kernel=2), 1, 2, 1, 2048),
         # 4 x 16 x 24 video tokens in 2 x 4 x 4 tiles, boxes of 2 x 3 x 3 tiles, 256 text tokens
         "sliding_tile_video": (masks.sliding_tile((4, 16, 24), (4, 12, 12), (2, 4, 4), text_tokens=256), 1, 4, 2, 1792),
+        # tiles of 2 x 8 x 8 = 128 tokens and 128 text tokens: every visited tile FULL (kernel_runs 2)
+        "sliding_tile_aligned": (masks.sliding_tile((4, 32, 32), (4, 24, 24), (2, 8, 8), text_tokens=128), 1, 4, 2, 4224),
         "global_mid_window": (masks.sliding_window(128, 128) | masks.global_tokens([0, 700, 1401, 2047]), 1, 4, 1, 2048),
         "global_mid_mod": (masks.from_mask_mod(global_mid_mod, max_runs=16), 1, 4, 1, 2048),
         "dilated_per_head": (masks.dilated_sliding_window(56, [4, 8, 4, 8]), 1, 4, 4, 4096),
@@ -62,6 +66,7 @@ def test_k_runs_forward_backward(name, head_dim):
     do = torch.randn(b, hq, s, head_dim, device=dev, dtype=torch.bfloat16)
     cm = flexmask.compile_mask(mask, s, s, device=dev)
     assert cm.runs > 2
+    assert kernel_runs(cm) == (2 if name == "sliding_tile_aligned" else cm.runs)  # the Hopper kernels' NUM_RUNS
     assert (cm.token_order is not None) == name.startswith("global")  # flexmask.attention: global tokens first
     # the same tile size on both devices (the CPU's default tile is smaller)
     cpu = flexmask.compile_mask(mask, s, s, device="cpu", block_m=cm.block_m, block_n=cm.block_n)

@@ -12,7 +12,9 @@ import torch
 
 import flexmask
 from flexmask import masks
+from flexmask.masks import PARTIAL
 from flexmask.kernels import dispatch
+from flexmask.kernels.common.masking import kernel_runs, mask_runs
 from flexmask.kernels.decode.split_kv import attention_decode
 from flexmask.masks.compiler import compile_spec
 from flexmask.masks.run_builders import _axis_attenders, complement
@@ -302,6 +304,31 @@ def test_builder_tile_tables_equal_brute_force(name):
         assert torch.equal(cm.tile_classes(), classes)
         check_lists(cm, classes)
         assert_same_tables(cm, compile_spec(mask, sq, sk, torch.device("cpu"), bm, bn, on_device=True))
+
+
+@pytest.mark.parametrize("text, bm, want_two", [
+    (0, 128, True),  # tiles of 2 x 8 x 8 = 128 tokens: every visited 128 x 128 tile is FULL
+    (128, 128, True),  # text tokens a whole tile too
+    (128, 64, True),  # half-tiles of rows stay whole
+    (100, 128, False),  # the last kv-block ragged: its tiles take the bounds-checked path
+    (0, 192, False),  # 192-row blocks cut across the query tiles: PARTIAL tiles
+])
+def test_kernel_runs_of_all_full_tables(text, bm, want_two):
+    """k-run tables whose every visited tile is FULL (a tile-aligned sliding-tile mask) run the
+    Hopper kernels as two-interval masks (kernel_runs 2: their runs are never read); any PARTIAL
+    tile, a ragged edge or a retiling that cuts the tiles keeps the mask's runs. Noted on the torch
+    path, by the Triton kernels' compile (under the interpreter) and for a retiled tiling."""
+    mask = masks.sliding_tile((4, 32, 32), (4, 24, 24), (2, 8, 8), text_tokens=text)
+    s = 4096 + text
+    tables = [compile_spec(mask, s, s, torch.device("cpu"), bm, 128, on_device=d) for d in (False, True)]
+    tables.append(compile_spec(mask, s, s, torch.device("cpu"), 128, 128).retiled(bm, 128))
+    for cm in tables:
+        assert cm.runs > 2 and mask_runs(cm) == cm.runs
+        assert kernel_runs(cm) == (2 if want_two else cm.runs)
+        if want_two:  # what the rule rests on
+            assert not cm.tile_classes().eq(PARTIAL).any()
+    two = compile_spec(masks.causal(), 256, 256, torch.device("cpu"), 128, 128)
+    assert kernel_runs(two) == mask_runs(two) == 2
 
 
 def test_retiled_k_runs_exact():

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..kernels.common.masking import note_all_full
 from .compiler_kernels import build_tables_device
 from .device_plan import device_plan
 from .intervals import build_intervals
@@ -315,8 +316,12 @@ def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int,
     if intervals.is_cuda if on_device is None else on_device:
         rows = intervals.shape[0] * intervals.shape[1]
         tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, None, intervals=intervals.contiguous())
+        # one sync: the tiles listed and the FULL ones (the two views list the same; all FULL: kernel_runs)
+        visited, full = torch.stack((tables["bwd_offsets"][-1].long(), tables["bwd_num_full"].sum())).tolist()
+        if intervals.shape[-1] > 4 and full == visited:
+            note_all_full(tables["bwd_offsets"])
         return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n,
-                            num_tiles_visited=int(tables["bwd_offsets"][-1]), source=source, **tables)
+                            num_tiles_visited=visited, source=source, **tables)
     dev = intervals.device
     n_rows = intervals.shape[0] * intervals.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
@@ -339,6 +344,8 @@ def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int,
     tile_full = kernel_full[run_of_tile]
     tile_exact = cls[run_of_tile].to(torch.int8)
     bwd_offsets, bwd_num_full = _csr(tile_seg, tile_full, n_rows * n_kb)
+    if intervals.shape[-1] > 4 and bool(tile_full.all()):  # (the forward view's FULL tiles are these)
+        note_all_full(bwd_offsets)
 
     # forward view: order (mask row, m, FULL first, n)
     row, n = tile_seg // n_kb, tile_seg % n_kb

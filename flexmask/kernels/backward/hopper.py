@@ -69,7 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..common.launcher import FastLaunch
-from ..common.masking import mask_runs
+from ..common.masking import kernel_runs
 from ..common import scheduler
 from . import configs
 from ..common.score_terms import gluon_kernel_args
@@ -876,7 +876,8 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, stats)
-    q_step = q_rows(d, score_flags["SOFTCAP"] or score_flags["HAS_ALIBI"], mask_runs(cm))
+    runs = kernel_runs(cm)
+    q_step = q_rows(d, score_flags["SOFTCAP"] or score_flags["HAS_ALIBI"], runs)
     q_desc, (qxb, qxh, qch) = _descriptor(q, q_step)
     do_desc, _ = _descriptor(_like_q(do, q), q_step)  # one set of coordinates serves Q and dO
     k_desc, (kxb, kxh, kch) = _descriptor(k, KV_ROWS)
@@ -896,7 +897,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         dq_acc = torch.empty(1, q_step, 32, dtype=torch.float32, device=q.device)
     dq_desc = _dq_descriptor(dq_acc, q_step)
     sums_desc = dq_desc  # (unused without the split)
-    keys_on_rows = configs.hopper_backward_keys_on_rows(d, q_step, score_flags["SOFTCAP"], sq, mask_runs(cm))
+    keys_on_rows = configs.hopper_backward_keys_on_rows(d, q_step, score_flags["SOFTCAP"], sq, runs)
     stats_desc = _stats_descriptor(stats, q_step) if keys_on_rows else dq_desc
     dk_desc = dv_desc = dq_desc  # (unused with element stores)
     dkv_tma = False
@@ -919,7 +920,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are the preprocess's
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
-        NUM_RUNS=mask_runs(cm), KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
+        NUM_RUNS=runs, KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
         num_warps=4, maxnreg=168,
         PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0,
     )

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import configs
 from .hopper import LOG2E, _like_q
 from ..common.launcher import FastLaunch
-from ..common.masking import mask_runs
+from ..common.masking import kernel_runs
 from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
     CONSUMER_REGS, HOPPER_BLOCK, PRODUCER_REGS, _descriptor, _masked_scores, _num_sms, _term_scores, _tile_of,
@@ -263,7 +263,7 @@ def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are in the LSE
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages,
-        SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"], NUM_RUNS=mask_runs(cm),
+        SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"], NUM_RUNS=kernel_runs(cm),
         DQ_WAIT_BLOCK=bool(wait_block), num_warps=4, maxnreg=168,
     )
 

@@ -6,6 +6,7 @@ the launchers pass them (the mask row mapping, the dot precision)."""
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @triton.jit
@@ -188,6 +189,27 @@ def mask_runs(cm) -> int:
     """NUM_RUNS of a compiled mask: the (start, end) pairs per column of its kernel intervals
     ([rows, 2 * NUM_RUNS, Sk]); 2 for every mask that fits FlashMask's two intervals."""
     return cm.kernel_intervals.shape[-2] // 2
+
+
+# Tables of k-run masks whose every visited tile is FULL, kept by their bwd_offsets
+# tensor (a CompiledMask and the custom op's view of it share it): masks.compiler.build_tables
+# notes them from the counts it syncs for anyway. The Gluon Hopper kernels read a column's runs
+# only in PARTIAL tiles, so such tables run the two-interval kernels (`kernel_runs`): a tile-aligned
+# block-sparse mask (video models' sliding tiles) then gets their backward's keys-on-rows steps.
+_ALL_FULL = WeakIdKeyDictionary()
+
+
+def note_all_full(bwd_offsets: torch.Tensor) -> None:
+    """Record that the tables of `bwd_offsets` list no PARTIAL tile (in either view)."""
+    _ALL_FULL[bwd_offsets] = True
+
+
+def kernel_runs(tables) -> int:
+    """NUM_RUNS of the Gluon Hopper forward, backward and dQ pass for these tables: mask_runs, or
+    2 where build_tables found every visited tile FULL (their runs are never read). Tables not
+    noted (a view under CUDA-graph capture, a tiling retiled without a count) keep mask_runs."""
+    runs = mask_runs(tables)
+    return 2 if runs > 2 and _ALL_FULL.get(tables.bwd_offsets, False) else runs
 
 
 def precision_for(dtype: torch.dtype) -> str:

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..common.launcher import FastLaunch
-from ..common.masking import mask_runs
+from ..common.masking import kernel_runs, mask_runs
 from ..common import scheduler
 from ..common.score_terms import gluon_kernel_args
 from . import configs
@@ -1148,7 +1148,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         scale * LOG2E, *score_args,
         BLOCK_M=block_m, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
-        TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
+        TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=kernel_runs(tables),
         EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m == HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
         FULL_REST=configs.hopper_forward_full_rest(d, block_m),
         FULL_REST_PARTIALS=configs.HOPPER_FORWARD_FULL_REST_PARTIALS,
