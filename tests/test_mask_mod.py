@@ -763,8 +763,8 @@ def test_docstring_pictures():
 @pytest.mark.gpu
 def test_compiled_first_pass_on_the_gpu(monkeypatch):
     """At 8K x 8K (past MASK_MOD_COMPILE_PAIRS) a GPU compile takes the compiled first pass, with no
-    fallback; its tables equal the eager pass's, for a captured tensor, a 2-D neighbourhood and a
-    window per head (pairs together)."""
+    fallback; its tables equal the eager pass's, for a captured tensor, a 2-D neighbourhood (also in
+    compiled blocks of 3000 columns) and a window per head (pairs together)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     s, width, k = 8192, 128, 9
@@ -800,3 +800,9 @@ def test_compiled_first_pass_on_the_gpu(monkeypatch):
             want = flexmask.compile_mask(masks.from_mask_mod(fn, heads=heads, max_runs=16), s, s,
                                          device="cuda").kernel_intervals
         assert torch.equal(got, want), fn.__name__
+        if fn is natten:  # compiled blocks of columns narrower than kv_len, the last one ragged
+            with monkeypatch.context() as m, warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                m.setattr(intervals_module, "MASK_MOD_COUNT_ELEMENTS", 3000 * (s // intervals_module.MASK_MOD_CHUNK_ROWS))
+                narrow = flexmask.compile_mask(masks.from_mask_mod(fn, max_runs=16), s, s, device="cuda")
+            assert torch.equal(narrow.kernel_intervals, want)

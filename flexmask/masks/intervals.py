@@ -715,16 +715,19 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         n = pairs if together else 1
         chunk = MASK_MOD_CHUNK_ROWS
         n_chunks = -(-q_len // chunk)
-        # the words of a block of columns, [n, chunks, cols], stay under MASK_MOD_COUNT_ELEMENTS
-        cols = max(1, min(kv_len, MASK_MOD_BLOCK_COLUMNS, MASK_MOD_COUNT_ELEMENTS // max(1, n * n_chunks)))
-        rows = chunk * max(1, min(n_chunks, MASK_MOD_BLOCK_ELEMENTS // (cols * n * chunk)))
-        # the compiled pass holds no block in memory (Inductor fuses the predicate into the sum):
-        # larger blocks, fewer calls (each costs ~70 us of host time)
-        rows_compiled = chunk * max(1, min(n_chunks, MASK_MOD_COMPILED_BLOCK_ELEMENTS // (cols * n * chunk)))
         # a GPU takes the first pass through one compiled function per mask_mod (pair by pair, b and h
         # are 0-d, which a graph would read as data-dependent integers: those stay eager)
         compiled = (_compiled_words(fn, dev) if (pairs == 1 or together) and _compile_scan(g, pairs * q_len * kv_len)
                     else None)
+        # the words of a block of columns, [n, chunks, cols], stay under MASK_MOD_COUNT_ELEMENTS; eagerly
+        # MASK_MOD_BLOCK_COLUMNS wide at most, compiled as wide as that allows: a compiled call and its
+        # placing launches cost ~0.15 ms of host time, which at 32K x 32K was most of the build
+        widest = MASK_MOD_BLOCK_COLUMNS if compiled is None else kv_len
+        cols = max(1, min(kv_len, widest, MASK_MOD_COUNT_ELEMENTS // max(1, n * n_chunks)))
+        rows = chunk * max(1, min(n_chunks, MASK_MOD_BLOCK_ELEMENTS // (cols * n * chunk)))
+        # the compiled pass holds no block in memory (Inductor fuses the predicate into the sum):
+        # larger blocks, fewer calls
+        rows_compiled = chunk * max(1, min(n_chunks, MASK_MOD_COMPILED_BLOCK_ELEMENTS // (cols * n * chunk)))
         # a code whose compiled pass already ran through a mask needs no eager first block (the check
         # of what it returns): its first block too goes compiled, and eagerly only if that fails
         checked = compiled is not None and _compiled_key(fn) in _CHECKED
