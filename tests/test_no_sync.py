@@ -196,6 +196,17 @@ def test_device_tensor_parameters_without_sync(monkeypatch, name):
         assert events == [], f"{name} at {sq}x{sk}: {events}"
 
 
+@pytest.mark.parametrize("name", ["natten", "sliding_tile"])
+def test_k_run_builder_reads_the_device_twice(monkeypatch, name):
+    """A k-run builder's device-path compile reads the device twice, by design: the most runs of a
+    column (the width of its intervals) and, in one read, the tiles listed (the lists' size) with
+    their FULL count (common.masking.kernel_runs)."""
+    mask, s = {"natten": (masks.natten(9, 11, 5), 99),
+               "sliding_tile": (masks.sliding_tile((4, 8, 8), (4, 6, 6), (2, 2, 2), text_tokens=3), 259)}[name]
+    reads = [e for e in recorded(monkeypatch, mask, s, s) if e[1] in ("value read", "device -> host copy")]
+    assert len(reads) == 2, reads
+
+
 def test_recorder_sees_the_syncs(monkeypatch):
     """The recorder can fail: the torch path (on_device=False) syncs, and so does a composition that may need
     three intervals per column (its ValueError needs the data: the one sync left, by design)."""

@@ -248,7 +248,7 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
         capacity = None
     tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, capacity, intervals=plan.intervals,
                                  family=plan.family, shape=plan.shape, device=device, pair=plan.pair)
-    visited = int(tables["bwd_offsets"][-1]) if capacity is None else capacity
+    visited = tables.pop("counted")[0] if capacity is None else capacity
     return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n, num_tiles_visited=visited,
                         source=mask, **tables)
 
@@ -316,8 +316,7 @@ def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int,
     if intervals.is_cuda if on_device is None else on_device:
         rows = intervals.shape[0] * intervals.shape[1]
         tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, None, intervals=intervals.contiguous())
-        # one sync: the tiles listed and the FULL ones (the two views list the same; all FULL: kernel_runs)
-        visited, full = torch.stack((tables["bwd_offsets"][-1].long(), tables["bwd_num_full"].sum())).tolist()
+        visited, full = tables.pop("counted")  # (the two views list the same FULL tiles; all FULL: kernel_runs)
         if intervals.shape[-1] > 4 and full == visited:
             note_all_full(tables["bwd_offsets"])
         return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n,

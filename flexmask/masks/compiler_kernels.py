@@ -626,7 +626,8 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     (code, p0, p1, p2, docs, prefixes) with `shape` (Bm, Hm) and `device`: the classify kernel then
     computes the canonical intervals itself (with `pair`: those of `family <op> pair.b`).
     `capacity` (>= the tiles visited, known on the host) sizes fwd_blocks, bwd_blocks and
-    bwd_exact; None counts the tiles first, at the price of one host sync. The tables are views of
+    bwd_exact; None counts the tiles first, at the price of one host sync, and the dict then also
+    holds "counted": (tiles visited, FULL tiles of them), read in that sync. The tables are views of
     one allocation; the transients come from `_workspace` (host time: each allocation costs
     about as much on the host as the GPU spends on the small tables)."""
     width = 4  # (start, end) pairs per column
@@ -673,8 +674,10 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
         q_len, kv_len, nqb, nkb, g_row, kv_len - q_len, p0, p1, p2, doc_stride, doc_iters, ragged_n,
         code, block_m, block_n, CHUNK_M, views[2], *b_args, width // 2, num_warps=classify_warps(width // 2),
     )
-    if capacity is None:  # no bound given: count first (one host sync)
-        capacity = max(1, int(bwd_offsets[-1]))
+    counted = None
+    if capacity is None:  # no bound given: count first (one host sync, which reads the FULL tiles too)
+        counted = tuple(torch.stack((bwd_offsets[-1].long(), bwd_num_full.sum())).tolist())
+        capacity = max(1, counted[0])
         blocks = torch.empty(2 * capacity, dtype=torch.int32, device=device)
         fwd_blocks, bwd_blocks = blocks[:capacity], blocks[capacity:]
         bwd_exact = torch.empty(capacity, dtype=torch.int8, device=device)
@@ -687,11 +690,14 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
         (rows * nkb + rows * nqc,), grid, bwd_offsets, bwd_num_full, bwd_blocks, bwd_exact, fwd_offsets, fwd_num_full,
         fwd_blocks, capacity, nqb, nkb, g_row, rows * nkb, nqc, ragged_n, CHUNK_M, FWD_M, FWD_N, num_warps=4,
     )
-    return dict(
+    tables = dict(
         intervals=intervals, kernel_intervals=planar,
         fwd_offsets=fwd_offsets, fwd_num_full=fwd_num_full, fwd_blocks=fwd_blocks,
         bwd_offsets=bwd_offsets, bwd_num_full=bwd_num_full, bwd_blocks=bwd_blocks, bwd_exact=bwd_exact,
     )
+    if counted is not None:
+        tables["counted"] = counted
+    return tables
 
 
 # --- compositions: `a & b` and `a | b` of two canonical operands, one launch ---------------
