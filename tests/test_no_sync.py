@@ -196,13 +196,23 @@ def test_device_tensor_parameters_without_sync(monkeypatch, name):
         assert events == [], f"{name} at {sq}x{sk}: {events}"
 
 
-@pytest.mark.parametrize("name", ["natten", "sliding_tile"])
-def test_k_run_builder_reads_the_device_twice(monkeypatch, name):
-    """A k-run builder's device-path compile reads the device twice, by design: the most runs of a
-    column (the width of its intervals) and, in one read, the tiles listed (the lists' size) with
-    their FULL count (common.masking.kernel_runs)."""
+def _strided_mod(b, h, q, kv):  # every third key within 12 positions: up to 5 masked runs a column
+    return (kv <= q) & (q - kv < 12) & ((q - kv) % 3 == 0)
+
+
+@pytest.mark.parametrize("name", ["natten", "sliding_tile", "mask_mod", "column_runs"])
+def test_k_run_mask_reads_the_device_twice(monkeypatch, name):
+    """A k-run mask's device-path compile reads the device twice, by design: the most runs of a
+    column (the width of its intervals: counted by the builder's compile, or where a mask_mod's or
+    column_runs' runs were made, and not again) and, in one read, the tiles listed (the lists'
+    size) with their FULL count (common.masking.kernel_runs). The mask_mod's changes are placed
+    by the GPU's kernels (change_runs), as on a GPU."""
+    monkeypatch.setattr(intervals, "MASK_MOD_RUNS_KERNEL", True)
+    starts = torch.tensor([[0, 10, 20]] * 99)
     mask, s = {"natten": (masks.natten(9, 11, 5), 99),
-               "sliding_tile": (masks.sliding_tile((4, 8, 8), (4, 6, 6), (2, 2, 2), text_tokens=3), 259)}[name]
+               "sliding_tile": (masks.sliding_tile((4, 8, 8), (4, 6, 6), (2, 2, 2), text_tokens=3), 259),
+               "mask_mod": (masks.from_mask_mod(_strided_mod), 99),
+               "column_runs": (masks.column_runs(starts.to(_device()), (starts + 5).to(_device())), 99)}[name]
     reads = [e for e in recorded(monkeypatch, mask, s, s) if e[1] in ("value read", "device -> host copy")]
     assert len(reads) == 2, reads
 

@@ -1116,6 +1116,8 @@ def _from_runs(m, g: _Geometry) -> torch.Tensor:
     runs = _given_runs(m, g)
     if runs.shape[-2] <= 2:
         return _canonical_from_runs(runs, g.q_len)
+    if m.kind in ("mask_mod", "column_runs") and runs.shape[-2] <= run_bounds.MAX_RUNS_LIMIT:
+        return runs_to_intervals(runs, g.q_len, runs.shape[-2])  # cut to their most runs where made: no recount
     return _counted_runs_to_intervals(m, runs, g.q_len)
 
 
