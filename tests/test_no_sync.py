@@ -25,7 +25,7 @@ from conftest import make_mask, random_split
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flexmask import masks
-from flexmask.masks import intervals, run_bounds
+from flexmask.masks import intervals, run_bounds, token_order
 from flexmask.masks.compiler import compile_spec
 
 aten = torch.ops.aten
@@ -215,6 +215,23 @@ def test_k_run_mask_reads_the_device_twice(monkeypatch, name):
                "column_runs": (masks.column_runs(starts.to(_device()), (starts + 5).to(_device())), 99)}[name]
     reads = [e for e in recorded(monkeypatch, mask, s, s) if e[1] in ("value read", "device -> host copy")]
     assert len(reads) == 2, reads
+
+
+def test_token_order_and_its_choice_read_the_device_once(monkeypatch):
+    """The global tokens' order is made on the device without a host read (the positions uploaded
+    by to_device), and `fewer_tiles` reads the two tables' counts in one read."""
+    positions = [0, 700, 1401, 2047, 2990]
+    with SyncRecorder(monkeypatch) as rec:
+        order, inverse = token_order.token_order(positions, 3001, _device())
+    assert rec.events == []
+    assert order[:5].tolist() == positions and torch.equal(inverse[order], torch.arange(3001, device=_device()))
+    natural = compile_spec(masks.sliding_window(40, 40) | masks.global_tokens(positions), 3001, 3001, _device(),
+                           128, 128, on_device=True)
+    spec, _, _ = token_order.reordered(natural.source, 3001, _device())
+    moved = compile_spec(spec, 3001, 3001, _device(), 128, 128, on_device=True)
+    with SyncRecorder(monkeypatch) as rec:
+        assert token_order.fewer_tiles(moved, natural)
+    assert len(rec.events) == 1, rec.events
 
 
 def test_recorder_sees_the_syncs(monkeypatch):

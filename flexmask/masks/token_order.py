@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import specs
+from .geometry import to_device
 
 # shortest sequence that is reordered: below it a row of tiles is a few tiles, and the gathers
 # would cost more than the PARTIAL tiles they save
@@ -69,12 +70,21 @@ def _rest(mask):
 
 def token_order(positions: list[int], seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, inverse), int64 [seq_len]: order[i] is the token at reordered index i (the global
-    tokens first, then the others in their order); inverse[order[i]] = i."""
-    is_global = torch.zeros(seq_len, dtype=torch.bool, device=device)
-    is_global[torch.tensor(positions, device=device)] = True
-    order = torch.cat([torch.nonzero(is_global).flatten(), torch.nonzero(~is_global).flatten()])
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(seq_len, device=device)
+    tokens first, then the others in their order); inverse[order[i]] = i. `positions`: sorted,
+    distinct. Made on the device without a host sync (the positions uploaded once, no nonzero): a
+    token's index is its rank among the global tokens, or G + its position - the global tokens
+    before it."""
+    device = torch.device(device)
+    g = len(positions)
+    token = torch.arange(seq_len, device=device)
+    if g == 0:
+        return token, token.clone()
+    pos = to_device(positions, device)
+    before = torch.searchsorted(pos, token)  # global tokens before each token (its rank, if global)
+    is_global = pos[before.clamp(max=g - 1)] == token
+    inverse = torch.where(is_global, before, g + token - before)
+    order = torch.empty_like(inverse)
+    order[inverse] = token
     return order, inverse
 
 
@@ -120,12 +130,11 @@ def reordered_runs(intervals: torch.Tensor, seq_len: int) -> tuple[specs.Mask, t
 
 def fewer_tiles(reordered, natural) -> bool:
     """Whether the tables `reordered` visit fewer tiles than `natural` with no more PARTIAL ones, or
-    fewer PARTIAL ones and no more tiles (exact counts: a host sync)."""
-    def counts(tables):
-        visited = int(tables.bwd_offsets[-1])
-        return visited, visited - int(tables.fwd_num_full.sum())
-
-    (visited, partial), (was_visited, was_partial) = counts(reordered), counts(natural)
+    fewer PARTIAL ones and no more tiles (exact counts: one host sync)."""
+    visited, full, was_visited, was_full = torch.stack([
+        x for tables in (reordered, natural) for x in (tables.bwd_offsets[-1].long(), tables.fwd_num_full.sum())
+    ]).tolist()  # one read of the four counts
+    partial, was_partial = visited - full, was_visited - was_full
     return visited <= was_visited and partial <= was_partial and (visited, partial) != (was_visited, was_partial)
 
 
@@ -133,7 +142,7 @@ def _moved(runs: torch.Tensor, positions: list[int], order: torch.Tensor) -> spe
     """column_runs of runs [B, H, seq_len, 2R] in the order `order`: each endpoint e moved to G + e -
     (global tokens before e), which takes the global rows out of a run, the global columns unmasked."""
     g = len(positions)
-    before = torch.searchsorted(torch.tensor(positions, device=runs.device), runs)
+    before = torch.searchsorted(to_device(positions, runs.device), runs)
     moved = (g + runs - before)[:, :, order[g:], :]  # the reordered columns past the global ones
     empty = moved.new_zeros(*moved.shape[:2], g, moved.shape[-1])  # the global columns: nothing masked
     moved = torch.cat([empty, moved], dim=2)
