@@ -206,8 +206,8 @@ def note_all_full(bwd_offsets: torch.Tensor) -> None:
 
 def kernel_runs(tables) -> int:
     """NUM_RUNS of the Gluon Hopper forward, backward and dQ pass for these tables: mask_runs, or
-    2 where build_tables found every visited tile FULL (their runs are never read). Tables not
-    noted (a view under CUDA-graph capture, a tiling retiled without a count) keep mask_runs."""
+    2 where build_tables found every visited tile FULL (their runs are never read). Tables it did
+    not note keep mask_runs: missing the rule costs speed, never correctness."""
     runs = mask_runs(tables)
     return 2 if runs > 2 and _ALL_FULL.get(tables.bwd_offsets, False) else runs
 
