@@ -13,6 +13,7 @@ import torch
 import flexmask
 from flexmask import masks, reference
 from flexmask.kernels import dispatch
+from flexmask.kernels.backward import configs as backward_configs
 from flexmask.kernels.common.masking import kernel_runs
 
 from conftest import assert_close_by_norm
@@ -114,3 +115,29 @@ def test_k_runs_decode(name, head_dim):
         assert_close_by_norm(("out",), (out,), (ref,), (low,), label=f"sq={sq} ")
         ran += 1
     assert ran, "no decode shape held k runs"
+
+
+@pytest.mark.parametrize("name", ["natten_32x32_k7", "natten_video_8x16x16", "sliding_tile_video", "dilated_per_head",
+                                  "per_batch_mod"])
+def test_k_runs_backward_keys_on_rows(monkeypatch, name):
+    """The Hopper backward of k-run masks with keys on the rows (configs.HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS,
+    off by default: each key's runs read in a loop at PARTIAL steps), D = 128, deterministic and not,
+    against the dense reference."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper backward needs an sm_90 GPU")
+    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", True)
+    mask, b, hq, hkv, s = k_run_masks()[name]
+    torch.manual_seed(s + 7)
+    q, k, v = (torch.randn(b, h, s, 128, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    do = torch.randn(b, hq, s, 128, device="cuda", dtype=torch.bfloat16)
+    cm = flexmask.compile_mask(mask, s, s, device="cuda")
+    assert cm.token_order is None and kernel_runs(cm) > 2  # the tables attention takes hold k runs
+    assert backward_configs.hopper_backward_keys_on_rows(128, 64, False, s, kernel_runs(cm))
+    ref = _reference(q, k, v, cm, do, torch.float32)
+    low = _reference(q, k, v, cm, do, torch.bfloat16)
+    for deterministic in (True, False):
+        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = flexmask.attention(qg, kg, vg, cm, deterministic=deterministic)
+        out.backward(do)
+        assert_close_by_norm(("out", "dq", "dk", "dv"), (out, qg.grad, kg.grad, vg.grad), ref, low,
+                             label=f"keys on rows, deterministic={deterministic} ")

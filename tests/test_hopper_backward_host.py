@@ -283,6 +283,18 @@ cases += [("dq", d, None, lambda d=d: oc._hopper_dq(2, d)) for d in (128, 64)]
 cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16)) for d in (128, 64)]
 cases += [("backward_k_runs", 128, 16, lambda: oc._hopper_backward(2, 128, True, runs=16)),
           ("dq_k_runs", 128, 16, lambda: oc._hopper_dq(2, 128, runs=16))]
+
+
+def keys_on_rows_runs():  # the backward of 16 runs with keys on the rows (off by default)
+    from flexmask.kernels.backward import configs
+    configs.HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS = True
+    try:
+        return oc._hopper_backward(2, 128, True, runs=16)
+    finally:
+        configs.HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS = False
+
+
+cases += [("backward_k_runs", 128, "keys on rows", keys_on_rows_runs)]
 for name, d, variant, build in cases:
     kernel = build()
     ptx = kernel.asm["ptx"]
@@ -300,10 +312,11 @@ def test_hopper_kernels_compile_for_sm90():
     forward with the spill its FULL-rest loop brought: the shared-memory base, reloaded once a step
     in warpgroup 0's walk loops, and values of an item held across its two PARTIAL steps, outside
     the loops (measured faster with both: docs/performance.md, section 4.12). The
-    three with 16 runs per column (k-run masks) compile too; they spill some (section 12)."""
+    three with 16 runs per column (k-run masks) compile too; they spill some (section 12), the
+    backward with keys on the rows (its runs read in a loop) a tenth of what the default's spills."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
-    assert len(results) == 17, results
+    assert len(results) == 18, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["variant"] == "192 rows":  # two values stored at entry, under the launch's 128 registers
@@ -314,6 +327,9 @@ def test_hopper_kernels_compile_for_sm90():
             assert want in r["report"], r
         elif r["name"] in ("forward", "dq"):
             assert "0 bytes spill stores" in r["report"], r
+    runs = {r["variant"]: int(r["report"].split(" bytes spill stores")[0].rsplit(" ", 1)[1])
+            for r in results if r["name"] == "backward_k_runs"}
+    assert runs["keys on rows"] * 10 <= runs[16], runs
     # a split item adds its dK/dV into the group's fp32 sums by bulk reductions (8 boxes at D = 128,
     # 4 at 64, in each of the two consumer warpgroups), no per-element atomics: the same atomics as
     # the whole-group kernel (the scheduler's)
@@ -364,8 +380,10 @@ def test_keys_on_rows_rule(monkeypatch):
     assert not rule(128, 64, True, 4096)
     assert not rule(128, 64, False, 4098)
     assert not rule(128, 64, False, 4096, 16)
+    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", True)  # k runs too
+    assert rule(128, 64, False, 4096, 16) and not rule(128, 64, True, 4096, 16)
     monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_KEYS_ON_ROWS", False)
-    assert not rule(128, 64, False, 4096)
+    assert not rule(128, 64, False, 4096) and not rule(128, 64, False, 4096, 16)
 
 
 def test_stats_descriptor_boxes_both_rows_of_a_head():
@@ -411,6 +429,33 @@ def test_backward_launch_takes_keys_on_rows_where_the_rule_says(monkeypatch, sq,
         assert list(stats_desc.block_shape) == [2, 64]
     else:
         assert stats_desc is dq_desc
+
+
+@pytest.mark.parametrize("name, switch, want_runs, want_keys", [
+    ("natten", False, 16, False), ("natten", True, 16, True),
+    ("sliding_tile", False, 2, True),  # every visited tile FULL: the two-interval kernel (kernel_runs)
+])
+def test_backward_launch_of_k_run_masks(monkeypatch, name, switch, want_runs, want_keys):
+    """A k-run mask's backward launch: NUM_RUNS its runs, in the query-row layout unless
+    HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS; tables whose every visited tile is FULL launch as a
+    two-interval mask, keys on the rows. The launch is recorded, not run."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flexmask.kernels.common import scheduler
+
+    calls = []
+    monkeypatch.setattr(backward_hopper, "_BACKWARD_HOPPER_LAUNCH", lambda grid, *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(backward_hopper, "_num_sms", lambda index: 4)
+    monkeypatch.setattr(scheduler, "counters", lambda device: torch.zeros(2, dtype=torch.int32))
+    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", switch)
+    mask, s = {"natten": (masks.natten(32, 32, 7), 1024),
+               "sliding_tile": (masks.sliding_tile((4, 32, 32), (4, 24, 24), (2, 8, 8)), 4096)}[name]
+    cm = compile_mask(mask, s, s, device="cpu", block_m=128, block_n=128)
+    assert cm.runs > 2
+    q = torch.randn(1, 2, s, 128, dtype=torch.bfloat16)
+    backward_hopper.backward_hopper(q, q, q, q, torch.zeros(2, 2, s), torch.zeros(2, s, 128), torch.empty_like(q),
+                                    torch.empty_like(q), cm, 128 ** -0.5, (0, 1, 0))
+    (args, kwargs), = calls
+    assert (kwargs["NUM_RUNS"], kwargs["KEYS_ON_ROWS"]) == (want_runs, want_keys)
 
 
 _WAIT_SCHEDULES = """

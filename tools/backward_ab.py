@@ -14,6 +14,10 @@ Switches:
 - `pieces`: whole walks against walks cut into pieces (configs.HOPPER_BACKWARD_PIECES), the latter on
   for every mask (PIECE_MIN_SHARE 0), not only where the mean walk is long; with `--long`.
 
+- `keys_on_rows_runs`: configs.HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS, masks of k runs a column in the
+  query-row layout against keys on the rows (their runs read in a loop), on benchmarks.mask_mod's
+  families at 32K (16/16 heads, its shapes) instead of FA4's masks.
+
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
 instead of 8K and 32K; `--long` 64K and 128K at one sequence a batch.
@@ -41,7 +45,9 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "dkv_tma": ("HOPPER_BACKWARD_DKV_TMA", ("element stores", "TMA stores"), (False, True)),
     "early_v": ("HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", ("V with K", "V early"), (frozenset(), frozenset({64, 128}))),
     "pieces": (("HOPPER_BACKWARD_PIECES", "PIECE_MIN_SHARE"), ("whole walks", "pieces"), ((False, 0.75), (True, 0.0))),
+    "keys_on_rows_runs": ("HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", ("query rows", "key rows"), (False, True)),
 }
+K_RUN_FAMILIES = ("natten2d_k9", "natten3d_t2_k3", "global14_window1024", "dilated_per_head")
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 SHORT_CASES = ((512, 32), (1024, 16), (2048, 8))
 LONG_CASES = ((65536, 1), (131072, 1))
@@ -64,37 +70,60 @@ def main(argv=None) -> int:
     kept = tuple(getattr(configs, name) for name in attribute)
     d = args.head_dim
     scale = d ** -0.5
-    for S, B in (SHORT_CASES if args.short else LONG_CASES if args.long else CASES):
-        for hq, hkv in HEADS:
-            for family in PEER_FAMILIES:
-                q, k, v, cm, flops = peer_inputs(family, S, B, hq, hkv, d)
-                do = torch.randn_like(q)
-                terms = None
-                if args.alibi:
-                    slopes = 2.0 ** (-8.0 * torch.arange(1, hq + 1, device="cuda", dtype=torch.float32) / hq)
-                    terms = ScoreTerms(alibi_slopes=slopes)
-                o, lse = attention_forward(q, k, v, cm, scale, terms=terms)
-                flops = flops["bwd"]
-                best, grads = {}, {}
-                try:
-                    for side in (0, 1, 0, 1):
-                        for name, value in zip(attribute, values[side]):
-                            setattr(configs, name, value)
-                        run = lambda: attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=False,
-                                                         kernel="hopper", terms=terms)
-                        ms = triton.testing.do_bench(run, warmup=20, rep=150)
-                        best[side] = min(ms, best.get(side, float("inf")))
-                        grads.setdefault(side, [g.float() for g in run()[:3]])
-                finally:
-                    for name, value in zip(attribute, kept):
-                        setattr(configs, name, value)
-                diff = [float((a - b).abs().max()) for a, b in zip(grads[0], grads[1])]
-                print(f"{family:20s} D={d} S={S:6d} {hq}/{hkv}{' alibi' if args.alibi else ''}: {labels[0]} {best[0]:7.3f} ms "
-                      f"{flops / best[0] / 1e9:6.1f} TF, {labels[1]} {best[1]:7.3f} ms {flops / best[1] / 1e9:6.1f} TF, "
-                      f"x{best[0] / best[1]:.3f}; max|diff| dq {diff[0]:.1e} dk {diff[1]:.1e} dv {diff[2]:.1e}",
-                      flush=True)
-                del q, k, v, do, o, lse, grads
+    if args.switch == "keys_on_rows_runs":
+        shapes = [(None, None, 16, 16, family) for family in K_RUN_FAMILIES]
+    else:
+        shapes = [(S, B, hq, hkv, family) for S, B in (SHORT_CASES if args.short else LONG_CASES if args.long else CASES)
+                  for hq, hkv in HEADS for family in PEER_FAMILIES]
+    for S, B, hq, hkv, family in shapes:
+        if S is None:  # a k-run mask of benchmarks.mask_mod
+            q, k, v, cm, flops = k_run_inputs(family, d)
+            S, B = q.shape[2], q.shape[0]
+        else:
+            q, k, v, cm, flops = peer_inputs(family, S, B, hq, hkv, d)
+        do = torch.randn_like(q)
+        terms = None
+        if args.alibi:
+            slopes = 2.0 ** (-8.0 * torch.arange(1, hq + 1, device="cuda", dtype=torch.float32) / hq)
+            terms = ScoreTerms(alibi_slopes=slopes)
+        o, lse = attention_forward(q, k, v, cm, scale, terms=terms)
+        flops = flops["bwd"]
+        best, grads = {}, {}
+        try:
+            for side in (0, 1, 0, 1):
+                for name, value in zip(attribute, values[side]):
+                    setattr(configs, name, value)
+                run = lambda: attention_backward(do, None, q, k, v, o, lse, cm, scale, deterministic=False,
+                                                 kernel="hopper", terms=terms)
+                ms = triton.testing.do_bench(run, warmup=20, rep=150)
+                best[side] = min(ms, best.get(side, float("inf")))
+                grads.setdefault(side, [g.float() for g in run()[:3]])
+        finally:
+            for name, value in zip(attribute, kept):
+                setattr(configs, name, value)
+        diff = [float((a - b).abs().max()) for a, b in zip(grads[0], grads[1])]
+        print(f"{family:20s} D={d} S={S:6d} {hq}/{hkv}{' alibi' if args.alibi else ''}: {labels[0]} {best[0]:7.3f} ms "
+              f"{flops / best[0] / 1e9:6.1f} TF, {labels[1]} {best[1]:7.3f} ms {flops / best[1] / 1e9:6.1f} TF, "
+              f"x{best[0] / best[1]:.3f}; max|diff| dq {diff[0]:.1e} dk {diff[1]:.1e} dv {diff[2]:.1e}",
+              flush=True)
+        del q, k, v, do, o, lse, grads
     return 0
+
+
+def k_run_inputs(family: str, d: int):
+    """Seeded bf16 q, k, v (16/16 heads), the compiled mask and the FLOPs of benchmarks.mask_mod's
+    family at 32K (its own batch and shape)."""
+    from benchmarks import flops as bench_flops
+    from benchmarks import mask_mod
+
+    import flexmask
+
+    case = mask_mod.make_case(family, "32K")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(case.batch, mask_mod.HEADS, case.seq_len, d, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    cm = flexmask.compile_mask(case.build(), case.seq_len, case.seq_len, device="cuda")
+    return q, k, v, cm, bench_flops.attention_flops(case.pairs("cuda") * case.batch, d)
 
 
 if __name__ == "__main__":

@@ -122,15 +122,19 @@ HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 # full 1.026-1.058x, causal 1.000-1.017x, the window 0.993-1.023x, causal documents 1.005-1.028x
 # (docs/performance.md, section 5).
 HOPPER_BACKWARD_KEYS_ON_ROWS = True
+# ... and for masks of k runs a column (their PARTIAL steps read each key's runs a run at a time,
+# _run_words): built, not yet timed on a GPU (`python -m tools.backward_ab --switch keys_on_rows_runs`).
+HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS = False
 
 
 def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: int, runs: int = 2) -> bool:
     """Whether the Hopper backward's consumers take keys on the rows of S (HOPPER_BACKWARD_KEYS_ON_ROWS):
-    at D = 128 in 64-row steps, for masks of two intervals a column without a softcap (whose tanh,
-    held for dS, spilled in the step loop offline; ALiBi is fine), where the statistics' rows can
-    be loaded by TMA (Sq % 4 == 0: 16-byte rows)."""
-    return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not softcap and runs <= 2
-            and sq > 0 and sq % 4 == 0)
+    at D = 128 in 64-row steps, for masks of two intervals a column (k runs with
+    HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS) without a softcap (whose tanh, held for dS, spilled in the step
+    loop offline; ALiBi is fine), where the statistics' rows can be loaded by TMA (Sq % 4 == 0:
+    16-byte rows)."""
+    return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not softcap
+            and (runs <= 2 or HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS) and sq > 0 and sq % 4 == 0)
 
 # The Hopper backward's dK and dV out by TMA stores staged in the dQ buffers (hopper._store_rows),
 # where the copy engine can write them in K's layout, rather than by per-element stores.

@@ -183,10 +183,20 @@ def _column_intervals(INTV, row, n, Sk, BLOCK_N: gl.constexpr, num_warps: gl.con
 @gluon.jit
 def _row_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.constexpr = 2):
     """[2, BLOCK_N] words of masked rows: bit r of word (j, c) is row row0 + j * HALF + r of
-    column c (HALF <= 32). With k runs (NUM_RUNS > 2) the arguments are `_column_intervals`'
-    (pointers, which to read, -, Sk) and the runs are read here, one run at a time, each folded
-    into the words at once: two words a column stay live, not 2 * NUM_RUNS ends. A column past
-    Sk reads as one run over every row."""
+    column c (HALF <= 32), from `_run_words`."""
+    w0, w1 = _run_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)
+    return gl.permute(gl.join(w0, w1), [1, 0])
+
+
+@gluon.jit
+def _run_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.constexpr = 2,
+               LOOP: gl.constexpr = False):
+    """(w0, w1), the words of masked rows of each column (or key) of the arguments' layout: bit r
+    of w0 is row row0 + r, of w1 row row0 + HALF + r. With k runs (NUM_RUNS > 2) the arguments are
+    `_column_intervals`' (pointers, which to read, -, Sk) and the runs are read here, one run at a
+    time, each folded into the words at once: two words a column stay live, not 2 * NUM_RUNS ends;
+    unrolled, or with LOOP a loop at run time (offline, the backward's 16 runs spilled 1.2-1.6 KB a
+    thread unrolled, ~0.1 KB as a loop). A column past Sk reads as one run over every row."""
     if NUM_RUNS == 2:
         w0 = _row_bits(lts, lte, row0) | _row_bits(uts, ute, row0)
         w1 = _row_bits(lts, lte, row0 + HALF) | _row_bits(uts, ute, row0 + HALF)
@@ -196,12 +206,21 @@ def _row_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.conste
         end = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
         w0 = _row_bits(start, end, row0)
         w1 = _row_bits(start, end, row0 + HALF)
-        for r in gl.static_range(1, NUM_RUNS):
-            start = gl.load(p_intv + (2 * r) * Sk, mask=in_k, other=0)
-            end = gl.load(p_intv + (2 * r + 1) * Sk, mask=in_k, other=0)
-            w0 = w0 | _row_bits(start, end, row0)
-            w1 = w1 | _row_bits(start, end, row0 + HALF)
-    return gl.permute(gl.join(w0, w1), [1, 0])
+        if LOOP:
+            for r in range(1, NUM_RUNS):
+                w0, w1 = _fold_run(p_intv, in_k, Sk, r, w0, w1, row0, HALF)
+        else:
+            for r in gl.static_range(1, NUM_RUNS):
+                w0, w1 = _fold_run(p_intv, in_k, Sk, r, w0, w1, row0, HALF)
+    return w0, w1
+
+
+@gluon.jit
+def _fold_run(p_intv, in_k, Sk, r, w0, w1, row0, HALF: gl.constexpr):
+    """The words (w0, w1) with run r of each column (planar pairs at p_intv) folded in."""
+    start = gl.load(p_intv + (2 * r) * Sk, mask=in_k, other=0)
+    end = gl.load(p_intv + (2 * r + 1) * Sk, mask=in_k, other=0)
+    return w0 | _row_bits(start, end, row0), w1 | _row_bits(start, end, row0 + HALF)
 
 
 @gluon.jit
