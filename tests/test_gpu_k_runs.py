@@ -117,22 +117,27 @@ def test_k_runs_decode(name, head_dim):
     assert ran, "no decode shape held k runs"
 
 
+@pytest.mark.parametrize("switch, head_dim", [("HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", 128),
+                                              ("HOPPER_BACKWARD_RUNS_LOOP", 128), ("HOPPER_BACKWARD_RUNS_LOOP", 64)],
+                         ids=["keys_on_rows", "runs_loop-D128", "runs_loop-D64"])
 @pytest.mark.parametrize("name", ["natten_32x32_k7", "natten_video_8x16x16", "sliding_tile_video", "dilated_per_head",
                                   "per_batch_mod"])
-def test_k_runs_backward_keys_on_rows(monkeypatch, name):
-    """The Hopper backward of k-run masks with keys on the rows (configs.HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS,
-    off by default: each key's runs read in a loop at PARTIAL steps), D = 128, deterministic and not,
-    against the dense reference."""
+def test_k_runs_backward_switches(monkeypatch, name, switch, head_dim):
+    """The Hopper backward of k-run masks with each of its two k-run switches on (off by default):
+    keys on the rows (configs.HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS, D = 128: each key's runs read in a
+    loop at PARTIAL steps) and the query-row layout's runs read in a loop (HOPPER_BACKWARD_RUNS_LOOP),
+    deterministic and not, against the dense reference."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper backward needs an sm_90 GPU")
-    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", True)
+    monkeypatch.setattr(backward_configs, switch, True)
     mask, b, hq, hkv, s = k_run_masks()[name]
-    torch.manual_seed(s + 7)
-    q, k, v = (torch.randn(b, h, s, 128, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-    do = torch.randn(b, hq, s, 128, device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(s + head_dim)
+    q, k, v = (torch.randn(b, h, s, head_dim, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    do = torch.randn(b, hq, s, head_dim, device="cuda", dtype=torch.bfloat16)
     cm = flexmask.compile_mask(mask, s, s, device="cuda")
     assert cm.token_order is None and kernel_runs(cm) > 2  # the tables attention takes hold k runs
-    assert backward_configs.hopper_backward_keys_on_rows(128, 64, False, s, kernel_runs(cm))
+    on_rows = backward_configs.hopper_backward_keys_on_rows(head_dim, 64, False, s, kernel_runs(cm))
+    assert on_rows == (switch == "HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS")
     ref = _reference(q, k, v, cm, do, torch.float32)
     low = _reference(q, k, v, cm, do, torch.bfloat16)
     for deterministic in (True, False):
@@ -140,4 +145,4 @@ def test_k_runs_backward_keys_on_rows(monkeypatch, name):
         out = flexmask.attention(qg, kg, vg, cm, deterministic=deterministic)
         out.backward(do)
         assert_close_by_norm(("out", "dq", "dk", "dv"), (out, qg.grad, kg.grad, vg.grad), ref, low,
-                             label=f"keys on rows, deterministic={deterministic} ")
+                             label=f"{switch}, deterministic={deterministic} ")

@@ -295,6 +295,9 @@ def keys_on_rows_runs():  # the backward of 16 runs with keys on the rows (off b
 
 
 cases += [("backward_k_runs", 128, "keys on rows", keys_on_rows_runs)]
+cases += [("backward_k_runs_loop", d, 16, lambda d=d: oc._hopper_backward(2, d, True, runs=16, runs_loop=True))
+          for d in (128, 64)]
+cases += [("backward_k_runs", 64, 16, lambda: oc._hopper_backward(2, 64, True, runs=16))]
 for name, d, variant, build in cases:
     kernel = build()
     ptx = kernel.asm["ptx"]
@@ -313,10 +316,11 @@ def test_hopper_kernels_compile_for_sm90():
     in warpgroup 0's walk loops, and values of an item held across its two PARTIAL steps, outside
     the loops (measured faster with both: docs/performance.md, section 4.12). The
     three with 16 runs per column (k-run masks) compile too; they spill some (section 12), the
-    backward with keys on the rows (its runs read in a loop) a tenth of what the default's spills."""
+    backward with keys on the rows or with its runs read in a loop (both off by default) a tenth of
+    what the default's spills at most."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
-    assert len(results) == 18, results
+    assert len(results) == 21, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["variant"] == "192 rows":  # two values stored at entry, under the launch's 128 registers
@@ -327,9 +331,14 @@ def test_hopper_kernels_compile_for_sm90():
             assert want in r["report"], r
         elif r["name"] in ("forward", "dq"):
             assert "0 bytes spill stores" in r["report"], r
-    runs = {r["variant"]: int(r["report"].split(" bytes spill stores")[0].rsplit(" ", 1)[1])
-            for r in results if r["name"] == "backward_k_runs"}
-    assert runs["keys on rows"] * 10 <= runs[16], runs
+    def spills(r):
+        return int(r["report"].split(" bytes spill stores")[0].rsplit(" ", 1)[1])
+
+    unrolled = {r["d"]: spills(r) for r in results if r["name"] == "backward_k_runs" and r["variant"] == 16}
+    rows = [spills(r) for r in results if r["variant"] == "keys on rows"]
+    assert rows[0] * 10 <= unrolled[128], (rows, unrolled)
+    for r in (r for r in results if r["name"] == "backward_k_runs_loop"):  # the runs in a loop: a tenth at most
+        assert spills(r) * 10 <= unrolled[r["d"]], (r, unrolled)
     # a split item adds its dK/dV into the group's fp32 sums by bulk reductions (8 boxes at D = 128,
     # 4 at 64, in each of the two consumer warpgroups), no per-element atomics: the same atomics as
     # the whole-group kernel (the scheduler's)
@@ -431,14 +440,16 @@ def test_backward_launch_takes_keys_on_rows_where_the_rule_says(monkeypatch, sq,
         assert stats_desc is dq_desc
 
 
-@pytest.mark.parametrize("name, switch, want_runs, want_keys", [
-    ("natten", False, 16, False), ("natten", True, 16, True),
-    ("sliding_tile", False, 2, True),  # every visited tile FULL: the two-interval kernel (kernel_runs)
+@pytest.mark.parametrize("name, switch, loop, want_runs, want_keys, want_loop", [
+    ("natten", False, False, 16, False, False), ("natten", True, False, 16, True, False),
+    ("natten", False, True, 16, False, True),
+    ("sliding_tile", False, True, 2, True, False),  # every visited tile FULL: the two-interval kernel (kernel_runs)
 ])
-def test_backward_launch_of_k_run_masks(monkeypatch, name, switch, want_runs, want_keys):
+def test_backward_launch_of_k_run_masks(monkeypatch, name, switch, loop, want_runs, want_keys, want_loop):
     """A k-run mask's backward launch: NUM_RUNS its runs, in the query-row layout unless
-    HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS; tables whose every visited tile is FULL launch as a
-    two-interval mask, keys on the rows. The launch is recorded, not run."""
+    HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS, its runs unrolled unless HOPPER_BACKWARD_RUNS_LOOP; tables
+    whose every visited tile is FULL launch as a two-interval mask, keys on the rows, no loop. The
+    launch is recorded, not run."""
     pytest.importorskip("triton.experimental.gluon")
     from flexmask.kernels.common import scheduler
 
@@ -447,6 +458,7 @@ def test_backward_launch_of_k_run_masks(monkeypatch, name, switch, want_runs, wa
     monkeypatch.setattr(backward_hopper, "_num_sms", lambda index: 4)
     monkeypatch.setattr(scheduler, "counters", lambda device: torch.zeros(2, dtype=torch.int32))
     monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", switch)
+    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_RUNS_LOOP", loop)
     mask, s = {"natten": (masks.natten(32, 32, 7), 1024),
                "sliding_tile": (masks.sliding_tile((4, 32, 32), (4, 24, 24), (2, 8, 8)), 4096)}[name]
     cm = compile_mask(mask, s, s, device="cpu", block_m=128, block_n=128)
@@ -455,7 +467,7 @@ def test_backward_launch_of_k_run_masks(monkeypatch, name, switch, want_runs, wa
     backward_hopper.backward_hopper(q, q, q, q, torch.zeros(2, 2, s), torch.zeros(2, s, 128), torch.empty_like(q),
                                     torch.empty_like(q), cm, 128 ** -0.5, (0, 1, 0))
     (args, kwargs), = calls
-    assert (kwargs["NUM_RUNS"], kwargs["KEYS_ON_ROWS"]) == (want_runs, want_keys)
+    assert (kwargs["NUM_RUNS"], kwargs["KEYS_ON_ROWS"], kwargs["RUNS_LOOP"]) == (want_runs, want_keys, want_loop)
 
 
 _WAIT_SCHEDULES = """

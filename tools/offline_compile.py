@@ -117,9 +117,9 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
                      runs: int = 2, split: bool = False, dkv_tma: bool | None = None, early_v: bool | None = None,
-                     pieces: bool = False):
+                     pieces: bool = False, runs_loop: bool | None = None):
     """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
-    `dkv_tma`, `early_v`: the kernel's switches (default: configs', as launched);
+    `dkv_tma`, `early_v`, `runs_loop`: the kernel's switches (default: configs', as launched);
     `pieces`: walks cut into pieces of configs.PIECE_TILES tiles, dK/dV added into fp32 sums."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import configs as bc
@@ -154,7 +154,8 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     args.update(term_args)
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
                   KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v,
-                  num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0)
+                  num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0,
+                  RUNS_LOOP=(bc.HOPPER_BACKWARD_RUNS_LOOP if runs_loop is None else runs_loop) and runs > 2)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

@@ -125,6 +125,10 @@ HOPPER_BACKWARD_KEYS_ON_ROWS = True
 # ... and for masks of k runs a column (their PARTIAL steps read each key's runs a run at a time,
 # _run_words): built, not yet timed on a GPU (`python -m tools.backward_ab --switch keys_on_rows_runs`).
 HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS = False
+# k runs in the query-row layout: a PARTIAL step reads a column's runs in a loop at run time, not
+# unrolled (offline at 16 runs, D = 128: 12 / 24 bytes of spills against 1264 / 1656; keys on the
+# rows always loop). Built, not yet timed on a GPU (`python -m tools.backward_ab --switch runs_loop`).
+HOPPER_BACKWARD_RUNS_LOOP = False
 
 
 def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: int, runs: int = 2) -> bool:

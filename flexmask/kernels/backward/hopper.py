@@ -140,12 +140,13 @@ def _step_start(BWD_BLOCKS, t_lo, i, n_steps, Q_STEP: gl.constexpr):
 
 
 @gluon.jit
-def _step_words(lts, lte, uts, ute, start_m, Q_STEP: gl.constexpr, NUM_RUNS: gl.constexpr):
+def _step_words(lts, lte, uts, ute, start_m, Q_STEP: gl.constexpr, NUM_RUNS: gl.constexpr,
+                RUNS_LOOP: gl.constexpr = False):
     """[Q_STEP // 32, ROWS] words of masked rows of a step (forward_hopper._row_words, 64 rows a
     call), in the order _apply_row_words reads them."""
-    words = _row_words(lts, lte, uts, ute, start_m, 32, NUM_RUNS)  # [2, ROWS]
+    words = _row_words(lts, lte, uts, ute, start_m, 32, NUM_RUNS, RUNS_LOOP)  # [2, ROWS]
     if Q_STEP == 128:
-        more = _row_words(lts, lte, uts, ute, start_m + 64, 32, NUM_RUNS)
+        more = _row_words(lts, lte, uts, ute, start_m + 64, 32, NUM_RUNS, RUNS_LOOP)
         both = gl.permute(gl.join(words, more), [2, 0, 1])  # [2 halves, 2, ROWS]
         words = gl.reshape(both, [4, both.shape[2]])
     return words
@@ -326,7 +327,8 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, item_count, x_kv, n, c_kv, EA
 def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
                          n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, lts, lte, uts, ute, t, t_mid, step,
                          v_empty, release_v, EARLY_V: gl.constexpr, WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                         NUM_RUNS: gl.constexpr, s_layout: gl.constexpr, WG: gl.constexpr):
+                         NUM_RUNS: gl.constexpr, s_layout: gl.constexpr, WG: gl.constexpr,
+                         RUNS_LOOP: gl.constexpr = False):
     """One step of a consumer with queries on the rows of S: S = Q K^T and dP = dO V^T
     [Q_STEP, ROWS], P and dS through shared memory into dV += P^T dO and dK += dS^T Q; dS also
     handed to the dQ products (ds_ready). `lse2`, `delta`: the step's rows' statistics, loaded by
@@ -337,7 +339,7 @@ def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds
     zeros_s = gl.zeros([Q_STEP, ROWS], gl.float32, layout=s_layout)
     qk = warpgroup_mma(q_view, k_t, zeros_s, use_acc=False, is_async=True)
     dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
-    words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS)  # while the products run
+    words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS, RUNS_LOOP)  # while the products run
     qk = warpgroup_mma_wait(1, deps=(qk,))
     if SOFTCAP or HAS_ALIBI:  # every step, FULL ones too: the scores in log2 units, then the mask
         qk, th = _term_scores(qk, start_m, n * KV_BLOCK + WG * ROWS, qk_scale, tanh_scale, softcap2,
@@ -467,6 +469,7 @@ def _consumer(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
     KEYS_ON_ROWS: gl.constexpr, DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, PIECE_TILES: gl.constexpr,
+    RUNS_LOOP: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
@@ -575,7 +578,7 @@ def _consumer(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
                         n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                         lts, lte, uts, ute, t, t_mid, step, v_empty, release_v, EARLY_V,
-                        WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG)
+                        WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG, RUNS_LOOP)
                 # with keys on the rows (dQ split by columns) the Q/dO stage is released beside ds_free,
                 # after the dQ products
                 LATE_RELEASE: gl.constexpr = KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
@@ -645,6 +648,7 @@ def _backward_hopper_kernel(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
     DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, num_warps: gl.constexpr, PIECE_TILES: gl.constexpr = 0,
+    RUNS_LOOP: gl.constexpr = False,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -700,7 +704,7 @@ def _backward_hopper_kernel(
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, PIECE_TILES)),
+                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
                      dk_desc, dv_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
@@ -708,7 +712,7 @@ def _backward_hopper_kernel(
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, PIECE_TILES)),
+                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -926,7 +930,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
         NUM_RUNS=runs, KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
         num_warps=4, maxnreg=168,
-        PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0,
+        PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0, RUNS_LOOP=configs.HOPPER_BACKWARD_RUNS_LOOP and runs > 2,
     )
     if sums_needed:
         dk_out.copy_(dk)

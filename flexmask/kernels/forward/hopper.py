@@ -181,10 +181,11 @@ def _column_intervals(INTV, row, n, Sk, BLOCK_N: gl.constexpr, num_warps: gl.con
 
 
 @gluon.jit
-def _row_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.constexpr = 2):
+def _row_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.constexpr = 2,
+               LOOP: gl.constexpr = False):
     """[2, BLOCK_N] words of masked rows: bit r of word (j, c) is row row0 + j * HALF + r of
     column c (HALF <= 32), from `_run_words`."""
-    w0, w1 = _run_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)
+    w0, w1 = _run_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS, LOOP)
     return gl.permute(gl.join(w0, w1), [1, 0])
 
 
