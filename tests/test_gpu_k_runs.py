@@ -49,6 +49,17 @@ def k_run_masks() -> dict:
     }
 
 
+def _check_training(q, k, v, cm, do, ref, low, label: str) -> None:
+    """flexmask.attention's output and gradients, deterministic and not, against the reference's
+    (`ref` float32, `low` the same math in bf16)."""
+    for deterministic in (True, False):
+        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = flexmask.attention(qg, kg, vg, cm, deterministic=deterministic)
+        out.backward(do)
+        assert_close_by_norm(("out", "dq", "dk", "dv"), (out, qg.grad, kg.grad, vg.grad), ref, low,
+                             label=f"{label}deterministic={deterministic} ")
+
+
 def _reference(q, k, v, cm, do, dtype):
     """(out, dq, dk, dv) of the dense reference in `dtype`."""
     qr, kr, vr = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
@@ -85,12 +96,7 @@ def test_k_runs_forward_backward(name, head_dim):
         grads = dispatch.attention_backward(do, None, q, k, v, out, lse, cm, head_dim ** -0.5, kernel="fused",
                                             deterministic=False)
         assert_close_by_norm(("dq", "dk", "dv"), grads, ref[1:], low[1:], label="portable fused ")
-    for deterministic in (True, False):
-        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-        out = flexmask.attention(qg, kg, vg, cm, deterministic=deterministic)
-        out.backward(do)
-        assert_close_by_norm(("out", "dq", "dk", "dv"), (out, qg.grad, kg.grad, vg.grad), ref, low,
-                             label=f"deterministic={deterministic} ")
+    _check_training(q, k, v, cm, do, ref, low, "")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
@@ -140,9 +146,4 @@ def test_k_runs_backward_switches(monkeypatch, name, switch, head_dim):
     assert on_rows == (switch == "HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS")
     ref = _reference(q, k, v, cm, do, torch.float32)
     low = _reference(q, k, v, cm, do, torch.bfloat16)
-    for deterministic in (True, False):
-        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-        out = flexmask.attention(qg, kg, vg, cm, deterministic=deterministic)
-        out.backward(do)
-        assert_close_by_norm(("out", "dq", "dk", "dv"), (out, qg.grad, kg.grad, vg.grad), ref, low,
-                             label=f"{switch}, deterministic={deterministic} ")
+    _check_training(q, k, v, cm, do, ref, low, f"{switch}, ")

@@ -74,7 +74,7 @@ from ..common import scheduler
 from . import configs
 from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
-    _apply_row_words, _column_intervals, _descriptor, _num_sms, _row_words, _run_words, _term_scores,
+    _apply_row_words, _column_intervals, _descriptor, _interval_ends, _num_sms, _row_words, _run_words, _term_scores,
     _tma_view, heaviest_first, tma_descriptor,
 )
 
@@ -379,11 +379,7 @@ def _key_intervals(INTV, row, n, Sk, ROWS: gl.constexpr, pred, layout: gl.conste
     in_k = (o_n < Sk) & pred
     p_intv = INTV + row.to(gl.int64) * (2 * NUM_RUNS) * Sk + o_n
     if NUM_RUNS == 2:
-        lts = gl.load(p_intv, mask=in_k, other=0)
-        lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
-        uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
-        ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
-        return lts, lte, uts, ute
+        return _interval_ends(p_intv, in_k, Sk)
     else:
         return p_intv, in_k, 0, Sk
 

@@ -170,14 +170,21 @@ def _column_intervals(INTV, row, n, Sk, BLOCK_N: gl.constexpr, num_warps: gl.con
     in_k = (o_n < Sk) & pred
     p_intv = INTV + row.to(gl.int64) * (2 * NUM_RUNS) * Sk + o_n
     if NUM_RUNS == 2:
-        lts = gl.load(p_intv, mask=in_k, other=0)
-        lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
-        uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
-        ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
-        return lts, lte, uts, ute
+        return _interval_ends(p_intv, in_k, Sk)
     else:
         # the third: all true in the columns' layout, which `_column_bias` reads as "every column mixed"
         return p_intv, in_k, (o_n < Sk) | (o_n >= 0), Sk
+
+
+@gluon.jit
+def _interval_ends(p_intv, in_k, Sk):
+    """(LTS, LTE, UTS, UTE) of the columns at p_intv (planar, Sk apart) where in_k; elsewhere
+    one interval over every row (LTE past every row), so that a column past Sk reads as masked."""
+    lts = gl.load(p_intv, mask=in_k, other=0)
+    lte = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
+    uts = gl.load(p_intv + 2 * Sk, mask=in_k, other=0)
+    ute = gl.load(p_intv + 3 * Sk, mask=in_k, other=0)
+    return lts, lte, uts, ute
 
 
 @gluon.jit
