@@ -123,27 +123,24 @@ def test_k_runs_decode(name, head_dim):
     assert ran, "no decode shape held k runs"
 
 
-@pytest.mark.parametrize("switch, head_dim", [("HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", 128),
-                                              ("HOPPER_BACKWARD_RUNS_LOOP", 128), ("HOPPER_BACKWARD_RUNS_LOOP", 64)],
-                         ids=["keys_on_rows", "runs_loop-D128", "runs_loop-D64"])
+@pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("name", ["natten_32x32_k7", "natten_video_8x16x16", "sliding_tile_video", "dilated_per_head",
                                   "per_batch_mod"])
-def test_k_runs_backward_switches(monkeypatch, name, switch, head_dim):
-    """The Hopper backward of k-run masks with each of its two k-run switches on (off by default):
-    keys on the rows (configs.HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS, D = 128: each key's runs read in a
-    loop at PARTIAL steps) and the query-row layout's runs read in a loop (HOPPER_BACKWARD_RUNS_LOOP),
-    deterministic and not, against the dense reference."""
+def test_k_runs_backward_runs_loop_switched(monkeypatch, name, head_dim):
+    """The Hopper backward of k-run masks with configs.HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS the other
+    way from its default (the default is test_k_runs_forward_backward's): D = 128 with a column's runs
+    unrolled, D = 64 with them read in a loop, deterministic and not, against the dense reference."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper backward needs an sm_90 GPU")
-    monkeypatch.setattr(backward_configs, switch, True)
+    default = backward_configs.hopper_backward_runs_loop(head_dim, 16)
+    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS", frozenset() if default else {head_dim})
+    assert backward_configs.hopper_backward_runs_loop(head_dim, 16) != default
     mask, b, hq, hkv, s = k_run_masks()[name]
     torch.manual_seed(s + head_dim)
     q, k, v = (torch.randn(b, h, s, head_dim, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
     do = torch.randn(b, hq, s, head_dim, device="cuda", dtype=torch.bfloat16)
     cm = flexmask.compile_mask(mask, s, s, device="cuda")
     assert cm.token_order is None and kernel_runs(cm) > 2  # the tables attention takes hold k runs
-    on_rows = backward_configs.hopper_backward_keys_on_rows(head_dim, 64, False, s, kernel_runs(cm))
-    assert on_rows == (switch == "HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS")
     ref = _reference(q, k, v, cm, do, torch.float32)
     low = _reference(q, k, v, cm, do, torch.bfloat16)
-    _check_training(q, k, v, cm, do, ref, low, f"{switch}, ")
+    _check_training(q, k, v, cm, do, ref, low, f"runs loop {not default}, ")

@@ -281,23 +281,11 @@ cases += [("backward_split", d, True, lambda d=d: oc._hopper_backward(2, d, True
 cases += [("backward_pieces", d, True, lambda d=d: oc._hopper_backward(2, d, True, pieces=True)) for d in (128, 64)]
 cases += [("dq", d, None, lambda d=d: oc._hopper_dq(2, d)) for d in (128, 64)]
 cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16)) for d in (128, 64)]
-cases += [("backward_k_runs", 128, 16, lambda: oc._hopper_backward(2, 128, True, runs=16)),
-          ("dq_k_runs", 128, 16, lambda: oc._hopper_dq(2, 128, runs=16))]
-
-
-def keys_on_rows_runs():  # the backward of 16 runs with keys on the rows (off by default)
-    from flexmask.kernels.backward import configs
-    configs.HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS = True
-    try:
-        return oc._hopper_backward(2, 128, True, runs=16)
-    finally:
-        configs.HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS = False
-
-
-cases += [("backward_k_runs", 128, "keys on rows", keys_on_rows_runs)]
+cases += [("dq_k_runs", 128, 16, lambda: oc._hopper_dq(2, 128, runs=16))]
+cases += [("backward_k_runs", d, 16, lambda d=d: oc._hopper_backward(2, d, True, runs=16, runs_loop=False))
+          for d in (128, 64)]
 cases += [("backward_k_runs_loop", d, 16, lambda d=d: oc._hopper_backward(2, d, True, runs=16, runs_loop=True))
           for d in (128, 64)]
-cases += [("backward_k_runs", 64, 16, lambda: oc._hopper_backward(2, 64, True, runs=16))]
 for name, d, variant, build in cases:
     kernel = build()
     ptx = kernel.asm["ptx"]
@@ -316,11 +304,11 @@ def test_hopper_kernels_compile_for_sm90():
     in warpgroup 0's walk loops, and values of an item held across its two PARTIAL steps, outside
     the loops (measured faster with both: docs/performance.md, section 4.12). The
     three with 16 runs per column (k-run masks) compile too; they spill some (section 12), the
-    backward with keys on the rows or with its runs read in a loop (both off by default) a tenth of
-    what the default's spills at most."""
+    backward with its runs read in a loop (its default at D = 128) a tenth of what it spills with
+    them unrolled at most."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
-    assert len(results) == 21, results
+    assert len(results) == 20, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["variant"] == "192 rows":  # two values stored at entry, under the launch's 128 registers
@@ -335,8 +323,6 @@ def test_hopper_kernels_compile_for_sm90():
         return int(r["report"].split(" bytes spill stores")[0].rsplit(" ", 1)[1])
 
     unrolled = {r["d"]: spills(r) for r in results if r["name"] == "backward_k_runs" and r["variant"] == 16}
-    rows = [spills(r) for r in results if r["variant"] == "keys on rows"]
-    assert rows[0] * 10 <= unrolled[128], (rows, unrolled)
     for r in (r for r in results if r["name"] == "backward_k_runs_loop"):  # the runs in a loop: a tenth at most
         assert spills(r) * 10 <= unrolled[r["d"]], (r, unrolled)
     # a split item adds its dK/dV into the group's fp32 sums by bulk reductions (8 boxes at D = 128,
@@ -389,10 +375,8 @@ def test_keys_on_rows_rule(monkeypatch):
     assert not rule(128, 64, True, 4096)
     assert not rule(128, 64, False, 4098)
     assert not rule(128, 64, False, 4096, 16)
-    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", True)  # k runs too
-    assert rule(128, 64, False, 4096, 16) and not rule(128, 64, True, 4096, 16)
     monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_KEYS_ON_ROWS", False)
-    assert not rule(128, 64, False, 4096) and not rule(128, 64, False, 4096, 16)
+    assert not rule(128, 64, False, 4096)
 
 
 def test_stats_descriptor_boxes_both_rows_of_a_head():
@@ -440,16 +424,16 @@ def test_backward_launch_takes_keys_on_rows_where_the_rule_says(monkeypatch, sq,
         assert stats_desc is dq_desc
 
 
-@pytest.mark.parametrize("name, switch, loop, want_runs, want_keys, want_loop", [
-    ("natten", False, False, 16, False, False), ("natten", True, False, 16, True, False),
-    ("natten", False, True, 16, False, True),
-    ("sliding_tile", False, True, 2, True, False),  # every visited tile FULL: the two-interval kernel (kernel_runs)
+@pytest.mark.parametrize("name, d, loop_dims, want_runs, want_keys, want_loop", [
+    ("natten", 128, None, 16, False, True), ("natten", 64, None, 16, False, False),  # the defaults
+    ("natten", 128, frozenset(), 16, False, False), ("natten", 64, {64}, 16, False, True),
+    ("sliding_tile", 128, None, 2, True, False),  # every visited tile FULL: the two-interval kernel (kernel_runs)
 ])
-def test_backward_launch_of_k_run_masks(monkeypatch, name, switch, loop, want_runs, want_keys, want_loop):
-    """A k-run mask's backward launch: NUM_RUNS its runs, in the query-row layout unless
-    HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS, its runs unrolled unless HOPPER_BACKWARD_RUNS_LOOP; tables
-    whose every visited tile is FULL launch as a two-interval mask, keys on the rows, no loop. The
-    launch is recorded, not run."""
+def test_backward_launch_of_k_run_masks(monkeypatch, name, d, loop_dims, want_runs, want_keys, want_loop):
+    """A k-run mask's backward launch: NUM_RUNS its runs, in the query-row layout, its runs read in
+    a loop at the head dims of HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS (D = 128 by default), unrolled
+    elsewhere; tables whose every visited tile is FULL launch as a two-interval mask, keys on the
+    rows, no loop. The launch is recorded, not run."""
     pytest.importorskip("triton.experimental.gluon")
     from flexmask.kernels.common import scheduler
 
@@ -457,15 +441,15 @@ def test_backward_launch_of_k_run_masks(monkeypatch, name, switch, loop, want_ru
     monkeypatch.setattr(backward_hopper, "_BACKWARD_HOPPER_LAUNCH", lambda grid, *a, **kw: calls.append((a, kw)))
     monkeypatch.setattr(backward_hopper, "_num_sms", lambda index: 4)
     monkeypatch.setattr(scheduler, "counters", lambda device: torch.zeros(2, dtype=torch.int32))
-    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", switch)
-    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_RUNS_LOOP", loop)
+    if loop_dims is not None:
+        monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS", loop_dims)
     mask, s = {"natten": (masks.natten(32, 32, 7), 1024),
                "sliding_tile": (masks.sliding_tile((4, 32, 32), (4, 24, 24), (2, 8, 8)), 4096)}[name]
     cm = compile_mask(mask, s, s, device="cpu", block_m=128, block_n=128)
     assert cm.runs > 2
-    q = torch.randn(1, 2, s, 128, dtype=torch.bfloat16)
-    backward_hopper.backward_hopper(q, q, q, q, torch.zeros(2, 2, s), torch.zeros(2, s, 128), torch.empty_like(q),
-                                    torch.empty_like(q), cm, 128 ** -0.5, (0, 1, 0))
+    q = torch.randn(1, 2, s, d, dtype=torch.bfloat16)
+    backward_hopper.backward_hopper(q, q, q, q, torch.zeros(2, 2, s), torch.zeros(2, s, d), torch.empty_like(q),
+                                    torch.empty_like(q), cm, d ** -0.5, (0, 1, 0))
     (args, kwargs), = calls
     assert (kwargs["NUM_RUNS"], kwargs["KEYS_ON_ROWS"], kwargs["RUNS_LOOP"]) == (want_runs, want_keys, want_loop)
 

@@ -14,12 +14,9 @@ Switches:
 - `pieces`: whole walks against walks cut into pieces (configs.HOPPER_BACKWARD_PIECES), the latter on
   for every mask (PIECE_MIN_SHARE 0), not only where the mean walk is long; with `--long`.
 
-- `keys_on_rows_runs`: configs.HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS, masks of k runs a column in the
-  query-row layout against keys on the rows (their runs read in a loop), on benchmarks.mask_mod's
-  families at 32K (16/16 heads, its shapes) instead of FA4's masks.
-- `runs_loop`: configs.HOPPER_BACKWARD_RUNS_LOOP, the query-row layout's PARTIAL steps reading a
-  column's runs unrolled against in a loop at run time, on the same k-run masks (with `--head-dim 64`
-  too, where keys stay on the columns).
+- `runs_loop`: configs.HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS, masks of k runs a column whose PARTIAL
+  steps read a column's runs unrolled against in a loop at run time, on benchmarks.mask_mod's k-run
+  families at 16K-32K (16/16 heads, its shapes) instead of FA4's masks.
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
@@ -48,8 +45,8 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "dkv_tma": ("HOPPER_BACKWARD_DKV_TMA", ("element stores", "TMA stores"), (False, True)),
     "early_v": ("HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", ("V with K", "V early"), (frozenset(), frozenset({64, 128}))),
     "pieces": (("HOPPER_BACKWARD_PIECES", "PIECE_MIN_SHARE"), ("whole walks", "pieces"), ((False, 0.75), (True, 0.0))),
-    "keys_on_rows_runs": ("HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS", ("query rows", "key rows"), (False, True)),
-    "runs_loop": ("HOPPER_BACKWARD_RUNS_LOOP", ("runs unrolled", "runs in a loop"), (False, True)),
+    "runs_loop": ("HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS", ("runs unrolled", "runs in a loop"),
+                  (frozenset(), frozenset({64, 128}))),
 }
 K_RUN_FAMILIES = ("natten2d_k9", "natten3d_t2_k3", "global14_window1024", "dilated_per_head")
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
@@ -74,7 +71,7 @@ def main(argv=None) -> int:
     kept = tuple(getattr(configs, name) for name in attribute)
     d = args.head_dim
     scale = d ** -0.5
-    if args.switch in ("keys_on_rows_runs", "runs_loop"):
+    if args.switch == "runs_loop":
         shapes = [(None, None, 16, 16, family) for family in K_RUN_FAMILIES]
     else:
         shapes = [(S, B, hq, hkv, family) for S, B in (SHORT_CASES if args.short else LONG_CASES if args.long else CASES)

@@ -155,7 +155,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
                   KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v,
                   num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0,
-                  RUNS_LOOP=(bc.HOPPER_BACKWARD_RUNS_LOOP if runs_loop is None else runs_loop) and runs > 2)
+                  RUNS_LOOP=(bc.hopper_backward_runs_loop(head_dim, runs) if runs_loop is None else runs_loop and runs > 2))
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

@@ -122,23 +122,27 @@ HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 # full 1.026-1.058x, causal 1.000-1.017x, the window 0.993-1.023x, causal documents 1.005-1.028x
 # (docs/performance.md, section 5).
 HOPPER_BACKWARD_KEYS_ON_ROWS = True
-# ... and for masks of k runs a column (their PARTIAL steps read each key's runs a run at a time,
-# _run_words): built, not yet timed on a GPU (`python -m tools.backward_ab --switch keys_on_rows_runs`).
-HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS = False
-# k runs in the query-row layout: a PARTIAL step reads a column's runs in a loop at run time, not
-# unrolled (offline at 16 runs, D = 128: 12 / 24 bytes of spills against 1264 / 1656; keys on the
-# rows always loop). Built, not yet timed on a GPU (`python -m tools.backward_ab --switch runs_loop`).
-HOPPER_BACKWARD_RUNS_LOOP = False
+# Masks of k runs a column, by head dim: a PARTIAL step reads a column's runs in a loop at run time,
+# not unrolled. Offline at 16 runs: 12 / 24 bytes of spills against 1264 / 1656 at D = 128, none
+# against 580 / 944 at D = 64. H200, benchmarks.mask_mod's k-run masks at 16K-32K (python -m
+# tools.backward_ab --switch runs_loop [--head-dim 64]): 1.02-1.12x at D = 128, 0.72-0.77x at D = 64
+# (docs/performance.md, section 12).
+HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS = frozenset({128})
+
+
+def hopper_backward_runs_loop(head_dim: int, runs: int) -> bool:
+    """Whether the Hopper backward reads a k-run mask's runs in a loop (HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS)."""
+    return runs > 2 and head_dim in HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS
 
 
 def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: int, runs: int = 2) -> bool:
     """Whether the Hopper backward's consumers take keys on the rows of S (HOPPER_BACKWARD_KEYS_ON_ROWS):
-    at D = 128 in 64-row steps, for masks of two intervals a column (k runs with
-    HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS) without a softcap (whose tanh, held for dS, spilled in the step
-    loop offline; ALiBi is fine), where the statistics' rows can be loaded by TMA (Sq % 4 == 0:
+    at D = 128 in 64-row steps, for masks of two intervals a column (k runs lost with keys on the
+    rows: docs/performance.md, section 12) without a softcap (whose tanh, held for dS, spilled in the
+    step loop offline; ALiBi is fine), where the statistics' rows can be loaded by TMA (Sq % 4 == 0:
     16-byte rows)."""
-    return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not softcap
-            and (runs <= 2 or HOPPER_BACKWARD_KEYS_ON_ROWS_RUNS) and sq > 0 and sq % 4 == 0)
+    return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not softcap and runs <= 2
+            and sq > 0 and sq % 4 == 0)
 
 # The Hopper backward's dK and dV out by TMA stores staged in the dQ buffers (hopper._store_rows),
 # where the copy engine can write them in K's layout, rather than by per-element stores.

@@ -371,17 +371,12 @@ def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds
 
 
 @gluon.jit
-def _key_intervals(INTV, row, n, Sk, ROWS: gl.constexpr, pred, layout: gl.constexpr, NUM_RUNS: gl.constexpr = 2):
-    """forward_hopper._column_intervals in `layout`, the rows' slice of S^T: each thread holds the
-    interval ends of its own keys; with k runs (NUM_RUNS > 2) their pointers instead, which
-    `_run_words` reads a run at a time (pointers, which to read, -, Sk)."""
+def _key_intervals(INTV, row, n, Sk, ROWS: gl.constexpr, pred, layout: gl.constexpr):
+    """forward_hopper._column_intervals (two intervals a column) in `layout`, the rows' slice of
+    S^T: each thread holds the interval ends of its own keys."""
     o_n = n * ROWS + gl.arange(0, ROWS, layout=layout)
     in_k = (o_n < Sk) & pred
-    p_intv = INTV + row.to(gl.int64) * (2 * NUM_RUNS) * Sk + o_n
-    if NUM_RUNS == 2:
-        return _interval_ends(p_intv, in_k, Sk)
-    else:
-        return p_intv, in_k, 0, Sk
+    return _interval_ends(INTV + row.to(gl.int64) * 4 * Sk + o_n, in_k, Sk)
 
 
 @gluon.jit
@@ -402,14 +397,13 @@ def _mask_key_rows(st, w0, w1):
 def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
                            lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
                            v_empty, release_v, EARLY_V: gl.constexpr, WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                           NUM_RUNS: gl.constexpr, st_layout: gl.constexpr, a_layout: gl.constexpr):
+                           st_layout: gl.constexpr, a_layout: gl.constexpr):
     """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
     Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
     memory once, for the dQ products. A query's LSE and delta are per column here (16 registers a
     thread each): `stats` holds them in shared memory (loaded with Q and dO), read where used.
     lts, lte, uts, ute: the interval ends of this warpgroup's keys in the rows' slice of S^T
-    (_key_intervals; with k runs their pointers), so that a PARTIAL step's words move through no
-    shared memory."""
+    (_key_intervals), so that a PARTIAL step's words move through no shared memory."""
     Q_STEP: gl.constexpr = q_view.shape[0]
     ROWS: gl.constexpr = k_rows.shape[0]
     dtype: gl.constexpr = q_view.dtype
@@ -427,7 +421,7 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
         st, th = _term_scores(st, key0 - alibi_shift, start_m + alibi_shift, qk_scale, tanh_scale, softcap2, slope2,
                               alibi_shift, ROWS, Q_STEP, st_layout, SOFTCAP, HAS_ALIBI)
     if partial:  # PARTIAL tile: -inf where masked or past Sk; the keys' two words, a few integer operations
-        w0, w1 = _run_words(lts, lte, uts, ute, start_m, 32, NUM_RUNS, True)  # (k runs: read here, in a loop)
+        w0, w1 = _run_words(lts, lte, uts, ute, start_m, 32)
         st = _mask_key_rows(st, w0, w1)
     if SOFTCAP or HAS_ALIBI:
         pt = gl.exp2(st - lse2)  # [ROWS, Q_STEP]
@@ -535,7 +529,7 @@ def _consumer(
             # this warpgroup's keys' interval ends, once per walk (the PARTIAL steps' masks)
             if KEYS_ON_ROWS:  # in the rows' layout of S^T: no layout conversion a step
                 lts, lte, uts, ute = _key_intervals(INTV, row, 2 * n + WG, Sk, ROWS, t_mid < t_hi,
-                                                    gl.SliceLayout(1, st_layout), NUM_RUNS)
+                                                    gl.SliceLayout(1, st_layout))
             else:
                 lts, lte, uts, ute = _column_intervals(INTV, row, 2 * n + WG, Sk, ROWS, num_warps, t_mid < t_hi,
                                                        NUM_RUNS)
@@ -568,7 +562,7 @@ def _consumer(
                         k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
                         ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
                         t >= t_mid, step, n * KV_BLOCK + WG * ROWS, tanh_scale, softcap2, slope2, alibi_shift,
-                        v_empty, release_v, EARLY_V, WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, st_layout, a_layout)
+                        v_empty, release_v, EARLY_V, WITH_DQ, SOFTCAP, HAS_ALIBI, st_layout, a_layout)
                 else:
                     dv, dk = _query_rows_products(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
@@ -926,7 +920,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
         NUM_RUNS=runs, KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
         num_warps=4, maxnreg=168,
-        PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0, RUNS_LOOP=configs.HOPPER_BACKWARD_RUNS_LOOP and runs > 2,
+        PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0, RUNS_LOOP=configs.hopper_backward_runs_loop(d, runs),
     )
     if sums_needed:
         dk_out.copy_(dk)
