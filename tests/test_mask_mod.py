@@ -516,6 +516,40 @@ def test_compiled_first_pass_is_shared_by_closures_of_one_code(forced_compiled_p
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def test_next_compile_meets_no_new_variant_of_the_placing_kernels(monkeypatch, forced_compiled_pass):
+    """A mask_mod's second compile at one shape launches change_runs' kernels with arguments that
+    Triton specialises (an int: whether it is 1, whether a multiple of 16) as the first compile did:
+    its blocks differ (the first compile's eager first chunk, then 16 chunks compiled from row 4;
+    the next one's 17 chunks from row 0), and a new variant is a JIT compile of ~0.6 s each on a
+    GPU (it was most of a 16K NATTEN mask's second compile)."""
+    monkeypatch.setattr(intervals_module, "MASK_MOD_RUNS_KERNEL", True)
+    monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 1 << 16)  # one compiled block
+    keys = []
+
+    def recording(launch):
+        kernel = launch.fn
+        unspecialised = set(kernel.kwargs["do_not_specialize"] or ())
+
+        def record(grid, *args, **kwargs):
+            keys[-1].add((kernel.arg_names[0], *((name, v == 1, v % 16 == 0)
+                          for name, v in zip(kernel.arg_names, args)
+                          if type(v) is int and name not in unspecialised)))
+            return launch(grid, *args, **kwargs)
+        return record
+
+    for name in ("_TOTALS", "_PLACE", "_CLOSE"):
+        monkeypatch.setattr(change_runs, name, recording(getattr(change_runs, name)))
+
+    def window(b, h, q, kv):
+        return (kv <= q) & (q - kv < 5)
+    for _ in range(2):
+        keys.append(set())
+        flexmask.compile_mask(masks.from_mask_mod(window), 68, 24, device="cpu")
+    assert intervals_module._compiled_key(window) in intervals_module._CHECKED  # the second took no eager block
+    assert keys[1] <= keys[0], keys[1] - keys[0]
+    assert torch.equal(masks.from_mask_mod(window).to_dense(68, 24), dense_of_mod(window, 68, 24)[0, 0])
+
+
 def test_checked_code_skips_the_eager_block_and_still_raises_its_own_errors(monkeypatch, forced_compiled_pass):
     """Once a code's compiled pass went through a mask, its next closures take no eager first
     block (the check of what the function returns); a closure of that code that returns the wrong

@@ -76,7 +76,13 @@ def _row_above(ABOVE, n, col, live, stride_an, stride_ak, CHUNK: tl.constexpr):
     return (word >> (CHUNK - 1)) & 1
 
 
-@triton.jit
+# the block's sizes and first row vary within one mask (an eager first block, a compiled block, a
+# ragged last one) and between its first compile and the next: not specialised, so that no later
+# compile of a mask meets a new variant of these kernels (a JIT compile of ~0.6 s each)
+_SIZES = ["cols", "chunks", "first_row", "q_len"]
+
+
+@triton.jit(do_not_specialize=_SIZES)
 def _change_totals_kernel(
     WORDS, ABOVE, COUNTS, TOTALS, cols, chunks, first_row, q_len,
     stride_wn, stride_wc, stride_wk, stride_an, stride_ak, stride_cn, stride_ck, stride_tn, stride_ts, stride_tk,
@@ -101,7 +107,7 @@ def _change_totals_kernel(
     tl.store(TOTALS + n * stride_tn + (seg + 1) * stride_ts + col * stride_tk, total.to(tl.int32), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _place_kernel(
     WORDS, ABOVE, SLOTS, COUNTS, TOTALS, cols, chunks, first_row, q_len,
     stride_wn, stride_wc, stride_wk, stride_an, stride_ak, stride_sn, stride_sk, stride_ss, stride_cn, stride_ck,
@@ -145,7 +151,7 @@ def _place_kernel(
         tl.store(COUNTS + n * stride_cn + col * stride_ck, k.to(tl.int32), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total", "cols", "q_len", "max_runs"])
 def _close_kernel(
     SLOTS, COUNTS, RUNS, total, cols, q_len, max_runs, stride_sn, stride_sk, stride_ss, stride_cn, stride_ck,
     SPARE: tl.constexpr, BLOCK: tl.constexpr,
