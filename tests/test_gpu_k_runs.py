@@ -123,18 +123,18 @@ def test_k_runs_decode(name, head_dim):
     assert ran, "no decode shape held k runs"
 
 
-@pytest.mark.parametrize("head_dim", [128, 64], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("head_dim, step", [(128, 0), (128, 4), (64, 1), (64, 4)],
+                         ids=["D128-unrolled", "D128-loop4", "D64-loop1", "D64-loop4"])
 @pytest.mark.parametrize("name", ["natten_32x32_k7", "natten_video_8x16x16", "sliding_tile_video", "dilated_per_head",
                                   "per_batch_mod"])
-def test_k_runs_backward_runs_loop_switched(monkeypatch, name, head_dim):
-    """The Hopper backward of k-run masks with configs.HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS the other
-    way from its default (the default is test_k_runs_forward_backward's): D = 128 with a column's runs
-    unrolled, D = 64 with them read in a loop, deterministic and not, against the dense reference."""
+def test_k_runs_backward_runs_loop_switched(monkeypatch, name, head_dim, step):
+    """The Hopper backward of k-run masks with configs.HOPPER_BACKWARD_RUNS_LOOP other than its
+    default (the default is test_k_runs_forward_backward's): D = 128 with a column's runs unrolled
+    or read four an iteration, D = 64 with them read in a loop (one or four an iteration, in 128-row
+    steps), deterministic and not, against the dense reference."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper backward needs an sm_90 GPU")
-    default = backward_configs.hopper_backward_runs_loop(head_dim, 16)
-    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS", frozenset() if default else {head_dim})
-    assert backward_configs.hopper_backward_runs_loop(head_dim, 16) != default
+    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_RUNS_LOOP", {head_dim: step} if step else {})
     mask, b, hq, hkv, s = k_run_masks()[name]
     torch.manual_seed(s + head_dim)
     q, k, v = (torch.randn(b, h, s, head_dim, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
@@ -143,4 +143,4 @@ def test_k_runs_backward_runs_loop_switched(monkeypatch, name, head_dim):
     assert cm.token_order is None and kernel_runs(cm) > 2  # the tables attention takes hold k runs
     ref = _reference(q, k, v, cm, do, torch.float32)
     low = _reference(q, k, v, cm, do, torch.bfloat16)
-    _check_training(q, k, v, cm, do, ref, low, f"runs loop {not default}, ")
+    _check_training(q, k, v, cm, do, ref, low, f"runs loop {step}, ")

@@ -14,9 +14,11 @@ Switches:
 - `pieces`: whole walks against walks cut into pieces (configs.HOPPER_BACKWARD_PIECES), the latter on
   for every mask (PIECE_MIN_SHARE 0), not only where the mean walk is long; with `--long`.
 
-- `runs_loop`: configs.HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS, masks of k runs a column whose PARTIAL
-  steps read a column's runs unrolled against in a loop at run time, on benchmarks.mask_mod's k-run
-  families at 16K-32K (16/16 heads, its shapes) instead of FA4's masks.
+- `runs_loop`: configs.HOPPER_BACKWARD_RUNS_LOOP, masks of k runs a column whose PARTIAL steps read
+  a column's runs unrolled (64-row steps) against in a loop at run time, a run an iteration (the
+  head dim's step rows: 128 at D = 64), on benchmarks.mask_mod's k-run families at 16K-32K (16/16
+  heads, its shapes) instead of FA4's masks; `runs_loop_step`: the loop, a run an iteration against
+  four, on the same masks.
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
@@ -45,8 +47,9 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "dkv_tma": ("HOPPER_BACKWARD_DKV_TMA", ("element stores", "TMA stores"), (False, True)),
     "early_v": ("HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", ("V with K", "V early"), (frozenset(), frozenset({64, 128}))),
     "pieces": (("HOPPER_BACKWARD_PIECES", "PIECE_MIN_SHARE"), ("whole walks", "pieces"), ((False, 0.75), (True, 0.0))),
-    "runs_loop": ("HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS", ("runs unrolled", "runs in a loop"),
-                  (frozenset(), frozenset({64, 128}))),
+    "runs_loop": ("HOPPER_BACKWARD_RUNS_LOOP", ("runs unrolled", "runs in a loop"), ({}, {64: 1, 128: 1})),
+    "runs_loop_step": ("HOPPER_BACKWARD_RUNS_LOOP", ("a run an iteration", "4 runs an iteration"),
+                       ({64: 1, 128: 1}, {64: 4, 128: 4})),
 }
 K_RUN_FAMILIES = ("natten2d_k9", "natten3d_t2_k3", "global14_window1024", "dilated_per_head")
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
@@ -71,7 +74,7 @@ def main(argv=None) -> int:
     kept = tuple(getattr(configs, name) for name in attribute)
     d = args.head_dim
     scale = d ** -0.5
-    if args.switch == "runs_loop":
+    if args.switch in ("runs_loop", "runs_loop_step"):
         shapes = [(None, None, 16, 16, family) for family in K_RUN_FAMILIES]
     else:
         shapes = [(S, B, hq, hkv, family) for S, B in (SHORT_CASES if args.short else LONG_CASES if args.long else CASES)

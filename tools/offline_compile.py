@@ -117,10 +117,11 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
                      runs: int = 2, split: bool = False, dkv_tma: bool | None = None, early_v: bool | None = None,
-                     pieces: bool = False, runs_loop: bool | None = None):
+                     pieces: bool = False, runs_loop: int | None = None):
     """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
-    `dkv_tma`, `early_v`, `runs_loop`: the kernel's switches (default: configs', as launched);
-    `pieces`: walks cut into pieces of configs.PIECE_TILES tiles, dK/dV added into fp32 sums."""
+    `dkv_tma`, `early_v`, `runs_loop` (runs a loop iteration folds, 0: unrolled): the kernel's
+    switches (default: configs', as launched); `pieces`: walks cut into pieces of
+    configs.PIECE_TILES tiles, dK/dV added into fp32 sums."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import configs as bc
     from flexmask.kernels.backward import hopper as bh
@@ -128,7 +129,8 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
 
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch.bfloat16)
     k = torch.empty(2, 2, 1024, head_dim, dtype=torch.bfloat16)
-    q_step = bh.q_rows(head_dim, terms in ("softcap", "alibi", "all"), runs)
+    runs_loop = bc.hopper_backward_runs_loop(head_dim, runs) if runs_loop is None else int(runs_loop) * (runs > 2)
+    q_step = bh.q_rows(head_dim, terms in ("softcap", "alibi", "all"), runs, runs_loop)
     qd, _ = fh._descriptor(q, q_step)
     kd, _ = fh._descriptor(k, bh.KV_ROWS)
     dqd = bh._dq_descriptor(torch.empty(8, 1024, head_dim), q_step)
@@ -155,7 +157,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
                   KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v,
                   num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0,
-                  RUNS_LOOP=(bc.hopper_backward_runs_loop(head_dim, runs) if runs_loop is None else runs_loop and runs > 2))
+                  RUNS_LOOP=runs_loop)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

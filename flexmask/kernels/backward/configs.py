@@ -122,17 +122,21 @@ HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 # full 1.026-1.058x, causal 1.000-1.017x, the window 0.993-1.023x, causal documents 1.005-1.028x
 # (docs/performance.md, section 5).
 HOPPER_BACKWARD_KEYS_ON_ROWS = True
-# Masks of k runs a column, by head dim: a PARTIAL step reads a column's runs in a loop at run time,
-# not unrolled. Offline at 16 runs: 12 / 24 bytes of spills against 1264 / 1656 at D = 128, none
-# against 580 / 944 at D = 64. H200, benchmarks.mask_mod's k-run masks at 16K-32K (python -m
-# tools.backward_ab --switch runs_loop [--head-dim 64]): 1.02-1.12x at D = 128, 0.72-0.77x at D = 64
-# (docs/performance.md, section 12).
-HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS = frozenset({128})
+# Masks of k runs a column, by head dim: a PARTIAL step reads a column's runs in a loop at run time
+# that folds this many runs an iteration, not unrolled (a head dim not here: unrolled, in 64-row
+# steps). Offline at 16 runs: 12 / 24 bytes of spills against 1264 / 1656 at D = 128. H200,
+# benchmarks.mask_mod's k-run masks at 16K-32K (python -m tools.backward_ab --switch runs_loop
+# [--head-dim 64]), a run an iteration: 1.02-1.12x at D = 128, 0.72-0.77x at D = 64 in 64-row steps
+# (docs/performance.md, section 12). Looped runs now take the head dim's own step rows
+# (backward/hopper.py, q_rows: 128 at D = 64, each run read once for the step's four words), and
+# `--switch runs_loop_step` times 4 runs an iteration against 1: neither yet on a GPU.
+HOPPER_BACKWARD_RUNS_LOOP = {128: 1}
 
 
-def hopper_backward_runs_loop(head_dim: int, runs: int) -> bool:
-    """Whether the Hopper backward reads a k-run mask's runs in a loop (HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS)."""
-    return runs > 2 and head_dim in HOPPER_BACKWARD_RUNS_LOOP_HEAD_DIMS
+def hopper_backward_runs_loop(head_dim: int, runs: int) -> int:
+    """Runs a loop iteration folds in the Hopper backward's PARTIAL steps of a k-run mask
+    (HOPPER_BACKWARD_RUNS_LOOP), 0 where its runs are unrolled (and for two intervals)."""
+    return HOPPER_BACKWARD_RUNS_LOOP.get(head_dim, 0) if runs > 2 else 0
 
 
 def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: int, runs: int = 2) -> bool:

@@ -74,8 +74,8 @@ from ..common import scheduler
 from . import configs
 from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
-    _apply_row_words, _column_intervals, _descriptor, _interval_ends, _num_sms, _row_words, _run_words, _term_scores,
-    _tma_view, heaviest_first, tma_descriptor,
+    _apply_row_words, _column_intervals, _descriptor, _interval_ends, _num_sms, _row_bits, _row_words, _run_words,
+    _term_scores, _tma_view, heaviest_first, tma_descriptor,
 )
 
 LOG2E = 1.4426950408889634
@@ -85,11 +85,16 @@ KV_ROWS = 128  # kv rows per work item (the table's tile), 64 per consumer warpg
 KV_BLOCK = gl.constexpr(KV_ROWS)
 
 
-def q_rows(head_dim: int, terms: bool = False, runs: int = 2) -> int:
+def q_rows(head_dim: int, terms: bool = False, runs: int = 2, runs_loop: int = 0) -> int:
     """Query rows per step: configs.HOPPER_BACKWARD_Q_ROWS of the head dim (64 at D = 128, half a
     table tile; 128 at D = 64, a whole one, as FA4's SM90 backward takes them), and 64 wherever
-    score terms or more than two runs a column are on: 128 rows spilled 1-1.5 KB there (offline)."""
-    return 64 if terms or runs > 2 else configs.HOPPER_BACKWARD_Q_ROWS[head_dim]
+    score terms are on or more than two runs a column are read unrolled: 128 rows spilled 1-1.5 KB
+    there (offline). k runs read in a loop (`runs_loop`, configs.hopper_backward_runs_loop) take the
+    head dim's rows: at D = 64, 108 / 168 bytes of spills at 16 runs, against the two-interval
+    kernel's 216 / 284."""
+    if terms or (runs > 2 and not runs_loop):
+        return 64
+    return configs.HOPPER_BACKWARD_Q_ROWS[head_dim]
 
 
 @builtin
@@ -141,15 +146,43 @@ def _step_start(BWD_BLOCKS, t_lo, i, n_steps, Q_STEP: gl.constexpr):
 
 @gluon.jit
 def _step_words(lts, lte, uts, ute, start_m, Q_STEP: gl.constexpr, NUM_RUNS: gl.constexpr,
-                RUNS_LOOP: gl.constexpr = False):
+                RUNS_LOOP: gl.constexpr = 0):
     """[Q_STEP // 32, ROWS] words of masked rows of a step (forward_hopper._row_words, 64 rows a
-    call), in the order _apply_row_words reads them."""
-    words = _row_words(lts, lte, uts, ute, start_m, 32, NUM_RUNS, RUNS_LOOP)  # [2, ROWS]
+    call), in the order _apply_row_words reads them. A 128-row step of k runs read in a loop
+    (RUNS_LOOP runs an iteration) folds each run into its four words at once: two loops would
+    read every run twice (unrolled, the two calls' loads are one)."""
+    if Q_STEP == 128 and NUM_RUNS > 2 and RUNS_LOOP:
+        w0, w1, w2, w3 = _loop_words4(lts, lte, ute, start_m, NUM_RUNS, RUNS_LOOP)
+        words = gl.permute(gl.join(w0, w1), [1, 0])
+        more = gl.permute(gl.join(w2, w3), [1, 0])
+    else:
+        words = _row_words(lts, lte, uts, ute, start_m, 32, NUM_RUNS, RUNS_LOOP)  # [2, ROWS]
+        if Q_STEP == 128:
+            more = _row_words(lts, lte, uts, ute, start_m + 64, 32, NUM_RUNS, RUNS_LOOP)
     if Q_STEP == 128:
-        more = _row_words(lts, lte, uts, ute, start_m + 64, 32, NUM_RUNS, RUNS_LOOP)
         both = gl.permute(gl.join(words, more), [2, 0, 1])  # [2 halves, 2, ROWS]
         words = gl.reshape(both, [4, both.shape[2]])
     return words
+
+
+@gluon.jit
+def _loop_words4(p_intv, in_k, Sk, row0, NUM_RUNS: gl.constexpr, STEP: gl.constexpr):
+    """The four words of masked rows row0 .. row0 + 127 of each column (bit r of word j: row
+    row0 + 32 j + r) from its k runs (`_column_intervals`' pointers), read in a loop at run time,
+    STEP runs an iteration; a column past Sk reads as one run over every row
+    (forward_hopper._run_words' rules)."""
+    start = gl.load(p_intv, mask=in_k, other=0)
+    end = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
+    w0, w1 = _row_bits(start, end, row0), _row_bits(start, end, row0 + 32)
+    w2, w3 = _row_bits(start, end, row0 + 64), _row_bits(start, end, row0 + 96)
+    for r0 in range(1, NUM_RUNS, STEP):
+        for u in gl.static_range(STEP):
+            ok = in_k & (r0 + u < NUM_RUNS)
+            start = gl.load(p_intv + (2 * (r0 + u)) * Sk, mask=ok, other=0)
+            end = gl.load(p_intv + (2 * (r0 + u) + 1) * Sk, mask=ok, other=0)
+            w0, w1 = w0 | _row_bits(start, end, row0), w1 | _row_bits(start, end, row0 + 32)
+            w2, w3 = w2 | _row_bits(start, end, row0 + 64), w3 | _row_bits(start, end, row0 + 96)
+    return w0, w1, w2, w3
 
 
 @gluon.jit
@@ -328,7 +361,7 @@ def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds
                          n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, lts, lte, uts, ute, t, t_mid, step,
                          v_empty, release_v, EARLY_V: gl.constexpr, WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                          NUM_RUNS: gl.constexpr, s_layout: gl.constexpr, WG: gl.constexpr,
-                         RUNS_LOOP: gl.constexpr = False):
+                         RUNS_LOOP: gl.constexpr = 0):
     """One step of a consumer with queries on the rows of S: S = Q K^T and dP = dO V^T
     [Q_STEP, ROWS], P and dS through shared memory into dV += P^T dO and dK += dS^T Q; dS also
     handed to the dQ products (ds_ready). `lse2`, `delta`: the step's rows' statistics, loaded by
@@ -638,7 +671,7 @@ def _backward_hopper_kernel(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
     DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, num_warps: gl.constexpr, PIECE_TILES: gl.constexpr = 0,
-    RUNS_LOOP: gl.constexpr = False,
+    RUNS_LOOP: gl.constexpr = 0,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -875,7 +908,8 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     hkv, sk = k.shape[1], k.shape[2]
     score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, stats)
     runs = kernel_runs(cm)
-    q_step = q_rows(d, score_flags["SOFTCAP"] or score_flags["HAS_ALIBI"], runs)
+    runs_loop = configs.hopper_backward_runs_loop(d, runs)
+    q_step = q_rows(d, score_flags["SOFTCAP"] or score_flags["HAS_ALIBI"], runs, runs_loop)
     q_desc, (qxb, qxh, qch) = _descriptor(q, q_step)
     do_desc, _ = _descriptor(_like_q(do, q), q_step)  # one set of coordinates serves Q and dO
     k_desc, (kxb, kxh, kch) = _descriptor(k, KV_ROWS)
@@ -920,7 +954,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
         NUM_RUNS=runs, KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
         num_warps=4, maxnreg=168,
-        PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0, RUNS_LOOP=configs.hopper_backward_runs_loop(d, runs),
+        PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0, RUNS_LOOP=runs_loop,
     )
     if sums_needed:
         dk_out.copy_(dk)

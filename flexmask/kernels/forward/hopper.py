@@ -203,8 +203,9 @@ def _run_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.conste
     of w0 is row row0 + r, of w1 row row0 + HALF + r. With k runs (NUM_RUNS > 2) the arguments are
     `_column_intervals`' (pointers, which to read, -, Sk) and the runs are read here, one run at a
     time, each folded into the words at once: two words a column stay live, not 2 * NUM_RUNS ends;
-    unrolled, or with LOOP a loop at run time (offline, the backward's 16 runs spilled 1.2-1.6 KB a
-    thread unrolled, ~0.1 KB as a loop). A column past Sk reads as one run over every row."""
+    unrolled, or with LOOP a loop at run time that folds LOOP runs an iteration (offline, the
+    backward's 16 runs spilled 1.2-1.6 KB a thread unrolled, ~0.1 KB as a loop). A column past Sk
+    reads as one run over every row."""
     if NUM_RUNS == 2:
         w0 = _row_bits(lts, lte, row0) | _row_bits(uts, ute, row0)
         w1 = _row_bits(lts, lte, row0 + HALF) | _row_bits(uts, ute, row0 + HALF)
@@ -214,9 +215,13 @@ def _run_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.conste
         end = gl.load(p_intv + Sk, mask=in_k, other=2147483647)
         w0 = _row_bits(start, end, row0)
         w1 = _row_bits(start, end, row0 + HALF)
-        if LOOP:
+        if LOOP == 1:
             for r in range(1, NUM_RUNS):
                 w0, w1 = _fold_run(p_intv, in_k, Sk, r, w0, w1, row0, HALF)
+        elif LOOP:  # LOOP runs an iteration, their loads in flight together (past NUM_RUNS: none)
+            for r0 in range(1, NUM_RUNS, LOOP):
+                for u in gl.static_range(LOOP):
+                    w0, w1 = _fold_run(p_intv, in_k & (r0 + u < NUM_RUNS), Sk, r0 + u, w0, w1, row0, HALF)
         else:
             for r in gl.static_range(1, NUM_RUNS):
                 w0, w1 = _fold_run(p_intv, in_k, Sk, r, w0, w1, row0, HALF)
