@@ -234,6 +234,39 @@ def test_token_order_and_its_choice_read_the_device_once(monkeypatch):
     assert len(rec.events) == 1, rec.events
 
 
+def test_global_tokens_are_found_in_one_read(monkeypatch):
+    """`detected_positions` reads the device once: the global tokens' count with the first
+    DETECT_LISTED of them (it was a nonzero, a boolean index and a list); a second read lists
+    them all where there are more."""
+    positions = [3, 700, 1401, 2047, 2990]
+    glob = torch.zeros(3001, dtype=torch.bool, device=_device())
+    glob[positions] = True
+
+    def mod(b, h, q, kv):
+        return glob[q] | glob[kv] | ((kv <= q) & (q - kv < 40))
+    cm = compile_spec(masks.from_mask_mod(mod, max_runs=16), 3001, 3001, _device(), 128, 128, on_device=True)
+    for listed, reads in ((256, 1), (5, 1), (2, 2)):
+        monkeypatch.setattr(token_order, "DETECT_LISTED", listed)
+        with SyncRecorder(monkeypatch) as rec:
+            found = token_order.detected_positions(cm.intervals, 3001)
+        assert found == positions and len(rec.events) == reads, (listed, found, rec.events)
+
+
+def test_pairs_evaluated_one_by_one_take_no_blocking_upload(monkeypatch):
+    """A per-head mask_mod that does not broadcast over the pairs is evaluated pair by pair: each
+    pair's b and h are views of one upload through to_device (a tensor made from a Python int for
+    each was a copy from pageable memory, which waits for the stream)."""
+    def mod(b, h, q, kv):  # the first pair's h for every pair: right only pair by pair
+        return (kv <= q) & (q - kv <= 3 + 2 * h.reshape(-1)[0])
+
+    mask = masks.from_mask_mod(mod, heads=3, max_runs=16)
+    events = recorded(monkeypatch, mask, 99, 99)
+    uploads = [e for e in events if "host" in e[1] and "device -> host" not in e[1]]
+    assert uploads == [], events
+    dense = mask.to_dense(99, 99)
+    assert [int((q - kv).max()) for q, kv in (torch.nonzero(dense[0, h]).T for h in range(3))] == [3, 5, 7]
+
+
 def test_recorder_sees_the_syncs(monkeypatch):
     """The recorder can fail: the torch path (on_device=False) syncs, and so does a composition that may need
     three intervals per column (its ValueError needs the data: the one sync left, by design)."""

@@ -710,8 +710,7 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
         if pairs == 1 or together:
             groups = [(slice(None), *_pair_indices(n_b, n_h, dev, together))]
         else:
-            groups = [(slice(i, i + 1), torch.tensor(i // n_h, device=dev), torch.tensor(i % n_h, device=dev))
-                      for i in range(pairs)]
+            groups = [(slice(i, i + 1), b, h) for i, (b, h) in enumerate(_pair_scalars(n_b, n_h, dev))]
         n = pairs if together else 1
         chunk = MASK_MOD_CHUNK_ROWS
         n_chunks = -(-q_len // chunk)
@@ -1077,10 +1076,18 @@ def _compile_failed(fn, err: Exception):
 def _pair_indices(n_b: int, n_h: int, device, together: bool):
     """b and h of every (b, h) pair, b-major, as [pairs, 1, 1] (together), or 0-d zeros."""
     if not together:
-        zero = torch.tensor(0, device=device)
+        zero = torch.zeros((), dtype=torch.int64, device=device)  # (a fill: no upload from the host)
         return zero, zero
     i = torch.arange(n_b * n_h, device=device).view(-1, 1, 1)
     return i // n_h, i % n_h
+
+
+def _pair_scalars(n_b: int, n_h: int, device) -> list:
+    """(b, h) of every pair, b-major, as 0-d int64 tensors on `device`: views of one upload
+    (to_device), where a tensor a value would be a copy from pageable memory each, which waits for
+    the stream."""
+    index = to_device([[i // n_h, i % n_h] for i in range(n_b * n_h)], torch.device(device))
+    return [(index[i, 0], index[i, 1]) for i in range(n_b * n_h)]
 
 
 def _broadcasts_over_pairs(fn, n_b: int, n_h: int, q_len: int, kv_len: int, device) -> bool:
@@ -1090,10 +1097,8 @@ def _broadcasts_over_pairs(fn, n_b: int, n_h: int, q_len: int, kv_len: int, devi
     bad function's error first."""
     q = torch.arange(min(q_len, 64), dtype=torch.int32, device=device)  # int32 indices (`_mask_mod_block`)
     kv = torch.arange(min(kv_len, 64), dtype=torch.int32, device=device)
-    one_by_one = torch.cat([
-        _mask_mod_block(fn, torch.tensor(i // n_h, device=device), torch.tensor(i % n_h, device=device),
-                        q.view(-1, 1), kv.view(1, -1), device)
-        for i in range(n_b * n_h)])
+    one_by_one = torch.cat([_mask_mod_block(fn, b, h, q.view(-1, 1), kv.view(1, -1), device)
+                            for b, h in _pair_scalars(n_b, n_h, device)])
     b, h = _pair_indices(n_b, n_h, device, True)
     try:
         together = _mask_mod_block(fn, b, h, q.view(1, -1, 1), kv.view(1, 1, -1), device)

@@ -36,6 +36,8 @@ from .geometry import to_device
 MIN_TOKENS = 2048
 # runs a slice of `detected_positions` reads at once (its int64 indices: 128 MB a tensor)
 DETECT_SLICE = 1 << 24
+# global tokens `detected_positions` lists in the read that counts them; more take a second read
+DETECT_LISTED = 256
 
 
 def global_positions(mask) -> list[int] | None:
@@ -91,24 +93,28 @@ def token_order(positions: list[int], seq_len: int, device) -> tuple[torch.Tenso
 def detected_positions(intervals: torch.Tensor, seq_len: int) -> list[int]:
     """The positions that are global in compiled runs `intervals` ([B, H, seq_len, 2K] (start, end)
     pairs of masked rows, as CompiledMask.intervals holds them): their column masks no row and their
-    row lies in no column's run, in every batch row and head. Host syncs: whether any column is
-    free (most masks stop there), then the list."""
+    row lies in no column's run, in every batch row and head. One host read: their count and the
+    first DETECT_LISTED of them (a second where there are more); a nonzero of the free columns,
+    a boolean index and a list took three."""
     starts, ends = intervals[..., 0::2], intervals[..., 1::2]
     live = ends.clamp(max=seq_len) > starts.clamp(min=0)
-    candidates = torch.nonzero(~live.any(-1).flatten(0, 1).any(0)).flatten()  # columns every query attends
-    if candidates.numel() == 0:
-        return []
-    # the candidates' rows inside some run: a difference array over the candidates, summed over every
-    # run of every column, batch row and head (counts never go negative: free where the sum is 0),
-    # in slices of the runs so that the int64 indices stay small
-    cover = torch.zeros(candidates.numel() + 1, dtype=torch.int64, device=intervals.device)
+    free_column = ~live.any(-1).flatten(0, 1).any(0)  # [seq_len]: the columns every query attends
+    # the rows inside some run: a difference array over the rows, summed over every run of every
+    # column, batch row and head (counts never go negative: free where the sum is 0), in slices of
+    # the runs so that the int64 indices stay small
+    cover = torch.zeros(seq_len + 1, dtype=torch.int64, device=intervals.device)
     flat = [t.flatten() for t in (starts, ends, live)]
     for i in range(0, flat[0].numel(), DETECT_SLICE):
         s, e, w = (t[i:i + DETECT_SLICE] for t in flat)
         w = w.to(torch.int64)
-        cover.scatter_add_(0, torch.searchsorted(candidates, s.to(torch.int64).clamp(0, seq_len)), w)
-        cover.scatter_add_(0, torch.searchsorted(candidates, e.to(torch.int64).clamp(0, seq_len)), -w)
-    return candidates[cover.cumsum(0)[:-1] == 0].tolist()
+        cover.scatter_add_(0, s.to(torch.int64).clamp(0, seq_len), w)
+        cover.scatter_add_(0, e.to(torch.int64).clamp(0, seq_len), -w)
+    is_global = free_column & (cover.cumsum(0)[:-1] == 0)
+    listed = torch.nonzero_static(is_global, size=DETECT_LISTED, fill_value=-1).flatten()
+    count, *positions = torch.cat([is_global.sum().view(1), listed]).tolist()
+    if count > DETECT_LISTED:
+        positions = torch.nonzero_static(is_global, size=count).flatten().tolist()
+    return positions[:count]
 
 
 def reordered_runs(intervals: torch.Tensor, seq_len: int) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
