@@ -200,21 +200,24 @@ def _strided_mod(b, h, q, kv):  # every third key within 12 positions: up to 5 m
     return (kv <= q) & (q - kv < 12) & ((q - kv) % 3 == 0)
 
 
-@pytest.mark.parametrize("name", ["natten", "sliding_tile", "mask_mod", "column_runs"])
+@pytest.mark.parametrize("name", ["natten", "sliding_tile", "mask_mod", "column_runs", "global_tokens", "dilated"])
 def test_k_run_mask_reads_the_device_twice(monkeypatch, name):
     """A k-run mask's device-path compile reads the device twice, by design: the most runs of a
     column (the width of its intervals: counted by the builder's compile, or where a mask_mod's or
     column_runs' runs were made, and not again) and, in one read, the tiles listed (the lists'
-    size) with their FULL count (common.masking.kernel_runs). The mask_mod's changes are placed
-    by the GPU's kernels (change_runs), as on a GPU."""
+    size) with their FULL count (common.masking.kernel_runs); host values go up through to_device.
+    The mask_mod's changes are placed by the GPU's kernels (change_runs), as on a GPU."""
     monkeypatch.setattr(intervals, "MASK_MOD_RUNS_KERNEL", True)
     starts = torch.tensor([[0, 10, 20]] * 99)
     mask, s = {"natten": (masks.natten(9, 11, 5), 99),
                "sliding_tile": (masks.sliding_tile((4, 8, 8), (4, 6, 6), (2, 2, 2), text_tokens=3), 259),
                "mask_mod": (masks.from_mask_mod(_strided_mod), 99),
-               "column_runs": (masks.column_runs(starts.to(_device()), (starts + 5).to(_device())), 99)}[name]
-    reads = [e for e in recorded(monkeypatch, mask, s, s) if e[1] in ("value read", "device -> host copy")]
-    assert len(reads) == 2, reads
+               "column_runs": (masks.column_runs(starts.to(_device()), (starts + 5).to(_device())), 99),
+               "global_tokens": (masks.sliding_window(9) | masks.global_tokens([3, 40, 77]), 99),
+               "dilated": (masks.dilated_sliding_window(12, [1, 2, 3]), 99)}[name]
+    events = recorded(monkeypatch, mask, s, s)
+    reads = [e for e in events if e[1] in ("value read", "device -> host copy")]
+    assert len(reads) == 2 and len(events) == 2, events  # and nothing else: no blocking upload
 
 
 def test_token_order_and_its_choice_read_the_device_once(monkeypatch):

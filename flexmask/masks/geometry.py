@@ -10,16 +10,19 @@ from __future__ import annotations
 import array
 import functools
 
+import numpy as np
 import torch
 
 
 def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    """Host data (a list, or a CPU tensor) as a tensor on `device`, without waiting for the GPU:
+    """Host data (a list, a numpy array or a CPU tensor) as a tensor on `device`, without waiting for the GPU:
     through pinned memory with a non-blocking copy (a copy from pageable memory would wait for
     the stream; a ring of pinned slots measured slower: docs/performance.md, section 1.1). The
     one place where the device path
     uploads host values."""
     pinned = device.type == "cuda"
+    if isinstance(values, np.ndarray):
+        values = torch.from_numpy(values)
     if not isinstance(values, torch.Tensor):
         t = _packed(values, dtype)
         if t is None:  # straight into (pinned) memory of the dtype: two calls, not four

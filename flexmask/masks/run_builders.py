@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .geometry import _Geometry
+from .geometry import _Geometry, to_device
 
 
 def complement(att_start: torch.Tensor, att_end: torch.Tensor, q_len: int,
@@ -38,7 +38,7 @@ def complement(att_start: torch.Tensor, att_end: torch.Tensor, q_len: int,
 # --- natten: 2-D (and 3-D) neighbourhood attention ------------------------------------------------
 
 
-def _axis_attenders(n: int, kernel: int, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _axis_attenders(n: int, kernel: int, dilation: int) -> tuple[np.ndarray, np.ndarray]:
     """Per key coordinate x of one axis of n, the query coordinates whose window holds x, ascending:
     (coords [n, A] int64 padded with 0, valid [n, A]), on the host in O(n A), by numpy (torch's CPU
     ops split even these small ones across every intra-op thread: on a busy host, stalls of tens
@@ -59,7 +59,20 @@ def _axis_attenders(n: int, kernel: int, dilation: int) -> tuple[torch.Tensor, t
     at = lo[:, None] + np.arange(int((hi - lo).max()))[None, :]
     valid = at < hi[:, None]
     coords = np.where(valid, order[np.minimum(at, n - 1)], 0)
-    return torch.from_numpy(coords.astype(np.int64)), torch.from_numpy(valid)
+    return coords.astype(np.int64), valid
+
+
+def _uploaded(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """The host arrays `arrays` (int64 or bool) on `device` from one upload through to_device
+    (pinned, non-blocking: a copy from pageable memory waits for the stream; they were one
+    copy each), views of it in their shapes, bool where they were."""
+    flat = to_device(np.concatenate([a.reshape(-1).astype(np.int64) for a in arrays]), device)
+    out, at = [], 0
+    for a in arrays:
+        view = flat[at:at + a.size].view(a.shape)
+        out.append(view != 0 if a.dtype == np.bool_ else view)
+        at += a.size
+    return out
 
 
 def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
@@ -76,11 +89,10 @@ def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
     # a row's attending columns as runs of consecutive columns: one run without dilation, else
     # each column its own (they are `dilation` apart)
     if p["dilation"][1] == 1:
-        j_s, j_e, j_ok = j_c[:, :1], j_c.masked_fill(~j_ok, -1).amax(1, keepdim=True) + 1, j_ok[:, :1]
+        j_s, j_e, j_ok = j_c[:, :1], np.where(j_ok, j_c, -1).max(1, keepdims=True) + 1, j_ok[:, :1]
     else:
         j_s, j_e = j_c, j_c + 1
-    t_c, t_ok, i_c, i_ok, j_s, j_e, j_ok = (x.to(g.device, non_blocking=True)
-                                             for x in (t_c, t_ok, i_c, i_ok, j_s, j_e, j_ok))
+    t_c, t_ok, i_c, i_ok, j_s, j_e, j_ok = _uploaded(g.device, t_c, t_ok, i_c, i_ok, j_s, j_e, j_ok)
     # key token (t', i', j') x attending (frame a, row b, column run r): [T, H, W, At, Ai, Rj]
     base = (t_c[:, None, None, :, None, None] * height + i_c[None, :, None, None, :, None]) * width
     start = base + j_s[None, None, :, None, None, :]
@@ -108,8 +120,8 @@ def sliding_tile_runs(p: dict, g: _Geometry) -> torch.Tensor:
     t_c, t_ok = _axis_attenders(tiles[0], boxes[0], 1)  # [T, At]: query tiles along each axis, ascending
     i_c, i_ok = _axis_attenders(tiles[1], boxes[1], 1)  # [H, Ai]
     j_c, j_ok = _axis_attenders(tiles[2], boxes[2], 1)  # [W, Aj]: one range of consecutive tiles
-    j_s, j_e = j_c[:, :1], j_c.masked_fill(~j_ok, -1).amax(1, keepdim=True) + 1
-    t_c, t_ok, i_c, i_ok, j_s, j_e = (x.to(g.device, non_blocking=True) for x in (t_c, t_ok, i_c, i_ok, j_s, j_e))
+    j_s, j_e = j_c[:, :1], np.where(j_ok, j_c, -1).max(1, keepdims=True) + 1
+    t_c, t_ok, i_c, i_ok, j_s, j_e = _uploaded(g.device, t_c, t_ok, i_c, i_ok, j_s, j_e)
     # key tile (t', i', j') x attending (tile frame a, tile row b): [T, H, W, At, Ai] runs of tiles
     base = (t_c[:, None, None, :, None] * tiles[1] + i_c[None, :, None, None, :]) * tiles[2]
     start = (base + j_s[None, None, :, :, None]) * size
@@ -127,7 +139,7 @@ def sliding_tile_runs(p: dict, g: _Geometry) -> torch.Tensor:
     rest = g.kv_len - vision
     text = (torch.arange(rest, device=g.device) < p["text_tokens"]).view(-1, 1)
     first = torch.zeros(rest, start.shape[1], dtype=torch.bool, device=g.device)
-    first[:, 0] = True
+    first[:, 0].fill_(True)
     start = torch.cat([start, start.new_zeros((rest, start.shape[1]))], 0)
     end = torch.cat([end, end.new_full((rest, end.shape[1]), g.kv_len)], 0)
     ok = torch.cat([ok, first & text], 0)
@@ -144,9 +156,8 @@ def global_token_runs(p: dict, g: _Geometry) -> torch.Tensor:
     positions = sorted(set(p["positions"]))  # ints (global_tokens checked them): checked here, no host sync
     if positions and positions[-1] >= g.kv_len:
         raise ValueError(f"global_tokens positions must be < kv_len={g.kv_len}, got {positions[-1]}")
-    pos = torch.tensor(positions, dtype=torch.int64, device=g.device)
-    is_global = torch.zeros(g.kv_len, dtype=torch.bool, device=g.device)
-    is_global[pos] = True
+    pos = to_device(positions, g.device)  # (pinned, non-blocking: a pageable copy waits for the stream)
+    is_global = torch.zeros(g.kv_len, dtype=torch.bool, device=g.device).index_fill_(0, pos, True)
     rows = (pos - g.offset).view(1, -1).expand(g.kv_len, -1)  # [Sk, G] rows of the global queries
     runs = complement(rows, rows + 1, g.q_len)  # [Sk, G + 1, 2]; rows outside clip to empty ones
     runs = torch.where(is_global.view(-1, 1, 1), 0, runs)  # global columns: nothing masked
@@ -159,7 +170,7 @@ def dilated_window_runs(p: dict, g: _Geometry) -> torch.Tensor:
     dilations = p["dilation"] if isinstance(p["dilation"], list) else [p["dilation"]]
     left = p["left"]
     steps = max(left // d for d in dilations) + 1
-    d = torch.tensor(dilations, dtype=torch.int64, device=g.device).view(-1, 1, 1)  # [H, 1, 1]
+    d = to_device(dilations, g.device).view(-1, 1, 1)  # [H, 1, 1]
     s = torch.arange(steps, device=g.device).view(1, 1, -1)
     pos = g.cols.view(1, -1, 1) + s * d  # [H, Sk, steps]
     rows = torch.where(s <= left // d, pos - g.offset, g.q_len)  # a head's steps past its window: none
