@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU-marked test on one H100/H200, in eleven processes side by side, in about 7 minutes; on a
+# Every GPU-marked test on one H100/H200, in twelve processes side by side, in about 7 minutes; on a
 # machine of several GPUs the groups take the cards in turn (the group with the NCCL tests sees them all).
 # From the repository root:
 #     OUT=/some/dir bash tools/gpu_jobs/gpu_tests.sh
@@ -45,7 +45,9 @@ tests others "${others[@]}"
 tests score_terms tests/test_score_terms.py -k "not hopper"
 tests score_terms_hopper tests/test_score_terms.py -k "hopper_kernels"
 tests score_terms_schedules tests/test_score_terms.py -k "hopper and not hopper_kernels"
-tests k_runs tests/test_gpu_k_runs.py tests/test_mask_mod.py
+# the k-run kernels compile a variant per head dim, run count and switch: alone they need ~6 minutes
+tests k_runs tests/test_gpu_k_runs.py -k "not runs_loop_switched"
+tests k_runs_switched tests/test_gpu_k_runs.py tests/test_mask_mod.py -k "runs_loop_switched or test_mask_mod"
 wait
 for f in "$logs"/tests_*.log; do echo "#### $f"; tail -n 25 "$f"; done > "$OUT/gpu_tests_log.txt"
 grep -h "^== \|passed\|failed" "$logs"/tests_*.log
