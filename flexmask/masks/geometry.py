@@ -15,11 +15,10 @@ import torch
 
 
 def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    """Host data (a list, a numpy array or a CPU tensor) as a tensor on `device`, without waiting for the GPU:
-    through pinned memory with a non-blocking copy (a copy from pageable memory would wait for
-    the stream; a ring of pinned slots measured slower: docs/performance.md, section 1.1). The
-    one place where the device path
-    uploads host values."""
+    """Host data (a list, a numpy array or a CPU tensor) as a tensor on `device`, without waiting
+    for the GPU: through pinned memory with a non-blocking copy (a copy from pageable memory would
+    wait for the stream; a ring of pinned slots measured slower: docs/performance.md, section 1.1).
+    The one place where the device path uploads host values."""
     pinned = device.type == "cuda"
     if isinstance(values, np.ndarray):
         values = torch.from_numpy(values)

@@ -1084,7 +1084,7 @@ def _pair_indices(n_b: int, n_h: int, device, together: bool):
 
 def _pair_scalars(n_b: int, n_h: int, device) -> list:
     """(b, h) of every pair, b-major, as 0-d int64 tensors on `device`: views of one upload
-    (to_device), where a tensor a value would be a copy from pageable memory each, which waits for
+    (to_device); a tensor made from each int would be a copy from pageable memory, which waits for
     the stream."""
     index = to_device([[i // n_h, i % n_h] for i in range(n_b * n_h)], torch.device(device))
     return [(index[i, 0], index[i, 1]) for i in range(n_b * n_h)]
