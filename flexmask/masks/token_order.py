@@ -77,11 +77,16 @@ def token_order(positions: list[int], seq_len: int, device) -> tuple[torch.Tenso
     token's index is its rank among the global tokens, or G + its position - the global tokens
     before it."""
     device = torch.device(device)
-    g = len(positions)
-    token = torch.arange(seq_len, device=device)
-    if g == 0:
+    if not positions:
+        token = torch.arange(seq_len, device=device)
         return token, token.clone()
-    pos = to_device(positions, device)
+    return _order_of(to_device(positions, device), seq_len)
+
+
+def _order_of(pos: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_order` of the uploaded positions `pos` (sorted, distinct, at least one)."""
+    g = pos.numel()
+    token = torch.arange(seq_len, device=pos.device)
     before = torch.searchsorted(pos, token)  # global tokens before each token (its rank, if global)
     is_global = pos[before.clamp(max=g - 1)] == token
     inverse = torch.where(is_global, before, g + token - before)
@@ -128,10 +133,10 @@ def reordered_runs(intervals: torch.Tensor, seq_len: int) -> tuple[specs.Mask, t
     g = len(positions)
     if g == 0 or g > seq_len // 4 or positions == list(range(g)):
         return None
-    device = intervals.device
-    order, inverse = token_order(positions, seq_len, device)
+    pos = to_device(positions, intervals.device)  # once, for the order and the moved runs
+    order, inverse = _order_of(pos, seq_len)
     runs = intervals.to(torch.int64).clamp(0, seq_len)
-    return _moved(runs, positions, order), order, inverse
+    return _moved(runs, pos, order), order, inverse
 
 
 def fewer_tiles(reordered, natural) -> bool:
@@ -144,11 +149,12 @@ def fewer_tiles(reordered, natural) -> bool:
     return visited <= was_visited and partial <= was_partial and (visited, partial) != (was_visited, was_partial)
 
 
-def _moved(runs: torch.Tensor, positions: list[int], order: torch.Tensor) -> specs.Mask:
-    """column_runs of runs [B, H, seq_len, 2R] in the order `order`: each endpoint e moved to G + e -
-    (global tokens before e), which takes the global rows out of a run, the global columns unmasked."""
-    g = len(positions)
-    before = torch.searchsorted(to_device(positions, runs.device), runs)
+def _moved(runs: torch.Tensor, pos: torch.Tensor, order: torch.Tensor) -> specs.Mask:
+    """column_runs of runs [B, H, seq_len, 2R] in the order `order` of the global tokens at the
+    uploaded positions `pos`: each endpoint e moved to G + e - (global tokens before e), which takes
+    the global rows out of a run, the global columns unmasked."""
+    g = pos.numel()
+    before = torch.searchsorted(pos, runs)
     moved = (g + runs - before)[:, :, order[g:], :]  # the reordered columns past the global ones
     empty = moved.new_zeros(*moved.shape[:2], g, moved.shape[-1])  # the global columns: nothing masked
     moved = torch.cat([empty, moved], dim=2)
@@ -165,11 +171,12 @@ def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, tor
     if positions is None or positions == list(range(len(positions))):  # none, or already in front
         return None
     device = torch.device(device)
-    order, inverse = token_order(positions, seq_len, device)
+    pos = to_device(positions, device)  # once, for the order and the moved runs
+    order, inverse = _order_of(pos, seq_len)
     rest = _rest(mask)
     if rest is None:  # the others attend the global keys only: every other row masked
         runs = torch.zeros(1, 1, seq_len, 2, dtype=torch.int64, device=device)
         runs[..., 1] = seq_len
     else:  # [B, H, Sk, 2R]: (start, end) pairs
         runs = rest.intervals(seq_len, seq_len, device).to(torch.int64).clamp(0, seq_len)
-    return _moved(runs, positions, order), order, inverse
+    return _moved(runs, pos, order), order, inverse
