@@ -286,7 +286,7 @@ cases += [("backward_k_runs", d, 16, lambda d=d: oc._hopper_backward(2, d, True,
           for d in (128, 64)]
 cases += [("backward_k_runs_loop", d, step,
            lambda d=d, step=step: oc._hopper_backward(2, d, True, runs=16, runs_loop=step))
-          for d in (128, 64) for step in (1, 4)]
+          for d in (128, 64) for step in (1, 8)]
 for name, d, variant, build in cases:
     kernel = build()
     ptx = kernel.asm["ptx"]
@@ -305,9 +305,8 @@ def test_hopper_kernels_compile_for_sm90():
     in warpgroup 0's walk loops, and values of an item held across its two PARTIAL steps, outside
     the loops (measured faster with both: docs/performance.md, section 4.12). The
     three with 16 runs per column (k-run masks) compile too; they spill some (section 12). The
-    backward with its runs read in a loop (its default at D = 128), a run or four an iteration,
-    spills at most a tenth of what it spills with them unrolled at D = 128, and at D = 64, where the
-    loop takes 128-row steps, no more than the two-interval kernel of those steps."""
+    backward with its runs read in a loop (its default), a run or eight an iteration, spills at most
+    a tenth of what it spills with them unrolled at D = 128, and at most half at D = 64."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
     assert len(results) == 22, results
@@ -327,10 +326,7 @@ def test_hopper_kernels_compile_for_sm90():
     unrolled = {r["d"]: spills(r) for r in results if r["name"] == "backward_k_runs" and r["variant"] == 16}
     whole = {r["d"]: r for r in results if r["name"] == "backward" and r["variant"] is True}
     for r in (r for r in results if r["name"] == "backward_k_runs_loop"):  # the runs in a loop
-        if r["d"] == 128:
-            assert spills(r) * 10 <= unrolled[128], (r, unrolled)
-        else:
-            assert spills(r) <= spills(whole[64]), (r, whole[64])
+        assert spills(r) * (10 if r["d"] == 128 else 2) <= unrolled[r["d"]], (r, unrolled)
     # a split item adds its dK/dV into the group's fp32 sums by bulk reductions (8 boxes at D = 128,
     # 4 at 64, in each of the two consumer warpgroups), no per-element atomics: the same atomics as
     # the whole-group kernel (the scheduler's)
@@ -430,15 +426,16 @@ def test_backward_launch_takes_keys_on_rows_where_the_rule_says(monkeypatch, sq,
 
 
 @pytest.mark.parametrize("name, d, loop, want_runs, want_keys, want_loop, want_rows", [
-    ("natten", 128, None, 16, False, 1, 64), ("natten", 64, None, 16, False, 0, 64),  # the defaults
+    ("natten", 128, None, 16, False, 8, 64), ("natten", 64, None, 16, False, 8, 128),  # the defaults
     ("natten", 128, {}, 16, False, 0, 64), ("natten", 128, {128: 4}, 16, False, 4, 64),
+    ("natten", 64, {}, 16, False, 0, 64),
     ("natten", 64, {64: 1}, 16, False, 1, 128), ("natten", 64, {64: 4}, 16, False, 4, 128),
     ("sliding_tile", 128, None, 2, True, 0, 64),  # every visited tile FULL: the two-interval kernel (kernel_runs)
     ("sliding_tile", 64, {64: 1}, 2, False, 0, 128),
 ])
 def test_backward_launch_of_k_run_masks(monkeypatch, name, d, loop, want_runs, want_keys, want_loop, want_rows):
     """A k-run mask's backward launch: NUM_RUNS its runs, in the query-row layout, its runs read in
-    a loop of HOPPER_BACKWARD_RUNS_LOOP[d] runs an iteration (one at D = 128 by default) in the head
+    a loop of HOPPER_BACKWARD_RUNS_LOOP[d] runs an iteration (eight by default) in the head
     dim's own step rows (128 at D = 64), or unrolled in 64-row steps; tables whose every visited
     tile is FULL launch as a two-interval mask (keys on the rows at D = 128), no loop. The launch
     is recorded, not run."""

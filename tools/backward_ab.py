@@ -18,7 +18,9 @@ Switches:
   a column's runs unrolled (64-row steps) against in a loop at run time, a run an iteration (the
   head dim's step rows: 128 at D = 64), on benchmarks.mask_mod's k-run families at 16K-32K (16/16
   heads, its shapes) instead of FA4's masks; `runs_loop_step`: the loop, a run an iteration against
-  four, on the same masks.
+  four, on the same masks; `runs_loop_4`: unrolled against four an iteration; `runs_loop_8`: four
+  an iteration against eight; `runs_loop_unrolled_8`: unrolled against eight; `runs_loop_16`: eight
+  against sixteen.
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
@@ -50,6 +52,13 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "runs_loop": ("HOPPER_BACKWARD_RUNS_LOOP", ("runs unrolled", "runs in a loop"), ({}, {64: 1, 128: 1})),
     "runs_loop_step": ("HOPPER_BACKWARD_RUNS_LOOP", ("a run an iteration", "4 runs an iteration"),
                        ({64: 1, 128: 1}, {64: 4, 128: 4})),
+    "runs_loop_4": ("HOPPER_BACKWARD_RUNS_LOOP", ("runs unrolled", "4 runs an iteration"), ({}, {64: 4, 128: 4})),
+    "runs_loop_8": ("HOPPER_BACKWARD_RUNS_LOOP", ("4 runs an iteration", "8 runs an iteration"),
+                    ({64: 4, 128: 4}, {64: 8, 128: 8})),
+    "runs_loop_unrolled_8": ("HOPPER_BACKWARD_RUNS_LOOP", ("runs unrolled", "8 runs an iteration"),
+                             ({}, {64: 8, 128: 8})),
+    "runs_loop_16": ("HOPPER_BACKWARD_RUNS_LOOP", ("8 runs an iteration", "16 runs an iteration"),
+                     ({64: 8, 128: 8}, {64: 16, 128: 16})),
 }
 K_RUN_FAMILIES = ("natten2d_k9", "natten3d_t2_k3", "global14_window1024", "dilated_per_head")
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
@@ -74,7 +83,7 @@ def main(argv=None) -> int:
     kept = tuple(getattr(configs, name) for name in attribute)
     d = args.head_dim
     scale = d ** -0.5
-    if args.switch in ("runs_loop", "runs_loop_step"):
+    if args.switch.startswith("runs_loop"):
         shapes = [(None, None, 16, 16, family) for family in K_RUN_FAMILIES]
     else:
         shapes = [(S, B, hq, hkv, family) for S, B in (SHORT_CASES if args.short else LONG_CASES if args.long else CASES)

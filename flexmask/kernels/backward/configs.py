@@ -123,14 +123,15 @@ HOPPER_BACKWARD_Q_ROWS = {64: 128, 128: 64}
 # (docs/performance.md, section 5).
 HOPPER_BACKWARD_KEYS_ON_ROWS = True
 # Masks of k runs a column, by head dim: a PARTIAL step reads a column's runs in a loop at run time
-# that folds this many runs an iteration, not unrolled (a head dim not here: unrolled, in 64-row
-# steps). Offline at 16 runs: 12 / 24 bytes of spills against 1264 / 1656 at D = 128. H200,
-# benchmarks.mask_mod's k-run masks at 16K-32K (python -m tools.backward_ab --switch runs_loop
-# [--head-dim 64]), a run an iteration: 1.02-1.12x at D = 128, 0.72-0.77x at D = 64 in 64-row steps
-# (docs/performance.md, section 12). Looped runs now take the head dim's own step rows
-# (backward/hopper.py, q_rows: 128 at D = 64, each run read once for the step's four words), and
-# `--switch runs_loop_step` times 4 runs an iteration against 1: neither yet on a GPU.
-HOPPER_BACKWARD_RUNS_LOOP = {128: 1}
+# that folds this many runs an iteration, in the head dim's own step rows (backward/hopper.py,
+# q_rows: 128 at D = 64, each run read once for the step's four words); a head dim not here: unrolled,
+# in 64-row steps. Offline at 16 runs, spill stores: 84 bytes at D = 128 and 252 at D = 64, against
+# 1264 and 580 unrolled. H200, benchmarks.mask_mod's k-run masks at 16K-32K (python -m
+# tools.backward_ab --switch runs_loop_unrolled_8 | runs_loop_8 | runs_loop_16 [--head-dim 64]):
+# 8 an iteration against unrolled 1.06-1.09x at D = 64; against 4 an iteration 1.02-1.04x at D = 128
+# and 1.10-1.15x at D = 64 (4 against 1: 1.13-1.21x at D = 128); 16 an iteration lost, 0.76-0.78x
+# (docs/performance.md, section 12).
+HOPPER_BACKWARD_RUNS_LOOP = {64: 8, 128: 8}
 
 
 def hopper_backward_runs_loop(head_dim: int, runs: int) -> int:
