@@ -191,3 +191,18 @@ def test_compile_time_tool_builders_are_its_mask_mods(capsys):
     assert tool.main(["--seq-len", "256", "--masks", "causal,natten_k9", "--builders", "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines if " builder: " in line] == ["causal", "natten_k9"]
+
+
+def test_compile_time_tool_times_the_steps_of_compile_mask(capsys):
+    """tools.mask_mod_compile_time --phases times compile_mask's four steps apart for the global
+    tokens, written as a mask_mod and with the builders."""
+    from tools import mask_mod_compile_time as tool
+
+    assert tool.main(["--seq-len", "2048", "--masks", "global14_window1024", "--phases", "--builders",
+                      "--repeats", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "steps of compile_mask" in line]
+    assert [line.split("steps of compile_mask, ")[1].split(":")[0] for line in lines] == ["from_mask_mod", "builder"]
+    for line in lines:
+        steps = [part.rsplit(" ", 1) for part in line.split(": ", 1)[1].removesuffix(" ms").split(", ")]
+        assert [name for name, _ in steps] == ["natural tables", "order", "reordered tables", "fewer_tiles"], line
+        assert all(float(ms) > 0 for _, ms in steps), line

@@ -255,6 +255,33 @@ def test_global_tokens_are_found_in_one_read(monkeypatch):
         assert found == positions and len(rec.events) == reads, (listed, found, rec.events)
 
 
+def test_global_token_mask_mod_compile_reads_the_device_four_times(monkeypatch):
+    """compile_mask of a from_mask_mod with global tokens reads the device four times: the natural
+    runs' count and tables, the global tokens found in its runs with the moved runs' most a column
+    (one read: the reordered runs, merged into two a column, compile without a count; it was a
+    fifth), and `fewer_tiles`."""
+    import functools
+
+    import flexmask
+    from flexmask import api
+
+    monkeypatch.setattr(intervals, "MASK_MOD_RUNS_KERNEL", True)
+    monkeypatch.setattr(api, "compile_spec", functools.partial(compile_spec, on_device=True))
+    positions = [3, 700, 1401, 2047, 2990]
+    glob = torch.zeros(3001, dtype=torch.bool, device=_device())
+    glob[positions] = True
+
+    def mod(b, h, q, kv):
+        return glob[q] | glob[kv] | ((kv <= q) & (q - kv < 40))
+    mask = masks.from_mask_mod(mod, max_runs=16)
+    if _device().type == "cuda":  # Triton's first launch of a kernel compiles it
+        flexmask.compile_mask(mask, 3001, 3001, device=_device())
+    with SyncRecorder(monkeypatch) as rec:
+        cm = flexmask.compile_mask(mask, 3001, 3001, device=_device())
+    assert cm.token_order is not None and cm.token_order[0].runs == 2
+    assert len(rec.events) == 4, rec.events
+
+
 def test_pairs_evaluated_one_by_one_take_no_blocking_upload(monkeypatch):
     """A per-head mask_mod that does not broadcast over the pairs is evaluated pair by pair: each
     pair's b and h are views of one upload through to_device (a tensor made from a Python int for

@@ -7,6 +7,7 @@ against FlexAttention on a GPU; this is the quick look that needs none.
                                                           [--first-pass eager|compiled] [--profile]
                                                           [--inductor-options JSON] [--masks a,b]
                                                           [--compile-mask] [--block-mask] [--builders]
+                                                          [--phases]
 
 On a GPU, `--first-pass eager` keeps the first pass of the scan eager at every size (the default
 compiles it for large masks: intervals.MASK_MOD_COMPILE_PAIRS); `--first-pass compiled` takes the
@@ -19,7 +20,10 @@ same masks written with flexmask's builders (`masks.natten`, `masks.dilated_slid
 `masks.causal`, a window | `masks.global_tokens`). `--profile` adds one more compile of
 each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
 compile's time goes between the compiled pass, the eager operations and the host syncs.
-`--inductor-options` replaces the Inductor options of the compiled pass on CUDA
+`--phases` times the steps of `compile_mask` apart (median
+of the repeats): the natural tables (`compile_spec`), the global tokens' order (token_order.reordered
+for a builder, `reordered_runs` of the natural runs for a mask_mod), the reordered tables and
+`fewer_tiles`. `--inductor-options` replaces the Inductor options of the compiled pass on CUDA
 (intervals._WORD_KERNEL_OPTIONS), e.g. '{}' for Inductor's defaults or
 '{"triton.prefer_nd_tiling": true}' (2-D tiles: per-row and per-column terms computed once a
 tile row or column instead of per pair).
@@ -89,6 +93,7 @@ def main(argv=None) -> int:
                     help="also time FlexAttention's compiled create_block_mask of each function (GPU)")
     ap.add_argument("--builders", action="store_true",
                     help="also time the same masks written with flexmask's builders")
+    ap.add_argument("--phases", action="store_true", help="time compile_mask's steps apart (global tokens)")
     ap.add_argument("--compiled-block-log2", type=int, default=None,
                     help="(pair, q, kv) evaluations of one compiled call, as a power of two "
                          "(intervals.MASK_MOD_COMPILED_BLOCK_ELEMENTS)")
@@ -135,9 +140,37 @@ def main(argv=None) -> int:
 
             times = _timed(lambda: build_block_mask(fn, None, heads, args.seq_len, device), args.repeats, device)
             print(f"{name:20s} S={args.seq_len} {args.device} create_block_mask: {_summary(times)}")
+        if args.phases:
+            print(f"{name:20s} S={args.seq_len} {args.device} steps of compile_mask, from_mask_mod: "
+                  f"{phases(lambda: masks.from_mask_mod(fn, heads=heads, max_runs=16), args.seq_len, device, args.repeats)}")
+            if args.builders:
+                print(f"{name:20s} S={args.seq_len} {args.device} steps of compile_mask, builder: "
+                      f"{phases(builders(args.seq_len)[name], args.seq_len, device, args.repeats)}")
         if args.profile:
             print(profiled(build, device))
     return 0
+
+
+def phases(make, seq_len: int, device, repeats: int) -> str:
+    """Median ms of each step of compile_mask(make(), seq_len, seq_len) on `device`: the natural
+    tables, the global tokens' order, the reordered tables and their comparison."""
+    from flexmask.masks import token_order
+    from flexmask.masks.compiler import compile_spec
+
+    mask = make()
+    natural = compile_spec(mask, seq_len, seq_len, device, 128, 128)
+
+    def order():
+        return token_order.reordered(mask, seq_len, device) or token_order.reordered_runs(natural.intervals, seq_len)
+    found = order()
+    if found is None:
+        return "no global tokens to move"
+    tables = compile_spec(found[0], seq_len, seq_len, device, 128, 128)
+    steps = {"natural tables": lambda: compile_spec(make(), seq_len, seq_len, device, 128, 128), "order": order,
+             "reordered tables": lambda: compile_spec(found[0], seq_len, seq_len, device, 128, 128),
+             "fewer_tiles": lambda: token_order.fewer_tiles(tables, natural)}
+    return ", ".join(f"{step} {statistics.median(_timed(fn, repeats + 1, device)[1:]) * 1e3:.3f}"
+                     for step, fn in steps.items()) + " ms"
 
 
 def _summary(times: list[float]) -> str:

@@ -101,6 +101,11 @@ def detected_positions(intervals: torch.Tensor, seq_len: int) -> list[int]:
     row lies in no column's run, in every batch row and head. One host read: their count and the
     first DETECT_LISTED of them (a second where there are more); a nonzero of the free columns,
     a boolean index and a list took three."""
+    return _listed(_global_rows(intervals, seq_len))[0]
+
+
+def _global_rows(intervals: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len] bool, on the device: the global positions of `detected_positions`."""
     starts, ends = intervals[..., 0::2], intervals[..., 1::2]
     live = ends.clamp(max=seq_len) > starts.clamp(min=0)
     free_column = ~live.any(-1).flatten(0, 1).any(0)  # [seq_len]: the columns every query attends
@@ -114,29 +119,74 @@ def detected_positions(intervals: torch.Tensor, seq_len: int) -> list[int]:
         w = w.to(torch.int64)
         cover.scatter_add_(0, s.to(torch.int64).clamp(0, seq_len), w)
         cover.scatter_add_(0, e.to(torch.int64).clamp(0, seq_len), -w)
-    is_global = free_column & (cover.cumsum(0)[:-1] == 0)
+    return free_column & (cover.cumsum(0)[:-1] == 0)
+
+
+def _listed(is_global: torch.Tensor, *more: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(the positions where `is_global`, the values of the one-element tensors `more`) in one host
+    read: the count, the first DETECT_LISTED positions and `more` together; a second read lists the
+    positions past DETECT_LISTED."""
     listed = torch.nonzero_static(is_global, size=DETECT_LISTED, fill_value=-1).flatten()
-    count, *positions = torch.cat([is_global.sum().view(1), listed]).tolist()
+    values = torch.cat([is_global.sum().view(1), *(t.view(1).to(torch.int64) for t in more), listed]).tolist()
+    count, extra, positions = values[0], values[1:1 + len(more)], values[1 + len(more):]
     if count > DETECT_LISTED:
         positions = torch.nonzero_static(is_global, size=count).flatten().tolist()
-    return positions[:count]
+    return positions[:count], extra
 
 
 def reordered_runs(intervals: torch.Tensor, seq_len: int) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
     """(the mask in the order of `token_order`, order, inverse) for any self-attention mask given as
     its compiled runs whose global tokens (`detected_positions`) are not already in front and are
     at most a quarter of the tokens; else None. A run holds no global row, so it moves whole (each
-    endpoint e to G + e - (global tokens before e)), and the runs a global row split touch again:
-    `column_runs` merges them. The `from_mask_mod` form of `x | global_tokens(P)` takes the order
-    of the builder's spec this way."""
-    positions = detected_positions(intervals, seq_len)
+    endpoint e to G + e - (global tokens before e)), and the runs a global row split touch again.
+    The `from_mask_mod` form of `x | global_tokens(P)` takes the order of the builder's spec this
+    way. The moved runs are merged and counted on the device and the count read with the global
+    tokens (one read): where every column holds at most two, the reordered mask is two runs a
+    column, which compile without a count of their own; else `column_runs` merges them."""
+    is_global = _global_rows(intervals, seq_len)
+    runs = intervals.to(torch.int64).clamp(0, seq_len)
+    # global rows before each row, and the total: an endpoint e moves to G + e - before[e]
+    before = torch.cat([is_global.new_zeros(1, dtype=torch.int64), is_global.cumsum(0)])
+    moved = before[-1] + runs - before[runs]
+    if runs.shape[-1] > 4:  # k runs: sorted, empty slots last (masks/intervals.py)
+        merged, most = _merged_runs(moved)
+        positions, (most,) = _listed(is_global, most)
+        moved = merged if most <= 2 else moved
+    else:  # two intervals (the canonical slots, not sorted): two runs after the move too
+        positions, _ = _listed(is_global)
     g = len(positions)
     if g == 0 or g > seq_len // 4 or positions == list(range(g)):
         return None
-    pos = to_device(positions, intervals.device)  # once, for the order and the moved runs
-    order, inverse = _order_of(pos, seq_len)
-    runs = intervals.to(torch.int64).clamp(0, seq_len)
-    return _moved(runs, pos, order), order, inverse
+    order, inverse = _order_of(to_device(positions, intervals.device), seq_len)
+    return _moved_columns(moved, g, order), order, inverse
+
+
+def _merged_runs(moved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the runs [B, H, S, 4] of moved runs [B, H, S, 2R] (sorted, empty slots last) with the runs
+    that touch merged, in two slots, and the most merged runs a column holds, a device scalar). The
+    two slots are exact where that most is at most two; a run past them is dropped."""
+    starts, ends = moved[..., 0::2], moved[..., 1::2]
+    live = ends > starts
+    touches = torch.cat([torch.zeros_like(live[..., :1]), starts[..., 1:] == ends[..., :-1]], dim=-1)
+    opens = live & ~touches  # a run that starts a merged run
+    slot = (opens.cumsum(-1) - 1).clamp(0, 2)  # 2: past the two slots
+    slot = torch.where(live, slot, 2)
+    first = torch.full((*moved.shape[:-1], 3), torch.iinfo(torch.int64).max, dtype=moved.dtype, device=moved.device)
+    last = torch.zeros((*moved.shape[:-1], 3), dtype=moved.dtype, device=moved.device)
+    first = first.scatter_reduce(-1, slot, starts, "amin")
+    last = last.scatter_reduce(-1, slot, torch.where(live, ends, 0), "amax")
+    first = torch.minimum(first, last)[..., :2]  # an unused slot: (0, 0)
+    merged = torch.stack([first, last[..., :2]], dim=-1).flatten(-2)
+    return merged, opens.sum(-1).max()
+
+
+def _moved_columns(moved: torch.Tensor, g: int, order: torch.Tensor) -> specs.Mask:
+    """column_runs of moved runs [B, H, seq_len, 2R] with the columns in `order` (the g global
+    tokens first): the global columns mask nothing."""
+    moved = moved[:, :, order[g:], :]  # the reordered columns past the global ones
+    empty = moved.new_zeros(*moved.shape[:2], g, moved.shape[-1])  # the global columns: nothing masked
+    moved = torch.cat([empty, moved], dim=2)
+    return specs.column_runs(moved[..., 0::2], moved[..., 1::2])
 
 
 def fewer_tiles(reordered, natural) -> bool:
@@ -147,18 +197,6 @@ def fewer_tiles(reordered, natural) -> bool:
     ]).tolist()  # one read of the four counts
     partial, was_partial = visited - full, was_visited - was_full
     return visited <= was_visited and partial <= was_partial and (visited, partial) != (was_visited, was_partial)
-
-
-def _moved(runs: torch.Tensor, pos: torch.Tensor, order: torch.Tensor) -> specs.Mask:
-    """column_runs of runs [B, H, seq_len, 2R] in the order `order` of the global tokens at the
-    uploaded positions `pos`: each endpoint e moved to G + e - (global tokens before e), which takes
-    the global rows out of a run, the global columns unmasked."""
-    g = pos.numel()
-    before = torch.searchsorted(pos, runs)
-    moved = (g + runs - before)[:, :, order[g:], :]  # the reordered columns past the global ones
-    empty = moved.new_zeros(*moved.shape[:2], g, moved.shape[-1])  # the global columns: nothing masked
-    moved = torch.cat([empty, moved], dim=2)
-    return specs.column_runs(moved[..., 0::2], moved[..., 1::2])
 
 
 def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
@@ -179,4 +217,5 @@ def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, tor
         runs[..., 1] = seq_len
     else:  # [B, H, Sk, 2R]: (start, end) pairs
         runs = rest.intervals(seq_len, seq_len, device).to(torch.int64).clamp(0, seq_len)
-    return _moved(runs, pos, order), order, inverse
+    moved = len(positions) + runs - torch.searchsorted(pos, runs)  # G + e - (global tokens before e)
+    return _moved_columns(moved, len(positions), order), order, inverse
