@@ -20,10 +20,10 @@ same masks written with flexmask's builders (`masks.natten`, `masks.dilated_slid
 `masks.causal`, a window | `masks.global_tokens`). `--profile` adds one more compile of
 each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
 compile's time goes between the compiled pass, the eager operations and the host syncs.
-`--phases` times the steps of `compile_mask` apart (median
-of the repeats): the natural tables (`compile_spec`), the global tokens' order (token_order.reordered
-for a builder, `reordered_runs` of the natural runs for a mask_mod), the reordered tables and
-`fewer_tiles`. `--inductor-options` replaces the Inductor options of the compiled pass on CUDA
+`--phases` times the steps of `compile_mask` apart (medians of the repeats): the natural tables
+(`compile_spec`), the global tokens' order (token_order.reordered for a builder, `reordered_runs` of
+the natural runs for a mask_mod), the reordered tables and `fewer_tiles`.
+`--inductor-options` replaces the Inductor options of the compiled pass on CUDA
 (intervals._WORD_KERNEL_OPTIONS), e.g. '{}' for Inductor's defaults or
 '{"triton.prefer_nd_tiling": true}' (2-D tiles: per-row and per-column terms computed once a
 tile row or column instead of per pair).

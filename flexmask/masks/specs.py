@@ -532,8 +532,8 @@ def column_runs(starts, ends) -> Mask:
     A column may hold up to 16 merged runs (DESIGN.md 2.1): more raise a ValueError naming the
     column and its runs; in a composition (``&``, ``|``) only the final mask must fit. Masks of
     more than two runs in some column take kernels built for 4, 8 or 16 runs a column, which read
-    the runs in PARTIAL tiles only. Tensors on a GPU are used there: their rows are clamped to [0, q_len] instead of checked (the
-    run count is still read, one host sync).
+    the runs in PARTIAL tiles only. Tensors on a GPU are used there: their rows are clamped to
+    [0, q_len] instead of checked (the run count is still read, one host sync).
     """
     tensors = {}
     for name, value in (("starts", starts), ("ends", ends)):
