@@ -475,6 +475,19 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     return (out, lse) if return_lse else out
 
 
+def chunk_attention(q, k, v, cm: CompiledMask, scale: float, softcap: float, alibi_slopes: Tensor,
+                    alibi_shift: int) -> tuple[Tensor, Tensor]:
+    """(out, lse) of `attention`'s eager path for a chunk of a longer sequence (context
+    parallelism): query row 0 sits `alibi_shift` positions past key 0 in ALiBi's distances
+    (|i + alibi_shift - j|, where `attention` takes Sk - Sq). The caller checked the terms."""
+    _check_qkv(q, k, v)
+    tables = _table_args(_resolve_mask(cm, q.shape[2], k.shape[2], q.device))
+    _check_mask_heads(tables[7], tables[8], q.shape[0], q.shape[1], k.shape[1])
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return attention_eager(q, k, v, *tables, float(scale), int(torch.are_deterministic_algorithms_enabled()),
+                           softcap=softcap, alibi_slopes=alibi_slopes, alibi_shift=int(alibi_shift))
+
+
 def _step_mask_key(mask):
     """The mask's part of a decode step's key (kernels/decode/steps.py): ("full",), a CompiledMask
     itself, a spec's structural key; None for a spec the key does not cover or no mask at all."""

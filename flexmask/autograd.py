@@ -41,19 +41,19 @@ def _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_n
     )
 
 
-def _terms(softcap, alibi_slopes, sinks) -> ScoreTerms | None:
+def _terms(softcap, alibi_slopes, sinks, alibi_shift=None) -> ScoreTerms | None:
     if softcap == 0 and alibi_slopes is None and sinks is None:  # every call without terms
         return None
-    terms = ScoreTerms(float(softcap), alibi_slopes, sinks)
+    terms = ScoreTerms(float(softcap), alibi_slopes, sinks, alibi_shift)
     return terms if terms.active else None
 
 
 def _forward_impl(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
                   mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale, deterministic=-1,
-                  softcap=0.0, alibi_slopes=None, sinks=None):
+                  softcap=0.0, alibi_slopes=None, sinks=None, alibi_shift=None):
     cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
-    terms = _terms(softcap, alibi_slopes, sinks)
+    terms = _terms(softcap, alibi_slopes, sinks, alibi_shift)
     if terms is None:  # the call without terms is the one it always was
         return attention_forward(q, k, v, cm, scale)
     return attention_forward(q, k, v, cm, scale, terms=terms)
@@ -61,8 +61,9 @@ def _forward_impl(q, k, v, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd
 
 def _backward_impl(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets,
                    bwd_num_full, bwd_blocks, mask_batch, mask_heads, tile_m, tile_n, tiles_visited, scale,
-                   deterministic=-1, softcap=0.0, alibi_slopes=None, sinks=None):
-    """(dq, dk, dv, dsinks): dsinks is (Hq,) fp32 with sinks, None without."""
+                   deterministic=-1, softcap=0.0, alibi_slopes=None, sinks=None, alibi_shift=None):
+    """(dq, dk, dv, dsinks): dsinks is (Hq,) fp32 with sinks, None without. `alibi_shift` (eager
+    calls only): ALiBi's position of query row 0 past key 0 (ScoreTerms; None: Sk - Sq)."""
     cm = _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,
                  mask_batch, mask_heads, tile_m, tile_n, tiles_visited, q.shape[2], k.shape[2])
     if do.stride(-1) != 1:
@@ -71,7 +72,7 @@ def _backward_impl(do, dlse, q, k, v, o, lse, intervals, fwd_offsets, fwd_num_fu
         deterministic = int(torch.are_deterministic_algorithms_enabled())
     dsinks = torch.empty(q.shape[1], dtype=torch.float32, device=q.device) if sinks is not None else None
     dq, dk, dv = attention_backward(do, dlse, q, k, v, o, lse, cm, scale, deterministic=bool(deterministic),
-                                    terms=_terms(softcap, alibi_slopes, sinks), dsinks=dsinks)
+                                    terms=_terms(softcap, alibi_slopes, sinks, alibi_shift), dsinks=dsinks)
     return dq, dk, dv, dsinks
 
 
@@ -165,11 +166,12 @@ class _EagerAttention(torch.autograd.Function):
     mask tables travel as one tuple, not as inputs: autograd has nothing to track there."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, tables, consts, softcap, alibi_slopes):
-        o, lse = _forward_impl(q, k, v, *tables, *consts, softcap, alibi_slopes, sinks)
+    def forward(ctx, q, k, v, sinks, tables, consts, softcap, alibi_slopes, alibi_shift):
+        o, lse = _forward_impl(q, k, v, *tables, *consts, softcap, alibi_slopes, sinks, alibi_shift)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, as with the op
         ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.tables, ctx.consts, ctx.softcap, ctx.alibi_slopes = tables, consts, softcap, alibi_slopes
+        ctx.alibi_shift = alibi_shift
         return o, lse
 
     @staticmethod
@@ -180,18 +182,20 @@ class _EagerAttention(torch.autograd.Function):
         if dlse is not None:
             dlse = dlse.contiguous()
         dq, dk, dv, dsinks = _backward_impl(do, dlse, q, k, v, o, lse, *ctx.tables, *ctx.consts, ctx.softcap,
-                                            ctx.alibi_slopes, sinks)
-        return dq, dk, dv, dsinks, None, None, None, None
+                                            ctx.alibi_slopes, sinks, ctx.alibi_shift)
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
-def attention_eager(q, k, v, *args, softcap: float = 0.0, alibi_slopes=None, sinks=None) -> tuple[Tensor, Tensor]:
+def attention_eager(q, k, v, *args, softcap: float = 0.0, alibi_slopes=None, sinks=None,
+                    alibi_shift: int | None = None) -> tuple[Tensor, Tensor]:
     """attention_fwd's arguments (the score terms as keywords); autograd only where a gradient
     can flow (otherwise the kernels are called directly: the Function's own bookkeeping is
-    skipped too)."""
+    skipped too). `alibi_shift`: ALiBi's position of query row 0 past key 0 (None: Sk - Sq), for a
+    chunk of a longer sequence (context parallelism)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
-        return _EagerAttention.apply(q, k, v, sinks, args[:7], args[7:], softcap, alibi_slopes)
-    return _forward_impl(q, k, v, *args, softcap, alibi_slopes, sinks)
+        return _EagerAttention.apply(q, k, v, sinks, args[:7], args[7:], softcap, alibi_slopes, alibi_shift)
+    return _forward_impl(q, k, v, *args, softcap, alibi_slopes, sinks, alibi_shift)
 
 
 class _Reorder(torch.autograd.Function):

@@ -51,13 +51,13 @@ class Case:
     dtype: torch.dtype = FP32
     with_dlse: bool = False
     layout: str = "bhsd"  # "bshd": q/k/v are .transpose(1, 2) views, sharded along dim 1 of (B, S, H, D)
-    terms: bool = False  # softcap and sinks (score terms, DESIGN.md section 1): case_terms
+    terms: bool | str = False  # softcap and sinks (score terms, DESIGN.md section 1), "alibi" with ALiBi: case_terms
     chunks: str | tuple | None = None  # fmd layout: None (default), "balanced" (the mask's), or its chunks
 
     @property
     def name(self) -> str:
         extra = f"W{self.world}" + ("-dlse" if self.with_dlse else "") + ("-bshd" if self.layout == "bshd" else "")
-        extra += "-softcap-sinks" if self.terms else ""
+        extra += ("-softcap-sinks" + ("-alibi" if self.terms == "alibi" else "")) if self.terms else ""
         if self.chunks is not None:
             extra += "-" + (self.chunks if isinstance(self.chunks, str) else "".join(f"{a}{b}" for a, b in self.chunks))
         return case_id(self.b, self.hq, self.hkv, self.s, None, self.d, self.dtype, self.family, extra)
@@ -94,11 +94,16 @@ def case_mask(case: Case) -> masks.Mask:
 
 
 def case_terms(case: Case, device="cpu") -> dict:
-    """Soft-capping inside every chunk call, and sinks added once per row after the merge."""
+    """Soft-capping inside every chunk call, and sinks added once per row after the merge; with
+    "alibi" ALiBi slopes too ((B, Hq) where B > 1), large enough that a wrong distance shows."""
     if not case.terms:
         return {}
     sinks = torch.randn(case.hq, generator=torch.Generator().manual_seed(3)).to(device)
-    return {"softcap": 2.0, "sinks": sinks}
+    terms = {"softcap": 2.0, "sinks": sinks}
+    if case.terms == "alibi":
+        shape = (case.b, case.hq) if case.b > 1 else (case.hq,)
+        terms["alibi_slopes"] = (0.05 + 0.2 * torch.rand(shape, generator=torch.Generator().manual_seed(4))).to(device)
+    return terms
 
 
 def case_inputs(case: Case, device="cpu"):
@@ -127,6 +132,9 @@ CPU_CASES = [
     Case(3, "document_per_batch", 144, b=2),
     Case(2, "empty_rows", 96, with_dlse=True, terms=True),  # rows that see nothing: output 0, LSE = the sink
     Case(3, "causal", 144, terms=True),
+    # ALiBi: distances between global positions, one call per key chunk (a rank's two are apart)
+    Case(2, "sliding_window_bidir", 96, terms="alibi", with_dlse=True),
+    Case(3, "document_per_batch", 144, b=2, terms="alibi"),
     Case(2, "global_tokens_window", 96),  # more than two masked runs in a column: the k-run tables
     # W=4 at S=192: chunks of 24 again; one spawn, so only the two cases that matter most
     Case(4, "causal", 192, with_dlse=True),
@@ -188,7 +196,7 @@ def _bad_input(group, device) -> dict:
     _expect_error(res, "mask_type", lambda: fmd.attention(q, q, q, torch.ones(96, 96, dtype=torch.bool), group))
     _expect_error(res, "mask_length", lambda: fmd.attention(q, q, q, masks.document([50, 50]), group))
     _expect_error(res, "rank_3d", lambda: fmd.attention(q[0], q[0], q[0], None, group))
-    _expect_error(res, "alibi", lambda: fmd.attention(q, q, q, None, group, alibi_slopes=torch.ones(2)))
+    _expect_error(res, "alibi", lambda: fmd.attention(q, q, q, None, group, alibi_slopes=torch.ones(3, device=device)))
     _expect_error(res, "sinks_shape", lambda: fmd.attention(q, q, q, None, group, sinks=torch.ones(3)))
     # without autograd (inference) the same calls give the same output, bit for bit
     causal = masks.causal()
@@ -303,7 +311,8 @@ def reference_with_terms(q, k, v, mask, do, dlse, terms: dict, dtype):
     """(out, lse, dq, dk, dv, dsinks) by autograd through reference.attention with the score terms."""
     qr, kr, vr = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
     sinks = terms["sinks"].detach().to(dtype).requires_grad_(True)
-    out, lse = reference.attention(qr, kr, vr, mask, dtype=dtype, softcap=terms["softcap"], sinks=sinks)
+    out, lse = reference.attention(qr, kr, vr, mask, dtype=dtype, softcap=terms["softcap"], sinks=sinks,
+                                   alibi_slopes=terms.get("alibi_slopes"))
     loss = (out * do.to(dtype)).sum()
     if dlse is not None:
         loss = loss + (lse * dlse.to(dtype)).sum()
@@ -358,7 +367,7 @@ BAD_INPUT = {
     "layout_world_attention": ("ValueError", "layout is for 3 ranks"),
     "layout_type": ("TypeError", "layout must be"),
     "layouts_disagree": ("ValueError", "disagree on layout"),
-    "alibi": ("ValueError", "alibi_slopes is not supported by flexmask.distributed.attention"),
+    "alibi": ("ValueError", "alibi_slopes must have shape (2,) or (1, 2)"),
     "sinks_shape": ("ValueError", "sinks must have shape (2,)"),
 }
 

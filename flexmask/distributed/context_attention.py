@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..api import _check_score_terms, attention as _attention
+from ..api import _check_score_terms, attention as _attention, chunk_attention
 from ..masks import specs
 from ..masks.compiler import CompiledMask
 from .exchange import post_grad_exchange, post_kv_exchange, wait
@@ -23,7 +23,16 @@ def _key_block(item: Item, local, received, c: int):
     return k.narrow(2, item.key_start * c, n * c), v.narrow(2, item.key_start * c, n * c)
 
 
-def _forward(q, k, v, rp: RankPlan, group, scale: float, keep_graph: bool, softcap: float = 0.0):
+def _call(q, k, v, item: Item, scale: float, softcap: float, alibi_slopes):
+    """(out, lse) of one item: flexmask.attention, or with ALiBi its chunk path, whose distances
+    start at the item's global offset (one key half an item then: rank_plan's one_half)."""
+    if alibi_slopes is None:
+        return _attention(q, k, v, item.mask, scale=scale, return_lse=True, softcap=softcap)
+    return chunk_attention(q, k, v, item.mask, scale, softcap, alibi_slopes, item.alibi_shift)
+
+
+def _forward(q, k, v, rp: RankPlan, group, scale: float, keep_graph: bool, softcap: float = 0.0,
+             alibi_slopes=None):
     """Runs the plan. Returns (out, lse, state); with keep_graph, state holds each call's
     autograd graph (its leaf inputs and outputs) for `_backward`."""
     c = rp.plan.chunk_len
@@ -40,9 +49,9 @@ def _forward(q, k, v, rp: RankPlan, group, scale: float, keep_graph: bool, softc
         if keep_graph:
             leaves = [t.detach().requires_grad_(True) for t in (q_in, k_in, v_in)]
             with torch.enable_grad():
-                o, lse = _attention(*leaves, item.mask, scale=scale, return_lse=True, softcap=softcap)
+                o, lse = _call(*leaves, item, scale, softcap, alibi_slopes)
         else:
-            o, lse = _attention(q_in, k_in, v_in, item.mask, scale=scale, return_lse=True, softcap=softcap)
+            o, lse = _call(q_in, k_in, v_in, item, scale, softcap, alibi_slopes)
         partials[item.q_half].append((item, o, lse, leaves))
     if not waited:
         wait(works)
@@ -117,8 +126,9 @@ def _backward(dout, dlse, q, k, v, rp: RankPlan, group, state):
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rp, group, scale, softcap):
-        out, lse, state = _forward(q, k, v, rp, group, scale, keep_graph=True, softcap=softcap)
+    def forward(ctx, q, k, v, rp, group, scale, softcap, alibi_slopes):
+        out, lse, state = _forward(q, k, v, rp, group, scale, keep_graph=True, softcap=softcap,
+                                   alibi_slopes=alibi_slopes)
         ctx.rp, ctx.group, ctx.state = rp, group, state
         ctx.save_for_backward(q, k, v)
         return out, lse
@@ -128,7 +138,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         dq, dk, dv = _backward(dout, dlse, q, k, v, ctx.rp, ctx.group, ctx.state)
         ctx.state = None
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _add_sinks(out, lse, sinks):
@@ -168,11 +178,12 @@ def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, ret
     natural-log LSE (B, Hq, S/W) float32. Differentiable in q, k, v (and through the LSE);
     dK/dV of the chunks a rank lent are returned to their owner in the backward.
 
-    Score terms (as `flexmask.attention`): softcap runs inside every chunk call; sinks ((Hq,)
-    float32, the same on every rank) are added once per row after the chunks are merged, not once
-    per chunk. The sinks' gradient on a rank covers that rank's rows: sum it over the group as for
-    any replicated parameter (DDP does). alibi_slopes is not supported yet (ALiBi needs the global
-    position of every key of a chunk pair, and a rank's two chunks are not adjacent): a ValueError.
+    Score terms (as `flexmask.attention`): softcap runs inside every chunk call; alibi_slopes
+    ((Hq,) or (B, Hq) float32) too, each chunk call measuring distances between global positions
+    (one call per key chunk then: a rank's two chunks are not adjacent); sinks ((Hq,) float32, the
+    same on every rank) are added once per row after the chunks are merged, not once per chunk. The
+    sinks' gradient on a rank covers that rank's rows: sum it over the group as for any replicated
+    parameter (DDP does).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -201,20 +212,20 @@ def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, ret
         scale = 1.0 / math.sqrt(d)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    softcap = _check_score_terms(softcap, alibi_slopes, sinks, q.shape[0], q.shape[1], q.device)
     if alibi_slopes is not None:
-        raise ValueError("alibi_slopes is not supported by flexmask.distributed.attention yet (ALiBi needs the global "
-                         "positions of each chunk pair); use flexmask.attention on the whole sequence")
-    softcap = _check_score_terms(softcap, None, sinks, q.shape[0], q.shape[1], q.device)
+        alibi_slopes = alibi_slopes.detach().contiguous()  # no gradient to the slopes
     world, rank = group_info(group)
     layout = resolve_layout(layout, world)
     seq_len = q.shape[2] * world
     shape_sig = [q.shape[0], q.shape[1], k.shape[1], q.shape[2], d]
-    rp = rank_plan(mask, seq_len, world, rank, q.device, group, shape_sig, layout)
+    rp = rank_plan(mask, seq_len, world, rank, q.device, group, shape_sig, layout, one_half=alibi_slopes is not None)
 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = _ContextParallelAttention.apply(q, k, v, rp, group, float(scale), softcap)
+        out, lse = _ContextParallelAttention.apply(q, k, v, rp, group, float(scale), softcap, alibi_slopes)
     else:
-        out, lse, _ = _forward(q, k, v, rp, group, float(scale), keep_graph=False, softcap=softcap)
+        out, lse, _ = _forward(q, k, v, rp, group, float(scale), keep_graph=False, softcap=softcap,
+                               alibi_slopes=alibi_slopes)
     if sinks is not None:
         out, lse = _add_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

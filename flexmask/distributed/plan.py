@@ -115,6 +115,8 @@ class Item:
     key_halves: list[int]
     mask: CompiledMask
     key_start: int = 0  # where those halves start in the source's K/V block (in chunks)
+    # ALiBi's position of the query chunk's row 0 past the key chunk's key 0 (one key half), or None
+    alibi_shift: int | None = None
 
 
 @dataclass
@@ -137,7 +139,10 @@ def _sub_mask(intervals: torch.Tensor, q_chunk: int, key_chunks: list[int], c: i
     return compile_mask(specs.column_runs(rows[..., 0::2], rows[..., 1::2]), c, len(key_chunks) * c, device=device)
 
 
-def _build_rank_plan(intervals: torch.Tensor, seq_len: int, world: int, rank: int, device, layout: Layout) -> RankPlan:
+def _build_rank_plan(intervals: torch.Tensor, seq_len: int, world: int, rank: int, device, layout: Layout,
+                     one_half: bool = False) -> RankPlan:
+    """The rank's items; with `one_half` (ALiBi: the distances need each key's global position, and a
+    source's two halves are not adjacent) one item per key half, with its ALiBi shift."""
     plan = ContextPlan(world, seq_len, _chunk_pairs(intervals, seq_len, world), layout)
     c = plan.chunk_len
     rp = RankPlan(plan, rank, [])
@@ -154,11 +159,11 @@ def _build_rank_plan(intervals: torch.Tensor, seq_len: int, world: int, rank: in
         src_chunks = layout.rank_chunks(source)
         for q_half, q_chunk in enumerate(my_chunks):
             halves = [h for h in held if bool(plan.pairs[q_chunk, src_chunks[h]])]
-            if not halves:
-                continue
-            keys = [src_chunks[h] for h in halves]
-            rp.items.append(Item(q_half, source, halves, _sub_mask(intervals, q_chunk, keys, c, device),
-                                  key_start=held.index(halves[0])))
+            for group in ([h] for h in halves) if one_half else ([halves] if halves else []):
+                keys = [src_chunks[h] for h in group]
+                shift = (q_chunk - keys[0]) * c if len(keys) == 1 else None
+                rp.items.append(Item(q_half, source, group, _sub_mask(intervals, q_chunk, keys, c, device),
+                                     key_start=held.index(group[0]), alibi_shift=shift))
     return rp
 
 
@@ -168,14 +173,14 @@ _MAX_PLANS_PER_MASK = 8
 
 
 def rank_plan(mask, seq_len: int, world: int, rank: int, device, group, shape_sig: list[int],
-              layout: Layout | None = None) -> RankPlan:
+              layout: Layout | None = None, one_half: bool = False) -> RankPlan:
     layout = resolve_layout(layout, world)
     owner = _FULL if mask is None else mask
     cache = _PLANS.setdefault(owner, {})
-    key = (seq_len, world, rank, str(device), layout.chunks)
+    key = (seq_len, world, rank, str(device), layout.chunks, one_half)
     if key not in cache:
         intervals = _global_intervals(mask, seq_len, device)
-        rp = _build_rank_plan(intervals, seq_len, world, rank, device, layout)
+        rp = _build_rank_plan(intervals, seq_len, world, rank, device, layout, one_half)
         _check_agreement(rp.plan, shape_sig, group, device)
         if len(cache) >= _MAX_PLANS_PER_MASK:
             cache.pop(next(iter(cache)))
