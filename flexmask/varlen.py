@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import Optional
 
 import torch
+from torch import Tensor
 
-from .api import attention
+from .api import _table_args, attention
+from .autograd import _backward_impl, _forward_impl, op_outputs
 from .kernels.common.tiles import default_tile
 from .masks import specs
 from .masks.compiler import CompiledMask, build_tables
@@ -193,9 +196,8 @@ def compile_intervals(intervals: torch.Tensor, q_len: int, kv_len: int) -> Compi
 
 @torch.compiler.disable
 def _plan(cu_q, cu_k, total_q, total_k, causal, left, right, max_seqlen_q, max_seqlen_k) -> CompiledMask:
-    """The CompiledMask for these cu_seqlens, from the cache when possible. Outside any
-    torch.compile graph: the values of cu_seqlens size the tables (a graph break here, then the
-    attention op itself is traced)."""
+    """The CompiledMask for these cu_seqlens, from the cache when possible. Never traced: the
+    values of cu_seqlens size the tables (under torch.compile the varlen ops call it when they run)."""
     extra = (total_q, total_k, causal, left, right, str(cu_q.device))
     tensors = (cu_q, cu_k)
     identity = _PLANS.identity(tensors)
@@ -233,6 +235,74 @@ def _check_alibi_positions(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int,
             f"sequence (total_k - total_q = {total_k - total_q}); sequence {s} has {int(gap[s + 1])}")
 
 
+# --- under torch.compile: the plan inside the ops ------------------------------------------------
+# The tables depend on the values of cu_seqlens, which a traced graph cannot read; these ops take
+# cu_seqlens as tensors and plan when they run (the same PlanCache, so every layer of a step and the
+# backward find the tables without a host sync), so a compiled model has no graph break here.
+
+
+def _varlen_tables(q, k, cu_q, cu_k, causal, left, right, alibi) -> tuple:
+    total_q, total_k = q.shape[2], k.shape[2]
+    mask = _plan(cu_q, cu_k, total_q, total_k, causal, left, right, None, None)
+    if alibi:
+        _check_alibi_positions(cu_q, cu_k, total_q, total_k)
+    return _table_args(mask)
+
+
+@torch.library.custom_op("flexmask::varlen_fwd", mutates_args=())
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, causal: bool, left: int, right: int,
+               scale: float, deterministic: int, softcap: float, alibi_slopes: Optional[Tensor],
+               sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(out, lse) of (1, H, total, D) views of packed q, k, v: the attention op of api.py with its
+    tables planned from cu_seqlens when it runs."""
+    tables = _varlen_tables(q, k, cu_q, cu_k, causal, left, right, alibi_slopes is not None)
+    return _forward_impl(q, k, v, *tables, scale, deterministic, softcap, alibi_slopes, sinks)
+
+
+@varlen_fwd.register_fake
+def _(q, k, v, cu_q, cu_k, causal, left, right, scale, deterministic, softcap, alibi_slopes, sinks):
+    b, h, s, d = q.shape
+    return q.new_empty(b, h, s, d), q.new_empty(b, h, s, dtype=torch.float32)
+
+
+@torch.library.custom_op("flexmask::varlen_bwd", mutates_args=())
+def varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+               cu_q: Tensor, cu_k: Tensor, causal: bool, left: int, right: int, scale: float, deterministic: int,
+               softcap: float, alibi_slopes: Optional[Tensor],
+               sinks: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks) of varlen_fwd; dsinks is empty without sinks."""
+    tables = _varlen_tables(q, k, cu_q, cu_k, causal, left, right, False)
+    return op_outputs(*_backward_impl(do, dlse, q, k, v, o, lse, *tables, scale, deterministic, softcap,
+                                      alibi_slopes, sinks))
+
+
+@varlen_bwd.register_fake
+def _(do, dlse, q, k, v, o, lse, cu_q, cu_k, causal, left, right, scale, deterministic, softcap, alibi_slopes,
+      sinks):
+    dsinks = q.new_empty(q.shape[1] if sinks is not None else 0, dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *consts, alibi_slopes, sinks = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi_slopes, sinks)
+    ctx.consts = tuple(consts)  # causal, left, right, scale, deterministic, softcap
+
+
+def _varlen_backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
+    if do is None:  # only the LSE was used
+        do = torch.zeros_like(o)
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    dq, dk, dv, dsinks = varlen_bwd(do.contiguous(), dlse, q, k, v, o, lse, cu_q, cu_k, *ctx.consts, alibi_slopes,
+                                    sinks)
+    return dq, dk, dv, *([None] * 9), (dsinks if sinks is not None else None)
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      causal: bool = False, window=(-1, -1), softmax_scale: float | None = None,
                      return_lse: bool = False, deterministic: bool | None = None, softcap: float = 0.0,
@@ -268,8 +338,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     No copy of q, k, v is made: they are viewed as (1, H, total, D). The mask tables are built
     on the device from cu_seqlens and cached (8 entries): every layer of a step reuses them with
     no host sync; a new cu_seqlens tensor costs one sync to check and key its values (and the
-    table build when those lengths are new). Under torch.compile the table lookup runs outside
-    the graph (one graph break) and the attention op is traced.
+    table build when those lengths are new). Under torch.compile(fullgraph=True) the call is one
+    op (flexmask::varlen_fwd, with its backward) that plans from cu_seqlens when it runs: no
+    graph break, and a new packing needs no recompile where its shapes are seen before.
     """
     _check_packed(q, k, v)
     total_q, total_k = q.shape[0], k.shape[0]
@@ -290,14 +361,38 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                                       or not math.isfinite(softmax_scale) or softmax_scale <= 0):
         raise ValueError(f"softmax_scale must be None or a positive finite float, got {softmax_scale!r}")
 
+    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+    if torch.compiler.is_compiling() and total_q > 0 and total_k > 0:  # the ops: no graph break
+        out, lse = _compiled_varlen(q4, k4, v4, cu_seqlens_q, cu_seqlens_k, causal, left, right, softmax_scale,
+                                    deterministic, softcap, alibi_slopes, sinks)
+        out = out.transpose(1, 2).squeeze(0)
+        return (out, lse.squeeze(0)) if return_lse else out
     mask = None
     if total_q > 0 and total_k > 0:
         mask = _plan(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, left, right, max_seqlen_q, max_seqlen_k)
         if alibi_slopes is not None:
             _check_alibi_positions(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     # (total, H, D) -> (1, H, total, D): a strided view, which flexmask.attention accepts as is
-    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
     out, lse = attention(q4, k4, v4, mask, scale=softmax_scale, return_lse=True, deterministic=deterministic,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     out = out.transpose(1, 2).squeeze(0)
     return (out, lse.squeeze(0)) if return_lse else out
+
+
+def _compiled_varlen(q4, k4, v4, cu_q, cu_k, causal, left, right, scale, deterministic, softcap, alibi_slopes, sinks):
+    """varlen_fwd with flexmask.attention's checks and defaults (its terms checked, the slopes
+    detached, deterministic resolved to an int)."""
+    from .api import _check_qkv, _check_score_terms
+
+    _check_qkv(q4, k4, v4)
+    scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    softcap = _check_score_terms(softcap, alibi_slopes, sinks, 1, q4.shape[1], q4.device)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach().contiguous()
+    if sinks is not None:
+        sinks = sinks.contiguous()
+    q4, k4, v4 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4))
+    return varlen_fwd(q4, k4, v4, cu_q, cu_k, causal, left, right, scale, int(deterministic), softcap,
+                      alibi_slopes, sinks)

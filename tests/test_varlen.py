@@ -179,25 +179,41 @@ def test_plans_are_cached(monkeypatch):
     assert torch.equal(moved, expected) and not torch.equal(moved, first)
 
 
-def test_torch_compile():
-    """Under torch.compile (aot_eager), with several packings of the same total length: the
-    plan lookup runs outside the graph, the attention op is traced, and output and gradients
-    equal eager mode."""
+@pytest.mark.parametrize("terms", ["none", "all"])
+def test_torch_compile(terms):
+    """Under torch.compile(fullgraph=True, backend="aot_eager"), with several packings of the same
+    total length and with every score term (DESIGN.md 1: the terms combine with varlen_attention
+    and torch.compile(fullgraph=True)): no graph break (the tables are planned inside the ops when
+    they run), and loss, gradients and the sinks' gradient equal eager mode bitwise."""
     torch._dynamo.reset()
     q, k, v, do = packed_qkv(96, 96, 2, 1, 16, FP32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    dlse = torch.randn(2, 96, generator=gen)
+    kw = {} if terms == "none" else {"softcap": 3.0, "alibi_slopes": torch.tensor([0.3, 0.1])}
+    sinks = None if terms == "none" else torch.randn(2, generator=gen)
 
-    def loss(q, k, v, cu_seqlens):
-        return (flexmask.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, causal=True) * do).sum()
+    def loss(q, k, v, cu_seqlens, sinks):
+        out, lse = flexmask.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, causal=True, return_lse=True,
+                                             sinks=sinks, **kw)
+        return (out * do).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse).sum()
 
-    compiled = torch.compile(loss, backend="aot_eager")
-    for lens in ([10, 86], [1, 63, 32]):
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    for lens in ([10, 86], [1, 63, 32], [40, 0, 56]):
         results = []
         for f in (loss, compiled):
-            qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-            value = f(qg, kg, vg, cu(lens))
-            results.append((value.detach(), *torch.autograd.grad(value, (qg, kg, vg))))
-        for name, a, b in zip(("loss", "dq", "dk", "dv"), *results):
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v) + (() if sinks is None else (sinks,))]
+            value = f(*leaves[:3], cu(lens), leaves[3] if sinks is not None else None)
+            results.append((value.detach(), *torch.autograd.grad(value, leaves)))
+        for name, a, b in zip(("loss", "dq", "dk", "dv", "dsinks"), *results):
             assert torch.equal(a, b), f"{name}: compiled differs from eager for lengths {lens}"
+    # another packing of as many sequences is the same graph: no recompile
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    counted = torch.compile(loss, backend=counter, fullgraph=True)
+    for lens in ([10, 86], [50, 46], [95, 1]):
+        counted(q, k, v, cu(lens), sinks)
+    assert counter.frame_count == 1, counter.frame_count
 
 
 # --- bad input ------------------------------------------------------------------------------------
