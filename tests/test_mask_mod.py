@@ -782,6 +782,9 @@ def test_column_runs_bad_arguments():
     with pytest.raises(ValueError, match="starts holds row -1"):
         masks.column_runs(s - 1, s).to_dense(4, 5)
     assert bool(masks.column_runs([[0, 0]] * 5, [[0, 0]] * 5).to_dense(4, 5).all())  # lists, empty runs
+    # an empty run (start >= end) masks nothing wherever it lies (DESIGN.md 2.1), rows past q_len included
+    padded = masks.column_runs([[1, 9, -3]] * 5, [[3, 9, -5]] * 5)
+    assert torch.equal(padded.to_dense(4, 5), masks.column_runs([[1]] * 5, [[3]] * 5).to_dense(4, 5))
 
 
 def test_docstring_pictures():

@@ -628,8 +628,9 @@ def _column_runs(m, g: _Geometry) -> torch.Tensor:
             f"starts and ends must cover kv_len={g.kv_len} key columns (dimension -2), got shape {tuple(starts.shape)}"
         )
     if _host_checked(g, starts, ends):  # host data: rows out of [0, q_len] are errors, as in column_intervals
+        live = starts < ends  # an empty run (start >= end) masks nothing, wherever it lies
         for name, t in (("starts", starts), ("ends", ends)):
-            bad = (t < 0) | (t > g.q_len)
+            bad = ((t < 0) | (t > g.q_len)) & live
             if bool(bad.any()):
                 pos = bad.nonzero()[0].tolist()
                 raise ValueError(

@@ -515,8 +515,9 @@ def column_intervals(lts, lte=None, uts=None, ute=None) -> Mask:
 def column_runs(starts, ends) -> Mask:
     """Explicit masked row runs per key column, k of them: column j masks the union over r of
     rows ``[starts[..., j, r], ends[..., j, r])`` (0-based, end exclusive, within [0, q_len]).
-    A run with ``start >= end`` is empty; runs may come in any order and may overlap or touch
-    (they are merged). ``column_intervals`` is the case k = 2 with the runs in fixed slots.
+    A run with ``start >= end`` is empty (wherever it lies); runs may come in any order and may
+    overlap or touch (they are merged). ``column_intervals`` is the case k = 2 with the runs in
+    fixed slots.
 
     ``starts`` and ``ends`` are integer tensors (or nested lists) of one shape: (kv_len, k),
     (H, kv_len, k) or (B, H, kv_len, k), a size-1 batch or head dimension broadcasting.
