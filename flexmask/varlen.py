@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .api import _table_args, attention
+from .api import _check_qkv, _check_score_terms, _table_args, attention
 from .autograd import _backward_impl, _forward_impl, op_outputs
 from .kernels.common.tiles import default_tile
 from .masks import specs
@@ -382,8 +382,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
 def _compiled_varlen(q4, k4, v4, cu_q, cu_k, causal, left, right, scale, deterministic, softcap, alibi_slopes, sinks):
     """varlen_fwd with flexmask.attention's checks and defaults (its terms checked, the slopes
     detached, deterministic resolved to an int)."""
-    from .api import _check_qkv, _check_score_terms
-
     _check_qkv(q4, k4, v4)
     scale = 1.0 / math.sqrt(q4.shape[-1]) if scale is None else float(scale)
     if deterministic is None:
