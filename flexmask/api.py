@@ -26,7 +26,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def compile_mask(mask, q_len: int, kv_len: int, *, device=None, block_m: int | None = None,
+def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | None = None,
                  block_n: int | None = None) -> CompiledMask:
     """Compile a mask for one (q_len, kv_len, device) into tile tables, once; pass the result
     as `mask=` to every layer of that shape (and it serves the backward pass too).

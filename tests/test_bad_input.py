@@ -285,3 +285,14 @@ def test_flashmask_attention_rejects():
 
 def flashmask_call(q, k, v, **kwargs):
     return flexmask.flashmask_attention(q, k, v, **kwargs)
+
+
+def test_compile_mask_takes_the_device_by_position_too():
+    """DESIGN.md 1 writes `compile_mask(m, q_len, kv_len, device="cuda")`; the device may also come
+    fourth by position, and the tile sizes stay keywords."""
+    by_position = flexmask.compile_mask(masks.causal(), 40, 40, "cpu", block_m=16, block_n=16)
+    by_keyword = flexmask.compile_mask(masks.causal(), 40, 40, device="cpu", block_m=16, block_n=16)
+    assert by_position.device == by_keyword.device == torch.device("cpu")
+    assert torch.equal(by_position.tile_classes(), by_keyword.tile_classes())
+    with pytest.raises(TypeError):
+        flexmask.compile_mask(masks.causal(), 40, 40, "cpu", 16, 16)

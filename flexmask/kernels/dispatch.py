@@ -49,7 +49,7 @@ def forward_path(q: torch.Tensor, cm, terms=None) -> str:
     """Which forward kernel runs: "hopper" (forward/hopper.py: Gluon, persistent, warp-specialised)
     on sm_90 GPUs for fp16/bf16 at head dim 64 or 128 with the default 128 x 128 tables and
     inputs the copy engine can read (16-byte aligned, (B, H, S, D) or (B, S, H, D) memory
-    order); "portable" (forward.py) everywhere else: the CPU interpreter (Gluon kernels do not
+    order); "portable" (forward/portable.py) everywhere else: the CPU interpreter (Gluon kernels do not
     run there), pre-Hopper and newer GPUs (not measured), fp32, other head dims and tiles. Masks of
     k runs per column and score terms (`terms`) do not change the choice: both kernels implement
     them."""
@@ -68,11 +68,11 @@ HOPPER_FORWARD_IS_DEFAULT = True
 
 
 def backward_path(q: torch.Tensor, cm, deterministic: bool, terms=None) -> str:
-    """Which backward runs: "two-pass" when determinism is asked (backward.py, bitwise
+    """Which backward runs: "two-pass" when determinism is asked (backward/two_pass.py, bitwise
     reproducible); otherwise "hopper" (backward/hopper.py: Gluon, persistent, warp-specialised)
     where the head dim is in HOPPER_BACKWARD_HEAD_DIMS and the inputs suit it (sm_90, fp16/bf16,
-    128 x 128 tables, layouts the copy engine reads), else "fused" (backward_fused.py) where backward_fused_config offers a
-    config, else "two-pass". Masks of k runs per column and score terms (`terms`) do not change the
+    128 x 128 tables, layouts the copy engine reads), else "fused" (backward/fused.py) where
+    backward_fused_config offers a config, else "two-pass". Masks of k runs per column and score terms (`terms`) do not change the
     choice: every backward kernel implements them."""
     if deterministic:
         return "two-pass"
@@ -96,7 +96,7 @@ def two_pass_dkdv_path(q: torch.Tensor, cm, terms=None) -> str:
     """Which kernel runs the two-pass (deterministic) path's dK/dV pass: "hopper" (backward/hopper.py
     with its dQ product left out: each work item sums its own rows in walk order, so the result
     is bitwise reproducible) where HOPPER_DKDV_IN_TWO_PASS and the Hopper backward would take the
-    inputs, else "portable" (backward.py's _dkdv_kernel). The dQ pass: two_pass_dq_path."""
+    inputs, else "portable" (backward/two_pass.py's _dkdv_kernel). The dQ pass: two_pass_dq_path."""
     if HOPPER_DKDV_IN_TWO_PASS and backward_path(q, cm, deterministic=False, terms=terms) == "hopper":
         return "hopper"
     return "portable"
@@ -110,7 +110,7 @@ HOPPER_DKDV_IN_TWO_PASS = True
 def two_pass_dq_path(q: torch.Tensor, cm, terms=None) -> str:
     """Which kernel runs the two-pass path's dQ pass: "hopper" (backward/hopper_dq.py: the
     forward's schedule, one program sums each dQ row in walk order) where HOPPER_DQ_IN_TWO_PASS
-    and the Hopper backward would take the inputs, else "portable" (backward.py's _dq_kernel)."""
+    and the Hopper backward would take the inputs, else "portable" (backward/two_pass.py's _dq_kernel)."""
     if HOPPER_DQ_IN_TWO_PASS and backward_path(q, cm, deterministic=False, terms=terms) == "hopper":
         return "hopper"
     return "portable"
