@@ -504,6 +504,7 @@ def gpu_cases(world: int) -> list[Case]:
         Case(world, "narrow_window", 4096, hq=4, hkv=2, d=128, dtype=BF16),
         Case(world, "startend_bidir", 2048, b=2, hq=4, hkv=2, d=128, dtype=BF16),
         Case(world, "document_uneven", 4096, hq=4, hkv=2, d=128, dtype=BF16, chunks="balanced"),
+        Case(world, "causal", 4096, hq=4, hkv=2, d=128, dtype=BF16, terms="alibi"),  # the Hopper kernels' ALiBi shift
     ]
 
 
