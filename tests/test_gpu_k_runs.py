@@ -14,6 +14,7 @@ import flexmask
 from flexmask import masks, reference
 from flexmask.kernels import dispatch
 from flexmask.kernels.backward import configs as backward_configs
+from flexmask.kernels.forward import configs as forward_configs
 from flexmask.kernels.common.masking import kernel_runs
 
 from conftest import assert_close_by_norm
@@ -144,3 +145,25 @@ def test_k_runs_backward_runs_loop_switched(monkeypatch, name, head_dim, step):
     ref = _reference(q, k, v, cm, do, torch.float32)
     low = _reference(q, k, v, cm, do, torch.bfloat16)
     _check_training(q, k, v, cm, do, ref, low, f"runs loop {step}, ")
+
+
+@pytest.mark.parametrize("step", [4, 8], ids=lambda n: f"loop{n}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("name", ["natten_32x32_k7", "natten_video_8x16x16", "dilated_per_head", "per_batch_mod"])
+def test_k_runs_forward_runs_loop_switched(monkeypatch, name, head_dim, step):
+    """The Hopper forward of k-run masks with its runs read in a loop (configs.HOPPER_FORWARD_RUNS_LOOP,
+    off by default: test_k_runs_forward_backward runs them unrolled), 4 or 8 an iteration, against
+    the dense reference."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper forward needs an sm_90 GPU")
+    monkeypatch.setattr(forward_configs, "HOPPER_FORWARD_RUNS_LOOP", {head_dim: step})
+    mask, b, hq, hkv, s = k_run_masks()[name]
+    torch.manual_seed(s + head_dim)
+    q, k, v = (torch.randn(b, h, s, head_dim, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    do = torch.randn(b, hq, s, head_dim, device="cuda", dtype=torch.bfloat16)
+    cm = flexmask.compile_mask(mask, s, s, device="cuda")
+    assert cm.token_order is None and kernel_runs(cm) > 2
+    ref = _reference(q, k, v, cm, do, torch.float32)
+    low = _reference(q, k, v, cm, do, torch.bfloat16)
+    out, _ = dispatch.attention_forward(q, k, v, cm, head_dim ** -0.5, kernel="hopper")
+    assert_close_by_norm(("out",), (out,), ref[:1], low[:1], label=f"runs loop {step} ")

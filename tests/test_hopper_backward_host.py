@@ -284,6 +284,7 @@ cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16
 cases += [("dq_k_runs", 128, 16, lambda: oc._hopper_dq(2, 128, runs=16))]
 cases += [("backward_k_runs", d, 16, lambda d=d: oc._hopper_backward(2, d, True, runs=16, runs_loop=False))
           for d in (128, 64)]
+cases += [("forward_k_runs_loop", d, 8, lambda d=d: oc._hopper_forward(d, 2, runs=16, runs_loop=8)) for d in (128, 64)]
 cases += [("backward_k_runs_loop", d, step,
            lambda d=d, step=step: oc._hopper_backward(2, d, True, runs=16, runs_loop=step))
           for d in (128, 64) for step in (1, 8)]
@@ -306,10 +307,11 @@ def test_hopper_kernels_compile_for_sm90():
     the loops (measured faster with both: docs/performance.md, section 4.12). The
     three with 16 runs per column (k-run masks) compile too; they spill some (section 12). The
     backward with its runs read in a loop (its default), a run or eight an iteration, spills at most
-    a tenth of what it spills with them unrolled at D = 128, and at most half at D = 64."""
+    a tenth of what it spills with them unrolled at D = 128, and at most half at D = 64; the forward
+    with 8 runs an iteration (built, off) no more than unrolled."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
-    assert len(results) == 22, results
+    assert len(results) == 24, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["variant"] == "192 rows":  # two values stored at entry, under the launch's 128 registers
@@ -327,6 +329,9 @@ def test_hopper_kernels_compile_for_sm90():
     whole = {r["d"]: r for r in results if r["name"] == "backward" and r["variant"] is True}
     for r in (r for r in results if r["name"] == "backward_k_runs_loop"):  # the runs in a loop
         assert spills(r) * (10 if r["d"] == 128 else 2) <= unrolled[r["d"]], (r, unrolled)
+    forward_unrolled = {r["d"]: spills(r) for r in results if r["name"] == "forward_k_runs"}
+    for r in (r for r in results if r["name"] == "forward_k_runs_loop"):  # the forward's loop (off by default)
+        assert spills(r) <= forward_unrolled[r["d"]], (r, forward_unrolled)
     # a split item adds its dK/dV into the group's fp32 sums by bulk reductions (8 boxes at D = 128,
     # 4 at 64, in each of the two consumer warpgroups), no per-element atomics: the same atomics as
     # the whole-group kernel (the scheduler's)
@@ -458,6 +463,30 @@ def test_backward_launch_of_k_run_masks(monkeypatch, name, d, loop, want_runs, w
     (args, kwargs), = calls
     assert (kwargs["NUM_RUNS"], kwargs["KEYS_ON_ROWS"], kwargs["RUNS_LOOP"]) == (want_runs, want_keys, want_loop)
     assert args[0].block_shape[-2] == want_rows  # Q's box: the query rows of a step
+
+
+@pytest.mark.parametrize("d, loop, want_loop", [(128, None, 0), (64, None, 0), (128, {128: 8}, 8), (64, {64: 4}, 4),
+                                                (64, {128: 8}, 0)])
+def test_forward_launch_of_k_run_masks(monkeypatch, d, loop, want_loop):
+    """A k-run mask's Hopper forward launch reads its runs unrolled by default, in a loop of
+    HOPPER_FORWARD_RUNS_LOOP[d] runs an iteration where the config names the head dim; a mask of
+    two intervals never loops. The launch is recorded, not run."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flexmask.kernels.common import scheduler
+    from flexmask.kernels.forward import configs as forward_configs
+    from flexmask.kernels.forward import hopper as forward_hopper
+
+    calls = []
+    monkeypatch.setattr(forward_hopper, "_FORWARD_HOPPER_LAUNCH", lambda grid, *a, **kw: calls.append(kw))
+    monkeypatch.setattr(forward_hopper, "_num_sms", lambda index: 4)
+    monkeypatch.setattr(scheduler, "counters", lambda device: torch.zeros(2, dtype=torch.int32))
+    if loop is not None:
+        monkeypatch.setattr(forward_configs, "HOPPER_FORWARD_RUNS_LOOP", loop)
+    q = torch.randn(1, 2, 1024, d, dtype=torch.bfloat16)
+    for mask, runs, want in ((masks.natten(32, 32, 7), 16, want_loop), (masks.causal(), 2, 0)):
+        cm = compile_mask(mask, 1024, 1024, device="cpu", block_m=128, block_n=128)
+        forward_hopper.attention_forward_hopper(q, q, q, cm, d ** -0.5, (0, 1, 0))
+        assert (calls[-1]["NUM_RUNS"], calls[-1]["RUNS_LOOP"]) == (runs, want), mask
 
 
 _WAIT_SCHEDULES = """

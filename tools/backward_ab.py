@@ -42,7 +42,7 @@ from flexmask.kernels.dispatch import attention_forward
 from benchmarks.cuda_guard import require_cuda
 from benchmarks.peers import PEER_FAMILIES
 
-from tools.forward_ab import peer_inputs
+from tools.forward_ab import K_RUN_FAMILIES, peer_inputs
 
 SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows"), (False, True)),
@@ -60,7 +60,6 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "runs_loop_16": ("HOPPER_BACKWARD_RUNS_LOOP", ("8 runs an iteration", "16 runs an iteration"),
                      ({64: 8, 128: 8}, {64: 16, 128: 16})),
 }
-K_RUN_FAMILIES = ("natten2d_k9", "natten3d_t2_k3", "global14_window1024", "dilated_per_head")
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 SHORT_CASES = ((512, 32), (1024, 16), (2048, 8))
 LONG_CASES = ((65536, 1), (131072, 1))

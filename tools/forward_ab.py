@@ -13,6 +13,9 @@ and the largest difference between the two outputs. Switches:
   for every item against the FULL-rest loop (configs.hopper_forward_full_rest) at both head dims;
 - `full_rest_partials` (D = 128, heads 16/16 and 32/8, S = 8K, 32K): the FULL-rest loop for items with one
   PARTIAL tile against items with up to two (configs.HOPPER_FORWARD_FULL_REST_PARTIALS 1 / 2).
+- `runs_loop_4`, `runs_loop_8` (D = 128 and 64, heads 16/16, benchmarks.mask_mod's k-run masks at 16K-32K):
+  a column's runs unrolled in a PARTIAL tile against read in a loop, 4 or 8 runs an iteration
+  (configs.HOPPER_FORWARD_RUNS_LOOP).
 
     PYTHONPATH=$PWD python3 -m tools.forward_ab --switch block_m
 """
@@ -33,6 +36,9 @@ from benchmarks.cuda_guard import require_cuda
 from benchmarks.flops import attending_pairs, attention_flops
 from benchmarks.peers import PEER_FAMILIES, peer_case
 
+# benchmarks.mask_mod's masks of k runs a column that the runs_loop switches (here and in backward_ab) time
+K_RUN_FAMILIES = ("natten2d_k9", "natten3d_t2_k3", "global14_window1024", "dilated_per_head")
+
 SWITCHES = {  # name: (head dims, heads, (S, batch) cases, the two sides' labels)
     "block_m": ((64,), ((16, 16), (32, 8)), ((2048, 16), (8192, 4), (32768, 1)), ("128 rows", "192 rows")),
     # short walks pay the item's fixed cost: 512 and 2K tokens, where per_call's forward trails cuDNN
@@ -40,10 +46,20 @@ SWITCHES = {  # name: (head dims, heads, (S, batch) cases, the two sides' labels
     "pingpong": ((128, 64), ((16, 16), (32, 8)), ((2048, 16), (8192, 4), (32768, 1)), ("no turns", "turns")),
     "full_rest": ((128, 64), ((16, 16), (32, 8)), ((8192, 4), (32768, 1)), ("one loop", "FULL rest")),
     "full_rest_partials": ((128,), ((16, 16), (32, 8)), ((8192, 4), (32768, 1)), ("1 PARTIAL", "2 PARTIAL")),
+    # k-run masks (benchmarks.mask_mod's, at their own shapes: no cases), runs unrolled against a loop
+    "runs_loop_4": ((128, 64), ((16, 16),), None, ("runs unrolled", "4 runs an iteration")),
+    "runs_loop_8": ((128, 64), ((16, 16),), None, ("runs unrolled", "8 runs an iteration")),
 }
 
 
 def _run(switch: str, side: int, q, k, v, cm, mask_map):
+    if switch.startswith("runs_loop"):
+        kept, step = configs.HOPPER_FORWARD_RUNS_LOOP, int(switch.rsplit("_", 1)[1])
+        configs.HOPPER_FORWARD_RUNS_LOOP = {64: step, 128: step} if side else {}
+        try:
+            return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map)
+        finally:
+            configs.HOPPER_FORWARD_RUNS_LOOP = kept
     if switch == "block_m":
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=(128, 192)[side])
     if switch == "pingpong":
@@ -88,25 +104,33 @@ def main(argv=None) -> int:
     require_cuda("tools.forward_ab")
     print(torch.cuda.get_device_name(), flush=True)
     head_dims, heads, cases, labels = SWITCHES[args.switch]
-    for d in head_dims:
-        for S, B in cases:
-            for hq, hkv in heads:
-                for family in PEER_FAMILIES:
-                    q, k, v, cm, flops = peer_inputs(family, S, B, hq, hkv, d)
-                    mask_map = mask_broadcast(cm, B, hq, hkv)
-                    flops = flops["fwd"]
-                    best, outs = {}, {}
-                    for side in (0, 1, 0, 1):
-                        run = lambda side=side: _run(args.switch, side, q, k, v, cm, mask_map)
-                        ms = triton.testing.do_bench(run, warmup=30, rep=200)
-                        best[side] = min(ms, best.get(side, float("inf")))
-                        outs.setdefault(side, run()[0])
-                    diff = float((outs[0].float() - outs[1].float()).abs().max())
-                    print(f"{family:20s} D={d:3d} S={S:6d} {hq}/{hkv}: {labels[0]} {best[0]:7.3f} ms "
-                          f"{flops / best[0] / 1e9:6.1f} TF, {labels[1]} {best[1]:7.3f} ms "
-                          f"{flops / best[1] / 1e9:6.1f} TF, x{best[0] / best[1]:.3f}; max|diff| {diff:.1e}",
-                          flush=True)
-                    del q, k, v, outs
+    if cases:
+        shapes = [(d, S, B, hq, hkv, family) for d in head_dims for S, B in cases for hq, hkv in heads
+                  for family in PEER_FAMILIES]
+    else:  # benchmarks.mask_mod's k-run masks, at their own batch and length
+        shapes = [(d, None, None, 16, 16, family) for d in head_dims for family in K_RUN_FAMILIES]
+    for d, S, B, hq, hkv, family in shapes:
+        if S is None:
+            from tools.backward_ab import k_run_inputs
+
+            q, k, v, cm, flops = k_run_inputs(family, d)
+            S, B = q.shape[2], q.shape[0]
+        else:
+            q, k, v, cm, flops = peer_inputs(family, S, B, hq, hkv, d)
+        mask_map = mask_broadcast(cm, B, hq, hkv)
+        flops = flops["fwd"]
+        best, outs = {}, {}
+        for side in (0, 1, 0, 1):
+            run = lambda side=side: _run(args.switch, side, q, k, v, cm, mask_map)
+            ms = triton.testing.do_bench(run, warmup=30, rep=200)
+            best[side] = min(ms, best.get(side, float("inf")))
+            outs.setdefault(side, run()[0])
+        diff = float((outs[0].float() - outs[1].float()).abs().max())
+        print(f"{family:20s} D={d:3d} S={S:6d} {hq}/{hkv}: {labels[0]} {best[0]:7.3f} ms "
+              f"{flops / best[0] / 1e9:6.1f} TF, {labels[1]} {best[1]:7.3f} ms "
+              f"{flops / best[1] / 1e9:6.1f} TF, x{best[0] / best[1]:.3f}; max|diff| {diff:.1e}",
+              flush=True)
+        del q, k, v, outs
     return 0
 
 

@@ -79,7 +79,7 @@ def _score_terms(terms: str | None, tensor) -> tuple[dict, dict]:
 
 def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
                     column_bias: bool | None = None, tc_bias: bool | None = None, terms: str | None = None,
-                    runs: int = 2, block_m: int | None = None):
+                    runs: int = 2, block_m: int | None = None, runs_loop: int | None = None):
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.forward import hopper as fh
 
@@ -107,7 +107,9 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
                   TC_BIAS=bool(tc_bias), **term_consts, NUM_RUNS=runs,
                   EARLY_Q=forward_configs.HOPPER_FORWARD_EARLY_Q and block_m == 128,
                   FULL_REST=forward_configs.hopper_forward_full_rest(head_dim, block_m),
-                  FULL_REST_PARTIALS=forward_configs.HOPPER_FORWARD_FULL_REST_PARTIALS, num_warps=4)
+                  FULL_REST_PARTIALS=forward_configs.HOPPER_FORWARD_FULL_REST_PARTIALS,
+                  RUNS_LOOP=(forward_configs.hopper_forward_runs_loop(head_dim, runs) if runs_loop is None
+                             else runs_loop if runs > 2 else 0), num_warps=4)
     if runs > 2:
         consts.update(COLUMN_BIAS=False, TC_BIAS=False)
     maxnreg = 168 if block_m == 128 else 128  # as attention_forward_hopper launches it

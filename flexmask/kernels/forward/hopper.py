@@ -369,12 +369,12 @@ def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx
 def _tile_softmax(s, WAIT: gl.constexpr, s_idx, k_empty, lts, lte, uts, ute, is_partial, n, row0, m_i, l_i, qk_scale,
                   tanh_scale, softcap2, slope2, alibi_shift, COLUMN_BIAS: gl.constexpr, SOFTCAP: gl.constexpr,
                   HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, s_layout: gl.constexpr, ROWS: gl.constexpr,
-                  BLOCK_N: gl.constexpr):
+                  BLOCK_N: gl.constexpr, RUNS_LOOP: gl.constexpr = 0):
     """A tested tile from its issued S = Q K^T ([ROWS, BLOCK_N]): the row words and column bias
     (while the product runs), the wait for S (WAIT products left in flight), the K stage released,
     the score terms and the masked softmax step. Returns (P, m_i, l_i, alpha)."""
     TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI
-    words = _row_words(lts, lte, uts, ute, row0, ROWS // 2, NUM_RUNS)  # while the products run
+    words = _row_words(lts, lte, uts, ute, row0, ROWS // 2, NUM_RUNS, RUNS_LOOP)  # while the products run
     bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
     s = warpgroup_mma_wait(WAIT, deps=(s,))
     mbarrier.arrive(k_empty.index(s_idx), count=1)
@@ -390,7 +390,7 @@ def _tested_step(i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs
                  prev_phase, p_prev, acc, m_i, l_i, row0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                  WG: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_F32: gl.constexpr,
                  COLUMN_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, RUNS_LOOP: gl.constexpr = 0):
     """Walk step i of the one loop: the tile read from the table and tested, its column intervals
     and row words (while the products run) where it is PARTIAL, the masked softmax, O rescaled.
     Returns (O, P carried, stage, phase, m_i, l_i)."""
@@ -403,7 +403,7 @@ def _tested_step(i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs
                                     acc, WG, STAGES, PINGPONG, P_F32, s_layout, p_layout)
     p, m_i, l_i, alpha = _tile_softmax(s, 1, s_idx, k_empty, lts, lte, uts, ute, is_partial, n, row0, m_i, l_i,
                                        qk_scale, tanh_scale, softcap2, slope2, alibi_shift, COLUMN_BIAS, SOFTCAP,
-                                       HAS_ALIBI, NUM_RUNS, s_layout, ROWS, BLOCK_N)
+                                       HAS_ALIBI, NUM_RUNS, s_layout, ROWS, BLOCK_N, RUNS_LOOP)
     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES, P_F32,
                                                   q_view.dtype, o_layout, p_layout)
     return acc, p_prev, prev_idx, prev_phase, m_i, l_i
@@ -620,7 +620,7 @@ def _consumer(
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
     NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, FULL_REST: gl.constexpr,
-    FULL_REST_PARTIALS: gl.constexpr,
+    FULL_REST_PARTIALS: gl.constexpr, RUNS_LOOP: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * WG_ROWS, (WG + 1) * WG_ROWS) of each q-block (two
     warpgroups of a 128-row block, three of a 192-row one). The warpgroups share the K/V stages
@@ -685,7 +685,7 @@ def _consumer(
             _pass_turn(WG, PINGPONG)
             p, m_i, l_i, alpha = _tile_softmax(s0, 0, s_idx, k_empty, lts, lte, uts, ute, is_partial, n, row0, m_i, l_i,
                                                qk_scale, tanh_scale, softcap2, slope2, alibi_shift, COLUMN_BIAS,
-                                               SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, ROWS, BLOCK_N)
+                                               SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, ROWS, BLOCK_N, RUNS_LOOP)
             p_prev = _p_carried(p, dtype, p_layout, P_F32)
             prev_idx = s_idx
             prev_phase = (kv_count // STAGES) & 1
@@ -710,7 +710,7 @@ def _consumer(
                                                     s_layout, p_layout, ones_smem.index(WG),
                                                     bias_bufs.index(WG * 2 + i % 2), TC_BIAS)
                     # while the products run: this tile's row words, the next one's intervals
-                    words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS)
+                    words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS, RUNS_LOOP)
                     bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
                     has_next = i + 1 < n_partial
                     n_next = gl.load(FWD_BLOCKS + t_mid + i + 1, mask=has_next, other=0)
@@ -749,7 +749,7 @@ def _consumer(
                             1, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs, v_bufs, bars, kv_count,
                             prev_idx, prev_phase, p_prev, acc, m_i, l_i, row0, qk_scale, tanh_scale, softcap2, slope2,
                             alibi_shift, WG, STAGES, PINGPONG, P_F32, COLUMN_BIAS, SOFTCAP, HAS_ALIBI, NUM_RUNS,
-                            s_layout, o_layout, p_layout)
+                            s_layout, o_layout, p_layout, RUNS_LOOP)
                         kv_count += 1
                         first_full = 2
                 for i in range(first_full, n_tiles):
@@ -764,7 +764,7 @@ def _consumer(
                         i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs, v_bufs, bars, kv_count,
                         prev_idx, prev_phase, p_prev, acc, m_i, l_i, row0, qk_scale, tanh_scale, softcap2, slope2,
                         alibi_shift, WG, STAGES, PINGPONG, P_F32, COLUMN_BIAS, SOFTCAP, HAS_ALIBI, NUM_RUNS,
-                        s_layout, o_layout, p_layout)
+                        s_layout, o_layout, p_layout, RUNS_LOOP)
                     kv_count += 1
             if EARLY_Q:  # every S = Q K^T has been waited for: the next item's Q may load during the last O += P V
                 mbarrier.arrive(q_empty.index(q_idx), count=1)
@@ -814,7 +814,7 @@ def _forward_hopper_kernel(
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
     NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, FULL_REST: gl.constexpr,
-    FULL_REST_PARTIALS: gl.constexpr, num_warps: gl.constexpr,
+    FULL_REST_PARTIALS: gl.constexpr, RUNS_LOOP: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS  # consumer warpgroups: 2 (128 rows) or 3 (192)
@@ -857,7 +857,7 @@ def _forward_hopper_kernel(
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS)),
+                         FULL_REST_PARTIALS, RUNS_LOOP)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
@@ -865,7 +865,7 @@ def _forward_hopper_kernel(
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS)),
+                         FULL_REST_PARTIALS, RUNS_LOOP)),
             (_consumer, (2, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
@@ -873,7 +873,7 @@ def _forward_hopper_kernel(
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS)),
+                         FULL_REST_PARTIALS, RUNS_LOOP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -889,7 +889,7 @@ def _forward_hopper_kernel(
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS)),
+                         FULL_REST_PARTIALS, RUNS_LOOP)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
                          LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          O_X_B, O_X_H, O_C_H,
@@ -897,7 +897,7 @@ def _forward_hopper_kernel(
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS)),
+                         FULL_REST_PARTIALS, RUNS_LOOP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
                          WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -1170,6 +1170,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     grid = (min(n_items, programs),)
     mb, mdiv, mh = mask_map
     score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, lse)
+    runs = kernel_runs(tables)
     _FORWARD_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, o_desc, lse,
         tables.kernel_intervals, work, scheduler.counters(q.device), tables.fwd_offsets, tables.fwd_num_full,
@@ -1180,7 +1181,8 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         scale * LOG2E, *score_args,
         BLOCK_M=block_m, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages, Q_BUFS=q_buffers,
         PINGPONG=bool(pingpong), COLUMN_BIAS=bool(column_bias), SPLIT_LOOPS=split_loops,
-        TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=kernel_runs(tables),
+        TC_BIAS=bool(tc_bias), **score_flags, NUM_RUNS=runs,
+        RUNS_LOOP=configs.hopper_forward_runs_loop(d, runs),
         EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m == HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
         FULL_REST=configs.hopper_forward_full_rest(d, block_m),
         FULL_REST_PARTIALS=configs.HOPPER_FORWARD_FULL_REST_PARTIALS,
