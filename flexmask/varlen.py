@@ -219,20 +219,63 @@ def _plan(cu_q, cu_k, total_q, total_k, causal, left, right, max_seqlen_q, max_s
 
 
 @torch.compiler.disable
-def _check_alibi_positions(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> None:
+def _packed_alibi_fits(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> bool:
     """ALiBi on packed sequences: the kernels place query row i of the packed batch at position
     i + total_k - total_q, which is its bottom-right position in its own sequence s exactly when
     Lk_s - Lq_s ends where the batch ends: cu_k[s+1] - cu_q[s+1] == total_k - total_q for every s
     (always so when cu_seqlens_q and cu_seqlens_k are equal). One host sync, only when they differ."""
     if cu_q is cu_k:
-        return
+        return True
     gap = cu_k.long() - cu_q.long()
-    bad = (gap[1:] != total_k - total_q).nonzero()
-    if bad.numel():
-        s = int(bad[0, 0])
+    return not bool((gap[1:] != total_k - total_q).any())
+
+
+def _check_alibi_positions(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> None:
+    """Inside the compiled op (no padded fallback there): a ValueError where `_packed_alibi_fits` fails."""
+    if not _packed_alibi_fits(cu_q, cu_k, total_q, total_k):
         raise ValueError(
-            f"alibi_slopes with varlen_attention needs cu_seqlens_k[s+1] - cu_seqlens_q[s+1] to be the same for every "
-            f"sequence (total_k - total_q = {total_k - total_q}); sequence {s} has {int(gap[s + 1])}")
+            "alibi_slopes with varlen_attention under torch.compile needs cu_seqlens_k[s+1] - cu_seqlens_q[s+1] to be "
+            f"the same for every sequence (total_k - total_q = {total_k - total_q}); eager calls take any")
+
+
+def _padded_attention(q, k, v, cu_q, cu_k, causal, left, right, scale, deterministic, softcap, alibi_slopes, sinks):
+    """(out (total_q, Hq, D), lse (Hq, total_q)) for ALiBi with slopes per sequence ((num_seqs, Hq),
+    FlashAttention's) or sequences whose Lk - Lq differ: the packed row's kernels take one slope row
+    and one ALiBi shift. The sequences are gathered into a batch, each left-padded so that it ends
+    where its batch row ends (its bottom-right alignment and ALiBi's distances are then its own),
+    with the padded keys masked; flexmask.attention with (B, Hq) slopes; the rows gathered back. A
+    copy of q, k and v (one host read of cu_seqlens)."""
+    lens_q, lens_k = (torch.diff(c.long()).tolist() for c in (cu_q, cu_k))
+    n, mq, mk = len(lens_q), max(lens_q), max(lens_k)
+    dev = q.device
+    # padded position of each packed token, sequence by sequence (left padding)
+    dst_q = torch.cat([torch.arange(mq - lq, mq) + s * mq for s, lq in enumerate(lens_q)]).to(dev)
+    dst_k = torch.cat([torch.arange(mk - lk, mk) + s * mk for s, lk in enumerate(lens_k)]).to(dev)
+
+    def padded(x, dst, m):  # (total, H, D) -> (n, H, m, D), zeros in the padding (differentiable)
+        src = torch.full((n * m,), x.shape[0], dtype=torch.long, device=dev)
+        src[dst] = torch.arange(x.shape[0], device=dev)
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, src).view(n, m, *x.shape[1:]).transpose(1, 2)
+
+    qp, kp, vp = padded(q, dst_q, mq), padded(k, dst_k, mk), padded(v, dst_k, mk)
+    # key column c of sequence s: padding (every row masked) before mk - Lk_s; key kj = c - (mk - Lk_s)
+    # is attended by the padded rows of positions kj - right ... kj + left (bottom-right: the rows'
+    # positions are i + mk - mq in every batch row, as each sequence ends at its row's end)
+    lk = torch.tensor(lens_k, device=dev).view(n, 1, 1)
+    cols = torch.arange(mk, device=dev).view(1, 1, mk)
+    pos_lo = cols - (0 if causal else right) if (causal or right >= 0) else torch.full_like(cols, -mk - mq)
+    pos_hi = cols + left if left >= 0 else torch.full_like(cols, mk + mq)
+    hi = (pos_hi - (mk - mq) + 1).clamp(0, mq)  # past the last attending padded row
+    lo = torch.minimum((pos_lo - (mk - mq)).clamp(0, mq), hi)  # the first (none: lo = hi)
+    pad = cols < mk - lk
+    lo, hi = torch.where(pad, mq, lo).expand(n, 1, mk), torch.where(pad, mq, hi).expand(n, 1, mk)
+    mask = specs.column_intervals(hi, torch.full_like(hi, mq), torch.zeros_like(lo), lo)
+    slopes = alibi_slopes if alibi_slopes.dim() == 2 and alibi_slopes.shape[0] == n else alibi_slopes.view(-1).expand(n, -1)
+    out, lse = attention(qp, kp, vp, mask, scale=scale, return_lse=True, deterministic=deterministic, softcap=softcap,
+                         alibi_slopes=slopes.contiguous(), sinks=sinks)
+    out = out.transpose(1, 2).reshape(n * mq, *out.shape[1:2], out.shape[-1]).index_select(0, dst_q)
+    lse = lse.transpose(0, 1).reshape(lse.shape[1], n * mq).index_select(1, dst_q)
+    return out, lse
 
 
 # --- under torch.compile: the plan inside the ops ------------------------------------------------
@@ -327,10 +370,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     needed). softmax_scale defaults to 1/sqrt(D). deterministic: as in `flexmask.attention` (None
     follows torch.are_deterministic_algorithms_enabled(); True gives bitwise-repeatable gradients).
 
-    softcap, alibi_slopes ((Hq,) float32; the batch is one packed row) and sinks ((Hq,) float32):
-    the score terms of `flexmask.attention`, FlashAttention's keyword names, per sequence. ALiBi
-    needs every sequence to have its Lk - Lq end where the batch ends (always so with equal
-    cu_seqlens; checked with one host sync when the two tensors differ).
+    softcap, alibi_slopes ((Hq,), (1, Hq) or FlashAttention's per-sequence (num_seqs, Hq) float32)
+    and sinks ((Hq,) float32): the score terms of `flexmask.attention`, FlashAttention's keyword
+    names, per sequence. The packed row runs one slope row and one ALiBi alignment, which suits
+    shared slopes where every sequence's Lk - Lq ends where the batch ends (always so with equal
+    cu_seqlens; one host sync checks it when the two tensors differ). Otherwise (slopes per sequence,
+    or Lk - Lq differing) the sequences run left-padded into a batch, each at its own bottom-right
+    alignment: a copy of q, k and v. Under torch.compile that case is a ValueError.
 
     Returns out (total_q, Hq, D), and with return_lse=True also the natural-log LSE
     (Hq, total_q) float32, FlashAttention's layout. Differentiable in q, k, v (and sinks).
@@ -370,8 +416,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     mask = None
     if total_q > 0 and total_k > 0:
         mask = _plan(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, left, right, max_seqlen_q, max_seqlen_k)
-        if alibi_slopes is not None:
-            _check_alibi_positions(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
+        if alibi_slopes is not None and (_per_sequence_slopes(alibi_slopes, cu_seqlens_q, q.shape[1])
+                                         or not _packed_alibi_fits(cu_seqlens_q, cu_seqlens_k, total_q, total_k)):
+            out, lse = _padded_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, left, right, softmax_scale,
+                                         deterministic, softcap, alibi_slopes, sinks)
+            return (out, lse) if return_lse else out
     # (total, H, D) -> (1, H, total, D): a strided view, which flexmask.attention accepts as is
     out, lse = attention(q4, k4, v4, mask, scale=softmax_scale, return_lse=True, deterministic=deterministic,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
@@ -394,3 +443,10 @@ def _compiled_varlen(q4, k4, v4, cu_q, cu_k, causal, left, right, scale, determi
     q4, k4, v4 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4))
     return varlen_fwd(q4, k4, v4, cu_q, cu_k, causal, left, right, scale, int(deterministic), softcap,
                       alibi_slopes, sinks)
+
+
+def _per_sequence_slopes(alibi_slopes, cu_q: torch.Tensor, hq: int) -> bool:
+    """Whether `alibi_slopes` are FlashAttention's per-sequence (num_seqs, Hq) slopes, for more than
+    one sequence ((Hq,) and (1, Hq) are the packed row's own; flexmask.attention checks the rest)."""
+    seqs = cu_q.shape[0] - 1
+    return isinstance(alibi_slopes, torch.Tensor) and seqs > 1 and tuple(alibi_slopes.shape) == (seqs, hq)

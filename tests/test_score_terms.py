@@ -228,13 +228,50 @@ def test_varlen_attention():
     check_all(got, ref64, lowp, FP32)
 
 
-def test_varlen_alibi_needs_aligned_sequence_ends():
-    q = torch.randn(10, 2, 16)
-    k = torch.randn(12, 2, 16)
-    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
-    cu_k = torch.tensor([0, 4, 12], dtype=torch.int32)  # first sequence: Lk - Lq = 0, the batch: 2
-    with pytest.raises(ValueError, match=r"alibi_slopes with varlen_attention.*sequence 0 has 0"):
-        flexmask.varlen_attention(q, k, k, cu_q, cu_k, alibi_slopes=alibi_slopes(2))
+@pytest.mark.parametrize("per_sequence", [True, False], ids=["slopes_per_sequence", "shared_slopes"])
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (6, 2))], ids=["causal", "window"])
+def test_varlen_alibi_per_sequence(causal, window, per_sequence):
+    """FlashAttention's varlen ALiBi: slopes per sequence ((num_seqs, Hq)) or shared ((Hq,)), and
+    sequences whose Lk - Lq differ (each query at its own bottom-right position), with the other
+    terms, against the reference run sequence by sequence (an empty query sequence among them)."""
+    hq, hkv, d = 2, 1, 16
+    lens_q, lens_k = [5, 12, 0, 9], [9, 12, 4, 20]
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32) for n in (lens_q, lens_k))
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(sum(lens_q), hq, d, generator=gen)
+    k, v = (torch.randn(sum(lens_k), hkv, d, generator=gen) for _ in range(2))
+    do = torch.randn(q.shape, generator=gen)
+    slopes = 0.1 + 0.4 * torch.rand(len(lens_q), hq, generator=gen)
+    if not per_sequence:
+        slopes = slopes[0]
+    terms = {"softcap": 2.0, "sinks": torch.randn(hq, generator=gen)}
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    sinks = terms["sinks"].clone().requires_grad_(True)
+    out, lse = flexmask.varlen_attention(qg, kg, vg, cu_q, cu_k, causal=causal, window=window, return_lse=True,
+                                         softcap=terms["softcap"], alibi_slopes=slopes, sinks=sinks)
+    got = (out, lse, *torch.autograd.grad((out * do).sum(), (qg, kg, vg, sinks)))
+    mask = masks.causal() if causal else masks.sliding_window(*window)
+    to4 = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+    refs = []
+    for dtype in (torch.float64, FP32):
+        parts = [[], [], [], [], [], torch.zeros(hq, dtype=dtype)]
+        for s in range(len(lens_q)):
+            qs, ks = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+            if lens_q[s]:
+                r = reference_run(to4(q[qs]), to4(k[ks]), to4(v[ks]), mask, to4(do[qs]), torch.zeros(1, hq, lens_q[s]),
+                                  dict(terms, alibi_slopes=slopes[s] if per_sequence else slopes), dtype)
+                parts[0].append(r[0][0].transpose(0, 1))
+                parts[1].append(r[1][0])
+                parts[2].append(r[2][0].transpose(0, 1))
+                parts[3].append(r[3][0].transpose(0, 1))
+                parts[4].append(r[4][0].transpose(0, 1))
+                parts[5] = parts[5] + r[5]
+            else:
+                parts[3].append(torch.zeros(lens_k[s], hkv, d, dtype=dtype))
+                parts[4].append(torch.zeros(lens_k[s], hkv, d, dtype=dtype))
+        refs.append((torch.cat(parts[0]), torch.cat(parts[1], dim=1), torch.cat(parts[2]), torch.cat(parts[3]),
+                     torch.cat(parts[4]), parts[5]))
+    check_all(got, *refs, FP32)
 
 
 def test_torch_compile_with_sinks():
