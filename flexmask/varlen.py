@@ -258,9 +258,9 @@ def _padded_attention(q, k, v, cu_q, cu_k, causal, left, right, scale, determini
         return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, src).view(n, m, *x.shape[1:]).transpose(1, 2)
 
     qp, kp, vp = padded(q, dst_q, mq), padded(k, dst_k, mk), padded(v, dst_k, mk)
-    # key column c of sequence s: padding (every row masked) before mk - Lk_s; key kj = c - (mk - Lk_s)
-    # is attended by the padded rows of positions kj - right ... kj + left (bottom-right: the rows'
-    # positions are i + mk - mq in every batch row, as each sequence ends at its row's end)
+    # key column c of sequence s: padding (every row masked) before mk - Lk_s; else attended by the
+    # rows at positions c - right ... c + left, where row i sits at i + mk - mq (bottom-right) in every
+    # batch row, as each sequence ends at its row's end
     lk = torch.tensor(lens_k, device=dev).view(n, 1, 1)
     cols = torch.arange(mk, device=dev).view(1, 1, mk)
     pos_lo = cols - (0 if causal else right) if (causal or right >= 0) else torch.full_like(cols, -mk - mq)
@@ -273,8 +273,9 @@ def _padded_attention(q, k, v, cu_q, cu_k, causal, left, right, scale, determini
     slopes = alibi_slopes if alibi_slopes.dim() == 2 and alibi_slopes.shape[0] == n else alibi_slopes.view(-1).expand(n, -1)
     out, lse = attention(qp, kp, vp, mask, scale=scale, return_lse=True, deterministic=deterministic, softcap=softcap,
                          alibi_slopes=slopes.contiguous(), sinks=sinks)
-    out = out.transpose(1, 2).reshape(n * mq, *out.shape[1:2], out.shape[-1]).index_select(0, dst_q)
-    lse = lse.transpose(0, 1).reshape(lse.shape[1], n * mq).index_select(1, dst_q)
+    hq, d = out.shape[1], out.shape[3]
+    out = out.transpose(1, 2).reshape(n * mq, hq, d).index_select(0, dst_q)  # (total_q, Hq, D)
+    lse = lse.transpose(0, 1).reshape(hq, n * mq).index_select(1, dst_q)  # (Hq, total_q)
     return out, lse
 
 
