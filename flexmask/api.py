@@ -60,8 +60,9 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
     # compile read its runs on the host already), where the new order visits fewer tiles or fewer
     # PARTIAL ones, and no more
     found = token_order.reordered(mask, q_len, device)
-    if found is None and (compiled.runs > 2 or token_order.holds_mask_mod(mask)):
-        found = token_order.reordered_runs(compiled.intervals, q_len)
+    from_function = token_order.holds_mask_mod(mask)
+    if found is None and (compiled.runs > 2 or from_function):
+        found = token_order.reordered_runs(compiled.intervals, q_len, merge=from_function)
     if found is not None:
         spec, order, inverse = found
         tables = compile_spec(spec, q_len, kv_len, device, block_m, block_n)

@@ -255,3 +255,27 @@ def test_torch_compile_takes_the_token_order(monkeypatch):
 def _runs(spec, n):
     iv = spec.intervals(n, n)
     return iv[..., 0::2], iv[..., 1::2]
+
+
+def test_runs_merged_before_the_read_only_for_a_mask_mod(monkeypatch):
+    """compile_mask merges a mask's moved runs ahead of the read that finds its global tokens only
+    for a mask_mod, where such tokens are expected: a k-run builder (NATTEN) pays the detection
+    alone. Without the merge, found tokens still give the mask in their order, in the compiled
+    runs' slots (column_runs merges them when compiled)."""
+    monkeypatch.setattr(token_order, "MIN_TOKENS", 256)
+    merged = []
+    real = token_order._merged_runs
+    monkeypatch.setattr(token_order, "_merged_runs", lambda moved: merged.append(moved.shape) or real(moved))
+    flexmask.compile_mask(masks.natten(16, 16, 5), 256, 256, device="cpu")
+    assert merged == []
+
+    def window_and_globals(b, h, q, kv):
+        glob = lambda i: (i == 40) | (i == 200)  # noqa: E731
+        return ((kv <= q) & (q - kv < 16)) | glob(q) | glob(kv)
+
+    cm = flexmask.compile_mask(masks.from_mask_mod(window_and_globals), 256, 256, device="cpu")
+    assert len(merged) == 1 and cm.token_order is not None and cm.token_order[0].runs == 2
+    spec, order, _ = token_order.reordered_runs(cm.intervals, 256, merge=False)
+    assert len(merged) == 1 and spec.params()["starts"].shape[-1] == cm.intervals.shape[-1] // 2
+    dense = masks.from_mask_mod(window_and_globals).to_dense(256, 256)
+    assert torch.equal(spec.to_dense(256, 256), dense[..., order, :][..., order])

@@ -134,31 +134,41 @@ def _listed(is_global: torch.Tensor, *more: torch.Tensor) -> tuple[list[int], li
     return positions[:count], extra
 
 
-def reordered_runs(intervals: torch.Tensor, seq_len: int) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
+def reordered_runs(intervals: torch.Tensor, seq_len: int,
+                   merge: bool = True) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
     """(the mask in the order of `token_order`, order, inverse) for any self-attention mask given as
     its compiled runs whose global tokens (`detected_positions`) are not already in front and are
     at most a quarter of the tokens; else None. A run holds no global row, so it moves whole (each
     endpoint e to G + e - (global tokens before e)), and the runs a global row split touch again.
     The `from_mask_mod` form of `x | global_tokens(P)` takes the order of the builder's spec this
-    way. The moved runs are merged and counted on the device and the count read with the global
-    tokens (one read): where every column holds at most two, the reordered mask is two runs a
-    column, which compile without a count of their own; else `column_runs` merges them."""
+    way. With `merge` (k runs), the moved runs are merged and counted on the device before the read
+    that finds the global tokens, and read with them: where every column then holds at most two,
+    the reordered mask is two runs a column, which compile without a count of their own. That work
+    is spent whether or not the tokens exist, so compile_mask asks for it where they are expected
+    (a mask_mod); else the runs move only once tokens are found, and `column_runs` merges them."""
     is_global = _global_rows(intervals, seq_len)
-    runs = intervals.to(torch.int64).clamp(0, seq_len)
-    # global rows before each row, and the total: an endpoint e moves to G + e - before[e]
-    before = torch.cat([is_global.new_zeros(1, dtype=torch.int64), is_global.cumsum(0)])
-    moved = before[-1] + runs - before[runs]
-    if runs.shape[-1] > 4:  # k runs: sorted, empty slots last (masks/intervals.py)
+    moved = None
+    if merge and intervals.shape[-1] > 4:  # k runs: sorted, empty slots last (masks/intervals.py)
+        moved = _moved_runs(intervals, is_global, seq_len)
         merged, most = _merged_runs(moved)
         positions, (most,) = _listed(is_global, most)
         moved = merged if most <= 2 else moved
-    else:  # two intervals (the canonical slots, not sorted): two runs after the move too
+    else:  # (two intervals, in the canonical slots: two runs after the move too)
         positions, _ = _listed(is_global)
     g = len(positions)
     if g == 0 or g > seq_len // 4 or positions == list(range(g)):
         return None
+    if moved is None:
+        moved = _moved_runs(intervals, is_global, seq_len)
     order, inverse = _order_of(to_device(positions, intervals.device), seq_len)
     return _moved_columns(moved, g, order), order, inverse
+
+
+def _moved_runs(intervals: torch.Tensor, is_global: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The runs' endpoints e moved to G + e - (global rows before e), int64."""
+    runs = intervals.to(torch.int64).clamp(0, seq_len)
+    before = torch.cat([is_global.new_zeros(1, dtype=torch.int64), is_global.cumsum(0)])
+    return before[-1] + runs - before[runs]
 
 
 def _merged_runs(moved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -177,13 +177,12 @@ HOPPER_QBUF2_HEAD_DIMS = frozenset({64})
 HOPPER_QBUF2_MAX_WALK = 16
 
 
-
 # Masks of k runs a column, by head dim: a PARTIAL tile reads a column's runs in a loop at run time
 # that folds this many runs an iteration (forward/hopper.py, _run_words), not unrolled (a head dim
 # not here). The backward's loop won 1.06-1.21x (backward/configs.py, HOPPER_BACKWARD_RUNS_LOOP),
 # where its unrolled runs spilled; the forward's unrolled 16 runs spill little (offline 104 / 228
 # bytes at D = 128, as its two-interval kernel's 124 / 228). Built off, to time: `python -m
-# tools.forward_ab --switch runs_loop [--head-dim 64]`.
+# tools.forward_ab --switch runs_loop_8` (and `runs_loop_4`; both head dims).
 HOPPER_FORWARD_RUNS_LOOP: dict[int, int] = {}
 
 
