@@ -147,16 +147,16 @@ def test_k_runs_backward_runs_loop_switched(monkeypatch, name, head_dim, step):
     _check_training(q, k, v, cm, do, ref, low, f"runs loop {step}, ")
 
 
-@pytest.mark.parametrize("step", [4, 8], ids=lambda n: f"loop{n}")
+@pytest.mark.parametrize("step", [0, 4], ids=lambda n: f"loop{n}" if n else "unrolled")
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("name", ["natten_32x32_k7", "natten_video_8x16x16", "dilated_per_head", "per_batch_mod"])
 def test_k_runs_forward_runs_loop_switched(monkeypatch, name, head_dim, step):
-    """The Hopper forward of k-run masks with its runs read in a loop (configs.HOPPER_FORWARD_RUNS_LOOP,
-    off by default: test_k_runs_forward_backward runs them unrolled), 4 or 8 an iteration, against
-    the dense reference."""
+    """The Hopper forward of k-run masks with the runs' reading other than the default's 8 an
+    iteration (configs.HOPPER_FORWARD_RUNS_LOOP; test_k_runs_forward_backward runs the default):
+    unrolled, or 4 an iteration, against the dense reference."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper forward needs an sm_90 GPU")
-    monkeypatch.setattr(forward_configs, "HOPPER_FORWARD_RUNS_LOOP", {head_dim: step})
+    monkeypatch.setattr(forward_configs, "HOPPER_FORWARD_RUNS_LOOP", {head_dim: step} if step else {})
     mask, b, hq, hkv, s = k_run_masks()[name]
     torch.manual_seed(s + head_dim)
     q, k, v = (torch.randn(b, h, s, head_dim, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))

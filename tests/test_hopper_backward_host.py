@@ -280,7 +280,7 @@ cases += [("backward", d, dq, lambda d=d, dq=dq: oc._hopper_backward(2, d, dq)) 
 cases += [("backward_split", d, True, lambda d=d: oc._hopper_backward(2, d, True, split=True)) for d in (128, 64)]
 cases += [("backward_pieces", d, True, lambda d=d: oc._hopper_backward(2, d, True, pieces=True)) for d in (128, 64)]
 cases += [("dq", d, None, lambda d=d: oc._hopper_dq(2, d)) for d in (128, 64)]
-cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16)) for d in (128, 64)]
+cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16, runs_loop=0)) for d in (128, 64)]
 cases += [("dq_k_runs", 128, 16, lambda: oc._hopper_dq(2, 128, runs=16))]
 cases += [("backward_k_runs", d, 16, lambda d=d: oc._hopper_backward(2, d, True, runs=16, runs_loop=False))
           for d in (128, 64)]
@@ -308,7 +308,7 @@ def test_hopper_kernels_compile_for_sm90():
     three with 16 runs per column (k-run masks) compile too; they spill some (section 12). The
     backward with its runs read in a loop (its default), a run or eight an iteration, spills at most
     a tenth of what it spills with them unrolled at D = 128, and at most half at D = 64; the forward
-    with 8 runs an iteration (built, off) no more than unrolled."""
+    with 8 runs an iteration (its default too) no more than unrolled."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
     assert len(results) == 24, results
@@ -330,7 +330,7 @@ def test_hopper_kernels_compile_for_sm90():
     for r in (r for r in results if r["name"] == "backward_k_runs_loop"):  # the runs in a loop
         assert spills(r) * (10 if r["d"] == 128 else 2) <= unrolled[r["d"]], (r, unrolled)
     forward_unrolled = {r["d"]: spills(r) for r in results if r["name"] == "forward_k_runs"}
-    for r in (r for r in results if r["name"] == "forward_k_runs_loop"):  # the forward's loop (off by default)
+    for r in (r for r in results if r["name"] == "forward_k_runs_loop"):  # the forward's loop (its default)
         assert spills(r) <= forward_unrolled[r["d"]], (r, forward_unrolled)
     # a split item adds its dK/dV into the group's fp32 sums by bulk reductions (8 boxes at D = 128,
     # 4 at 64, in each of the two consumer warpgroups), no per-element atomics: the same atomics as
@@ -465,12 +465,12 @@ def test_backward_launch_of_k_run_masks(monkeypatch, name, d, loop, want_runs, w
     assert args[0].block_shape[-2] == want_rows  # Q's box: the query rows of a step
 
 
-@pytest.mark.parametrize("d, loop, want_loop", [(128, None, 0), (64, None, 0), (128, {128: 8}, 8), (64, {64: 4}, 4),
+@pytest.mark.parametrize("d, loop, want_loop", [(128, None, 8), (64, None, 8), (128, {}, 0), (64, {64: 4}, 4),
                                                 (64, {128: 8}, 0)])
 def test_forward_launch_of_k_run_masks(monkeypatch, d, loop, want_loop):
-    """A k-run mask's Hopper forward launch reads its runs unrolled by default, in a loop of
-    HOPPER_FORWARD_RUNS_LOOP[d] runs an iteration where the config names the head dim; a mask of
-    two intervals never loops. The launch is recorded, not run."""
+    """A k-run mask's Hopper forward launch reads its runs in a loop of HOPPER_FORWARD_RUNS_LOOP[d]
+    runs an iteration (8 by default at D = 64 and 128), unrolled where the config does not name the
+    head dim; a mask of two intervals never loops. The launch is recorded, not run."""
     pytest.importorskip("triton.experimental.gluon")
     from flexmask.kernels.common import scheduler
     from flexmask.kernels.forward import configs as forward_configs

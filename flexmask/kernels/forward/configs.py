@@ -179,11 +179,10 @@ HOPPER_QBUF2_MAX_WALK = 16
 
 # Masks of k runs a column, by head dim: a PARTIAL tile reads a column's runs in a loop at run time
 # that folds this many runs an iteration (forward/hopper.py, _run_words), not unrolled (a head dim
-# not here). The backward's loop won 1.06-1.21x (backward/configs.py, HOPPER_BACKWARD_RUNS_LOOP),
-# where its unrolled runs spilled; the forward's unrolled 16 runs spill little (offline 104 / 228
-# bytes at D = 128, as its two-interval kernel's 124 / 228). Built off, to time: `python -m
-# tools.forward_ab --switch runs_loop_8` (and `runs_loop_4`; both head dims).
-HOPPER_FORWARD_RUNS_LOOP: dict[int, int] = {}
+# not here). Measured on an H200 with `python -m tools.forward_ab --switch runs_loop_8` (and
+# `runs_loop_4`), benchmarks.mask_mod's four k-run masks at D = 128 and 64: 8 an iteration beat
+# unrolled 1.05-1.19x everywhere; 4 ranged 0.89-1.07x (docs/performance.md, section 12).
+HOPPER_FORWARD_RUNS_LOOP: dict[int, int] = {64: 8, 128: 8}
 
 
 def hopper_forward_runs_loop(head_dim: int, runs: int) -> int:
