@@ -206,6 +206,7 @@ def test_k_run_mask_reads_the_device_twice(monkeypatch, name):
     column (the width of its intervals: counted by the builder's compile, or where a mask_mod's or
     column_runs' runs were made, and not again) and, in one read, the tiles listed (the lists'
     size) with their FULL count (common.masking.kernel_runs); host values go up through to_device.
+    On a GPU a builder's count is of host arrays, so there the builders read once.
     The mask_mod's changes are placed by the GPU's kernels (change_runs), as on a GPU."""
     monkeypatch.setattr(intervals, "MASK_MOD_RUNS_KERNEL", True)
     starts = torch.tensor([[0, 10, 20]] * 99)
@@ -217,7 +218,9 @@ def test_k_run_mask_reads_the_device_twice(monkeypatch, name):
                "dilated": (masks.dilated_sliding_window(12, [1, 2, 3]), 99)}[name]
     events = recorded(monkeypatch, mask, s, s)
     reads = [e for e in events if e[1] in ("value read", "device -> host copy")]
-    assert len(reads) == 2 and len(events) == 2, events  # and nothing else: no blocking upload
+    # a builder's runs are made on the host (numpy): on a GPU their count is host data, read for free
+    want = 1 if _device().type == "cuda" and name not in ("mask_mod", "column_runs") else 2
+    assert len(reads) == want and len(events) == want, events  # and nothing else: no blocking upload
 
 
 def test_token_order_and_its_choice_read_the_device_once(monkeypatch):
