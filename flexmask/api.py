@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import functools
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -19,7 +19,8 @@ from .kernels.decode.split_kv import decode_forward, decode_fwd, decode_step, ma
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
 from .masks import specs, token_order
-from .masks.compiled_cache import CompiledCache, Unkeyable, spec_from_key, structural_key, traceable_key
+from .masks.compiled_cache import (CompiledCache, Unkeyable, built_in_graph, spec_from_key, structural_key,
+                                   traceable_key)
 from .masks.compiler import CompiledMask, compile_spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -69,6 +70,14 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
         if token_order.fewer_tiles(tables, compiled):
             compiled.token_order = (tables, order, inverse)
     return compiled
+
+
+def _check_mask_type(mask, q_len: int, kv_len: int, device: torch.device) -> None:
+    """`_resolve_mask`'s checks without a compile (inputs of length 0, where nothing is computed)."""
+    if isinstance(mask, CompiledMask):
+        _resolve_mask(mask, q_len, kv_len, device)
+    elif mask is not None and not isinstance(mask, specs.Mask):
+        raise TypeError(f"mask must be None, a flexmask.masks.Mask or a CompiledMask, got {_describe_mask(mask)}")
 
 
 def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> CompiledMask:
@@ -149,6 +158,7 @@ def _check_score_terms(softcap, alibi_slopes, sinks, batch: int, hq: int, device
     """Validates the score terms (DESIGN.md section 1); returns softcap as a float (0 = off)."""
     if softcap is None:
         softcap = 0.0
+    softcap = _plain_number(softcap)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0 = off), got {type(softcap).__name__} {softcap!r}")
     if softcap < 0 or not softcap < math.inf:  # negative, inf or NaN (comparisons: traceable by dynamo)
@@ -167,6 +177,14 @@ def _check_score_terms(softcap, alibi_slopes, sinks, batch: int, hq: int, device
         if t.device != device:
             raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
     return float(softcap)
+
+
+def _plain_number(value):
+    """A numpy scalar as the Python number it holds (SDPA and FlashAttention take them too);
+    anything else unchanged."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    return value
 
 
 def _shapes_text(shapes) -> str:  # only for an error: dynamo does not trace str() of a tuple
@@ -209,10 +227,15 @@ def _key_table_args(key: tuple, q_len: int, kv_len: int, device: torch.device) -
     return _table_args(_compiled_by_key(key, q_len, kv_len, device))
 
 
-def _compiled_by_key(key: tuple | None, q_len: int, kv_len: int, device: torch.device) -> CompiledMask:
-    """The shared CompiledMask of the spec a traceable key describes (None: full attention)."""
+def _compiled_by_key(key: tuple | None, q_len: int, kv_len: int, device: torch.device,
+                     tensors: Sequence[Tensor] = ()) -> CompiledMask:
+    """The shared CompiledMask of the spec a traceable key describes (None: full attention); with
+    `tensors`, of the spec rebuilt from the key and those tensors as they hold now (cached by
+    their content where `structural_key` reads it, never by the key alone)."""
     if key is None:
         return _resolve_mask(None, q_len, kv_len, device)
+    if tensors:
+        return _resolve_mask(spec_from_key(key, tensors), q_len, kv_len, device)
     shape_key = (q_len, kv_len, device.type, device.index)
     return COMPILED.get_by_key(key, shape_key, lambda: compile_mask(spec_from_key(key), q_len, kv_len, device=device))
 
@@ -243,13 +266,14 @@ def _is_literal(key) -> bool:
 
 
 @torch.library.custom_op("flexmask::attention_by_key", mutates_args=())
-def attention_by_key(q: Tensor, k: Tensor, v: Tensor, mask_key: str, scale: float, deterministic: int,
-                     split_kv: int, softcap: float, alibi_slopes: Optional[Tensor],
+def attention_by_key(q: Tensor, k: Tensor, v: Tensor, mask_key: str, mask_tensors: list[Tensor], scale: float,
+                     deterministic: int, split_kv: int, softcap: float, alibi_slopes: Optional[Tensor],
                      sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(out, lse) of the mask `mask_key` names (`_key_string`; "None": full attention), its tables
-    resolved for these lengths when the op runs; `split_kv` allows the split-KV path (no gradient
-    will be asked)."""
-    cm = _compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device)
+    """(out, lse) of the mask `mask_key` names (`_key_string`; "None": full attention) with the
+    tensors it holds (a spec built in the compiled region: traceable_key), its tables resolved for
+    these lengths when the op runs; `split_kv` allows the split-KV path (no gradient will be
+    asked)."""
+    cm = _compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device, mask_tensors)
     tables = _table_args(cm)
     _check_mask_heads(tables[7], tables[8], q.shape[0], q.shape[1], k.shape[1])
     found = _by_key_order(cm, alibi_slopes)
@@ -267,17 +291,18 @@ def attention_by_key(q: Tensor, k: Tensor, v: Tensor, mask_key: str, scale: floa
 
 
 @attention_by_key.register_fake
-def _(q, k, v, mask_key, scale, deterministic, split_kv, softcap, alibi_slopes, sinks):
+def _(q, k, v, mask_key, mask_tensors, scale, deterministic, split_kv, softcap, alibi_slopes, sinks):
     b, h, s, _ = q.shape
     return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)
 
 
 @torch.library.custom_op("flexmask::attention_by_key_bwd", mutates_args=())
 def attention_by_key_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor,
-                         lse: Tensor, mask_key: str, scale: float, deterministic: int, softcap: float,
-                         alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         lse: Tensor, mask_key: str, mask_tensors: list[Tensor], scale: float, deterministic: int,
+                         softcap: float, alibi_slopes: Optional[Tensor],
+                         sinks: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks) of `attention_by_key`; dsinks is empty without sinks."""
-    cm = _compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device)
+    cm = _compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device, mask_tensors)
     found = _by_key_order(cm, alibi_slopes)
     if found is None:
         return op_outputs(*_backward_impl(do, dlse, q, k, v, o, lse, *_table_args(cm), scale, deterministic, softcap,
@@ -304,27 +329,28 @@ def _gathered_back(x: Tensor, like: Tensor, inverse: Tensor) -> Tensor:
 
 
 @attention_by_key_bwd.register_fake
-def _(do, dlse, q, k, v, o, lse, mask_key, scale, deterministic, softcap, alibi_slopes, sinks):
+def _(do, dlse, q, k, v, o, lse, mask_key, mask_tensors, scale, deterministic, softcap, alibi_slopes, sinks):
     dsinks = q.new_empty(q.shape[1] if sinks is not None else 0, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _by_key_setup(ctx, inputs, output):
-    q, k, v, mask_key, scale, deterministic, _, softcap, alibi_slopes, sinks = inputs
-    ctx.save_for_backward(q, k, v, *output, alibi_slopes, sinks)
+    q, k, v, mask_key, mask_tensors, scale, deterministic, _, softcap, alibi_slopes, sinks = inputs
+    ctx.save_for_backward(q, k, v, *output, alibi_slopes, sinks, *mask_tensors)
     ctx.consts = (mask_key, scale, deterministic, softcap)
 
 
 def _by_key_backward(ctx, do, dlse):
-    q, k, v, o, lse, alibi_slopes, sinks = ctx.saved_tensors
+    q, k, v, o, lse, alibi_slopes, sinks, *mask_tensors = ctx.saved_tensors
     mask_key, scale, deterministic, softcap = ctx.consts
     if do is None:  # only the LSE was used
         do = torch.zeros_like(o)
     if dlse is not None:
         dlse = dlse.contiguous()
-    dq, dk, dv, dsinks = attention_by_key_bwd(do, dlse, q, k, v, o, lse, mask_key, scale, deterministic, softcap,
-                                              alibi_slopes, sinks)
-    return dq, dk, dv, None, None, None, None, None, None, (dsinks if sinks is not None else None)
+    dq, dk, dv, dsinks = attention_by_key_bwd(do, dlse, q, k, v, o, lse, mask_key, mask_tensors, scale, deterministic,
+                                              softcap, alibi_slopes, sinks)
+    return (dq, dk, dv, None, [None] * len(mask_tensors), None, None, None, None, None,
+            dsinks if sinks is not None else None)
 
 
 attention_by_key.register_autograd(_by_key_backward, setup_context=_by_key_setup)
@@ -396,6 +422,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     _check_qkv(q, k, v)
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
+    scale = _plain_number(scale)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
@@ -409,6 +436,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     softcap = _check_score_terms(softcap, alibi_slopes, sinks, batch, hq, q.device)
 
     if sq == 0 or sk == 0:  # nothing to attend: zeros, LSE -inf (the sink with sinks), zero gradients
+        _check_mask_type(mask, sq, sk, q.device)
         out = q * 0.0
         if sinks is None:
             lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -437,12 +465,20 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
             return (out, lse) if return_lse else out
     if compiling and not isinstance(mask, CompiledMask):
         key = None if mask is None else traceable_key(mask)
+        mask_tensors = []
+        if key is None and mask is not None and built_in_graph(mask):  # its tensors go to the op
+            key = traceable_key(mask, mask_tensors)
+            if key is None:  # a function (from_mask_mod) or another object no op can take
+                raise ValueError("mask: a spec holding a function (masks.from_mask_mod) cannot be built inside "
+                                 "torch.compile; build it outside the compiled function (or compile_mask it "
+                                 "there) and pass it in")
         if mask is None or (key is not None and _is_literal(key)):  # by key: no tables in the graph
             q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
             split_kv = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                                          or (sinks is not None and sinks.requires_grad)))
-            out, lse = attention_by_key(q, k, v, "None" if key is None else _key_string(key), float(scale),
-                                        int(deterministic), int(split_kv), softcap, alibi_slopes, sinks)
+            out, lse = attention_by_key(q, k, v, "None" if key is None else _key_string(key), mask_tensors,
+                                        float(scale), int(deterministic), int(split_kv), softcap, alibi_slopes,
+                                        sinks)
             return (out, lse) if return_lse else out
     if isinstance(mask, CompiledMask) or not compiling:
         tables = _table_args(resolved if resolved is not None else _resolve_mask(mask, sq, sk, q.device))
@@ -517,6 +553,17 @@ def _split_kv_plan(q, k, v, tables, terms=None):
     return split_kv_plan(q, k, (tables[9], tables[10]), tables[8], terms, runs=tables[0].shape[-2] // 2)
 
 
+def _check_flashmask_shapes(qs, ks, vs) -> None:
+    """`_check_qkv`'s shape rules in flashmask_attention's names and (B, S, H, D) layout."""
+    if ks != vs:
+        raise ValueError(f"key and value must have the same shape (B, Sk, Hkv, D), got key={tuple(ks)}, "
+                         f"value={tuple(vs)}")
+    if qs[0] != ks[0] or qs[3] != ks[3]:
+        raise ValueError(f"query and key must share B and D in (B, S, H, D), got query={tuple(qs)}, key={tuple(ks)}")
+    if ks[2] == 0 or qs[2] % ks[2] != 0:
+        raise ValueError(f"query's heads must be a multiple of key's (B, S, H, D), got Hq={qs[2]}, Hkv={ks[2]}")
+
+
 def flashmask_attention(query, key, value, startend_row_indices=None, *, causal: bool = False,
                         softmax_scale: float | None = None, return_softmax_lse: bool = False):
     """Drop-in for FlashMask users: (B, S, H, D) layout and `startend_row_indices`
@@ -529,10 +576,16 @@ def flashmask_attention(query, key, value, startend_row_indices=None, *, causal:
             raise ValueError(f"{name} must be a 4-D tensor (B, S, H, D), got {shape}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    _check_flashmask_shapes(query.shape, key.shape, value.shape)
     if startend_row_indices is None:
         mask = specs.causal() if causal else None
     else:
         mask = specs.from_startend_row_indices(startend_row_indices, causal)
+        mb, mh = startend_row_indices.shape[:2]
+        if mb not in (1, query.shape[0]) or mh not in (1, query.shape[2], key.shape[2]):
+            raise ValueError(f"startend_row_indices must have shape [B or 1, Hq or Hkv or 1, Sk, n] with "
+                             f"B={query.shape[0]}, Hq={query.shape[2]}, Hkv={key.shape[2]}, got "
+                             f"{tuple(startend_row_indices.shape)}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out, lse = attention(q, k, v, mask, scale=softmax_scale, return_lse=True)
     out = out.transpose(1, 2)

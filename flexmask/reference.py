@@ -53,7 +53,7 @@ def attention(q, k, v, mask=None, scale=None, dtype=torch.float64, *, softcap: f
     softcap > 0 makes s = softcap * tanh(s / softcap); alibi_slopes ((Hq,) or (B, Hq)) adds
     -slope[h] * |i + Sk - Sq - j|; then the mask; then the softmax, whose denominator gains
     exp(sinks[h]) when sinks ((Hq,)) is given. A row that sees no key has LSE -inf, or sinks[h]
-    with sinks. Everything is differentiable (sinks included) by autograd.
+    with sinks (and outputs 0, also where sinks[h] is -inf). Everything is differentiable (sinks included) by autograd.
     """
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -82,9 +82,11 @@ def attention(q, k, v, mask=None, scale=None, dtype=torch.float64, *, softcap: f
         lse = torch.logsumexp(scores, dim=-1)
     else:  # the sink is one more logit in the denominator (a key of value 0): the LSE stays finite
         sink = sinks.to(dtype).view(1, hq, 1, 1).expand(scores.shape[0], hq, sq, 1)
-        lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+        # unless the sink is -inf too: such a row is empty as without sinks (computed on zeros)
+        empty = empty & (sink[..., 0] == float("-inf"))
+        logits = torch.cat([scores, sink], dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
+        lse = torch.logsumexp(logits, dim=-1)
+        scores = logits[..., :-1]
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
-    if sinks is not None:
-        return out, lse
     out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return out, lse.masked_fill(empty, float("-inf"))

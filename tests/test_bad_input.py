@@ -227,6 +227,24 @@ def test_attention_rejects_scale(scale):
         flexmask.attention(q, k, v, scale=scale)
 
 
+def test_attention_takes_numpy_scalars():
+    """scale and softcap as numpy scalars, as SDPA and FlashAttention take them: the same result as
+    the Python float."""
+    np = pytest.importorskip("numpy")
+    q, k, v = q_k_v()
+    assert torch.equal(flexmask.attention(q, k, v, scale=np.float32(0.25), softcap=np.float32(2.0)),
+                       flexmask.attention(q, k, v, scale=0.25, softcap=2.0))
+
+
+def test_inputs_of_length_zero_check_the_mask():
+    """Nothing is computed at Sq = 0, but a wrong mask is still the error it is at other lengths."""
+    q, k, v = q_k_v(sq=0, sk=20)
+    with pytest.raises(TypeError, match=r"mask.*dense masks are not taken"):
+        flexmask.attention(q, k, v, mask=torch.ones(3))
+    with pytest.raises(ValueError, match=r"mask was compiled for"):
+        flexmask.attention(q, k, v, mask=flexmask.compile_mask(masks.causal(), 20, 20, device="cpu"))
+
+
 def test_attention_rejects_return_lse_non_bool():
     q, k, v = q_k_v()
     with pytest.raises(TypeError, match=r"return_lse"):
@@ -281,6 +299,17 @@ def test_flashmask_attention_rejects():
         flashmask_call(q, k, v, startend_row_indices=idx(1, 1, 19, 1), causal=True)
     with pytest.raises(ValueError, match=r"scale"):
         flashmask_call(q, k, v, softmax_scale=-1.0)
+    # shapes in the caller's names and (B, S, H, D) layout, not attention's
+    with pytest.raises(ValueError, match=r"key and value.*\(B, Sk, Hkv, D\).*key=\(1, 20, 2, 16\)"):
+        flashmask_call(q, k, v[:, :19])
+    with pytest.raises(ValueError, match=r"query and key.*B and D"):
+        flashmask_call(q, k[:, :, :, :8], v[:, :, :, :8])
+    with pytest.raises(ValueError, match=r"query's heads.*Hq=2, Hkv=3"):
+        flashmask_call(q, torch.randn(1, 20, 3, 16), torch.randn(1, 20, 3, 16))
+    with pytest.raises(ValueError, match=r"startend_row_indices must have shape.*Hq=2, Hkv=2, got \(1, 3, 20, 1\)"):
+        flashmask_call(q, k, v, startend_row_indices=idx(1, 3, 20, 1), causal=True)
+    with pytest.raises(ValueError, match=r"startend_row_indices must have shape.*B=1.*got \(2, 1, 20, 1\)"):
+        flashmask_call(q, k, v, startend_row_indices=idx(2, 1, 20, 1), causal=True)
 
 
 def flashmask_call(q, k, v, **kwargs):

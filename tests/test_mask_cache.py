@@ -206,6 +206,56 @@ def test_inline_mask_by_key_decodes_and_checks_heads():
         bad(q, k, v)
 
 
+def test_masks_holding_tensors_written_inside_torch_compile():
+    """Specs holding tensors, built inside torch.compile(fullgraph=True) from the function's inputs
+    (FlashMask's startend_row_indices through flashmask_attention, documents and KV-cache lengths
+    as tensors, column runs, composed): the tensors go to the keyed op, which compiles their tables
+    when it runs, so the output and gradients equal eager, for new tensors and for a tensor changed
+    in place, without a recompile. Regression: dynamo handed the spec to the compiler without its
+    attributes ("'_Simple' object has no attribute '_params'"). A from_mask_mod built inside is
+    refused by name (its function cannot reach an op)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def layer(q, k, v, idx, lengths, starts):
+        flashmask = flexmask.flashmask_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 startend_row_indices=idx, causal=True).transpose(1, 2)
+        docs = flexmask.attention(q, k, v, mask=masks.document(lengths) & masks.sliding_window(9))
+        runs = flexmask.attention(q, k, v, mask=masks.column_runs(starts, starts + 3) | masks.causal())
+        return flashmask + docs + runs
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(7)
+    s = 37
+    idx = torch.randint(0, s + 1, (2, 1, s, 1), generator=gen, dtype=torch.int32)
+    lengths = torch.tensor([[12, 25], [30, 7]])
+    starts = torch.randint(0, s - 3, (1, 2, s, 3), generator=gen, dtype=torch.int32)
+    for step in range(3):
+        q, k, v = make_qkv(2, 2, 2, s, s, 16, torch.float32, seed=step)
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        out = compiled(q, k, v, idx, lengths, starts)
+        out.sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        want = layer(q, k, v, idx, lengths, starts)
+        want.sum().backward()
+        assert torch.equal(out, want) and all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v))), step
+        assert not torch.equal(want, layer(q, k, v, idx.flip(2), lengths.flip(1), starts.flip(2)))  # they matter
+        if step == 0:  # new tensors
+            idx, lengths = torch.randint(0, s + 1, (2, 1, s, 1), generator=gen, dtype=torch.int32), lengths.flip(1)
+        else:  # the same tensors, changed in place
+            idx.copy_(torch.randint(0, s + 1, idx.shape, generator=gen, dtype=torch.int32))
+            starts.copy_(torch.randint(0, s - 3, starts.shape, generator=gen, dtype=torch.int32))
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles"
+    bad = torch.compile(lambda q: flexmask.attention(q, q, q, mask=masks.from_mask_mod(lambda b, h, i, j: j <= i)),
+                        fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="cannot be built inside torch.compile"):
+        bad(q.detach())
+
+
 def test_the_cache_is_bounded_by_table_bytes(monkeypatch):
     """Long masks have large tables: the cache keeps at most max_bytes of them (the most recent
     entry stays whatever its size)."""

@@ -135,6 +135,26 @@ def test_rows_that_see_no_key_give_the_sink():
     assert torch.equal(sg.grad, torch.full((hq,), float(b * sq)))
 
 
+def test_a_sink_of_minus_infinity_on_a_row_that_sees_no_key():
+    """A sink of -inf adds nothing: a row that sees no key then outputs 0 with LSE -inf, in the
+    kernel and in the reference (whose exp(-inf - -inf) gave NaN), gradients NaN-free; the other
+    head's sink still counts."""
+    b, hq, hkv, sq, sk, d = 1, 2, 1, 40, 24, 16
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, FP32, seed=4, requires_grad=True)
+    sinks = torch.tensor([float("-inf"), 0.75], requires_grad=True)
+    got = flexmask.attention(q, k, v, masks.causal(), return_lse=True, sinks=sinks)
+    want = reference.attention(q, k, v, masks.causal(), sinks=sinks)
+    empty = sq - sk
+    for x, y in zip(got, want):
+        assert not y.isnan().any()
+        assert torch.allclose(x.double(), y, rtol=0, atol=1e-5)
+    assert torch.equal(want[0][:, 0, :empty], torch.zeros_like(want[0][:, 0, :empty]))
+    assert torch.equal(want[1][:, 0, :empty], torch.full((b, empty), float("-inf"), dtype=torch.float64))
+    assert torch.equal(want[1][:, 1, :empty], torch.full((b, empty), 0.75, dtype=torch.float64))
+    grads = torch.autograd.grad(want[0].sum() + want[1][want[1].isfinite()].sum(), (q, k, v, sinks))
+    assert not any(g.isnan().any() for g in grads)
+
+
 def test_sink_gradient_closed_form():
     """The sink is a key of value 0: d loss / d sinks[h] = -sum over (b, i) of exp(sinks[h] - LSE_i) D_i
     with D_i = rowsum(dO_i * O_i) - dLSE_i (what the preprocess computes), checked against

@@ -42,14 +42,17 @@ def structural_key(mask) -> tuple:
     return key
 
 
-def traceable_key(mask) -> tuple | None:
+def traceable_key(mask, tensors: list | None = None) -> tuple | None:
     """`structural_key` for a spec built inside torch.compile, where it is traced: plain Python on
     the spec's parameters, no exception, no tensor read. None where a parameter is a tensor or of
-    an unknown type (the spec must then be built outside the compiled region)."""
+    an unknown type (the spec must then be built outside the compiled region). Given a list
+    `tensors`, a tensor parameter is appended to it and keyed by its place there instead: the
+    tensors then go to the op with the key, and the op rebuilds the spec from both."""
     kind = mask.kind
     if kind in ("and", "or"):
-        a, b = traceable_key(mask.a), traceable_key(mask.b)
-        return None if a is None or b is None else (kind, a, b)
+        a = traceable_key(mask.a, tensors)
+        b = None if a is None else traceable_key(mask.b, tensors)
+        return None if b is None else (kind, a, b)
     items = []
     # sorted by name alone: a value may be a symbolic size, which dynamo cannot compare
     for name, value in sorted(mask.params().items(), key=lambda item: item[0]):
@@ -61,9 +64,20 @@ def traceable_key(mask) -> tuple | None:
         elif isinstance(value, (list, tuple)) and all(
                 isinstance(row, (list, tuple)) and all(v.__class__ is int for v in row) for row in value):
             items.append((name, ("seq", tuple(("ints", tuple(row)) for row in value))))
+        elif tensors is not None and isinstance(value, torch.Tensor):
+            items.append((name, ("tensor", len(tensors))))
+            tensors.append(value)
         else:
             return None
     return (kind, tuple(items))
+
+
+def built_in_graph(mask) -> bool:
+    """Whether a part of the spec was built while torch.compile traced (specs.Mask records it):
+    dynamo hands such an object to code it does not trace without its attributes."""
+    if mask.kind in ("and", "or"):
+        return built_in_graph(mask.a) or built_in_graph(mask.b)
+    return getattr(mask, "_in_graph", False)
 
 
 def _static(value):
@@ -79,24 +93,27 @@ def _static(value):
     return value
 
 
-def spec_from_key(key: tuple):
-    """The spec a key describes (`structural_key` or `traceable_key`): the same builders' objects,
-    so that a spec that dynamo rebuilt without its attributes can still be compiled."""
+def spec_from_key(key: tuple, tensors=()):
+    """The spec a key describes (`structural_key` or `traceable_key`, with the tensors that
+    `traceable_key` listed): the same builders' objects, so that a spec that dynamo rebuilt
+    without its attributes can still be compiled."""
     from .specs import _Simple  # the builders' class: specs sits above this module
 
     kind = key[0]
     if kind in ("and", "or"):
-        a, b = spec_from_key(key[1]), spec_from_key(key[2])
+        a, b = spec_from_key(key[1], tensors), spec_from_key(key[2], tensors)
         return a & b if kind == "and" else a | b
-    return _Simple(kind, **{name: _value(v) for name, v in key[1]})
+    return _Simple(kind, **{name: _value(v, tensors) for name, v in key[1]})
 
 
-def _value(v):
+def _value(v, tensors=()):
     tag = v[0]
+    if tag == "tensor":
+        return tensors[v[1]]
     if tag == "ints":
         return list(v[1])
     if tag == "seq":
-        return [_value(x) for x in v[1]]
+        return [_value(x, tensors) for x in v[1]]
     if tag == "data":
         _, dtype, shape, data = v
         return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype.split(".")[-1])).reshape(shape).clone()

@@ -54,6 +54,8 @@ class Mask:
     def __init__(self) -> None:
         # compiled tile tables, keyed by (q_len, kv_len, device, block sizes); see api.py
         self._compiled_cache: dict = {}
+        # built while torch.compile traced: its tensors go to the op (compiled_cache.built_in_graph)
+        self._in_graph = torch.compiler.is_compiling()
 
     # -- description -----------------------------------------------------------------
     def params(self) -> dict:
@@ -188,6 +190,13 @@ def _check_lengths(name: str, values, minimum: int = 0) -> list:
     return out
 
 
+def _readable(t: torch.Tensor) -> bool:
+    """Whether a builder checks a tensor's values: a CPU tensor, outside torch.compile (a GPU
+    tensor would sync; a traced one would branch on data, so such a mask is built unchecked, as a
+    GPU tensor's is)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _check_doc_lengths(name: str, values, minimum: int = 1):
     """Document lengths: as `_check_lengths`, or an integer tensor [docs] or [B, docs] kept as a
     tensor where it lies, so that lengths on a GPU never go to the host (the compiler reads them
@@ -199,7 +208,7 @@ def _check_doc_lengths(name: str, values, minimum: int = 1):
         raise TypeError(f"{name} must be an integer tensor, got dtype {values.dtype}")
     if values.dim() not in (1, 2) or values.numel() == 0:
         raise ValueError(f"{name} must be a tensor of shape (docs,) or (B, docs), got shape {tuple(values.shape)}")
-    if values.device.type == "cpu" and bool((values < 0).any()):
+    if _readable(values) and bool((values < 0).any()):
         raise ValueError(f"{name} must be >= 0, got {values.tolist()}")
     return values.detach().to(torch.int64, copy=True)
 
@@ -344,7 +353,7 @@ def prefix_lm_document(seqlens, prefix_lens) -> Mask:
                 seqlens.shape != prefix_lens.shape):
             raise ValueError(f"seqlens and prefix_lens given as tensors must be two tensors of one shape, got "
                              f"{_short(seqlens)} and {_short(prefix_lens)}")
-        if seqlens.device.type == "cpu" and bool((prefix_lens > seqlens).any()):
+        if _readable(seqlens) and bool((prefix_lens > seqlens).any()):
             raise ValueError(f"prefix_lens must be <= seqlens, got prefix_lens={prefix_lens.tolist()} and "
                              f"seqlens={seqlens.tolist()}")
         return _Simple("prefix_lm_document", seqlens=seqlens, prefix_lens=prefix_lens)
@@ -712,7 +721,7 @@ def kv_cache(kv_lengths, causal: bool = True) -> Mask:
             raise TypeError(f"kv_lengths must be an integer tensor, got dtype {kv_lengths.dtype}")
         if kv_lengths.dim() != 1 or kv_lengths.numel() == 0:
             raise ValueError(f"kv_lengths must be a 1-D tensor with one length per batch row, got shape {tuple(kv_lengths.shape)}")
-        if kv_lengths.device.type == "cpu" and bool((kv_lengths < 0).any()):
+        if _readable(kv_lengths) and bool((kv_lengths < 0).any()):
             b = int((kv_lengths < 0).nonzero()[0])
             raise ValueError(f"kv_lengths must be >= 0, got kv_lengths[{b}]={int(kv_lengths[b])}")
         lengths = kv_lengths.detach().to(torch.int64, copy=True)
