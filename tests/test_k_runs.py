@@ -215,6 +215,28 @@ def test_global_tokens_and_dilated_windows():
             assert torch.equal(per_head[0, h], dilated_dense(sq, sk, 8, d))
 
 
+def test_global_token_groups_and_plain_dilated_windows_take_few_runs():
+    """Consecutive global tokens are one run of attending rows, however many (32 sink tokens at
+    the front: 2 masked runs a column, not 33), and only the final mask must fit: 16 tokens apart
+    build, and compose into one that fits. A dilated window of dilation 1 is a plain window: two
+    runs whatever its length, alone or beside a dilated head. Dense masks against brute force."""
+    for sq, sk in ((70, 70), (40, 70), (70, 40)):
+        glob = list(range(32))
+        mask = masks.sliding_window(4, 4) | masks.global_tokens(glob)
+        assert torch.equal(mask.to_dense(sq, sk), global_window_dense(sq, sk, 4, 4, glob)), (sq, sk)
+        assert flexmask.compile_mask(mask, sq, sk, device="cpu").runs == 2
+        apart = list(range(0, sk, 4))[:16]
+        wide = masks.global_tokens(apart) | masks.full()  # 17 runs in the middle step, none in the end
+        assert bool(wide.to_dense(sq, sk).all()) and flexmask.compile_mask(wide, sq, sk, device="cpu").runs == 2
+        for left, dilation in ((40, 1), (30, [1, 4])):
+            mask = masks.dilated_sliding_window(left, dilation)
+            dense = mask.to_dense(sq, sk)
+            for h, d in enumerate(dilation if isinstance(dilation, list) else [dilation]):
+                assert torch.equal(dense.reshape(-1, sq, sk)[h], dilated_dense(sq, sk, left, d)), (left, d)
+            # runs per column: 2 for d = 1, left // 4 + 2 = 9 for d = 4 (a k-run form of 16 slots)
+            assert flexmask.compile_mask(mask, sq, sk, device="cpu").runs == (2 if dilation == 1 else 16)
+
+
 def test_builder_errors():
     with pytest.raises(ValueError, match="kernel x dilation = 5 x 2 does not fit height=7"):
         masks.natten(7, 12, 5, dilation=2)
@@ -222,8 +244,9 @@ def test_builder_errors():
         masks.natten(4, 5, 3).to_dense(20, 21)
     with pytest.raises(ValueError, match=r"key column \d+ needs 17 masked runs .*more than max_runs=16"):
         masks.natten(16, 16, 7, frames=4, time_kernel=2).intervals(1024, 1024)
-    with pytest.raises(ValueError, match="more than max_runs=16"):
-        masks.global_tokens(list(range(0, 64, 4)))
+    # 16 global tokens apart: 17 runs in the columns between them, raised once the final mask is made
+    with pytest.raises(ValueError, match=r"key column 0 needs 17 masked runs .*more than max_runs=16"):
+        flexmask.compile_mask(masks.global_tokens(list(range(1, 65, 4))), 66, 66, device="cpu")
     with pytest.raises(ValueError, match="left // dilation <= 14"):
         masks.dilated_sliding_window(30, 2)
     with pytest.raises(ValueError, match="positions must be < kv_len=8"):

@@ -107,12 +107,26 @@ def _sliding_tile_bound(p) -> int:
     return frames * rows + 2
 
 
+def global_groups(positions: list) -> tuple[list, list]:
+    """Sorted distinct positions as groups of consecutive ones, (firsts, ends): the global rows a
+    column's masked runs go around (32 sink tokens at the front are one group: one run)."""
+    firsts = [x for i, x in enumerate(positions) if i == 0 or positions[i - 1] != x - 1]
+    ends = [x + 1 for i, x in enumerate(positions) if i + 1 == len(positions) or positions[i + 1] != x + 1]
+    return firsts, ends
+
+
+def dilated_steps(left: int, dilation: int) -> int:
+    """The runs of rows that attend a key column of a dilated window: left // d + 1 single rows,
+    one run of left + 1 rows where d = 1."""
+    return 1 if dilation == 1 else left // dilation + 1
+
+
 _K_RUN_BUILDERS = {
     "natten": _natten_bound,
     "sliding_tile": _sliding_tile_bound,
-    "global_tokens": lambda p: len(set(p["positions"])) + 1,
-    "dilated_sliding_window": lambda p: max(p["left"] // d for d in (
-        p["dilation"] if isinstance(p["dilation"], list) else [p["dilation"]])) + 2,
+    "global_tokens": lambda p: len(global_groups(sorted(set(p["positions"])))[0]) + 1,
+    "dilated_sliding_window": lambda p: max(dilated_steps(p["left"], d) for d in (
+        p["dilation"] if isinstance(p["dilation"], list) else [p["dilation"]])) + 1,
 }
 
 

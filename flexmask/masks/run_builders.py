@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .geometry import _Geometry, to_device
+from .run_bounds import dilated_steps, global_groups
 
 
 def complement(att_start: torch.Tensor, att_end: torch.Tensor, q_len: int,
@@ -156,10 +157,11 @@ def global_token_runs(p: dict, g: _Geometry) -> torch.Tensor:
     positions = sorted(set(p["positions"]))  # ints (global_tokens checked them): checked here, no host sync
     if positions and positions[-1] >= g.kv_len:
         raise ValueError(f"global_tokens positions must be < kv_len={g.kv_len}, got {positions[-1]}")
-    pos = to_device(positions, g.device)  # (pinned, non-blocking: a pageable copy waits for the stream)
+    starts, ends = global_groups(positions)
+    pos, first, end = (to_device(x, g.device) for x in (positions, starts, ends))  # (pinned, non-blocking)
     is_global = torch.zeros(g.kv_len, dtype=torch.bool, device=g.device).index_fill_(0, pos, True)
-    rows = (pos - g.offset).view(1, -1).expand(g.kv_len, -1)  # [Sk, G] rows of the global queries
-    runs = complement(rows, rows + 1, g.q_len)  # [Sk, G + 1, 2]; rows outside clip to empty ones
+    first, end = ((x - g.offset).view(1, -1).expand(g.kv_len, -1) for x in (first, end))  # [Sk, G] global rows
+    runs = complement(first, end, g.q_len)  # [Sk, G + 1, 2]; rows outside clip to empty ones
     runs = torch.where(is_global.view(-1, 1, 1), 0, runs)  # global columns: nothing masked
     return runs.view(1, 1, g.kv_len, -1, 2)
 
@@ -169,12 +171,14 @@ def dilated_window_runs(p: dict, g: _Geometry) -> torch.Tensor:
     positions j, j + d, ..., j + (left // d) d of its head's dilation d."""
     dilations = p["dilation"] if isinstance(p["dilation"], list) else [p["dilation"]]
     left = p["left"]
-    steps = max(left // d for d in dilations) + 1
+    # a dilation of 1 is a plain window: its rows are one run (j .. j + left), not left + 1 of one row
+    steps = max(dilated_steps(left, d) for d in dilations)
     d = to_device(dilations, g.device).view(-1, 1, 1)  # [H, 1, 1]
     s = torch.arange(steps, device=g.device).view(1, 1, -1)
     pos = g.cols.view(1, -1, 1) + s * d  # [H, Sk, steps]
-    rows = torch.where(s <= left // d, pos - g.offset, g.q_len)  # a head's steps past its window: none
-    runs = complement(rows, rows + 1, g.q_len)  # rows outside clip to empty runs, in order
+    last = torch.where(d == 1, 0, left // d)
+    rows = torch.where(s <= last, pos - g.offset, g.q_len)  # a head's steps past its window: none
+    runs = complement(rows, rows + torch.where(d == 1, left + 1, 1), g.q_len)  # outside: clipped, in order
     return runs.view(1, len(dilations), g.kv_len, -1, 2)
 
 

@@ -8,7 +8,7 @@ Pictures: rows are queries, columns are keys, ``#`` attends, ``.`` is masked.
 
 from __future__ import annotations
 
-from .run_bounds import MAX_RUNS_LIMIT
+from .run_bounds import MAX_RUNS_LIMIT, dilated_steps
 from .specs import Mask, _check_int, _check_lengths, _Simple
 
 __all__ = ["natten", "sliding_tile", "global_tokens", "dilated_sliding_window"]
@@ -144,15 +144,14 @@ def global_tokens(positions) -> Mask:
         ...#.##
 
     Runs: a key column that is not global is masked on every row but those of the global tokens
-    (and, composed, its window), so it needs one masked run more than there are global tokens
-    around it: up to 15 global tokens (14 beside a window) fit a column's 16 runs.
+    (and, composed, its window), so it needs one masked run more than there are groups of
+    consecutive global tokens around it: up to 15 groups (14 beside a window) fit a column's 16
+    runs, however many tokens each holds (32 sink tokens at the front are one group). As for any
+    composition, only the final mask must fit: one that needs more raises naming the column.
     """
     pos = _check_lengths("positions", positions, 0)
     if isinstance(pos[0], list):
         raise TypeError(f"positions must be a list of ints (one set for every batch row), got {positions!r}")
-    if len(set(pos)) >= MAX_RUNS_LIMIT:
-        raise ValueError(f"global_tokens: {len(set(pos))} global tokens need {len(set(pos)) + 1} masked runs in a key "
-                         f"column, more than max_runs={MAX_RUNS_LIMIT}")
     return _Simple("global_tokens", positions=sorted(set(pos)))
 
 
@@ -172,7 +171,7 @@ def dilated_sliding_window(left: int, dilation) -> Mask:
                                                 .#####    ..#..#
 
     Runs: a key column is attended by left // d + 1 rows, so it masks up to left // d + 2 runs
-    (at most 16: left // d <= 14).
+    (at most 16: left // d <= 14); a dilation of 1 is a plain window, two runs whatever ``left``.
     """
     left = _check_int("left", left, 0)
     if isinstance(dilation, (list, tuple)):
@@ -181,7 +180,7 @@ def dilated_sliding_window(left: int, dilation) -> Mask:
             raise ValueError("dilation must be an int or a non-empty list of ints, one per head")
     else:
         d = _check_int("dilation", dilation, 1)
-    most = max(left // v for v in (d if isinstance(d, list) else [d])) + 2
+    most = max(dilated_steps(left, v) for v in (d if isinstance(d, list) else [d])) + 1
     if most > MAX_RUNS_LIMIT:
         raise ValueError(f"dilated_sliding_window(left={left}, dilation={dilation}) needs up to {most} masked runs in a "
                          f"key column, more than max_runs={MAX_RUNS_LIMIT}: keep left // dilation <= {MAX_RUNS_LIMIT - 2}")
