@@ -306,7 +306,7 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, caus
 @varlen_fwd.register_fake
 def _(q, k, v, cu_q, cu_k, causal, left, right, scale, deterministic, softcap, alibi_slopes, sinks):
     b, h, s, d = q.shape
-    return q.new_empty(b, h, s, d), q.new_empty(b, h, s, dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(b, h, s, dtype=torch.float32)  # out in q's layout, as the kernels
 
 
 @torch.library.custom_op("flexmask::varlen_bwd", mutates_args=())
@@ -324,7 +324,7 @@ def varlen_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tens
 def _(do, dlse, q, k, v, o, lse, cu_q, cu_k, causal, left, right, scale, deterministic, softcap, alibi_slopes,
       sinks):
     dsinks = q.new_empty(q.shape[1] if sinks is not None else 0, dtype=torch.float32)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -408,6 +408,16 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                                       or not math.isfinite(softmax_scale) or softmax_scale <= 0):
         raise ValueError(f"softmax_scale must be None or a positive finite float, got {softmax_scale!r}")
 
+    seqs, hq = cu_seqlens_q.shape[0] - 1, q.shape[1]
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2 and alibi_slopes.shape[0] not in (1, seqs):
+        raise ValueError(f"alibi_slopes must have shape ({hq},), (1, {hq}) or (num_seqs, Hq) = ({seqs}, {hq}), got "
+                         f"{tuple(alibi_slopes.shape)}")
+    if (total_q == 0 or total_k == 0) and not torch.compiler.is_compiling():
+        # nothing is computed (no plan reads cu_seqlens): their values are checked here
+        _check_cu_values("cu_seqlens_q", cu_seqlens_q.tolist(), total_q)
+        _check_cu_values("cu_seqlens_k", cu_seqlens_k.tolist(), total_k)
+        if _per_sequence_slopes(alibi_slopes, cu_seqlens_q, hq):  # checked as one row: no position is scored
+            alibi_slopes = alibi_slopes[:1]
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
     if torch.compiler.is_compiling() and total_q > 0 and total_k > 0:  # the ops: no graph break
         out, lse = _compiled_varlen(q4, k4, v4, cu_seqlens_q, cu_seqlens_k, causal, left, right, softmax_scale,

@@ -111,6 +111,16 @@ def test_rows_that_attend_nothing():
     assert not any(torch.isnan(t).any() for t in (out, dq, dk, dv))
 
 
+def test_no_keys_at_all_with_per_sequence_slopes():
+    """Every sequence without keys, with FlashAttention's per-sequence slopes (num_seqs, Hq) and
+    sinks: zeros and LSE sinks[h] (it raised: the slopes were checked as one batch row's)."""
+    sinks = torch.tensor([0.5, -1.0])
+    q, k, v, _ = packed_qkv(6, 0, 2, 1, 16, FP32, seed=4)
+    out, lse = flexmask.varlen_attention(q, k, v, cu([3, 3]), cu([0, 0]), causal=True, return_lse=True,
+                                         alibi_slopes=torch.rand(2, 2), sinks=sinks)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, sinks.view(2, 1).expand(2, 6))
+
+
 def test_no_copy_of_q_k_v(monkeypatch):
     """The packed tensors reach flexmask.attention as views (same storage), even when q is a
     strided slice of a fused qkv tensor."""
@@ -216,6 +226,35 @@ def test_torch_compile(terms):
     assert counter.frame_count == 1, counter.frame_count
 
 
+def test_torch_compile_with_inductor(monkeypatch):
+    """Under the default backend (Inductor), whose graph checks each op's output strides against
+    its fake: the outputs come in q's layout (packed (total, H, D) and a slice of a packed qkv
+    tensor), so the compiled output, loss and gradients equal eager. Regression: the fakes gave
+    contiguous (1, H, total, D) tensors and Inductor's stride assertion failed."""
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # a graph cached by other code
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(8)
+    qkv = torch.randn(40, 3, 2, 16, generator=gen)
+    sinks = torch.randn(2, generator=gen)
+
+    def loss(q, k, v, cu_seqlens, sinks):
+        return flexmask.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, causal=True, softcap=4.0, sinks=sinks).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    forward = torch.compile(lambda q, k, v, c: flexmask.varlen_attention(q, k, v, c, c, causal=True), fullgraph=True)
+    for q, k, v in ((qkv[:, 0].contiguous(), qkv[:, 1, :1].contiguous(), qkv[:, 2, :1].contiguous()),
+                    (qkv[:, 0], qkv[:, 1], qkv[:, 2])):
+        want = flexmask.varlen_attention(q, k, v, cu([17, 23]), cu([17, 23]), causal=True)
+        assert torch.allclose(forward(q, k, v, cu([17, 23])), want, rtol=0, atol=1e-6)
+        results = []
+        for f in (loss, compiled):
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v, sinks)]
+            value = f(*leaves[:3], cu([17, 23]), leaves[3])
+            results.append((value.detach(), *torch.autograd.grad(value, leaves)))
+        for name, a, b in zip(("loss", "dq", "dk", "dv", "dsinks"), *results):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{name}: compiled differs from eager"  # (sums in another order)
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 
@@ -241,6 +280,13 @@ BAD = [
     ("scale", lambda q, k, v, a, b: ((q, k, v, a, b), {"softmax_scale": -1.0}), ValueError, "softmax_scale must be None or a positive"),
     ("max_seqlen", lambda q, k, v, a, b: ((q, k, v, a, b, 15), {}), ValueError, r"max_seqlen_q=15 is smaller than the longest sequence \(20\)"),
     ("deterministic", lambda q, k, v, a, b: ((q, k, v, a, b), {"deterministic": "yes"}), TypeError, "deterministic must be None or a bool"),
+    ("slopes_rows", lambda q, k, v, a, b: ((q, k, v, a, b), {"alibi_slopes": torch.rand(3, 2)}), ValueError,
+     r"alibi_slopes must have shape \(2,\), \(1, 2\) or \(num_seqs, Hq\) = \(2, 2\), got \(3, 2\)"),
+    # no token on one side: nothing is computed, cu_seqlens are still checked
+    ("cu_total_no_queries", lambda q, k, v, a, b: ((q[:0], k, v, a, b), {}), ValueError,
+     r"cu_seqlens_q\[-1\] must equal the number of packed tokens 0, got 30"),
+    ("cu_total_no_keys", lambda q, k, v, a, b: ((q, k[:0], v[:0], a, b), {}), ValueError,
+     r"cu_seqlens_k\[-1\] must equal the number of packed tokens 0, got 30"),
 ]
 
 
