@@ -459,6 +459,28 @@ def test_or_needing_three_intervals_takes_k_runs():
     assert torch.equal((m1 | m2).to_dense(sq, sk), m1.to_dense(sq, sk) | m2.to_dense(sq, sk))
 
 
+@pytest.mark.parametrize("where", ["to_dense", "compile_mask", "on_device"])
+def test_composition_of_other_batch_rows_or_heads_names_both_masks(where):
+    """Operands whose batch rows or heads neither match nor are 1 cannot be composed: a ValueError
+    naming both masks and the counts (a torch broadcast error before), on every path."""
+    from flexmask.masks.compiler import compile_spec
+
+    cases = [(masks.document([[4, 4], [8]]) & masks.column_intervals(torch.zeros(3, 1, 8, dtype=torch.int32)),
+              r"masks.document\(.*has 2 batch rows but masks.column_intervals\(.*composed with it by &, has 3"),
+             (masks.dilated_sliding_window(3, [1, 2]) | masks.column_intervals(torch.zeros(3, 8, dtype=torch.int32)),
+              r"masks.dilated_sliding_window\(.*has 2 heads but .*composed with it by \|, has 3"),
+             (masks.random_eviction(5, num_heads=2) & masks.column_intervals(torch.zeros(1, 3, 8, dtype=torch.int32)),
+              r"has 2 heads but .*has 3")]
+    for mask, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            if where == "to_dense":
+                mask.to_dense(8, 8)
+            elif where == "compile_mask":
+                flexmask.compile_mask(mask, 8, 8, device="cpu")
+            else:
+                compile_spec(mask, 8, 8, torch.device("cpu"), 16, 16, on_device=True)
+
+
 def test_composition_beyond_max_runs_names_the_column():
     """More than 16 runs in a column: a ValueError naming the column, its run count and max_runs."""
     sq, sk = 63, 40
@@ -529,6 +551,23 @@ def test_str_has_name_and_picture(family):
     picture_lines = [ln for ln in lines[1:] if ln and set(ln) <= set("#.+")]
     assert picture_lines, f"no picture in {text!r}"
     assert len({len(ln) for ln in picture_lines}) == 1, "ragged picture"
+
+
+@pytest.mark.parametrize("build, length", [
+    (lambda: masks.natten(5, 5, 3), 25),
+    (lambda: masks.sliding_tile((4, 8), (2, 4), (2, 2), text_tokens=3), 35),
+    (lambda: masks.kv_cache([30, 20]), 30),
+    (lambda: masks.qk_sparse([(20, 4)]), 25),
+    (lambda: masks.global_tokens([3, 40]), 41),
+], ids=["natten", "sliding_tile", "kv_cache", "qk_sparse", "global_tokens"])
+def test_str_draws_builders_at_the_length_their_parameters_set(build, length):
+    """A builder whose parameters fix the length (natten: the image's tokens) or need at least
+    some (a cache's longest row, the last span or global token) draws at that length; the
+    default 16 failed or cut the picture short."""
+    m = build()
+    assert m.natural_length() == length
+    text = str(m)
+    assert "no picture" not in text and m.show(length, length, max_size=32) in text
 
 
 def test_str_pictures_of_simple_masks():

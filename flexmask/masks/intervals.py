@@ -452,7 +452,7 @@ def _compose_runs(m, g: _Geometry) -> torch.Tensor:
     if m.kind not in ("and", "or"):
         return _runs_of(_operand_intervals(m, g), g.q_len)
     a, b = _compose_runs(m.a, g), _compose_runs(m.b, g)
-    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    lead = _operands_lead(m, a, b)
     a, b = a.expand(*lead, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:])
     ka, kb = a.shape[-2], b.shape[-2]
     if m.op == "and":  # attend where both attend: masked where either masks
@@ -461,6 +461,19 @@ def _compose_runs(m, g: _Geometry) -> torch.Tensor:
     start = torch.maximum(a[..., :, None, 0], b[..., None, :, 0])
     end = torch.minimum(a[..., :, None, 1], b[..., None, :, 1])
     return _normalize_runs(torch.stack([start, end], dim=-1).flatten(-3, -2), g.q_len, ka + kb - 1)
+
+
+def _operands_lead(m, a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """The (batch rows, heads) of composition m from its operands' [B|1, H|1, ...] tables; a
+    ValueError naming both where one is neither 1 nor the other's."""
+    lead = []
+    for dim, name in ((0, "batch rows"), (1, "heads")):
+        x, y = a.shape[dim], b.shape[dim]
+        if x != y and 1 not in (x, y):
+            raise ValueError(f"{m.a!r} has {x} {name} but {m.b!r}, composed with it by "
+                             f"{'&' if m.op == 'and' else '|'}, has {y}: each must be 1 or the other's")
+        lead.append(max(x, y))
+    return (*lead, a.shape[2])
 
 
 def run_slots(most: int) -> int:
@@ -503,8 +516,7 @@ def _format_runs(runs: torch.Tensor) -> str:
 def _composed_on_device(m, g: _Geometry, root: bool = False):
     """Canonical intervals of composition m by the compile kernels' one-launch composition
     (`compiler_kernels.compose_intervals`), or None where it does not apply: an operand that is
-    itself a composition which may need more than two runs, operands whose batch rows or heads
-    do not broadcast, or (at the root) a result that needs more than two runs (the torch path
+    itself a composition which may need more than two runs, or (at the root) a result that needs more than two runs (the torch path
     then names the column). Reads the device only where the kinds leave the count open."""
     from .compiler_kernels import compose_intervals
 
@@ -516,9 +528,7 @@ def _composed_on_device(m, g: _Geometry, root: bool = False):
     b = a if a is None else _composed_on_device(m.b, g)
     if b is None:
         return None
-    lead = [max(x, y) for x, y in zip(a.shape[:2], b.shape[:2])]
-    if any(t.shape[i] not in (1, lead[i]) for t in (a, b) for i in range(2)):
-        return None
+    _operands_lead(m, a, b)
     out, most_runs = compose_intervals(a, b, m.op == "and", g.q_len)
     if root and run_bounds.max_runs(m) > 2 and int(most_runs) > 2:  # a host sync, as on the torch path
         return None

@@ -13,6 +13,7 @@ Pictures below: rows are queries, columns are keys, ``#`` attends, ``.`` is mask
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
@@ -237,6 +238,17 @@ class _Simple(Mask):
             return p["lts"].shape[-1]
         if "starts" in p:
             return p["starts"].shape[-2]
+        # builders whose parameters fix the length (natten, sliding_tile) or bound it from below
+        if self.kind == "natten":
+            return p["frames"] * p["height"] * p["width"]
+        if self.kind == "sliding_tile":
+            return math.prod(p["canvas"]) + p["text_tokens"]
+        if self.kind == "kv_cache" and not isinstance(p["kv_lengths"], torch.Tensor):
+            return max(max(p["kv_lengths"]), 1)
+        if self.kind == "qk_sparse" and p["maskout"]:
+            return max(off + length for off, length in p["maskout"]) + 1
+        if self.kind == "global_tokens" and p["positions"]:
+            return p["positions"][-1] + 1
         return None
 
 
@@ -290,6 +302,8 @@ def document(seqlens, causal: bool = True) -> Mask:
         ..##.                       ..###
         ..###                       ..###
     """
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     plain = None if torch.compiler.is_compiling() else _plain_lengths(seqlens)  # traced: no global state
     spec = _DOCUMENTS.get((plain, bool(causal))) if plain is not None else None
     if spec is None:
@@ -445,7 +459,9 @@ def qk_sparse(maskout) -> Mask:
         #####.
         ######
     """
-    if isinstance(maskout, Sequence) and len(maskout) == 2 and all(isinstance(x, int) for x in maskout):
+    if not isinstance(maskout, Sequence) or isinstance(maskout, str):
+        raise TypeError(f"maskout must be a list of (offset, length) pairs, got {type(maskout).__name__} {maskout!r}")
+    if len(maskout) == 2 and all(isinstance(x, int) for x in maskout):
         maskout = [tuple(maskout)]
     pairs = []
     last_end = 0
@@ -518,6 +534,12 @@ def column_intervals(lts, lte=None, uts=None, ute=None) -> Mask:
     lengths = {name: t.shape[-1] for name, t in tensors.items()}
     if len(set(lengths.values())) != 1:
         raise ValueError(f"lts/lte/uts/ute must all cover the same number of key columns, got {lengths}")
+    lead = {name: (1,) * (3 - t.dim()) + tuple(t.shape[:-1]) for name, t in tensors.items()}  # (B, H)
+    for dim, what in ((0, "batch rows"), (1, "heads")):
+        sizes = {lead[name][dim] for name in lead} - {1}
+        if len(sizes) > 1:
+            raise ValueError(f"lts/lte/uts/ute must have equal {what} (or 1) to broadcast, got shapes "
+                             f"{ {name: tuple(t.shape) for name, t in tensors.items()} }")
     return _Simple("column_intervals", **tensors)
 
 
