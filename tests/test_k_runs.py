@@ -247,6 +247,10 @@ def test_builder_errors():
     # 16 global tokens apart: 17 runs in the columns between them, raised once the final mask is made
     with pytest.raises(ValueError, match=r"key column 0 needs 17 masked runs .*more than max_runs=16"):
         flexmask.compile_mask(masks.global_tokens(list(range(1, 65, 4))), 66, 66, device="cpu")
+    # far more groups than any composition could fit: refused when built, before (groups + 1) x kv_len runs
+    with pytest.raises(ValueError, match=r"global_tokens: 100 global tokens in 100 groups .*need 101 masked runs"):
+        masks.global_tokens(list(range(0, 400, 4)))
+    assert masks.global_tokens(list(range(1000))).params()["positions"][-1] == 999  # one group
     with pytest.raises(ValueError, match="left // dilation <= 14"):
         masks.dilated_sliding_window(30, 2)
     with pytest.raises(ValueError, match="positions must be < kv_len=8"):

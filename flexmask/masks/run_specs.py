@@ -8,10 +8,12 @@ Pictures: rows are queries, columns are keys, ``#`` attends, ``.`` is masked.
 
 from __future__ import annotations
 
-from .run_bounds import MAX_RUNS_LIMIT, dilated_steps
+from .run_bounds import MAX_RUNS_LIMIT, dilated_steps, global_groups
 from .specs import Mask, _check_int, _check_lengths, _Simple
 
 __all__ = ["natten", "sliding_tile", "global_tokens", "dilated_sliding_window"]
+
+GLOBAL_GROUPS_BUILT = 4 * MAX_RUNS_LIMIT  # global_tokens' most runs a column, before a composition cuts them
 
 
 def _pair(name: str, value) -> list:
@@ -152,7 +154,15 @@ def global_tokens(positions) -> Mask:
     pos = _check_lengths("positions", positions, 0)
     if isinstance(pos[0], list):
         raise TypeError(f"positions must be a list of ints (one set for every batch row), got {positions!r}")
-    return _Simple("global_tokens", positions=sorted(set(pos)))
+    pos = sorted(set(pos))
+    groups = len(global_groups(pos)[0])
+    # a composition may cut a column's runs, so more than 16 are built; past this many the final mask
+    # cannot fit beside a local pattern, and its runs would take (groups + 1) x kv_len memory first
+    if groups + 1 > GLOBAL_GROUPS_BUILT:
+        raise ValueError(f"global_tokens: {len(pos)} global tokens in {groups} groups of consecutive positions need "
+                         f"{groups + 1} masked runs in a key column, more than the {GLOBAL_GROUPS_BUILT} built (a mask "
+                         f"holds max_runs={MAX_RUNS_LIMIT} in the end)")
+    return _Simple("global_tokens", positions=pos)
 
 
 def dilated_sliding_window(left: int, dilation) -> Mask:
