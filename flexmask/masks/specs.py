@@ -675,10 +675,11 @@ def from_mask_mod(mask_mod, batch: int | None = None, heads: int | None = None, 
     ``batch=None`` / ``heads=None``: the mask does not depend on b / h (evaluated with b = h = 0,
     it broadcasts); an int B / H evaluates every b < B / h < H (H may equal Hq or Hkv).
 
-    ``max_runs`` (1..16, default 8) bounds the masked runs of one column: a column with more
-    raises a ValueError naming it, its run count and max_runs (in a composition only the final
-    mask must fit, in 16 runs). A mask of more than two runs in some column runs on the portable
-    kernels (the Hopper kernels hold two). A dilated pattern needs one run per gap::
+    ``max_runs`` (1..16, default 8) bounds the masked runs of one column of the function's own
+    mask, wherever it stands (it is evaluated alone, before any composition): a column with more
+    raises a ValueError naming it, its run count and max_runs. A composition's result must then
+    fit 16 runs a column. Masks of more than two runs in some column run on every kernel, their
+    PARTIAL tiles reading the runs. A dilated pattern needs one run per gap::
 
         (kv_idx <= q_idx) & ((q_idx - kv_idx) % 2 == 0)     #.....   column 0 masks rows
                                                              .#....   1, 3 and 5: three runs
