@@ -20,7 +20,7 @@ from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
 from .masks import specs, token_order
 from .masks.compiled_cache import (CompiledCache, Unkeyable, built_in_graph, spec_from_key, structural_key,
-                                   traceable_key)
+                                   tensor_versions, traceable_key)
 from .masks.compiler import CompiledMask, compile_spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -98,6 +98,7 @@ def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> Compil
     if compiled is not None:
         return compiled
     cache = spec._compiled_cache  # a spec the structural key does not cover (a GPU tensor in it)
+    shape_key += tensor_versions(spec)  # a tensor changed in place since is another mask: never served stale
     if shape_key not in cache:
         if len(cache) >= 16:  # a bounded cache: masks are usually reused for a few shapes
             cache.pop(next(iter(cache)))

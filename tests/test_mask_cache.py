@@ -104,13 +104,23 @@ def test_a_tensor_changed_in_place_is_not_served_stale(counted):
 
 def test_specs_the_key_cannot_cover_are_compiled_on_the_spec(counted):
     """A tensor above CONTENT_KEY_MAX_BYTES (or on a GPU) is not read for a key: such a spec is
-    compiled per spec object, as before, and served from that object afterwards."""
+    compiled per spec object, and served from that object afterwards until one of its tensors is
+    changed in place."""
     s = CONTENT_KEY_MAX_BYTES // 4 + 1
     lts = torch.full((s,), 1, dtype=torch.int32)
     mask = masks.column_intervals(lts)
     assert resolve(mask, 8, s) is resolve(mask, 8, s)
     assert resolve(masks.column_intervals(lts), 8, s) is not resolve(mask, 8, s)
     assert len(api.COMPILED) == 0 and len(counted) == 2
+    # the same spec object after its tensor changed in place: compiled again (the tensor's version
+    # counter keys the spec's own cache), never the tables of the old content
+    before = resolve(mask, 8, s)
+    lts[: s // 2] = 0
+    after = resolve(mask, 8, s)
+    assert after is not before and len(counted) == 3
+    assert torch.equal(after.tile_classes(), flexmask.compile_mask(masks.column_intervals(lts.clone()), 8, s,
+                                                                   device="cpu").tile_classes())
+    assert resolve(mask, 8, s) is after
 
 
 def test_the_cache_is_bounded(counted):

@@ -72,6 +72,15 @@ def traceable_key(mask, tensors: list | None = None) -> tuple | None:
     return (kind, tuple(items))
 
 
+def tensor_versions(mask) -> tuple:
+    """The version counters of the tensors a spec holds (no sync: host metadata), in order: they
+    key the tables cached on a spec that `structural_key` cannot cover, so that a tensor changed
+    in place since (its counter moved) is compiled again, never served stale."""
+    if mask.kind in ("and", "or"):
+        return tensor_versions(mask.a) + tensor_versions(mask.b)
+    return tuple(v._version for v in mask.params().values() if isinstance(v, torch.Tensor))
+
+
 def built_in_graph(mask) -> bool:
     """Whether a part of the spec was built while torch.compile traced (specs.Mask records it):
     dynamo hands such an object to code it does not trace without its attributes."""
