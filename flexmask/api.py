@@ -404,7 +404,10 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     - then the mask;
     - sinks ((Hq,) float32, learnable, as gpt-oss): the softmax denominator gains exp(sinks[h]),
       P_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij)), and the LSE is log(exp(sinks[h]) +
-      sum_j exp(s_ij)); a row that sees no key outputs 0 with LSE sinks[h].
+      sum_j exp(s_ij)); a row that sees no key outputs 0 with LSE sinks[h]. A sink of -inf is no
+      sink for its head; finite sinks must lie within +-2.3e38, as the kernels take them in log2
+      units in fp32 (beyond, the LSE of a row that sees no key is -inf, or the row NaN for a
+      positive sink: the values are not read on the host, which would sync).
 
     Gradients flow to q, k, v and sinks (not to the slopes or the cap). The terms run in the same
     kernels as inputs without them (the Gluon kernels on Hopper); split-KV decoding with a term
