@@ -473,9 +473,9 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         if key is None and mask is not None and built_in_graph(mask):  # its tensors go to the op
             key = traceable_key(mask, mask_tensors)
             if key is None:  # a function (from_mask_mod) or another object no op can take
-                raise ValueError("mask: a spec holding a function (masks.from_mask_mod) cannot be built inside "
-                                 "torch.compile; build it outside the compiled function (or compile_mask it "
-                                 "there) and pass it in")
+                raise ValueError("mask: a spec holding a function (masks.from_mask_mod) or another value that no op "
+                                 "can take cannot be built inside torch.compile; build it outside the compiled "
+                                 "function (or compile_mask it there) and pass it in")
         if mask is None or (key is not None and _is_literal(key)):  # by key: no tables in the graph
             q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
             split_kv = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
