@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .api import _check_qkv, _check_score_terms, _table_args, attention
+from .api import _check_qkv, _check_score_terms, _last_dim_contiguous, _table_args, attention
 from .autograd import _backward_impl, _forward_impl, op_outputs
 from .kernels.common.tiles import default_tile
 from .masks import specs
@@ -427,7 +427,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     mask = None
     if total_q > 0 and total_k > 0:
         mask = _plan(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, left, right, max_seqlen_q, max_seqlen_k)
-        if alibi_slopes is not None and (_per_sequence_slopes(alibi_slopes, cu_seqlens_q, q.shape[1])
+        if alibi_slopes is not None and (_per_sequence_slopes(alibi_slopes, cu_seqlens_q, hq)
                                          or not _packed_alibi_fits(cu_seqlens_q, cu_seqlens_k, total_q, total_k)):
             out, lse = _padded_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, left, right, softmax_scale,
                                          deterministic, softcap, alibi_slopes, sinks)
@@ -451,7 +451,7 @@ def _compiled_varlen(q4, k4, v4, cu_q, cu_k, causal, left, right, scale, determi
         alibi_slopes = alibi_slopes.detach().contiguous()
     if sinks is not None:
         sinks = sinks.contiguous()
-    q4, k4, v4 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q4, k4, v4))
+    q4, k4, v4 = (_last_dim_contiguous(t) for t in (q4, k4, v4))
     return varlen_fwd(q4, k4, v4, cu_q, cu_k, causal, left, right, scale, int(deterministic), softcap,
                       alibi_slopes, sinks)
 

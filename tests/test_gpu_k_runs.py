@@ -136,15 +136,20 @@ def test_k_runs_backward_runs_loop_switched(monkeypatch, name, head_dim, step):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper backward needs an sm_90 GPU")
     monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_RUNS_LOOP", {head_dim: step} if step else {})
+    q, k, v, do, cm, ref, low = _switched_case(name, head_dim)
+    _check_training(q, k, v, cm, do, ref, low, f"runs loop {step}, ")
+
+
+def _switched_case(name: str, head_dim: int):
+    """(q, k, v, do, cm, ref, low) of a k-run mask for the runs-loop switch tests: bf16 inputs,
+    the tables attention takes (k runs, no token order), the fp32 and bf16 references."""
     mask, b, hq, hkv, s = k_run_masks()[name]
     torch.manual_seed(s + head_dim)
     q, k, v = (torch.randn(b, h, s, head_dim, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
     do = torch.randn(b, hq, s, head_dim, device="cuda", dtype=torch.bfloat16)
     cm = flexmask.compile_mask(mask, s, s, device="cuda")
     assert cm.token_order is None and kernel_runs(cm) > 2  # the tables attention takes hold k runs
-    ref = _reference(q, k, v, cm, do, torch.float32)
-    low = _reference(q, k, v, cm, do, torch.bfloat16)
-    _check_training(q, k, v, cm, do, ref, low, f"runs loop {step}, ")
+    return q, k, v, do, cm, _reference(q, k, v, cm, do, torch.float32), _reference(q, k, v, cm, do, torch.bfloat16)
 
 
 @pytest.mark.parametrize("step", [0, 4], ids=lambda n: f"loop{n}" if n else "unrolled")
@@ -157,13 +162,6 @@ def test_k_runs_forward_runs_loop_switched(monkeypatch, name, head_dim, step):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper forward needs an sm_90 GPU")
     monkeypatch.setattr(forward_configs, "HOPPER_FORWARD_RUNS_LOOP", {head_dim: step} if step else {})
-    mask, b, hq, hkv, s = k_run_masks()[name]
-    torch.manual_seed(s + head_dim)
-    q, k, v = (torch.randn(b, h, s, head_dim, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-    do = torch.randn(b, hq, s, head_dim, device="cuda", dtype=torch.bfloat16)
-    cm = flexmask.compile_mask(mask, s, s, device="cuda")
-    assert cm.token_order is None and kernel_runs(cm) > 2
-    ref = _reference(q, k, v, cm, do, torch.float32)
-    low = _reference(q, k, v, cm, do, torch.bfloat16)
+    q, k, v, _, cm, ref, low = _switched_case(name, head_dim)
     out, _ = dispatch.attention_forward(q, k, v, cm, head_dim ** -0.5, kernel="hopper")
     assert_close_by_norm(("out",), (out,), ref[:1], low[:1], label=f"runs loop {step} ")

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..api import _check_score_terms, attention as _attention, chunk_attention
+from ..api import _check_score_terms, _plain_number, attention as _attention, chunk_attention
 from ..masks import specs
 from ..masks.compiler import CompiledMask
 from .exchange import post_grad_exchange, post_kv_exchange, wait
@@ -208,6 +208,7 @@ def attention(q, k, v, mask=None, group=None, *, scale: float | None = None, ret
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     d = q.shape[3]
+    scale = _plain_number(scale)  # a numpy scalar, as flexmask.attention takes it
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
