@@ -199,13 +199,14 @@ def table(rows: Sequence[dict]) -> str:
              f"bf16, B = {BATCH}, heads {HEADS}/{HEADS}, S = {SEQ_LEN}; each row in a new process with empty "
              "compile caches; ms, each step synchronised; first call = compile_mask + first forward + first "
              "backward.", "",
-             "| mask | D | provider | compile_mask (ms) | first fwd (ms) | first bwd (ms) | first call (s) "
+             "| mask | D | GPU | provider | compile_mask (ms) | first fwd (ms) | first bwd (ms) | first call (s) "
              "| warm fwd+bwd (ms) | status |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         steps = [_num(r.get(k)) for k in TIMES[:3]]
         total = sum(steps) / 1e3 if None not in steps else None
-        lines.append(f"| {r['case']} | {r['head_dim']} | {r['provider']} | "
+        card = r.get("gpu", "").replace("NVIDIA ", "").split(" ")[0] or "-"  # rows of several cards share a table
+        lines.append(f"| {r['case']} | {r['head_dim']} | {card} | {r['provider']} | "
                      + " | ".join(_cell(r.get(k)) for k in TIMES[:3])
                      + f" | {_cell(total, '.2f')} | {_cell(r.get('warm_fwd_bwd_ms'), '.3f')} | {r['status']} |")
     return "\n".join(lines + ["", "Runs:"] + run_notes(rows))

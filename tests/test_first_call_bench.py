@@ -99,8 +99,8 @@ def test_table_command_writes_the_results_block(tmp_path):
     assert first_call.main(["--table", str(path), "--full", str(full)]) == 0
     text = full.read_text()
     assert "old" not in text and text.endswith(f"{first_call.FULL_END}\ntail\n")
-    assert "| causal | 128 | flexmask | 250.0 | 4000.0 | 9750.0 | 14.00 | 1.250 | ok |" in text
-    assert "| causal | 128 | flex | 5000.0 | - | - | - | - | timeout after 150 s |" in text
+    assert "| causal | 128 | GPU | flexmask | 250.0 | 4000.0 | 9750.0 | 14.00 | 1.250 | ok |" in text
+    assert "| causal | 128 | GPU | flex | 5000.0 | - | - | - | - | timeout after 150 s |" in text
     assert "`python -m benchmarks.first_call`" in text  # the run's command
 
 
