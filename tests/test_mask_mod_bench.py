@@ -3,6 +3,7 @@ from_mask_mod's) is the builder's mask, the shapes fit a column's 16 runs where 
 kernel 13 says by how much it does not), and the table follows the rows."""
 
 import csv
+import re
 
 import pytest
 import torch
@@ -206,3 +207,23 @@ def test_compile_time_tool_times_the_steps_of_compile_mask(capsys):
         steps = [part.rsplit(" ", 1) for part in line.split(": ", 1)[1].removesuffix(" ms").split(", ")]
         assert [name for name, _ in steps] == ["natural tables", "order", "reordered tables", "fewer_tiles"], line
         assert all(float(ms) > 0 for _, ms in steps), line
+
+
+def test_compile_time_tool_counts_the_gpu_paths_operators(capsys):
+    """tools.mask_mod_compile_time --count-ops counts each step's operators and Triton launches along
+    the GPU's path: causal's builder is its two compile kernels and a few views, the global tokens
+    add the order and the reordered tables."""
+    from tools import mask_mod_compile_time as tool
+
+    assert tool.main(["--seq-len", "2048", "--masks", "causal,global14_window1024", "--count-ops", "--builders",
+                      "--repeats", "1"]) == 0
+    lines = {(line.split()[0], line.split("compile_mask, ")[1].split(":")[0]): line.split(": ", 1)[1]
+             for line in capsys.readouterr().out.splitlines() if "operators of compile_mask" in line}
+    assert set(lines) == {(m, s) for m in ("causal", "global14_window1024") for s in ("from_mask_mod", "builder")}
+    steps = {key: {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"([a-z_]+(?: \(\w+\))?) (\d+) ops \+ (\d+) launches", text)}
+             for key, text in lines.items()}
+    ops, launches = steps[("causal", "builder")]["tables (natural)"]
+    assert launches == 2 and ops < 20
+    assert set(steps[("global14_window1024", "builder")]) == {"tables (natural)", "order", "tables (reordered)",
+                                                              "fewer_tiles"}
+    assert steps[("global14_window1024", "from_mask_mod")]["order"][0] > 0

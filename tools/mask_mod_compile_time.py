@@ -23,6 +23,10 @@ compile's time goes between the compiled pass, the eager operations and the host
 `--phases` times the steps of `compile_mask` apart (medians of the repeats): the natural tables
 (`compile_spec`), the global tokens' order (token_order.reordered for a builder, `reordered_runs` of
 the natural runs for a mask_mod), the reordered tables and `fewer_tiles`.
+`--count-ops` counts, per step of compile_mask, the torch operators and Triton launches of one
+compile along the GPU's code path (the compiler's Triton kernels, here under the interpreter:
+TRITON_INTERPRET=1 on the CPU): where the GPU's host time goes when the mask is small, each eager
+operator costing a launch or a view's Python.
 `--inductor-options` replaces the Inductor options of the compiled pass on CUDA
 (intervals._WORD_KERNEL_OPTIONS), e.g. '{}' for Inductor's defaults or
 '{"triton.prefer_nd_tiling": true}' (2-D tiles: per-row and per-column terms computed once a
@@ -94,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--builders", action="store_true",
                     help="also time the same masks written with flexmask's builders")
     ap.add_argument("--phases", action="store_true", help="time compile_mask's steps apart (global tokens)")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="count each step's torch operators and Triton launches on the GPU's path (TRITON_INTERPRET=1)")
     ap.add_argument("--compiled-block-log2", type=int, default=None,
                     help="(pair, q, kv) evaluations of one compiled call, as a power of two "
                          "(intervals.MASK_MOD_COMPILED_BLOCK_ELEMENTS)")
@@ -146,6 +152,12 @@ def main(argv=None) -> int:
             if args.builders:
                 print(f"{name:20s} S={args.seq_len} {args.device} steps of compile_mask, builder: "
                       f"{phases(builders(args.seq_len)[name], args.seq_len, device, args.repeats)}")
+        if args.count_ops:
+            print(f"{name:20s} S={args.seq_len} operators of compile_mask, from_mask_mod: "
+                  f"{count_ops(lambda: masks.from_mask_mod(fn, heads=heads, max_runs=16), args.seq_len)}")
+            if args.builders:
+                print(f"{name:20s} S={args.seq_len} operators of compile_mask, builder: "
+                      f"{count_ops(builders(args.seq_len)[name], args.seq_len)}")
         if args.profile:
             print(profiled(build, device))
     return 0
@@ -171,6 +183,57 @@ def phases(make, seq_len: int, device, repeats: int) -> str:
              "fewer_tiles": lambda: token_order.fewer_tiles(tables, natural)}
     return ", ".join(f"{step} {statistics.median(_timed(fn, repeats + 1, device)[1:]) * 1e3:.3f}"
                      for step, fn in steps.items()) + " ms"
+
+
+def count_ops(make, seq_len: int) -> str:
+    """Top-level torch operators and Triton launches of one compile_mask(make(), seq_len, seq_len)
+    on the CPU along the GPU's path (on_device=True, the kernels under the interpreter), per step."""
+    import collections
+    import os
+    from unittest import mock
+
+    from torch.profiler import profile, record_function
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from flexmask import api
+    from flexmask.masks import token_order
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--count-ops runs the GPU's kernels under the interpreter: set TRITON_INTERPRET=1")
+
+    def marked(label, fn):
+        def call(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return call
+
+    launch = InterpretedFunction.run
+    steps = {"compile_spec": lambda *a, **k: api_compile_spec(*a, **{**k, "on_device": True})}
+    api_compile_spec = api.compile_spec
+    with mock.patch.object(InterpretedFunction, "run", lambda self, *a, **k: marked("launch", launch)(self, *a, **k)), \
+            mock.patch.object(api, "compile_spec", marked("step:tables", steps["compile_spec"])), \
+            mock.patch.object(token_order, "reordered", marked("step:order", token_order.reordered)), \
+            mock.patch.object(token_order, "reordered_runs", marked("step:order", token_order.reordered_runs)), \
+            mock.patch.object(token_order, "fewer_tiles", marked("step:fewer_tiles", token_order.fewer_tiles)):
+        flexmask.compile_mask(make(), seq_len, seq_len, device="cpu")  # first use: compiles what it compiles
+        with profile() as prof:
+            flexmask.compile_mask(make(), seq_len, seq_len, device="cpu")
+    events = prof.events()
+    children = collections.defaultdict(list)
+    for e in events:
+        children[e.cpu_parent.id if e.cpu_parent is not None else None].append(e)
+    counts: dict = {}
+    for e in children[None]:
+        name = e.name
+        if name.startswith("step:"):
+            name = name[5:] + (" (natural)" if name == "step:tables" and "tables (natural)" not in counts else
+                               " (reordered)" if name == "step:tables" else "")
+        else:
+            name = "around the steps"
+        inner = children[e.id] if e.name.startswith("step:") else [e]
+        ops, launches = counts.get(name, (0, 0))
+        counts[name] = (ops + sum(c.name != "launch" for c in inner), launches + sum(c.name == "launch" for c in inner))
+    return ", ".join(f"{name} {ops} ops + {launches} launches" for name, (ops, launches) in counts.items())
 
 
 def _summary(times: list[float]) -> str:
