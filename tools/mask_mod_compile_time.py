@@ -187,7 +187,8 @@ def phases(make, seq_len: int, device, repeats: int) -> str:
 
 def count_ops(make, seq_len: int) -> str:
     """Top-level torch operators and Triton launches of one compile_mask(make(), seq_len, seq_len)
-    on the CPU along the GPU's path (on_device=True, the kernels under the interpreter), per step."""
+    on the CPU along the GPU's path (on_device=True, the kernels under the interpreter), per step:
+    the natural tables, the global tokens' order, the reordered tables, fewer_tiles."""
     import collections
     import os
     from unittest import mock
@@ -201,39 +202,34 @@ def count_ops(make, seq_len: int) -> str:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--count-ops runs the GPU's kernels under the interpreter: set TRITON_INTERPRET=1")
 
-    def marked(label, fn):
+    def marked(label, fn, **forced):
         def call(*args, **kwargs):
             with record_function(label):
-                return fn(*args, **kwargs)
+                return fn(*args, **{**kwargs, **forced})
         return call
 
-    launch = InterpretedFunction.run
-    steps = {"compile_spec": lambda *a, **k: api_compile_spec(*a, **{**k, "on_device": True})}
-    api_compile_spec = api.compile_spec
-    with mock.patch.object(InterpretedFunction, "run", lambda self, *a, **k: marked("launch", launch)(self, *a, **k)), \
-            mock.patch.object(api, "compile_spec", marked("step:tables", steps["compile_spec"])), \
-            mock.patch.object(token_order, "reordered", marked("step:order", token_order.reordered)), \
-            mock.patch.object(token_order, "reordered_runs", marked("step:order", token_order.reordered_runs)), \
-            mock.patch.object(token_order, "fewer_tiles", marked("step:fewer_tiles", token_order.fewer_tiles)):
+    run = InterpretedFunction.run
+    with mock.patch.object(InterpretedFunction, "run", lambda self, *a, **k: marked("launch", run)(self, *a, **k)), \
+            mock.patch.object(api, "compile_spec", marked("tables", api.compile_spec, on_device=True)), \
+            mock.patch.object(token_order, "reordered", marked("order", token_order.reordered)), \
+            mock.patch.object(token_order, "reordered_runs", marked("order", token_order.reordered_runs)), \
+            mock.patch.object(token_order, "fewer_tiles", marked("fewer_tiles", token_order.fewer_tiles)):
         flexmask.compile_mask(make(), seq_len, seq_len, device="cpu")  # first use: compiles what it compiles
         with profile() as prof:
             flexmask.compile_mask(make(), seq_len, seq_len, device="cpu")
-    events = prof.events()
     children = collections.defaultdict(list)
-    for e in events:
-        children[e.cpu_parent.id if e.cpu_parent is not None else None].append(e)
-    counts: dict = {}
+    for e in prof.events():
+        children[None if e.cpu_parent is None else e.cpu_parent.id].append(e)
+    counts: dict = {}  # step -> [operators, launches]
     for e in children[None]:
-        name = e.name
-        if name.startswith("step:"):
-            name = name[5:] + (" (natural)" if name == "step:tables" and "tables (natural)" not in counts else
-                               " (reordered)" if name == "step:tables" else "")
-        else:
-            name = "around the steps"
-        inner = children[e.id] if e.name.startswith("step:") else [e]
-        ops, launches = counts.get(name, (0, 0))
-        counts[name] = (ops + sum(c.name != "launch" for c in inner), launches + sum(c.name == "launch" for c in inner))
-    return ", ".join(f"{name} {ops} ops + {launches} launches" for name, (ops, launches) in counts.items())
+        step = e.name if e.name in ("tables", "order", "fewer_tiles") else "around the steps"
+        if step == "tables":  # compile_mask compiles the natural tables first, the reordered ones after
+            step = "tables (reordered)" if "tables (natural)" in counts else "tables (natural)"
+        inner = children[e.id] if step != "around the steps" else [e]
+        tally = counts.setdefault(step, [0, 0])
+        tally[0] += sum(c.name != "launch" for c in inner)
+        tally[1] += sum(c.name == "launch" for c in inner)
+    return ", ".join(f"{step} {ops} ops + {launches} launches" for step, (ops, launches) in counts.items())
 
 
 def _summary(times: list[float]) -> str:
