@@ -72,12 +72,19 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
     return compiled
 
 
-def _check_mask_type(mask, q_len: int, kv_len: int, device: torch.device) -> None:
-    """`_resolve_mask`'s checks without a compile (inputs of length 0, where nothing is computed)."""
+def _check_mask_at_length_zero(mask, q_len: int, kv_len: int, device: torch.device, batch: int, hq: int,
+                               hkv: int) -> None:
+    """`_resolve_mask`'s and `_check_mask_heads`' checks without a compile (inputs of length 0,
+    where nothing is computed and no tables can be built): a spec's intervals at these lengths
+    (cheap: O(kv_len)) raise what a compile would (kv_lengths past kv_len, ...), and their batch
+    and heads must fit the inputs."""
     if isinstance(mask, CompiledMask):
         _resolve_mask(mask, q_len, kv_len, device)
     elif mask is not None and not isinstance(mask, specs.Mask):
         raise TypeError(f"mask must be None, a flexmask.masks.Mask or a CompiledMask, got {_describe_mask(mask)}")
+    elif mask is not None and not torch.compiler.is_compiling():
+        intervals = mask.intervals(q_len, kv_len, device)
+        _check_mask_heads(intervals.shape[0], intervals.shape[1], batch, hq, hkv)
 
 
 def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> CompiledMask:
@@ -440,7 +447,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     softcap = _check_score_terms(softcap, alibi_slopes, sinks, batch, hq, q.device)
 
     if sq == 0 or sk == 0:  # nothing to attend: zeros, LSE -inf (the sink with sinks), zero gradients
-        _check_mask_type(mask, sq, sk, q.device)
+        _check_mask_at_length_zero(mask, sq, sk, q.device, batch, hq, hkv)
         out = q * 0.0
         if sinks is None:
             lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
