@@ -72,12 +72,19 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
     return compiled
 
 
-def _check_mask_type(mask, q_len: int, kv_len: int, device: torch.device) -> None:
-    """`_resolve_mask`'s checks without a compile (inputs of length 0, where nothing is computed)."""
+def _check_mask_at_length_zero(mask, q_len: int, kv_len: int, device: torch.device, batch: int, hq: int,
+                               hkv: int) -> None:
+    """`_resolve_mask`'s and `_check_mask_heads`' checks without a compile (inputs of length 0,
+    where nothing is computed and no tables can be built): a spec's intervals at these lengths
+    (cheap: O(kv_len)) raise what a compile would (kv_lengths past kv_len, ...), and their batch
+    and heads must fit the inputs."""
     if isinstance(mask, CompiledMask):
         _resolve_mask(mask, q_len, kv_len, device)
     elif mask is not None and not isinstance(mask, specs.Mask):
         raise TypeError(f"mask must be None, a flexmask.masks.Mask or a CompiledMask, got {_describe_mask(mask)}")
+    elif mask is not None and not torch.compiler.is_compiling():
+        intervals = mask.intervals(q_len, kv_len, device)
+        _check_mask_heads(intervals.shape[0], intervals.shape[1], batch, hq, hkv, mask)
 
 
 def _resolve_mask(mask, q_len: int, kv_len: int, device: torch.device) -> CompiledMask:
@@ -196,11 +203,27 @@ def _interpreting() -> bool:
     return type(_forward_kernel).__name__ == "InterpretedFunction"
 
 
-def _check_mask_heads(mask_batch: int, mask_heads: int, batch: int, hq: int, hkv: int) -> None:
+def _check_mask_heads(mask_batch: int, mask_heads: int, batch: int, hq: int, hkv: int, mask=None) -> None:
     if mask_batch not in (1, batch):
-        raise ValueError(f"mask has batch size {mask_batch}; expected 1 or B={batch}")
+        raise ValueError(f"mask has batch size {mask_batch}; expected 1 or B={batch}"
+                         + _cache_rows_hint(mask, mask_batch))
     if mask_heads not in (1, hq, hkv):
         raise ValueError(f"mask has {mask_heads} heads; expected 1, Hq={hq} or Hkv={hkv}")
+
+
+def _cache_rows_hint(mask, mask_batch: int) -> str:
+    """Where a mask's batch rows come from a masks.kv_cache (a spec, or a CompiledMask's source),
+    the words that name kv_lengths in the batch error; "" otherwise."""
+    stack = [mask.source if isinstance(mask, CompiledMask) else mask]
+    while stack:
+        m = stack.pop()
+        if not isinstance(m, specs.Mask):
+            continue
+        if m.kind in ("and", "or"):
+            stack += [m.a, m.b]
+        elif m.kind == "kv_cache" and len(m.params()["kv_lengths"]) == mask_batch:
+            return f" (kv_lengths of its masks.kv_cache holds {mask_batch} lengths: it takes one per batch row)"
+    return ""
 
 
 def _table_args(cm: CompiledMask) -> tuple:
@@ -440,7 +463,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     softcap = _check_score_terms(softcap, alibi_slopes, sinks, batch, hq, q.device)
 
     if sq == 0 or sk == 0:  # nothing to attend: zeros, LSE -inf (the sink with sinks), zero gradients
-        _check_mask_type(mask, sq, sk, q.device)
+        _check_mask_at_length_zero(mask, sq, sk, q.device, batch, hq, hkv)
         out = q * 0.0
         if sinks is None:
             lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -492,7 +515,7 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         key, lengths = None if mask is None else traceable_key(mask), (len(range(sq)), len(range(sk)))
         tables = (_spec_table_args(mask, *lengths, q.device) if key is None
                   else _key_table_args(key, *lengths, q.device))
-    _check_mask_heads(tables[7], tables[8], batch, hq, hkv)  # (mask batch, mask heads) follow the 7 tensors
+    _check_mask_heads(tables[7], tables[8], batch, hq, hkv, mask)  # (mask batch, mask heads) follow the 7 tensors
     inputs = (q, k, v)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     plan = _split_kv_plan(q, k, v, tables, terms)

@@ -249,6 +249,26 @@ def test_inputs_of_length_zero_check_the_mask():
         flexmask.attention(q, k, v, mask=flexmask.compile_mask(masks.causal(), 20, 20, device="cpu"))
 
 
+@pytest.mark.parametrize("sq, sk", [(0, 20), (1, 0), (0, 0)], ids=["Sq0", "Sk0", "Sq0-Sk0"])
+def test_inputs_of_length_zero_check_the_mask_values(sq, sk):
+    """Regression: at Sq = 0 or Sk = 0 (an empty KV cache) only the mask's type was checked, so a
+    kv_cache longer than the cache or a mask of the wrong batch gave zeros instead of the error
+    it gives at other lengths. A valid mask still gives zeros and LSE -inf."""
+    q, k, v = q_k_v(b=2, sq=sq, sk=sk)
+    with pytest.raises(ValueError, match=r"batch size 3; expected 1 or B=2"):
+        flexmask.attention(q, k, v, mask=masks.kv_cache([0, 0, 0]))
+    with pytest.raises(ValueError, match=r"mask has 3 heads"):
+        flexmask.attention(q, k, v, mask=masks.random_eviction(0, num_heads=3))
+    if sk == 0:
+        with pytest.raises(ValueError, match=r"kv_lengths\[1\]=4 exceeds kv_len=0"):
+            flexmask.attention(q, k, v, mask=masks.kv_cache([0, 4]))
+    else:
+        with pytest.raises(ValueError, match=r"kv_lengths\[1\]=21 exceeds kv_len=20"):
+            flexmask.attention(q, k, v, mask=masks.kv_cache(torch.tensor([0, 21])))
+    out, lse = flexmask.attention(q, k, v, mask=masks.kv_cache([0, 0]), return_lse=True)
+    assert torch.equal(out, torch.zeros_like(q)) and bool((lse == float("-inf")).all())
+
+
 def test_attention_rejects_return_lse_non_bool():
     q, k, v = q_k_v()
     with pytest.raises(TypeError, match=r"return_lse"):

@@ -138,6 +138,20 @@ def test_kv_cache_bad_input():
         flexmask.attention(q, k, v, masks.kv_cache([1, 2, 3]))
 
 
+def test_kv_lengths_of_the_wrong_batch_are_named():
+    """Regression: kv_lengths with one length too many or too few for the batch raised "mask has
+    batch size 3; expected 1 or B=2", which does not say that kv_lengths is the argument to fix;
+    the error now names it and what it holds (a spec or a CompiledMask, alone or composed)."""
+    q, k, v = make_qkv(2, 2, 1, 1, 8, 16, BF16)
+    three = masks.kv_cache([1, 2, 3])
+    for mask in (three, masks.sliding_window(2) & masks.kv_cache(torch.tensor([1, 2, 3]), causal=False),
+                 flexmask.compile_mask(three, 1, 8, device="cpu")):
+        with pytest.raises(ValueError, match=r"batch size 3; expected 1 or B=2.*kv_lengths.*3 lengths"):
+            flexmask.attention(q, k, v, mask)
+    with pytest.raises(ValueError, match=r"batch size 3; expected 1 or B=2$"):  # the batch comes from documents
+        flexmask.attention(q, k, v, masks.document([[8], [4, 4], [2, 6]]) | masks.sliding_window(2))
+
+
 # --- the split-KV kernel ------------------------------------------------------------------
 
 # (B, Hq, Hkv, Sq, Sk, D, dtype, kv_lengths, num_splits): GQA 1/3/4/8, Sq 1/2/3/4/16, ragged caches
