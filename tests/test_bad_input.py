@@ -54,6 +54,12 @@ SPEC_ERRORS = [
     ("prefix-lens-negative", lambda: masks.prefix_lm_document([4, 5], [2, -1]), ValueError, r"prefix_lens\[1\]"),
     ("question-negative", lambda: masks.share_question(-1, [3]), ValueError, r"question_len"),
     ("answer-zero", lambda: masks.share_question(2, [3, 0]), ValueError, r"answer_lens\[1\]"),
+    # one list per batch row is a document/prefix-LM form, not share_question's: refused when built,
+    # not later by a bare "unsupported operand" TypeError in the interval builder or in str(mask)
+    ("answer-lens-per-row", lambda: masks.share_question(2, [[2, 4], [3, 3]]), TypeError,
+     r"answer_lens must be a list of ints .*\[\[2, 4\], \[3, 3\]\]"),
+    ("seqlens-nested-too-deep", lambda: masks.document([[[2, 2]]]), TypeError, r"seqlens\[0\] must be a list of ints"),
+    ("seqlens-row-nested", lambda: masks.causal_blockwise([[2, 2], [[1], [3]]]), TypeError, r"seqlens\[1\]"),
     ("maskout-unsorted", lambda: masks.qk_sparse([(10, 5), (2, 3)]), ValueError, r"maskout"),
     ("maskout-overlap", lambda: masks.qk_sparse([(2, 5), (6, 3)]), ValueError, r"maskout"),
     ("maskout-zero-length", lambda: masks.qk_sparse([(2, 0)]), ValueError, r"maskout\[0\]\.length"),

@@ -182,7 +182,11 @@ def _check_lengths(name: str, values, minimum: int = 0) -> list:
     if all(v.__class__ is int for v in values) and min(values) >= minimum:  # the common case, checked in C
         return list(values)  # (bool's class is not int: bools take the loop below and its error)
     if all(isinstance(v, Sequence) and not isinstance(v, str) for v in values):
-        return [_check_lengths(f"{name}[{b}]", row, minimum) for b, row in enumerate(values)]
+        rows = [_check_lengths(f"{name}[{b}]", row, minimum) for b, row in enumerate(values)]
+        for b, row in enumerate(rows):  # one list of ints per batch row, never deeper
+            if isinstance(row[0], list):
+                raise TypeError(f"{name}[{b}] must be a list of ints (the lengths of batch row {b}), got {row!r}")
+        return rows
     out = []
     for i, v in enumerate(values):
         if isinstance(v, torch.Tensor) and v.numel() == 1:
@@ -401,11 +405,10 @@ def share_question(question_len: int, answer_lens) -> Mask:
         ##..#.
         ##..##
     """
-    return _Simple(
-        "share_question",
-        question_len=_check_int("question_len", question_len),
-        answer_lens=_check_lengths("answer_lens", answer_lens, 1),
-    )
+    answers = _check_lengths("answer_lens", answer_lens, 1)
+    if isinstance(answers[0], list):  # one list for every batch row: the question is shared by all
+        raise TypeError(f"answer_lens must be a list of ints (one length per answer), got {_short(answer_lens)!r}")
+    return _Simple("share_question", question_len=_check_int("question_len", question_len), answer_lens=answers)
 
 
 def global_sliding_window(global_tokens: int, left: int, right: int | None = None) -> Mask:
