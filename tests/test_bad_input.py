@@ -175,6 +175,18 @@ def test_compile_mask_rejects_arguments(args, exc, pattern):
         flexmask.compile_mask(*args, device="cpu")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device, pattern", [("cuda", r"device='cuda'.*CUDA.*not available"),
+                                             ("cuda:1", r"device='cuda:1'.*not available"),
+                                             ("gpu", r"device.*'gpu'")])
+def test_compile_mask_rejects_device_it_cannot_use(device, pattern):
+    """DESIGN.md 1's `compile_mask(m, q_len, kv_len, device="cuda")` on a machine without CUDA (or a
+    device string torch cannot read) is a ValueError naming the device, not an AttributeError from
+    torch._C or torch's RuntimeError about device strings."""
+    with pytest.raises(ValueError, match=pattern):
+        flexmask.compile_mask(masks.causal(), 16, 16, device=device)
+
+
 def test_compile_mask_rejects_compiled_mask():
     cm = flexmask.compile_mask(masks.causal(), 16, 16, device="cpu")
     with pytest.raises(TypeError, match=r"CompiledMask"):
