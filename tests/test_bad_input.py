@@ -77,6 +77,10 @@ SPEC_ERRORS = [
      ValueError, r"lts/lte/uts/ute must have equal heads .*'lts': \(2, 8\), 'lte': \(3, 8\)"),
     ("intervals-uts-alone", lambda: masks.column_intervals([0, 1], uts=[0, 0]), ValueError, r"uts"),
     ("intervals-lts-missing", lambda: masks.column_intervals(None, [3, 3]), ValueError, r"lts"),
+    # values torch.as_tensor cannot read: named as column_runs names them, not torch's own message
+    ("intervals-string", lambda: masks.column_intervals("abc"), TypeError, r"lts must be an integer tensor.*'abc'"),
+    ("intervals-ragged", lambda: masks.column_intervals([[1, 2], [3]]), TypeError, r"lts .*\[\[1, 2\], \[3\]\]"),
+    ("intervals-lte-strings", lambda: masks.column_intervals([0, 1], ["a", "b"]), TypeError, r"lte"),
     ("startend-not-tensor", lambda: startend([[[[0]]]], causal=True), TypeError, r"startend_row_indices"),
     ("startend-float", lambda: startend(torch.zeros(1, 1, 8, 1), True), TypeError, r"startend_row_indices.*dtype"),
     ("startend-rank3", lambda: startend(idx(1, 8, 1), True), ValueError, r"startend_row_indices.*rank"),

@@ -117,6 +117,7 @@ class Mask:
         ``#`` all attend, ``.`` none, ``+`` some."""
         from .intervals import picture
 
+        max_size = _check_int("max_size", max_size, 1)  # the cells per side of the picture
         return picture(self.intervals(q_len, kv_len, "cpu"), q_len, max_size)
 
 
@@ -524,7 +525,10 @@ def column_intervals(lts, lte=None, uts=None, ute=None) -> Mask:
         if value is None:
             continue
         if not isinstance(value, torch.Tensor):
-            value = torch.as_tensor(value)
+            try:
+                value = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise TypeError(f"{name} must be an integer tensor or a (nested) list of ints, got {_short(value)!r}") from err
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
         if value.dim() not in (1, 2, 3):
