@@ -46,7 +46,13 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as err:
+        raise ValueError(f"device must be a torch.device or a device string such as 'cuda', got {device!r}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} asks for CUDA, which is not available here (compile for the "
+                         f"device of the inputs: 'cpu' under TRITON_INTERPRET=1)")
     default_m, default_n = default_tile(device)
     block_m = default_m if block_m is None else block_m
     block_n = default_n if block_n is None else block_n

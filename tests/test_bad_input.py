@@ -54,6 +54,12 @@ SPEC_ERRORS = [
     ("prefix-lens-negative", lambda: masks.prefix_lm_document([4, 5], [2, -1]), ValueError, r"prefix_lens\[1\]"),
     ("question-negative", lambda: masks.share_question(-1, [3]), ValueError, r"question_len"),
     ("answer-zero", lambda: masks.share_question(2, [3, 0]), ValueError, r"answer_lens\[1\]"),
+    # one list per batch row is a document/prefix-LM form, not share_question's: refused when built,
+    # not later by a bare "unsupported operand" TypeError in the interval builder or in str(mask)
+    ("answer-lens-per-row", lambda: masks.share_question(2, [[2, 4], [3, 3]]), TypeError,
+     r"answer_lens must be a list of ints .*\[\[2, 4\], \[3, 3\]\]"),
+    ("seqlens-nested-too-deep", lambda: masks.document([[[2, 2]]]), TypeError, r"seqlens\[0\] must be a list of ints"),
+    ("seqlens-row-nested", lambda: masks.causal_blockwise([[2, 2], [[1], [3]]]), TypeError, r"seqlens\[1\]"),
     ("maskout-unsorted", lambda: masks.qk_sparse([(10, 5), (2, 3)]), ValueError, r"maskout"),
     ("maskout-overlap", lambda: masks.qk_sparse([(2, 5), (6, 3)]), ValueError, r"maskout"),
     ("maskout-zero-length", lambda: masks.qk_sparse([(2, 0)]), ValueError, r"maskout\[0\]\.length"),
@@ -71,6 +77,10 @@ SPEC_ERRORS = [
      ValueError, r"lts/lte/uts/ute must have equal heads .*'lts': \(2, 8\), 'lte': \(3, 8\)"),
     ("intervals-uts-alone", lambda: masks.column_intervals([0, 1], uts=[0, 0]), ValueError, r"uts"),
     ("intervals-lts-missing", lambda: masks.column_intervals(None, [3, 3]), ValueError, r"lts"),
+    # values torch.as_tensor cannot read: named as column_runs names them, not torch's own message
+    ("intervals-string", lambda: masks.column_intervals("abc"), TypeError, r"lts must be an integer tensor.*'abc'"),
+    ("intervals-ragged", lambda: masks.column_intervals([[1, 2], [3]]), TypeError, r"lts .*\[\[1, 2\], \[3\]\]"),
+    ("intervals-lte-strings", lambda: masks.column_intervals([0, 1], ["a", "b"]), TypeError, r"lte"),
     ("startend-not-tensor", lambda: startend([[[[0]]]], causal=True), TypeError, r"startend_row_indices"),
     ("startend-float", lambda: startend(torch.zeros(1, 1, 8, 1), True), TypeError, r"startend_row_indices.*dtype"),
     ("startend-rank3", lambda: startend(idx(1, 8, 1), True), ValueError, r"startend_row_indices.*rank"),
@@ -167,6 +177,18 @@ def test_compile_mask_rejects_blocks(kwargs, exc, pattern):
 def test_compile_mask_rejects_arguments(args, exc, pattern):
     with pytest.raises(exc, match=pattern):
         flexmask.compile_mask(*args, device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device, pattern", [("cuda", r"device='cuda'.*CUDA.*not available"),
+                                             ("cuda:1", r"device='cuda:1'.*not available"),
+                                             ("gpu", r"device.*'gpu'")])
+def test_compile_mask_rejects_device_it_cannot_use(device, pattern):
+    """DESIGN.md 1's `compile_mask(m, q_len, kv_len, device="cuda")` on a machine without CUDA (or a
+    device string torch cannot read) is a ValueError naming the device, not an AttributeError from
+    torch._C or torch's RuntimeError about device strings."""
+    with pytest.raises(ValueError, match=pattern):
+        flexmask.compile_mask(masks.causal(), 16, 16, device=device)
 
 
 def test_compile_mask_rejects_compiled_mask():

@@ -542,6 +542,15 @@ def test_show_draws_the_mask(family):
         assert picture == expected_picture(m.to_dense(sq, sk), max_size), f"Sq={sq}, Sk={sk}, max_size={max_size}"
 
 
+@pytest.mark.parametrize("max_size, exc", [(0, ValueError), (-3, ValueError), (2.5, TypeError)])
+def test_show_rejects_max_size(max_size, exc):
+    """A picture of fewer than one cell a side is a bad argument named as such, not a
+    ZeroDivisionError from the cell arithmetic."""
+    with pytest.raises(exc, match=r"max_size"):
+        masks.causal().show(8, 8, max_size=max_size)
+    assert masks.causal().show(4, 4, max_size=1) == "+"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_str_has_name_and_picture(family):
     m = make_mask(family, 24, 24, batch=1, heads=1)

@@ -117,6 +117,7 @@ class Mask:
         ``#`` all attend, ``.`` none, ``+`` some."""
         from .intervals import picture
 
+        max_size = _check_int("max_size", max_size, 1)  # the cells per side of the picture
         return picture(self.intervals(q_len, kv_len, "cpu"), q_len, max_size)
 
 
@@ -182,7 +183,11 @@ def _check_lengths(name: str, values, minimum: int = 0) -> list:
     if all(v.__class__ is int for v in values) and min(values) >= minimum:  # the common case, checked in C
         return list(values)  # (bool's class is not int: bools take the loop below and its error)
     if all(isinstance(v, Sequence) and not isinstance(v, str) for v in values):
-        return [_check_lengths(f"{name}[{b}]", row, minimum) for b, row in enumerate(values)]
+        rows = [_check_lengths(f"{name}[{b}]", row, minimum) for b, row in enumerate(values)]
+        for b, row in enumerate(rows):  # one list of ints per batch row, never deeper
+            if isinstance(row[0], list):
+                raise TypeError(f"{name}[{b}] must be a list of ints (the lengths of batch row {b}), got {row!r}")
+        return rows
     out = []
     for i, v in enumerate(values):
         if isinstance(v, torch.Tensor) and v.numel() == 1:
@@ -401,11 +406,10 @@ def share_question(question_len: int, answer_lens) -> Mask:
         ##..#.
         ##..##
     """
-    return _Simple(
-        "share_question",
-        question_len=_check_int("question_len", question_len),
-        answer_lens=_check_lengths("answer_lens", answer_lens, 1),
-    )
+    answers = _check_lengths("answer_lens", answer_lens, 1)
+    if isinstance(answers[0], list):  # one list for every batch row: the question is shared by all
+        raise TypeError(f"answer_lens must be a list of ints (one length per answer), got {_short(answer_lens)!r}")
+    return _Simple("share_question", question_len=_check_int("question_len", question_len), answer_lens=answers)
 
 
 def global_sliding_window(global_tokens: int, left: int, right: int | None = None) -> Mask:
@@ -521,7 +525,10 @@ def column_intervals(lts, lte=None, uts=None, ute=None) -> Mask:
         if value is None:
             continue
         if not isinstance(value, torch.Tensor):
-            value = torch.as_tensor(value)
+            try:
+                value = torch.as_tensor(value)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise TypeError(f"{name} must be an integer tensor or a (nested) list of ints, got {_short(value)!r}") from err
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
         if value.dim() not in (1, 2, 3):
