@@ -146,18 +146,16 @@ def main(argv=None) -> int:
 
             times = _timed(lambda: build_block_mask(fn, None, heads, args.seq_len, device), args.repeats, device)
             print(f"{name:20s} S={args.seq_len} {args.device} create_block_mask: {_summary(times)}")
-        if args.phases:
-            print(f"{name:20s} S={args.seq_len} {args.device} steps of compile_mask, from_mask_mod: "
-                  f"{phases(lambda: masks.from_mask_mod(fn, heads=heads, max_runs=16), args.seq_len, device, args.repeats)}")
-            if args.builders:
-                print(f"{name:20s} S={args.seq_len} {args.device} steps of compile_mask, builder: "
-                      f"{phases(builders(args.seq_len)[name], args.seq_len, device, args.repeats)}")
-        if args.count_ops:
-            print(f"{name:20s} S={args.seq_len} operators of compile_mask, from_mask_mod: "
-                  f"{count_ops(lambda: masks.from_mask_mod(fn, heads=heads, max_runs=16), args.seq_len)}")
-            if args.builders:
-                print(f"{name:20s} S={args.seq_len} operators of compile_mask, builder: "
-                      f"{count_ops(builders(args.seq_len)[name], args.seq_len)}")
+        makers = {"from_mask_mod": lambda fn=fn, heads=heads: masks.from_mask_mod(fn, heads=heads, max_runs=16)}
+        if args.builders:
+            makers["builder"] = builders(args.seq_len)[name]
+        for source, make in makers.items():  # compile_mask's steps, timed apart and counted
+            if args.phases:
+                print(f"{name:20s} S={args.seq_len} {args.device} steps of compile_mask, {source}: "
+                      f"{phases(make, args.seq_len, device, args.repeats)}")
+            if args.count_ops:
+                print(f"{name:20s} S={args.seq_len} operators of compile_mask, {source}: "
+                      f"{count_ops(make, args.seq_len)}")
         if args.profile:
             print(profiled(build, device))
     return 0
