@@ -39,8 +39,7 @@ token counts, one shape for each of the sizes 32K and 128K):
 Per row: forward and backward times (`triton.testing.do_bench`, median) and TFLOP/s counted on
 the attending pairs only; compile_ms, the mask's build on the GPU: flexmask `compile_mask(builder)`,
 flexmask_mod `compile_mask(from_mask_mod(f))`, flex and flex_flash the compiled
-`create_block_mask(f)` (the same function, timed again in each row: two timings of one
-build differ by up to 1.4x at 32K), each the median of calls on fresh mask
+`create_block_mask(f)` (the same function, timed again in each row), each the median of calls on fresh mask
 objects (CUDA events, after a warm call, which for from_mask_mod and create_block_mask on a GPU
 includes compiling the function; a builder's build of over 5 s is timed once); mask_bytes: the CompiledMask's tensors, or
 the BlockMask's.
