@@ -227,3 +227,5 @@ def test_compile_time_tool_counts_the_gpu_paths_operators(capsys):
     assert set(steps[("global14_window1024", "builder")]) == {"tables (natural)", "order", "tables (reordered)",
                                                               "fewer_tiles"}
     assert steps[("global14_window1024", "from_mask_mod")]["order"][0] > 0
+    # a mask_mod's runs are placed by change_runs' kernels, as on a GPU: launches beyond the tables' two
+    assert steps[("causal", "from_mask_mod")]["tables (natural)"][1] > 2

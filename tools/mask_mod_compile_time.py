@@ -155,7 +155,7 @@ def main(argv=None) -> int:
                       f"{phases(make, args.seq_len, device, args.repeats)}")
             if args.count_ops:
                 print(f"{name:20s} S={args.seq_len} operators of compile_mask, {source}: "
-                      f"{count_ops(make, args.seq_len)}")
+                      f"{count_ops(make, args.seq_len, args.first_pass)}")
         if args.profile:
             print(profiled(build, device))
     return 0
@@ -183,10 +183,13 @@ def phases(make, seq_len: int, device, repeats: int) -> str:
                      for step, fn in steps.items()) + " ms"
 
 
-def count_ops(make, seq_len: int) -> str:
+def count_ops(make, seq_len: int, first_pass: str = "auto") -> str:
     """Top-level torch operators and Triton launches of one compile_mask(make(), seq_len, seq_len)
-    on the CPU along the GPU's path (on_device=True, the kernels under the interpreter), per step:
-    the natural tables, the global tokens' order, the reordered tables, fewer_tiles."""
+    on the CPU along the GPU's path, per step (the natural tables, the global tokens' order, the
+    reordered tables, fewer_tiles): the tables' kernels (on_device=True) and change_runs' placing
+    kernels (MASK_MOD_RUNS_KERNEL) under the interpreter, the first pass compiled where a GPU
+    compiles it (`first_pass` "auto": from MASK_MOD_COMPILE_PAIRS pairs; "eager" / "compiled" as
+    the command line set it)."""
     import collections
     import os
     from unittest import mock
@@ -207,7 +210,13 @@ def count_ops(make, seq_len: int) -> str:
         return call
 
     run = InterpretedFunction.run
+    scan = intervals._compile_scan
+    if first_pass == "auto":  # a GPU's rule, on the CPU's device
+        def scan(g, pairs):
+            return pairs >= intervals.MASK_MOD_COMPILE_PAIRS and not torch.compiler.is_compiling()
     with mock.patch.object(InterpretedFunction, "run", lambda self, *a, **k: marked("launch", run)(self, *a, **k)), \
+            mock.patch.object(intervals, "MASK_MOD_RUNS_KERNEL", True), \
+            mock.patch.object(intervals, "_compile_scan", scan), \
             mock.patch.object(api, "compile_spec", marked("tables", api.compile_spec, on_device=True)), \
             mock.patch.object(token_order, "reordered", marked("order", token_order.reordered)), \
             mock.patch.object(token_order, "reordered_runs", marked("order", token_order.reordered_runs)), \
