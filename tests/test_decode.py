@@ -228,6 +228,28 @@ def test_rows_that_attend_nothing():
 # --- the dispatch -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("sq", [1, 5])
+def test_finite_slots_past_the_lengths_leave_the_result_exact(sq):
+    """The tile that holds a row's last valid key reads the slots past it and weights them by 0
+    (the kv_cache docstring): finite values there, however large, change no bit of the output or
+    the gradients; the gradients of those slots are 0. (NaN there is the documented caveat.)"""
+    torch.manual_seed(0)
+    b, h, sk, d, lengths = 2, 2, 64, 16, [37, 50]
+    q, k, v = make_qkv(b, h, h, sq, sk, d, FP32)
+    mask = masks.kv_cache(lengths)
+    slot = torch.arange(sk).view(1, 1, -1, 1) >= torch.tensor(lengths).view(-1, 1, 1, 1)
+    results = []
+    for filler in (0.0, 3e4):
+        kf, vf = (torch.where(slot, filler * torch.randn_like(t), t).requires_grad_() for t in (k, v))
+        qf = q.detach().clone().requires_grad_()
+        out = flexmask.attention(qf, kf, vf, mask=mask, deterministic=True)
+        out.backward(torch.ones_like(out))
+        results.append((out, qf.grad, kf.grad, vf.grad))
+    for zero, garbage in zip(*results):
+        assert torch.equal(zero, garbage)
+    assert not results[1][2].masked_select(slot).any() and not results[1][3].masked_select(slot).any()
+
+
 def test_dispatch_takes_split_kv_for_a_decode_step():
     """flexmask.attention sends Sq = 1 without gradients to the split-KV kernel (bitwise its
     result) and gives the same answer, within the rule, as the q-block kernel."""

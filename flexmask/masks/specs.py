@@ -743,6 +743,10 @@ def kv_cache(kv_lengths, causal: bool = True) -> Mask:
     values are not checked (out-of-range lengths are clamped to [0, kv_len]); lists and CPU
     tensors are checked (0 <= kv_lengths[b] <= kv_len). The lengths are copied when the mask
     is built: change them by building a new mask (cheap), not by editing the tensor.
+
+    The cache's slots past ``kv_lengths[b]`` must be finite (``torch.zeros``, not an
+    uninitialised ``torch.empty``): the tile holding a row's last valid key reads the slots
+    beside it and weights them by 0, which a NaN or an infinity turns into NaN.
     """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
