@@ -350,7 +350,8 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      causal: bool = False, window=(-1, -1), softmax_scale: float | None = None,
                      return_lse: bool = False, deterministic: bool | None = None, softcap: float = 0.0,
-                     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
+                     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                     window_size=None):
     """Drop-in for FlashAttention's ``flash_attn_varlen_func`` (packed sequences).
 
     q: (total_q, Hq, D); k, v: (total_k, Hkv, D) with Hq % Hkv == 0. Sequence s holds query
@@ -366,8 +367,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                                                                     .##.
                                                                     ..##
 
+    ``window_size``, FlashAttention's name, is taken for ``window`` (give one of the two).
     A query row that attends no key (a sequence with Lk = 0, or Lq > Lk under causal) gives 0
-    and LSE -inf. max_seqlen_q / max_seqlen_k are accepted for compatibility (checked, not
+    and LSE -inf (sinks[h] with sinks). max_seqlen_q / max_seqlen_k are accepted for compatibility (checked, not
     needed). softmax_scale defaults to 1/sqrt(D). deterministic: as in `flexmask.attention` (None
     follows torch.are_deterministic_algorithms_enabled(); True gives bitwise-repeatable gradients).
 
@@ -401,6 +403,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             raise TypeError(f"{name} must be None or an int, got {type(value).__name__} {value!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window_size is not None:  # FlashAttention's keyword for the same pair
+        if not (isinstance(window, (tuple, list)) and tuple(window) == (-1, -1)):
+            raise ValueError(f"give window or window_size (FlashAttention's name for it), not both: got window={window!r}, "
+                             f"window_size={window_size!r}")
+        window = window_size
     left, right = _check_window(window)
     if deterministic is not None and not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be None or a bool, got {type(deterministic).__name__}")

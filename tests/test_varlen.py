@@ -95,6 +95,21 @@ def test_varlen_matches_reference(lens_q, lens_k, causal, window, hq, hkv, dtype
         assert_close_to_reference(g, r, lp, default_floor(dtype), name=name)
 
 
+def test_window_size_is_flashattentions_name_for_window():
+    """window_size=(l, r), flash_attn_varlen_func's keyword, gives what window=(l, r) gives; both
+    at once is a ValueError naming them."""
+    lens = [37, 11, 90]
+    q, k, v, _ = packed_qkv(sum(lens), sum(lens), 2, 1, 16, FP32, seed=5)
+    by_ours = flexmask.varlen_attention(q, k, v, cu(lens), cu(lens), causal=True, window=(9, 0))
+    by_fa = flexmask.varlen_attention(q, k, v, cu(lens), cu(lens), causal=True, window_size=(9, 0))
+    assert torch.equal(by_ours, by_fa)
+    assert not torch.equal(by_fa, flexmask.varlen_attention(q, k, v, cu(lens), cu(lens), causal=True))
+    with pytest.raises(ValueError, match="window or window_size"):
+        flexmask.varlen_attention(q, k, v, cu(lens), cu(lens), window=(9, 0), window_size=(9, 0))
+    with pytest.raises(TypeError, match="window must be a pair"):
+        flexmask.varlen_attention(q, k, v, cu(lens), cu(lens), window_size=9)
+
+
 def test_rows_that_attend_nothing():
     """A sequence with no keys (and causal rows above the first key when Lq > Lk) gives output
     0, LSE -inf and zero gradients, never NaN."""
