@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .api import _check_qkv, _check_score_terms, _last_dim_contiguous, _table_args, attention
+from .api import _check_qkv, _check_score_terms, _last_dim_contiguous, _plain_number, _table_args, attention
 from .autograd import _backward_impl, _forward_impl, op_outputs
 from .kernels.common.tiles import default_tile
 from .masks import specs
@@ -411,6 +411,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     left, right = _check_window(window)
     if deterministic is not None and not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be None or a bool, got {type(deterministic).__name__}")
+    softmax_scale = _plain_number(softmax_scale)  # a numpy scalar, as flexmask.attention takes it
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
                                       or not math.isfinite(softmax_scale) or softmax_scale <= 0):
         raise ValueError(f"softmax_scale must be None or a positive finite float, got {softmax_scale!r}")

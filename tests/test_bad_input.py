@@ -58,6 +58,8 @@ SPEC_ERRORS = [
     # not later by a bare "unsupported operand" TypeError in the interval builder or in str(mask)
     ("answer-lens-per-row", lambda: masks.share_question(2, [[2, 4], [3, 3]]), TypeError,
      r"answer_lens must be a list of ints .*\[\[2, 4\], \[3, 3\]\]"),
+    ("global-positions-per-row", lambda: masks.global_tokens([[0, 5], [1]]), TypeError,
+     r"positions must be a list of ints"),
     ("seqlens-nested-too-deep", lambda: masks.document([[[2, 2]]]), TypeError, r"seqlens\[0\] must be a list of ints"),
     ("seqlens-row-nested", lambda: masks.causal_blockwise([[2, 2], [[1], [3]]]), TypeError, r"seqlens\[1\]"),
     ("maskout-unsorted", lambda: masks.qk_sparse([(10, 5), (2, 3)]), ValueError, r"maskout"),
@@ -260,6 +262,11 @@ def test_attention_takes_numpy_scalars():
     q, k, v = q_k_v()
     assert torch.equal(flexmask.attention(q, k, v, scale=np.float32(0.25), softcap=np.float32(2.0)),
                        flexmask.attention(q, k, v, scale=0.25, softcap=2.0))
+    # varlen_attention's softmax_scale too (flash_attn_varlen_func's name)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # (S, H, D) of batch row 0
+    cu = torch.tensor([0, packed[0].shape[0]], dtype=torch.int32)
+    assert torch.equal(flexmask.varlen_attention(*packed, cu, cu, softmax_scale=np.float32(0.25), softcap=np.float32(2.0)),
+                       flexmask.varlen_attention(*packed, cu, cu, softmax_scale=0.25, softcap=2.0))
 
 
 def test_inputs_of_length_zero_check_the_mask():

@@ -9,7 +9,7 @@ Pictures: rows are queries, columns are keys, ``#`` attends, ``.`` is masked.
 from __future__ import annotations
 
 from .run_bounds import MAX_RUNS_LIMIT, dilated_steps, global_groups
-from .specs import Mask, _check_int, _check_lengths, _Simple
+from .specs import Mask, _check_int, _check_one_list, _Simple
 
 __all__ = ["natten", "sliding_tile", "global_tokens", "dilated_sliding_window"]
 
@@ -151,9 +151,7 @@ def global_tokens(positions) -> Mask:
     runs, however many tokens each holds (32 sink tokens at the front are one group). As for any
     composition, only the final mask must fit: one that needs more raises naming the column.
     """
-    pos = _check_lengths("positions", positions, 0)
-    if isinstance(pos[0], list):
-        raise TypeError(f"positions must be a list of ints (one set for every batch row), got {positions!r}")
+    pos = _check_one_list("positions", positions, 0)
     pos = sorted(set(pos))
     groups = len(global_groups(pos)[0])
     # a composition may cut a column's runs, so more than 16 are built; past this many the final mask

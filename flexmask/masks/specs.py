@@ -196,6 +196,15 @@ def _check_lengths(name: str, values, minimum: int = 0) -> list:
     return out
 
 
+def _check_one_list(name: str, values, minimum: int = 0) -> list:
+    """`_check_lengths` for a parameter that is one list for every batch row (a list per row is a
+    TypeError naming it)."""
+    checked = _check_lengths(name, values, minimum)
+    if isinstance(checked[0], list):
+        raise TypeError(f"{name} must be a list of ints (one for every batch row), got {_short(values)!r}")
+    return checked
+
+
 def _readable(t: torch.Tensor) -> bool:
     """Whether a builder checks a tensor's values: a CPU tensor, outside torch.compile (a GPU
     tensor would sync; a traced one would branch on data, so such a mask is built unchecked, as a
@@ -406,9 +415,7 @@ def share_question(question_len: int, answer_lens) -> Mask:
         ##..#.
         ##..##
     """
-    answers = _check_lengths("answer_lens", answer_lens, 1)
-    if isinstance(answers[0], list):  # one list for every batch row: the question is shared by all
-        raise TypeError(f"answer_lens must be a list of ints (one length per answer), got {_short(answer_lens)!r}")
+    answers = _check_one_list("answer_lens", answer_lens, 1)  # the question is shared by every batch row
     return _Simple("share_question", question_len=_check_int("question_len", question_len), answer_lens=answers)
 
 
