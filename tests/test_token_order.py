@@ -279,3 +279,21 @@ def test_runs_merged_before_the_read_only_for_a_mask_mod(monkeypatch):
     assert len(merged) == 1 and spec.params()["starts"].shape[-1] == cm.intervals.shape[-1] // 2
     dense = masks.from_mask_mod(window_and_globals).to_dense(256, 256)
     assert torch.equal(spec.to_dense(256, 256), dense[..., order, :][..., order])
+
+
+def test_no_free_column_no_detection(monkeypatch):
+    """A global token's column masks no row: where no column is free (a window, NATTEN, a dilated
+    window per head) compile_mask reads that once and computes neither the rows' cover nor the moved
+    runs; a mask with a free column (causal: column 0) still looks for its tokens."""
+    monkeypatch.setattr(token_order, "MIN_TOKENS", 256)
+    looked = []
+    real = token_order._global_rows
+    monkeypatch.setattr(token_order, "_global_rows", lambda *a: looked.append(1) or real(*a))
+    for spec in (masks.from_mask_mod(lambda b, h, q, kv: (q - kv <= 8) & (kv - q <= 8)), masks.natten(16, 16, 5),
+                 masks.from_mask_mod(lambda b, h, q, kv: ((q - kv) % (h + 1) == 0) & (q - kv <= 5) & (kv - q <= 5),
+                                     heads=2)):
+        cm = flexmask.compile_mask(spec, 256, 256, device="cpu")
+        assert cm.token_order is None and token_order.reordered_runs(cm.intervals, 256) is None
+    assert looked == []
+    cm = flexmask.compile_mask(masks.from_mask_mod(lambda b, h, q, kv: kv <= q), 256, 256, device="cpu")
+    assert cm.token_order is None and looked == [1]
