@@ -136,7 +136,10 @@ def main(argv=None) -> int:
             options += " compile_mask"
         print(f"{name:20s} S={args.seq_len} {args.device} {args.first_pass}{options}: "
               f"{_summary(_timed(build, args.repeats, device))}")
-        if args.builders:
+        fits = name != "natten_k9" or (args.seq_len // math.isqrt(args.seq_len)) * math.isqrt(args.seq_len) == args.seq_len
+        if args.builders and not fits:  # masks.natten needs exactly height x width tokens
+            print(f"{name:20s} S={args.seq_len}: no builder, {args.seq_len} tokens are not an image's height x width")
+        if args.builders and fits:
             make = builders(args.seq_len)[name]
             times = _timed(lambda: compiled(make()), args.repeats, device)
             print(f"{name:20s} S={args.seq_len} {args.device} builder{' compile_mask' if args.compile_mask else ''}: "
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
             times = _timed(lambda: build_block_mask(fn, None, heads, args.seq_len, device), args.repeats, device)
             print(f"{name:20s} S={args.seq_len} {args.device} create_block_mask: {_summary(times)}")
         makers = {"from_mask_mod": lambda fn=fn, heads=heads: masks.from_mask_mod(fn, heads=heads, max_runs=16)}
-        if args.builders:
+        if args.builders and fits:
             makers["builder"] = builders(args.seq_len)[name]
         for source, make in makers.items():  # compile_mask's steps, timed apart and counted
             if args.phases:
