@@ -470,7 +470,9 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
 
     if sq == 0 or sk == 0:  # nothing to attend: zeros, LSE -inf (the sink with sinks), zero gradients
         _check_mask_at_length_zero(mask, sq, sk, q.device, batch, hq, hkv)
-        out = q * 0.0
+        # k and v take part through empty slices, so that they get zero gradients, as SDPA gives
+        # them, not None (at Sq = 0 the output would not depend on them otherwise)
+        out = q * 0.0 + k[:, :1, :0].sum() + v[:, :1, :0].sum()
         if sinks is None:
             lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
         else:

@@ -371,3 +371,17 @@ def test_flashmask_attention_without_indices(causal):
     expected = flexmask.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                   mask=masks.causal() if causal else None, scale=0.2)
     assert torch.equal(out, expected.transpose(1, 2))
+
+
+@pytest.mark.parametrize("sq, sk", [(0, 7), (5, 0), (0, 0)])
+def test_length_zero_gradients_are_zeros(sq, sk):
+    """At Sq = 0 or Sk = 0 every input gets a gradient of zeros, as SDPA gives it, not None (the
+    output is zeros then, or empty)."""
+    q = torch.randn(2, 4, sq, 16, requires_grad=True)
+    k = torch.randn(2, 2, sk, 16, requires_grad=True)
+    v = torch.randn(2, 2, sk, 16, requires_grad=True)
+    out, lse = flexmask.attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, sq)
+    (out.float().sum() + 1.0).backward()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert t.grad is not None and t.grad.shape == t.shape and bool((t.grad == 0).all()), name
