@@ -258,11 +258,12 @@ def test_global_tokens_are_found_in_one_read(monkeypatch):
         assert found == positions and len(rec.events) == reads, (listed, found, rec.events)
 
 
-def test_global_token_mask_mod_compile_reads_the_device_four_times(monkeypatch):
-    """compile_mask of a from_mask_mod with global tokens reads the device four times: the natural
-    runs' count and tables, the global tokens found in its runs with the moved runs' most a column
-    (one read: the reordered runs, merged into two a column, compile without a count; it was a
-    fifth), and `fewer_tiles`."""
+def test_global_token_mask_mod_compile_reads_the_device_five_times(monkeypatch):
+    """compile_mask of a from_mask_mod with global tokens reads the device five times: the natural
+    runs' count and tables, whether a column is free (a mask without one skips the detection: NATTEN,
+    windows, dilations), the global tokens found in its runs with the moved runs' most a column
+    (one read: the reordered runs, merged into two a column, compile without a count), and
+    `fewer_tiles`."""
     import functools
 
     import flexmask
@@ -282,7 +283,7 @@ def test_global_token_mask_mod_compile_reads_the_device_four_times(monkeypatch):
     with SyncRecorder(monkeypatch) as rec:
         cm = flexmask.compile_mask(mask, 3001, 3001, device=_device())
     assert cm.token_order is not None and cm.token_order[0].runs == 2
-    assert len(rec.events) == 4, rec.events
+    assert len(rec.events) == 5, rec.events
 
 
 def test_pairs_evaluated_one_by_one_take_no_blocking_upload(monkeypatch):
