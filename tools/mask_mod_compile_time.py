@@ -136,7 +136,8 @@ def main(argv=None) -> int:
             options += " compile_mask"
         print(f"{name:20s} S={args.seq_len} {args.device} {args.first_pass}{options}: "
               f"{_summary(_timed(build, args.repeats, device))}")
-        fits = name != "natten_k9" or (args.seq_len // math.isqrt(args.seq_len)) * math.isqrt(args.seq_len) == args.seq_len
+        width = math.isqrt(args.seq_len)
+        fits = name != "natten_k9" or (args.seq_len // width) * width == args.seq_len
         if args.builders and not fits:  # masks.natten needs exactly height x width tokens
             print(f"{name:20s} S={args.seq_len}: no builder, {args.seq_len} tokens are not an image's height x width")
         if args.builders and fits:

@@ -149,11 +149,12 @@ def reordered_runs(intervals: torch.Tensor, seq_len: int,
     endpoint e to G + e - (global tokens before e)), and the runs a global row split touch again.
     The `from_mask_mod` form of `x | global_tokens(P)` takes the order of the builder's spec this
     way. A mask with no free column (`_free_columns`) has no global token: one host read tells it,
-    before any other work. With `merge` (k runs), the moved runs are merged and counted on the device before the read
-    that finds the global tokens, and read with them: where every column then holds at most two,
-    the reordered mask is two runs a column, which compile without a count of their own. That work
-    is spent whether or not the tokens exist, so compile_mask asks for it where they are expected
-    (a mask_mod); else the runs move only once tokens are found, and `column_runs` merges them."""
+    before any other work. With `merge` (k runs), the moved runs are merged and counted on the
+    device before the read that finds the global tokens, and read with them: where every column
+    then holds at most two, the reordered mask is two runs a column, which compile without a count
+    of their own. That work is spent whether or not the tokens exist, so compile_mask asks for it
+    where they are expected (a mask_mod); else the runs move only once tokens are found, and
+    `column_runs` merges them."""
     free = _free_columns(intervals, seq_len)
     # one host read: a global token's column is free, and most masks (windows, NATTEN, dilations)
     # have none, which spares them the rows' cover and the moved runs (a scatter of every run's ends
