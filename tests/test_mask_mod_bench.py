@@ -194,6 +194,17 @@ def test_compile_time_tool_builders_are_its_mask_mods(capsys):
     assert [line.split()[0] for line in lines if " builder: " in line] == ["causal", "natten_k9"]
 
 
+def test_compile_time_tool_skips_natten_builder_off_an_image(capsys):
+    """At a length that is no image's height x width (1160: a 34 x 34 image and 4 tokens past it)
+    the tool says natten has no builder there and times the rest, where masks.natten would raise."""
+    from tools import mask_mod_compile_time as tool
+
+    assert tool.main(["--seq-len", "1160", "--masks", "natten_k9,causal", "--builders", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("natten_k9") and "no builder" in line for line in lines), lines
+    assert [line.split()[0] for line in lines if " builder: " in line] == ["causal"]
+
+
 def test_compile_time_tool_times_the_steps_of_compile_mask(capsys):
     """tools.mask_mod_compile_time --phases times compile_mask's four steps apart for the global
     tokens, written as a mask_mod and with the builders."""
