@@ -551,6 +551,25 @@ def test_show_rejects_max_size(max_size, exc):
     assert masks.causal().show(4, 4, max_size=1) == "+"
 
 
+def test_show_draws_the_batch_row_and_head_asked_for():
+    """A mask per batch row or head draws the one asked for (row 0 / head 0 by default); a mask the
+    same for all draws its one for any index; an index past the mask's entries is refused."""
+    m = masks.dilated_sliding_window(6, [1, 2, 3]) & masks.document([[9, 11], [20]])  # 2 rows x 3 heads
+    dense = m.to_dense(20, 20)
+    assert dense.shape[:2] == (2, 3)
+    for b in range(2):
+        for h in range(3):
+            assert m.show(20, 20, batch=b, head=h) == expected_picture(dense[b, h], 64), (b, h)
+    assert m.show(20, 20) == expected_picture(dense[0, 0], 64)
+    assert masks.causal().show(9, 9, batch=5, head=7) == masks.causal().show(9, 9)
+    with pytest.raises(ValueError, match=r"head must be below the mask's 3 head entries, got 3"):
+        m.show(20, 20, head=3)
+    with pytest.raises(ValueError, match=r"batch must be below the mask's 2 batch entries, got 2"):
+        m.show(20, 20, batch=2)
+    with pytest.raises(TypeError, match=r"batch must be an int"):
+        m.show(20, 20, batch=1.0)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_str_has_name_and_picture(family):
     m = make_mask(family, 24, 24, batch=1, heads=1)

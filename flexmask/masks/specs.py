@@ -112,13 +112,20 @@ class Mask:
         counts = unmasked_count(self.intervals(q_len, kv_len, "cpu"), q_len)
         return float(counts.double().mean()) / max(1, q_len * kv_len)
 
-    def show(self, q_len: int, kv_len: int, max_size: int = 64) -> str:
+    def show(self, q_len: int, kv_len: int, max_size: int = 64, *, batch: int = 0, head: int = 0) -> str:
         """ASCII picture; larger masks are drawn in cells of several rows/columns:
-        ``#`` all attend, ``.`` none, ``+`` some."""
+        ``#`` all attend, ``.`` none, ``+`` some. A mask per batch row or head draws the one of
+        ``batch`` and ``head`` (a mask the same for every batch row or head draws that one for any)."""
         from .intervals import picture
 
         max_size = _check_int("max_size", max_size, 1)  # the cells per side of the picture
-        return picture(self.intervals(q_len, kv_len, "cpu"), q_len, max_size)
+        index = {"batch": _check_int("batch", batch), "head": _check_int("head", head)}
+        iv = self.intervals(q_len, kv_len, "cpu")
+        for dim, (name, i) in enumerate(index.items()):
+            if iv.shape[dim] > 1 and i >= iv.shape[dim]:
+                raise ValueError(f"{name} must be below the mask's {iv.shape[dim]} {name} entries, got {i}")
+        b, h = (min(i, iv.shape[dim] - 1) for dim, i in enumerate(index.values()))
+        return picture(iv[b:b + 1, h:h + 1], q_len, max_size)
 
 
 class Combined(Mask):
