@@ -68,8 +68,9 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
     # PARTIAL ones, and no more
     found = token_order.reordered(mask, q_len, device)
     from_function = token_order.holds_mask_mod(mask)
-    if found is None and (compiled.runs > 2 or from_function):
-        found = token_order.reordered_runs(compiled.intervals, q_len, merge=from_function)
+    if found is None and (compiled.runs > 2 or from_function) and compiled.free_columns is not False:
+        found = token_order.reordered_runs(compiled.intervals, q_len, merge=from_function,
+                                           free=compiled.free_columns)
     if found is not None:
         spec, order, inverse = found
         tables = compile_spec(spec, q_len, kv_len, device, block_m, block_n)

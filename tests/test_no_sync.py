@@ -258,11 +258,11 @@ def test_global_tokens_are_found_in_one_read(monkeypatch):
         assert found == positions and len(rec.events) == reads, (listed, found, rec.events)
 
 
-def test_global_token_mask_mod_compile_reads_the_device_five_times(monkeypatch):
-    """compile_mask of a from_mask_mod with global tokens reads the device five times: the natural
-    runs' count and tables, whether a column is free (a mask without one skips the detection: NATTEN,
-    windows, dilations), the global tokens found in its runs with the moved runs' most a column
-    (one read: the reordered runs, merged into two a column, compile without a count), and
+def test_global_token_mask_mod_compile_reads_the_device_four_times(monkeypatch):
+    """compile_mask of a from_mask_mod with global tokens reads the device four times: the natural
+    runs' count, and the tables' counts with whether a column is free (a mask without one skips the
+    detection), the global tokens found in its runs with the moved runs' most a column (one read:
+    the reordered runs, merged into two a column, compile without a count; it was a fifth), and
     `fewer_tiles`."""
     import functools
 
@@ -283,7 +283,31 @@ def test_global_token_mask_mod_compile_reads_the_device_five_times(monkeypatch):
     with SyncRecorder(monkeypatch) as rec:
         cm = flexmask.compile_mask(mask, 3001, 3001, device=_device())
     assert cm.token_order is not None and cm.token_order[0].runs == 2
-    assert len(rec.events) == 5, rec.events
+    assert len(rec.events) == 4, rec.events
+
+
+def test_mask_mod_without_free_columns_compiles_in_two_reads(monkeypatch):
+    """A k-run mask_mod with no free column (a window of 3 keys on each side and its diagonal
+    neighbours' every third key: no column every query attends) compiles in two reads: its runs'
+    count, and the tables' counts with the free-column flag, which spares it any search for global
+    tokens (a read of its own was a third)."""
+    import functools
+
+    import flexmask
+    from flexmask import api
+
+    monkeypatch.setattr(intervals, "MASK_MOD_RUNS_KERNEL", True)
+    monkeypatch.setattr(api, "compile_spec", functools.partial(compile_spec, on_device=True))
+
+    def mod(b, h, q, kv):
+        return ((q - kv <= 3) & (kv - q <= 3)) | (((q - kv) % 3 == 0) & (q - kv <= 12) & (kv - q <= 12))
+    mask = masks.from_mask_mod(mod, max_runs=16)
+    if _device().type == "cuda":
+        flexmask.compile_mask(mask, 2100, 2100, device=_device())
+    with SyncRecorder(monkeypatch) as rec:
+        cm = flexmask.compile_mask(mask, 2100, 2100, device=_device())
+    assert cm.runs > 2 and cm.free_columns is False and cm.token_order is None
+    assert len(rec.events) == 2, rec.events
 
 
 def test_pairs_evaluated_one_by_one_take_no_blocking_upload(monkeypatch):

@@ -45,6 +45,7 @@ from ..kernels.common.masking import note_all_full
 from .compiler_kernels import build_tables_device
 from .device_plan import device_plan
 from .intervals import build_intervals
+from . import token_order
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 
@@ -80,6 +81,10 @@ class CompiledMask:
     # `x | global_tokens(P)` or runs that hold such tokens (masks/token_order.py, built by
     # compile_mask); flexmask.attention uses them
     token_order: tuple | None = None
+    # whether some key column masks no row in any batch row or head (a global token's column must):
+    # read with the tile counts of a self-attention k-run compile from token_order.MIN_TOKENS on,
+    # None where it was not read
+    free_columns: bool | None = None
 
     @property
     def batch(self) -> int:
@@ -315,12 +320,17 @@ def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int,
     torch ops, with two host syncs."""
     if intervals.is_cuda if on_device is None else on_device:
         rows = intervals.shape[0] * intervals.shape[1]
-        tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, None, intervals=intervals.contiguous())
-        visited, full = tables.pop("counted")  # (the two views list the same FULL tiles; all FULL: kernel_runs)
+        # compile_mask looks for global tokens in such runs: whether a column is free, in the same read
+        free = (token_order.free_columns(intervals, q_len).any()
+                if q_len == kv_len >= token_order.MIN_TOKENS and intervals.shape[-1] > 4 else None)
+        tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, None, intervals=intervals.contiguous(),
+                                     read_with=free)
+        visited, full, *free = tables.pop("counted")  # (the two views list the same FULL tiles; all FULL: kernel_runs)
         if intervals.shape[-1] > 4 and full == visited:
             note_all_full(tables["bwd_offsets"])
         return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n,
-                            num_tiles_visited=visited, source=source, **tables)
+                            num_tiles_visited=visited, source=source, free_columns=bool(free[0]) if free else None,
+                            **tables)
     dev = intervals.device
     n_rows = intervals.shape[0] * intervals.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)

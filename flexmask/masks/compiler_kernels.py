@@ -618,7 +618,8 @@ def classify_warps(runs: int) -> int:
 
 def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, rows: int, capacity: int | None,
                         intervals: torch.Tensor | None = None, family: tuple | None = None,
-                        shape: tuple | None = None, device=None, pair: Pair | None = None) -> dict:
+                        shape: tuple | None = None, device=None, pair: Pair | None = None,
+                        read_with: torch.Tensor | None = None) -> dict:
     """The tables of a CompiledMask, in two launches and no host sync.
 
     Either `intervals` (canonical int32 [Bm, Hm, kv_len, 4], or k runs [Bm, Hm, kv_len, 2K] as
@@ -627,7 +628,8 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     computes the canonical intervals itself (with `pair`: those of `family <op> pair.b`).
     `capacity` (>= the tiles visited, known on the host) sizes fwd_blocks, bwd_blocks and
     bwd_exact; None counts the tiles first, at the price of one host sync, and the dict then also
-    holds "counted": (tiles visited, FULL tiles of them), read in that sync. The tables are views of
+    holds "counted": (tiles visited, FULL tiles of them, then `read_with`'s value when given: a
+    device scalar the caller needs on the host), read in that sync. The tables are views of
     one allocation; the transients come from `_workspace` (host time: each allocation costs
     about as much on the host as the GPU spends on the small tables)."""
     width = 4  # (start, end) pairs per column
@@ -676,7 +678,8 @@ def build_tables_device(q_len: int, kv_len: int, block_m: int, block_n: int, row
     )
     counted = None
     if capacity is None:  # no bound given: count first (one host sync, which reads the FULL tiles too)
-        counted = tuple(torch.stack((bwd_offsets[-1].long(), bwd_num_full.sum())).tolist())
+        extra = () if read_with is None else (read_with.long().view(()),)
+        counted = tuple(torch.stack((bwd_offsets[-1].long(), bwd_num_full.sum(), *extra)).tolist())
         capacity = max(1, counted[0])
         blocks = torch.empty(2 * capacity, dtype=torch.int32, device=device)
         fwd_blocks, bwd_blocks = blocks[:capacity], blocks[capacity:]

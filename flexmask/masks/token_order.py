@@ -104,9 +104,14 @@ def detected_positions(intervals: torch.Tensor, seq_len: int) -> list[int]:
     return _listed(_global_rows(intervals, seq_len))[0]
 
 
+def free_columns(intervals: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len] bool, on the device: the columns that mask no row in any batch row or head, which
+    every query attends (a global token's column is one)."""
+    return _free_columns(intervals, seq_len)[0]
+
+
 def _free_columns(intervals: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([seq_len] bool: the columns that mask no row in any batch row or head, which every query
-    attends; the live runs [B, H, seq_len, R] bool), on the device."""
+    """(`free_columns`, the live runs [B, H, seq_len, R] bool), on the device."""
     live = intervals[..., 1::2].clamp(max=seq_len) > intervals[..., 0::2].clamp(min=0)
     return ~live.any(-1).flatten(0, 1).any(0), live
 
@@ -141,27 +146,28 @@ def _listed(is_global: torch.Tensor, *more: torch.Tensor) -> tuple[list[int], li
     return positions[:count], extra
 
 
-def reordered_runs(intervals: torch.Tensor, seq_len: int,
-                   merge: bool = True) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
+def reordered_runs(intervals: torch.Tensor, seq_len: int, merge: bool = True,
+                   free: bool | None = None) -> tuple[specs.Mask, torch.Tensor, torch.Tensor] | None:
     """(the mask in the order of `token_order`, order, inverse) for any self-attention mask given as
     its compiled runs whose global tokens (`detected_positions`) are not already in front and are
     at most a quarter of the tokens; else None. A run holds no global row, so it moves whole (each
     endpoint e to G + e - (global tokens before e)), and the runs a global row split touch again.
     The `from_mask_mod` form of `x | global_tokens(P)` takes the order of the builder's spec this
-    way. A mask with no free column (`_free_columns`) has no global token: one host read tells it,
-    before any other work. With `merge` (k runs), the moved runs are merged and counted on the
+    way. A mask with no free column (`free_columns`) has no global token: one host read tells it,
+    before any other work, unless `free` says it (CompiledMask.free_columns, read with the tables'
+    counts). With `merge` (k runs), the moved runs are merged and counted on the
     device before the read that finds the global tokens, and read with them: where every column
     then holds at most two, the reordered mask is two runs a column, which compile without a count
     of their own. That work is spent whether or not the tokens exist, so compile_mask asks for it
     where they are expected (a mask_mod); else the runs move only once tokens are found, and
     `column_runs` merges them."""
-    free = _free_columns(intervals, seq_len)
-    # one host read: a global token's column is free, and most masks (windows, NATTEN, dilations)
-    # have none, which spares them the rows' cover and the moved runs (a scatter of every run's ends
-    # over seq_len counters, 3 of 58 ms of a 32K compile of the dilated window of 8 heads on an H200)
-    if not bool(free[0].any()):
+    columns = _free_columns(intervals, seq_len)
+    # a global token's column is free, and most masks (windows, NATTEN, dilations) have none, which
+    # spares them the rows' cover and the moved runs (a scatter of every run's ends over seq_len
+    # counters, 3 of 58 ms of a 32K compile of the dilated window of 8 heads on an H200)
+    if free is False or (free is None and not bool(columns[0].any())):  # (None: one host read)
         return None
-    is_global = _global_rows(intervals, seq_len, free)
+    is_global = _global_rows(intervals, seq_len, columns)
     moved = None
     if merge and intervals.shape[-1] > 4:  # k runs: sorted, empty slots last (masks/intervals.py)
         moved = _moved_runs(intervals, is_global, seq_len)
