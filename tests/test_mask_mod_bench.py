@@ -194,6 +194,20 @@ def test_compile_time_tool_builders_are_its_mask_mods(capsys):
     assert [line.split()[0] for line in lines if " builder: " in line] == ["causal", "natten_k9"]
 
 
+def test_compile_time_tool_has_sta_at_its_video_lengths(monkeypatch):
+    """At the length of the benchmark's STA video the tool times STA too, its builder the same mask;
+    at other lengths it has none."""
+    from tools import mask_mod_compile_time as tool
+
+    monkeypatch.setattr(bench, "STA_SHAPES", {"32K": (4, 40, 40)})  # 2 x 5 x 5 tiles of 2 x 8 x 8
+    s = 4 * 40 * 40
+    fn, heads = tool.mask_mods(s, "cpu")["sta3d_t2_k3"]
+    got = dense_of_mod(fn, s, heads)
+    assert torch.equal(builder_dense(tool.builders(s)["sta3d_t2_k3"](), s).expand_as(got), got)
+    assert not bool(got.all()) and bool(got.any())
+    assert "sta3d_t2_k3" not in tool.mask_mods(s + 1, "cpu") and "sta3d_t2_k3" not in tool.builders(s + 1)
+
+
 def test_compile_time_tool_skips_natten_builder_off_an_image(capsys):
     """At a length that is no image's height x width (1160: a 34 x 34 image and 4 tokens past it)
     the tool says natten has no builder there and times the rest, where masks.natten would raise."""

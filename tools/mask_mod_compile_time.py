@@ -1,7 +1,8 @@
 """`from_mask_mod`'s tables, timed: the best of a few compiles of the mask_mods (NATTEN 9 x 9
 on a square image, the benchmark's dilated window per head (8 heads), causal, its 14 global tokens
-beside a 1024-key window) at one length, on the CPU or a GPU. The mask_mod benchmark times it
-against FlexAttention on a GPU; this is the quick look that needs none.
+beside a 1024-key window, and its STA video at 32K and 128K) at one length, on the CPU or a GPU.
+The mask_mod benchmark times it against FlexAttention on a GPU; this is the quick look that needs
+none.
 
     PYTHONPATH=$PWD python -m tools.mask_mod_compile_time [--seq-len 4096] [--device cpu]
                                                           [--first-pass eager|compiled] [--profile]
@@ -17,8 +18,8 @@ the mask (runs, tile tables and, for the global tokens, their detection and the 
 instead of the runs alone; `--block-mask` times FlexAttention's compiled `create_block_mask` of the
 same functions beside (the mask_mod benchmark's comparison, without its attention); `--builders` the
 same masks written with flexmask's builders (`masks.natten`, `masks.dilated_sliding_window`,
-`masks.causal`, a window | `masks.global_tokens`). `--profile` adds one more compile of
-each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
+`masks.causal`, a window | `masks.global_tokens`, `masks.sliding_tile`). `--profile` adds one
+more compile of each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
 compile's time goes between the compiled pass, the eager operations and the host syncs.
 `--phases` times the steps of `compile_mask` apart (medians of the repeats): the natural tables
 (`compile_spec`), the global tokens' order (token_order.reordered for a builder, `reordered_runs` of
@@ -49,25 +50,40 @@ from flexmask import masks
 from flexmask.masks import intervals
 
 
+def _sta_canvas(seq_len: int) -> tuple | None:
+    """The mask_mod benchmark's STA video (frames, height, width) of `seq_len` tokens, if it has one."""
+    return next((c for c in mask_mod_bench.STA_SHAPES.values() if math.prod(c) == seq_len), None)
+
+
 def mask_mods(seq_len: int, device) -> dict:
-    """name: (mask_mod, heads), the mask_mod benchmark's own functions"""
+    """name: (mask_mod, heads), the mask_mod benchmark's own functions (STA at its two video lengths)"""
     width = math.isqrt(seq_len)
-    return {"natten_k9": (mask_mod_bench.natten_mask_mod(seq_len // width, width, 9), None),
+    mods = {"natten_k9": (mask_mod_bench.natten_mask_mod(seq_len // width, width, 9), None),
             "dilated_per_head_8": (mask_mod_bench.dilated_mask_mod(896, mask_mod_bench.head_dilations(8), device), 8),
             "causal": (lambda b, h, q, kv: kv <= q, None),
             "global14_window1024": (mask_mod_bench.global_window_mask_mod(
                 mask_mod_bench.global_positions(seq_len), mask_mod_bench.WINDOW, seq_len, device), None)}
+    canvas = _sta_canvas(seq_len)
+    if canvas is not None:
+        mods["sta3d_t2_k3"] = (mask_mod_bench.sta_mask_mod(canvas, mask_mod_bench.STA_TILE, mask_mod_bench.STA_BOX),
+                               None)
+    return mods
 
 
 def builders(seq_len: int) -> dict:
     """name: a function making the mask of `mask_mods`' entry of that name with flexmask's builders"""
     width = math.isqrt(seq_len)
     positions = mask_mod_bench.global_positions(seq_len)
-    return {"natten_k9": lambda: masks.natten(seq_len // width, width, 9),
+    made = {"natten_k9": lambda: masks.natten(seq_len // width, width, 9),
             "dilated_per_head_8": lambda: masks.dilated_sliding_window(896, mask_mod_bench.head_dilations(8)),
             "causal": masks.causal,
             "global14_window1024": lambda: (masks.sliding_window(mask_mod_bench.WINDOW - 1)
                                             | masks.global_tokens(positions))}
+    canvas = _sta_canvas(seq_len)
+    if canvas is not None:
+        kernel = tuple(b * t for b, t in zip(mask_mod_bench.STA_BOX, mask_mod_bench.STA_TILE))
+        made["sta3d_t2_k3"] = lambda: masks.sliding_tile(canvas, kernel, mask_mod_bench.STA_TILE)
+    return made
 
 
 def profiled(build, device) -> str:
