@@ -321,16 +321,17 @@ def build_tables(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int,
     if intervals.is_cuda if on_device is None else on_device:
         rows = intervals.shape[0] * intervals.shape[1]
         # compile_mask looks for global tokens in such runs: whether a column is free, in the same read
-        free = (token_order.free_columns(intervals, q_len).any()
-                if q_len == kv_len >= token_order.MIN_TOKENS and intervals.shape[-1] > 4 else None)
+        any_free = (token_order.free_columns(intervals, q_len).any()
+                    if q_len == kv_len >= token_order.MIN_TOKENS and intervals.shape[-1] > 4 else None)
         tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, None, intervals=intervals.contiguous(),
-                                     read_with=free)
-        visited, full, *free = tables.pop("counted")  # (the two views list the same FULL tiles; all FULL: kernel_runs)
+                                     read_with=any_free)
+        # (the two views list the same FULL tiles; all FULL: kernel_runs)
+        visited, full, *read_free = tables.pop("counted")
         if intervals.shape[-1] > 4 and full == visited:
             note_all_full(tables["bwd_offsets"])
         return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n,
-                            num_tiles_visited=visited, source=source, free_columns=bool(free[0]) if free else None,
-                            **tables)
+                            num_tiles_visited=visited, source=source,
+                            free_columns=bool(read_free[0]) if read_free else None, **tables)
     dev = intervals.device
     n_rows = intervals.shape[0] * intervals.shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
