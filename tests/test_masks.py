@@ -598,6 +598,18 @@ def test_str_draws_builders_at_the_length_their_parameters_set(build, length):
     assert "no picture" not in text and m.show(length, length, max_size=32) in text
 
 
+def test_str_draws_a_composition_at_the_length_both_operands_allow():
+    """Regression: a composition drew at its left operand's length, so `global_tokens([3]) |
+    natten(4, 4, 3)` printed no picture (natten needs its 16 tokens, global_tokens only 4); it
+    draws at the longer of its operands' lengths, whichever side fixes it."""
+    for m, length in ((masks.global_tokens([3]) | masks.natten(4, 4, 3), 16),
+                      (masks.natten(4, 4, 3) | masks.global_tokens([3]), 16),
+                      (masks.kv_cache([5]) & masks.sliding_tile((4, 4), (2, 2), (2, 2), text_tokens=2), 18)):
+        assert m.natural_length() == length, m
+        text = str(m)
+        assert "no picture" not in text and m.show(length, length, max_size=32) in text, text
+
+
 def test_str_pictures_of_simple_masks():
     assert masks.causal().show(4, 4) == "#...\n##..\n###.\n####"
     assert masks.causal().show(2, 5) == "####.\n#####"

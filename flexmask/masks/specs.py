@@ -137,7 +137,10 @@ class Combined(Mask):
         self.kind = op
 
     def natural_length(self) -> int | None:
-        return self.a.natural_length() or self.b.natural_length()
+        # the longer of the operands' lengths: one may fix the length (natten's tokens), the other
+        # only need at least some (global_tokens' last position)
+        lengths = [n for n in (self.a.natural_length(), self.b.natural_length()) if n]
+        return max(lengths) if lengths else None
 
     def __repr__(self) -> str:
         sym = "&" if self.op == "and" else "|"
