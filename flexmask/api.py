@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import functools
 import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -42,8 +43,9 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
     if not isinstance(mask, specs.Mask):
         raise TypeError(f"mask must be a flexmask.masks.Mask or None, got {_describe_mask(mask)}")
     for name, value in (("q_len", q_len), ("kv_len", kv_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    q_len, kv_len = int(q_len), int(kv_len)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:

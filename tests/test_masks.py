@@ -654,3 +654,31 @@ def test_column_intervals_accepts_the_canonical_tensor():
     lts, lte, uts, ute = (iv[..., i].unsqueeze(-2) for i in range(4))
     expected = ~(((rows >= lts) & (rows < lte)) | ((rows >= uts) & (rows < ute)))
     assert torch.equal(whole, expected)
+
+
+def test_builders_take_numpy_integers():
+    """Shapes and lengths computed with numpy (np.int64 scalars, integer arrays) build the mask the
+    Python ints build; numpy floats and bools are refused, naming the argument."""
+    np = pytest.importorskip("numpy")
+    i = np.int64
+    pairs = [
+        (masks.sliding_window(i(3)), masks.sliding_window(3)),
+        (masks.document([i(5), i(7)]), masks.document([5, 7])),
+        (masks.document(np.array([[5, 7], [8, 4]])), masks.document([[5, 7], [8, 4]])),
+        (masks.prefix_lm(np.int32(4)), masks.prefix_lm(4)),
+        (masks.global_tokens([i(2), i(9)]) | masks.causal(), masks.global_tokens([2, 9]) | masks.causal()),
+        (masks.natten(i(3), i(4), i(3)), masks.natten(3, 4, 3)),
+        (masks.qk_sparse([i(4), i(3)]), masks.qk_sparse([(4, 3)])),
+        (masks.from_mask_mod(lambda b, h, q, kv: kv <= q + h, heads=i(2), max_runs=np.int32(4)),
+         masks.from_mask_mod(lambda b, h, q, kv: kv <= q + h, heads=2, max_runs=4)),
+    ]
+    for got, want in pairs:
+        assert repr(got) == repr(want)
+        assert torch.equal(got.to_dense(i(12), i(12)), want.to_dense(12, 12)), want
+    assert flexmask.compile_mask(masks.causal(), i(40), i(40), device="cpu").q_len.__class__ is int
+    with pytest.raises(TypeError, match=r"left must be an int, got float64"):
+        masks.sliding_window(np.float64(3))
+    with pytest.raises(TypeError, match=r"left must be an int, got bool"):
+        masks.sliding_window(np.bool_(True))
+    with pytest.raises(TypeError, match=r"seqlens\[0\] must be an int, got float"):
+        masks.document(np.array([5.0, 7.0]))

@@ -18,6 +18,7 @@ per column always comes in the canonical form.
 
 from __future__ import annotations
 
+import numbers
 import types
 import warnings
 
@@ -1167,8 +1168,9 @@ def build_intervals(mask, q_len: int, kv_len: int, device=None, on_device: bool 
     if getattr(mask, "kind", None) not in _BUILDERS:
         raise TypeError(f"mask must be a flexmask.masks.Mask, got {type(mask).__name__}")
     for name, value in (("q_len", q_len), ("kv_len", kv_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    q_len, kv_len = int(q_len), int(kv_len)
     device = torch.device(device) if device is not None else torch.device("cpu")
     g = _Geometry(q_len, kv_len, device, on_device)
     raw = _BUILDERS[mask.kind](mask, g)

@@ -14,8 +14,11 @@ Pictures below: rows are queries, columns are keys, ``#`` attends, ``.`` is mask
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Sequence
+
+import numpy as np
 
 import torch
 
@@ -172,11 +175,12 @@ def _short(v):
 
 
 def _check_int(name: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An int, a numpy integer taken as one (shapes and lengths computed with numpy); never a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return int(value)
 
 
 def _check_lengths(name: str, values, minimum: int = 0) -> list:
@@ -186,7 +190,7 @@ def _check_lengths(name: str, values, minimum: int = 0) -> list:
         # is built every call; the general checks below cost ~2 us a row)
         if all(all(v.__class__ is int for v in row) and min(row) >= minimum for row in values):
             return [list(row) for row in values]
-    if isinstance(values, torch.Tensor):
+    if isinstance(values, (torch.Tensor, np.ndarray)):  # (a float one's values are refused below)
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) == 0:
         raise TypeError(f"{name} must be a non-empty list of ints (or one list per batch row), got {values!r}")
@@ -482,7 +486,7 @@ def qk_sparse(maskout) -> Mask:
     """
     if not isinstance(maskout, Sequence) or isinstance(maskout, str):
         raise TypeError(f"maskout must be a list of (offset, length) pairs, got {type(maskout).__name__} {maskout!r}")
-    if len(maskout) == 2 and all(isinstance(x, int) for x in maskout):
+    if len(maskout) == 2 and all(isinstance(x, numbers.Integral) for x in maskout):
         maskout = [tuple(maskout)]
     pairs = []
     last_end = 0
@@ -725,13 +729,13 @@ def from_mask_mod(mask_mod, batch: int | None = None, heads: int | None = None, 
         raise TypeError(f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor, got "
                         f"{type(mask_mod).__name__} {_short(mask_mod)!r}")
     for name, value in (("batch", batch), ("heads", heads)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
             raise TypeError(f"{name} must be None (the mask does not depend on it) or a positive int, got "
                             f"{type(value).__name__} {value!r}")
         if value is not None and value < 1:
             raise ValueError(f"{name} must be None or a positive int, got {value}")
-    if isinstance(max_runs, bool) or not isinstance(max_runs, int):
-        raise TypeError(f"max_runs must be an int, got {type(max_runs).__name__} {max_runs!r}")
+    batch, heads = (None if v is None else int(v) for v in (batch, heads))
+    max_runs = _check_int("max_runs", max_runs)
     if not 1 <= max_runs <= MAX_RUNS_LIMIT:
         raise ValueError(f"max_runs must be in [1, {MAX_RUNS_LIMIT}], got {max_runs}")
     return _MaskMod("mask_mod", mask_mod=mask_mod, batch=batch, heads=heads, max_runs=max_runs)
