@@ -59,8 +59,10 @@ def natten(height: int, width: int, kernel, dilation=1, *, frames: int = 1, time
     Runs: key (f, r, c) is attended by up to min(frames, tk + tk // 2) x min(height, k + k // 2)
     runs of query tokens (tk = time_kernel, k = kernel; one per attending frame and row, and one
     per attending column too when the columns are dilated), so its column masks one run more. A
-    column holds at most 16 masked runs: a 2-D kernel up to 9 fits any image; larger kernels, and
-    video windows of several frames, fit only small grids (a ValueError names the column).
+    column holds at most 16 masked runs: a 2-D kernel up to 9 without column dilation fits any
+    image; larger kernels, dilated columns (each attending column is then a run of its own: a
+    3 x 3 kernel with dilation (1, 2) already needs 17 on a 30 x 30 image), and video windows of
+    several frames fit only small grids (a ValueError names the column).
     """
     h = _check_int("height", height, 1)
     w = _check_int("width", width, 1)

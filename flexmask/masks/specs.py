@@ -95,7 +95,8 @@ class Mask:
 
     # -- materialisation (delegated, so this module stays free of the interval math) ----
     def intervals(self, q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """int32 [B|1, H|1, kv_len, 4] (LTS, LTE, UTS, UTE): masked rows of each key column."""
+        """int32 [B|1, H|1, kv_len, 4] (LTS, LTE, UTS, UTE): masked rows of each key column; a mask
+        of more than two runs a column gives [B|1, H|1, kv_len, 2K], K (start, end) pairs."""
         from .intervals import build_intervals
 
         return build_intervals(self, q_len, kv_len, device)
