@@ -123,12 +123,14 @@ class Mask:
         from .intervals import picture
 
         max_size = _check_int("max_size", max_size, 1)  # the cells per side of the picture
-        index = {"batch": _check_int("batch", batch), "head": _check_int("head", head)}
         iv = self.intervals(q_len, kv_len, "cpu")
-        for dim, (name, i) in enumerate(index.items()):
-            if iv.shape[dim] > 1 and i >= iv.shape[dim]:
-                raise ValueError(f"{name} must be below the mask's {iv.shape[dim]} {name} entries, got {i}")
-        b, h = (min(i, iv.shape[dim] - 1) for dim, i in enumerate(index.values()))
+        picked = []
+        for name, i, n in (("batch", batch, iv.shape[0]), ("head", head, iv.shape[1])):
+            i = _check_int(name, i)
+            if n > 1 and i >= n:
+                raise ValueError(f"{name} must be below the mask's {n} {name} entries, got {i}")
+            picked.append(min(i, n - 1))  # a broadcast mask: its one entry for any index
+        b, h = picked
         return picture(iv[b:b + 1, h:h + 1], q_len, max_size)
 
 
