@@ -21,6 +21,11 @@ token counts, one shape for each of the sizes 32K and 128K):
                     attended by k + k // 2 = 19 query rows, so its columns need 20 masked runs, more
                     than the 16 a column holds: flexmask and flexmask_mod record the status
                     "needs 20 runs > 16" (the ValueError they raise), FlexAttention is measured.
+  dinat2d_k7_d2     dilated NATTEN (DiNAT): kernel 7 x 7 dilated 2 x 2 on the natten2d_k9 images. In
+                    row-major order a key needs up to 10 x 10 + 1 = 101 masked runs (each attending
+                    column a run): flexmask_mod records "needs ... > 16"; the builder compiles it in
+                    its sub-image order (masks/natten_order.py), plain 7 x 7 NATTEN on each of the
+                    four interleaved sub-images.
   natten3d_t2_k3    video: 8 frames of 64 x 64 (32K tokens) and of 128 x 128 (128K), a 2 x 3 x 3
                     window (each frame with the one before it, 3 x 3 around the token). The most
                     runs that fit: up to 3 attending frames x 4 attending rows = 12 runs of query
@@ -65,7 +70,8 @@ from .report import CsvWriter, environment, error_status, read_csv, run_key, run
 COLUMNS = ("date", "gpu", "torch", "triton", "command", "family", "seq_len", "batch", "heads_q", "heads_kv",
            "head_dim", "provider", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "compile_ms", "mask_bytes",
            "status")
-FAMILIES = ("natten2d_k9", "natten3d_t2_k3", "global14_window1024", "dilated_per_head", "sta3d_t2_k3", "natten2d_k13")
+FAMILIES = ("natten2d_k9", "natten3d_t2_k3", "global14_window1024", "dilated_per_head", "sta3d_t2_k3", "dinat2d_k7_d2",
+            "natten2d_k13")
 PROVIDERS = ("flexmask", "flexmask_mod", "flex_flash", "flex")
 SIZES = ("32K", "128K")
 HEADS = 16
@@ -81,7 +87,9 @@ START, END = "<!-- mask-mod:start -->", "<!-- mask-mod:end -->"
 NATTEN_SHAPES = {
     "natten2d": {"32K": (1, 128, 128), "128K": (1, 256, 512)},
     "natten3d": {"32K": (8, 64, 64), "128K": (8, 128, 128)},
+    "dinat2d": {"32K": (1, 128, 128), "128K": (1, 256, 512)},
 }
+DINAT_KERNEL, DINAT_DILATION = 7, 2
 SEQ_LENS = {"32K": 32768, "128K": 131072}
 # sta3d_t2_k3: (frames, height, width) per size, the tile and the box (in tiles) around a query tile
 STA_SHAPES = {"32K": (8, 64, 64), "128K": (8, 128, 128)}
@@ -97,6 +105,26 @@ def _window(q, kv, n: int, k: int):
     clamp(q - k // 2, 0, n - k) (NATTEN's window, dilation 1; STA's box of tiles)."""
     start = (q - k // 2).clamp(0, n - k)
     return (kv >= start) & (kv < start + k)
+
+
+def _dilated_window(q, kv, n: int, k: int, d: int):
+    """`_window` dilated by d (NATTEN's dilation): q and kv in the same of the d interleaved
+    sub-grids, and kv's sub-index in q's window on that sub-grid of m = ceil((n - q % d) / d)."""
+    residue, sub = q % d, q // d
+    m = (n - residue + d - 1) // d
+    start = torch.minimum((sub - k // 2).clamp(min=0), m - k)
+    return (kv % d == residue) & (kv // d >= start) & (kv // d < start + k)
+
+
+def dinat_mask_mod(height: int, width: int, kernel: int, dilation: int) -> Callable:
+    """Dilated NATTEN (DiNAT) over an image in row-major order, each axis as `_dilated_window`."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qr, qc, kr, kc = q_idx // width, q_idx % width, kv_idx // width, kv_idx % width
+        return (_dilated_window(qr, kr, height, kernel, dilation)
+                & _dilated_window(qc, kc, width, kernel, dilation))
+
+    return mask_mod
 
 
 def natten_mask_mod(height: int, width: int, kernel: int, frames: int = 1, time_kernel: int = 1) -> Callable:
@@ -218,6 +246,17 @@ def natten_case(family: str, frames: int, height: int, width: int) -> Case:
                 runs=lambda: natten_runs_needed(height, width, kernel, frames, time_kernel))
 
 
+def dinat_case(frames: int, height: int, width: int) -> Case:
+    from flexmask import masks
+
+    n = height * width
+    k, d = DINAT_KERNEL, DINAT_DILATION
+    return Case("dinat2d_k7_d2", n, max(1, TOKENS // n), None,
+                build=lambda: masks.natten(height, width, k, dilation=d),
+                mask_mod=lambda device: dinat_mask_mod(height, width, k, d),
+                pairs=lambda device: n * k * k * HEADS)  # a clamped window holds k x k keys
+
+
 def sta_case(frames: int, height: int, width: int) -> Case:
     from flexmask import masks
 
@@ -241,6 +280,8 @@ def make_case(family: str, size: str, seq_len: int | None = None) -> Case:
         return natten_case(family, *NATTEN_SHAPES[family.split("_")[0]][size])
     if family == "sta3d_t2_k3":
         return sta_case(*STA_SHAPES[size])
+    if family == "dinat2d_k7_d2":
+        return dinat_case(*NATTEN_SHAPES["dinat2d"][size])
     s = SEQ_LENS[size] if seq_len is None else seq_len
     batch = max(1, TOKENS // s)
 
@@ -419,6 +460,11 @@ def describe(family: str, seq_len: int) -> str:
                 return (f"STA {frames}x{height}x{width} video, tiles {'x'.join(map(str, STA_TILE))}, "
                         f"box {'x'.join(map(str, STA_BOX))}")
         return "STA video"
+    if family == "dinat2d_k7_d2":
+        for _, height, width in NATTEN_SHAPES["dinat2d"].values():
+            if height * width == seq_len:
+                return f"DiNAT {height}x{width} image, {DINAT_KERNEL}x{DINAT_KERNEL} dilated {DINAT_DILATION}"
+        return "DiNAT"
     if family == "global14_window1024":
         return f"{GLOBAL_TOKENS} global tokens + window {WINDOW}"
     if family == "dilated_per_head":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import math
 import numbers
@@ -19,7 +20,8 @@ from .kernels.decode import steps as decode_steps
 from .kernels.decode.split_kv import decode_forward, decode_fwd, decode_step, mask_view
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
-from .masks import specs, token_order
+from .masks import natten_order, specs, token_order
+from .masks.run_bounds import TooManyRuns
 from .masks.compiled_cache import (CompiledCache, Unkeyable, built_in_graph, spec_from_key, structural_key,
                                    tensor_versions, traceable_key)
 from .masks.compiler import CompiledMask, compile_spec
@@ -61,6 +63,8 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(value, bool) or not isinstance(value, int) or not is_valid_tile(value):
             raise ValueError(f"{name} must be a power of two in [16, 256], got {value!r}")
+    if natten_order.is_dilated_natten(mask):
+        return _compiled_dilated_natten(mask, q_len, kv_len, device, block_m, block_n)
     compiled = compile_spec(mask, q_len, kv_len, device, block_m, block_n)  # no host sync on a GPU
     if q_len != kv_len or q_len < token_order.MIN_TOKENS:
         return compiled
@@ -79,6 +83,43 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
         if token_order.fewer_tiles(tables, compiled):
             compiled.token_order = (tables, order, inverse)
     return compiled
+
+
+def _compiled_dilated_natten(mask, q_len: int, kv_len: int, device: torch.device, block_m: int,
+                             block_n: int) -> CompiledMask:
+    """A self-attention dilated natten's CompiledMask (masks/natten_order.py): in the tokens' own
+    order with the sub-image order beside it where that visits fewer tiles (from MIN_TOKENS
+    tokens), or in the sub-image order alone where a column of the own order needs more runs than
+    a column holds: counted below MIN_TOKENS tokens; from them on, wherever the bound from the
+    parameters passes it (the own order's runs, bound x tokens of them, are not built to be
+    counted)."""
+    if q_len != kv_len:
+        try:
+            return compile_spec(mask, q_len, kv_len, device, block_m, block_n)
+        except TooManyRuns as err:
+            raise TooManyRuns(f"{err}; a dilated natten takes its sub-image token order, where it fits, in "
+                              f"self-attention only (q_len == kv_len), got q_len={q_len}, kv_len={kv_len}") from None
+    seq_len, natural = q_len, None
+    if not natten_order.natural_may_not_fit(mask):
+        natural = compile_spec(mask, seq_len, seq_len, device, block_m, block_n)
+        if seq_len < token_order.MIN_TOKENS:
+            return natural
+    elif seq_len < token_order.MIN_TOKENS:
+        try:
+            return compile_spec(mask, seq_len, seq_len, device, block_m, block_n)
+        except TooManyRuns:
+            pass
+    spec, order, inverse = natten_order.reordered(mask, seq_len, device)
+    try:
+        tables = compile_spec(spec, seq_len, seq_len, device, block_m, block_n)
+    except TooManyRuns as err:  # (its columns named in the sub-image order)
+        raise TooManyRuns(f"{mask!r} needs more masked runs a column than a column holds in its sub-image token "
+                          f"order too: {err}") from None
+    if natural is None:
+        return dataclasses.replace(tables, source=mask, token_order=(tables, order, inverse), in_token_order=True)
+    if token_order.fewer_tiles(tables, natural):
+        natural.token_order = (tables, order, inverse)
+    return natural
 
 
 def _check_mask_at_length_zero(mask, q_len: int, kv_len: int, device: torch.device, batch: int, hq: int,
@@ -237,6 +278,12 @@ def _cache_rows_hint(mask, mask_batch: int) -> str:
 
 def _table_args(cm: CompiledMask) -> tuple:
     """What the custom op takes from a CompiledMask: its tables, then (batch, heads, tile, tiles visited)."""
+    if cm.in_token_order:
+        raise ValueError(
+            f"mask: {cm.source!r} has tables in its sub-image token order only (a key column needs more than "
+            f"16 masked runs in the tokens' own order): flexmask.attention takes that order for self-attention "
+            f"without alibi_slopes (ALiBi's distances are the tokens' own positions), and no other path can use it"
+        )
     return (
         cm.kernel_intervals, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
         cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks,
@@ -307,12 +354,12 @@ def attention_by_key(q: Tensor, k: Tensor, v: Tensor, mask_key: str, mask_tensor
     these lengths when the op runs; `split_kv` allows the split-KV path (no gradient will be
     asked)."""
     cm = _compiled_by_key(_parse_key(mask_key), q.shape[2], k.shape[2], q.device, mask_tensors)
-    tables = _table_args(cm)
-    _check_mask_heads(tables[7], tables[8], q.shape[0], q.shape[1], k.shape[1])
     found = _by_key_order(cm, alibi_slopes)
-    if found is not None:  # global tokens first, as flexmask.attention takes them in eager mode
-        reordered, order, inverse = found
-        out, lse = _forward_impl(*(t.index_select(2, order) for t in (q, k, v)), *_table_args(reordered), scale,
+    tables = _table_args(cm if found is None else found[0])
+    _check_mask_heads(tables[7], tables[8], q.shape[0], q.shape[1], k.shape[1])
+    if found is not None:  # the order flexmask.attention takes in eager mode (global tokens first, ...)
+        order, inverse = found[1:]
+        out, lse = _forward_impl(*(t.index_select(2, order) for t in (q, k, v)), *tables, scale,
                                  deterministic, softcap, alibi_slopes, sinks)
         return _gathered_back(out, q, inverse), lse.index_select(2, inverse)
     if split_kv:
@@ -350,8 +397,8 @@ def attention_by_key_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
 
 def _by_key_order(cm: CompiledMask, alibi_slopes) -> tuple | None:
     """(tables, order, inverse) of the token order the keyed ops run in, or None: the one
-    flexmask.attention takes in eager mode (masks/token_order.py; compile_mask sets it only for
-    self-attention of MIN_TOKENS or more; not with ALiBi)."""
+    flexmask.attention takes in eager mode (masks/token_order.py and natten_order.py; compile_mask
+    sets it for self-attention only; not with ALiBi)."""
     return None if alibi_slopes is not None else cm.token_order
 
 
@@ -491,7 +538,8 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     # global tokens first (masks/token_order.py): under torch.compile for a CompiledMask (its gathers
     # are traced); a spec written in the compiled region goes by key, and its op takes the order
     ordered = isinstance(mask, CompiledMask) or (mask is not None and not compiling)
-    if ordered and sq == sk >= token_order.MIN_TOKENS and alibi_slopes is None:
+    if ordered and sq == sk and alibi_slopes is None:  # (compile_mask sets an order from MIN_TOKENS tokens,
+        # or for a dilated natten that fits no column in its own order)
         resolved = _resolve_mask(mask, sq, sk, q.device)
         reordered = getattr(resolved, "token_order", None)
         if reordered is not None:

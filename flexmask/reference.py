@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from .masks import natten_order
 from .masks.compiler import CompiledMask
 from .masks.intervals import intervals_to_dense
 from .masks.specs import Mask
@@ -20,8 +21,12 @@ def dense_mask(mask, q_len: int, kv_len: int, device=None) -> torch.Tensor | Non
     boolean tensor."""
     if mask is None:
         return None
+    if isinstance(mask, CompiledMask) and mask.in_token_order:  # its tables are in another order
+        mask = mask.source
     if isinstance(mask, CompiledMask):
         return intervals_to_dense(mask.intervals.to(device), q_len)
+    if isinstance(mask, Mask) and natten_order.is_dilated_natten(mask) and natten_order.natural_may_not_fit(mask):
+        return mask.to_dense(q_len, kv_len).view(1, 1, q_len, kv_len).to(device)  # (through its order if need be)
     if isinstance(mask, Mask):
         return intervals_to_dense(mask.intervals(q_len, kv_len, device), q_len)
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:

@@ -57,6 +57,23 @@ def test_mask_mod_is_the_builders_mask(make):
     assert torch.equal(create_mask(fn, 1, case.heads or 1, s, s, device="cpu")[0], got)
 
 
+def test_dinat_mask_mod_is_the_builders_mask():
+    """DiNAT's mask_mod (odd sizes: sub-grids of two lengths) equals the builder's dense mask (drawn
+    through its sub-image order: more than 16 runs a column in its own) and create_mask's; as a
+    from_mask_mod it needs more runs than a column holds, the ValueError the benchmark records."""
+    case = bench.dinat_case(1, 21, 23)
+    s = case.seq_len
+    fn = case.mask_mod("cpu")
+    got = dense_of_mod(fn, s, None)
+    assert torch.equal(got, builder_dense(case.build(), s))
+    assert case.pairs("cpu") == int(got.sum()) * bench.HEADS
+    from torch.nn.attention.flex_attention import create_mask
+
+    assert torch.equal(create_mask(fn, 1, 1, s, s, device="cpu")[0], got)
+    with pytest.raises(ValueError, match="masked runs"):
+        masks.from_mask_mod(fn, max_runs=bench.MAX_RUNS).intervals(s, s)
+
+
 def test_family_shapes_fit_sixteen_runs_and_kernel_13_does_not():
     """At the benchmark's own shapes: kernel 9 and the 2 x 3 x 3 video window fit a column's 16
     runs; kernel 13 needs 20 (k + k // 2 = 19 attending rows near a border), the 3 x 3 x 3 video

@@ -100,6 +100,10 @@ def _global_intervals(mask, seq_len: int, device) -> torch.Tensor:
                 f"mask was compiled for (q_len, kv_len)=({mask.q_len}, {mask.kv_len}); context parallel "
                 f"attention needs the global ({seq_len}, {seq_len})"
             )
+        if mask.in_token_order:
+            raise ValueError(f"mask: {mask.source!r} was compiled in its sub-image token order only (a key column "
+                             f"needs more than 16 masked runs in the tokens' own order), which context parallel "
+                             f"attention cannot take")
         return mask.intervals.to(device)
     if not isinstance(mask, specs.Mask):
         raise TypeError(f"mask must be None, a flexmask.masks.Mask or a CompiledMask, got {type(mask).__name__}")

@@ -85,6 +85,10 @@ class CompiledMask:
     # read with the tile counts of a self-attention k-run compile from token_order.MIN_TOKENS on,
     # None where it was not read
     free_columns: bool | None = None
+    # the tables themselves are in the token order of `token_order` (a dilated natten whose columns
+    # need more runs than a column holds in the tokens' own order: masks/natten_order.py):
+    # flexmask.attention takes that order, and nothing may read them as the tokens' own
+    in_token_order: bool = False
 
     @property
     def batch(self) -> int:
@@ -142,6 +146,7 @@ class CompiledMask:
         if self.token_order is not None:  # the reordered tables and the order are the mask's memory too
             tables, order, inverse = self.token_order
             tensors += [v for v in vars(tables).values() if isinstance(v, torch.Tensor)] + [order, inverse]
+            tensors = list({id(x): x for x in tensors}.values())  # (in_token_order: the same tables)
         return {
             "tiles": total,
             "full": full,

@@ -499,12 +499,12 @@ def runs_to_intervals(runs: torch.Tensor, q_len: int, most: int) -> torch.Tensor
     return runs.flatten(-2).to(torch.int32)
 
 
-def _too_many_runs(m, runs: torch.Tensor, count: torch.Tensor, limit: int, where=None) -> ValueError:
+def _too_many_runs(m, runs: torch.Tensor, count: torch.Tensor, limit: int, where=None) -> run_bounds.TooManyRuns:
     b, h, j = (count > limit).nonzero()[0].tolist()
     n = int(count[b, h, j])
     where = where(b, h) if where is not None else (f" (batch {b}, head {h})" if runs.shape[0] * runs.shape[1] > 1
                                                    else "")
-    return ValueError(
+    return run_bounds.TooManyRuns(
         f"{m!r}: key column {j}{where} needs {n} masked runs of query rows (rows {_format_runs(runs[b, h, j, :n])}), "
         f"more than max_runs={limit}, the most a column holds (DESIGN.md 2.1)"
     )

@@ -30,6 +30,11 @@ from dataclasses import dataclass
 
 MAX_RUNS_LIMIT = 16  # the most masked runs per column a mask may be asked for (from_mask_mod's max_runs)
 
+
+class TooManyRuns(ValueError):
+    """A mask's column needs more masked runs than a column holds (compile_mask catches it where
+    another token order fits: natten_order.py)."""
+
 T, B, M = "T", "B", "M"
 L, U, X = "L", "U", "X"
 ALL_L = "L*"  # exactly rows [0, r_j): the causal triangle, which holds every L interval
@@ -89,21 +94,30 @@ def _leaf_runs(mask) -> _Runs:
     return _leaf((M, X), (M, X))  # unknown: any two intervals
 
 
-def _natten_bound(p) -> int:
-    """Attending query frames x rows x column runs of one key, plus one: an axis of n coordinates
-    and kernel k has at most min(n, k + k // 2) attending coordinates (a window clamped at the
-    border reaches k // 2 further), one run of columns unless the columns are dilated."""
-    def attenders(n, k):
-        return min(n, k + k // 2)
+def window_attenders(n: int, kernel: int, dilation: int = 1) -> int:
+    """The most queries whose clamped window (NATTEN's: run_specs.natten) holds one key, along an
+    axis of n split into `dilation` sub-grids. In a sub-grid of m coordinates the windows start at
+    0 (for kernel // 2 + 1 queries), then one a query, up to m - kernel (for the last kernel -
+    kernel // 2); a key is held by the windows of `kernel` consecutive starts: kernel + kernel // 2
+    queries, or all m where those starts can reach both ends (m <= 2 kernel - 1)."""
+    def in_sub_grid(m: int) -> int:
+        return m if m <= 2 * kernel - 1 else kernel + kernel // 2
 
-    cols = 1 if p["dilation"][1] == 1 else attenders(p["width"], p["kernel"][1])
-    return attenders(p["frames"], p["time_kernel"]) * attenders(p["height"], p["kernel"][0]) * cols + 1
+    return max(in_sub_grid(-(-n // dilation)), in_sub_grid(n // dilation))
+
+
+def _natten_bound(p) -> int:
+    """Attending query frames x rows x column runs of one key, plus one: one run of columns
+    unless the columns are dilated."""
+    cols = 1 if p["dilation"][1] == 1 else window_attenders(p["width"], p["kernel"][1], p["dilation"][1])
+    return (window_attenders(p["frames"], p["time_kernel"], p["time_dilation"])
+            * window_attenders(p["height"], p["kernel"][0], p["dilation"][0]) * cols + 1)
 
 
 def _sliding_tile_bound(p) -> int:
     """Attending tile frames x tile rows of one vision key (each one run of tiles along the width),
     plus the text rows' run, plus one."""
-    frames, rows = (min(n // t, k // t + k // t // 2) for n, k, t in zip(p["canvas"][:2], p["kernel"], p["tile"]))
+    frames, rows = (window_attenders(n // t, k // t) for n, k, t in zip(p["canvas"][:2], p["kernel"], p["tile"]))
     return frames * rows + 2
 
 

@@ -56,13 +56,18 @@ def natten(height: int, width: int, kernel, dilation=1, *, frames: int = 1, time
         .....###.###.###
         .....###.###.###
 
-    Runs: key (f, r, c) is attended by up to min(frames, tk + tk // 2) x min(height, k + k // 2)
-    runs of query tokens (tk = time_kernel, k = kernel; one per attending frame and row, and one
-    per attending column too when the columns are dilated), so its column masks one run more. A
-    column holds at most 16 masked runs: a 2-D kernel up to 9 without column dilation fits any
-    image; larger kernels, dilated columns (each attending column is then a run of its own: a
-    3 x 3 kernel with dilation (1, 2) already needs 17 on a 30 x 30 image), and video windows of
-    several frames fit only small grids (a ValueError names the column).
+    Runs: key (f, r, c) is attended by a run of query tokens per attending frame and row, and per
+    attending column too when the columns are dilated, so its column masks one run more; along an
+    axis a key is held by up to kernel + kernel // 2 windows (all of a sub-grid of at most 2 kernel
+    - 1 coordinates). A column holds at most 16 masked runs: a 2-D kernel up to 10 without
+    dilation fits an image of at most 15 or at least 2 x kernel rows (kernel 9 on 16 or 17 rows
+    needs 18); video windows of several frames fit only small grids (a ValueError names the
+    column). A dilated natten in self-attention is compiled in its sub-image order
+    (masks/natten_order.py: the tokens of each interleaved sub-image together, plain NATTEN on
+    each), where it needs the runs of the same kernel undilated; where its own order needs more
+    than 16 (each attending column of dilated columns is a run of its own: a 3 x 3 kernel with
+    dilation (1, 2) needs 17 on a 30 x 30 image), that order is its only one: flexmask.attention
+    takes it, without ALiBi, and to_dense draws through it.
     """
     h = _check_int("height", height, 1)
     w = _check_int("width", width, 1)

@@ -102,9 +102,16 @@ class Mask:
         return build_intervals(self, q_len, kv_len, device)
 
     def to_dense(self, q_len: int, kv_len: int) -> torch.Tensor:
+        from . import natten_order
         from .intervals import intervals_to_dense
+        from .run_bounds import TooManyRuns
 
-        dense = intervals_to_dense(self.intervals(q_len, kv_len, "cpu"), q_len)
+        try:
+            dense = intervals_to_dense(self.intervals(q_len, kv_len, "cpu"), q_len)
+        except TooManyRuns:  # a dilated natten past the runs of its own order: through its sub-image order
+            if not natten_order.is_dilated_natten(self):
+                raise
+            dense = natten_order.dense(self, q_len, kv_len)
         if dense.shape[0] == 1 and dense.shape[1] == 1:
             return dense[0, 0]
         return dense
