@@ -560,7 +560,8 @@ def table(rows: Sequence[dict]) -> str:
               "(median); mask MB: the CompiledMask's tables, FlexAttention's BlockMask. NATTEN 13 x 13 (the issue's "
               "kernel) needs 20 masked runs in the columns near a border, more than the 16 a column holds; the video "
               "window is 2 x 3 x 3 because 3 x 3 x 3 needs 17 runs (benchmarks/mask_mod.py says how each "
-              "shape was chosen). Runs:", *run_notes(used)]
+              "shape was chosen). DiNAT's `mask_mod` needs over 16 runs a column in the tokens' own order, so only "
+              "the builder, compiled in its sub-image order, runs it. Runs:", *run_notes(used)]
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .autograd import _backward_impl, _forward_impl, _terms, attention_eager, attention_fwd, op_outputs, reorder
+from .kernels.common.gather import gather_rows
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.common.tiles import default_tile, is_valid_tile
 from .kernels.decode import configs as decode_configs
@@ -359,7 +360,7 @@ def attention_by_key(q: Tensor, k: Tensor, v: Tensor, mask_key: str, mask_tensor
     _check_mask_heads(tables[7], tables[8], q.shape[0], q.shape[1], k.shape[1])
     if found is not None:  # the order flexmask.attention takes in eager mode (global tokens first, ...)
         order, inverse = found[1:]
-        out, lse = _forward_impl(*(t.index_select(2, order) for t in (q, k, v)), *tables, scale,
+        out, lse = _forward_impl(*(gather_rows(t, order, like=t) for t in (q, k, v)), *tables, scale,
                                  deterministic, softcap, alibi_slopes, sinks)
         return _gathered_back(out, q, inverse), lse.index_select(2, inverse)
     if split_kv:
@@ -388,7 +389,7 @@ def attention_by_key_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
         return op_outputs(*_backward_impl(do, dlse, q, k, v, o, lse, *_table_args(cm), scale, deterministic, softcap,
                                           alibi_slopes, sinks))
     reordered, order, inverse = found  # the forward ran in this order: so does its backward
-    gathered = [None if t is None else t.index_select(2, order) for t in (do, dlse, q, k, v, o, lse)]
+    gathered = [None if t is None else gather_rows(t, order, like=t) for t in (do, dlse, q, k, v, o, lse)]
     dq, dk, dv, dsinks = _backward_impl(*gathered, *_table_args(reordered), scale, deterministic, softcap,
                                         alibi_slopes, sinks)
     return op_outputs(_gathered_back(dq, q, inverse), _gathered_back(dk, k, inverse), _gathered_back(dv, v, inverse),
@@ -404,8 +405,7 @@ def _by_key_order(cm: CompiledMask, alibi_slopes) -> tuple | None:
 
 def _gathered_back(x: Tensor, like: Tensor, inverse: Tensor) -> Tensor:
     """x in the caller's token order and in `like`'s layout (the one the op's fake gives)."""
-    back = x.index_select(2, inverse)
-    return back if back.stride() == like.stride() else torch.empty_like(like).copy_(back)
+    return gather_rows(x, inverse, like=like)
 
 
 @attention_by_key_bwd.register_fake

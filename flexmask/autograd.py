@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .kernels.common.gather import gather_rows
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.dispatch import attention_backward, attention_forward
 from .masks.compiler import retiled
@@ -205,15 +206,23 @@ class _Reorder(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, order, inverse):
         ctx.inverse = inverse
-        return x.index_select(2, order)
+        return _gathered(x, order)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.index_select(2, ctx.inverse), None, None
+        return _gathered(grad, ctx.inverse), None, None
+
+
+def _gathered(x: Tensor, index: Tensor) -> Tensor:
+    """x.index_select(2, index): by the row gather kernel in eager mode (torch's moves an element a
+    thread, 3x a copy's time), by index_select where torch.compile traces it (Inductor's own)."""
+    if torch.compiler.is_compiling():
+        return x.index_select(2, index)
+    return gather_rows(x, index, like=x)
 
 
 def reorder(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
     """x.index_select(2, order), with autograd only where x needs a gradient."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _Reorder.apply(x, order, inverse)
-    return x.index_select(2, order)
+    return _gathered(x, order)

@@ -1,0 +1,53 @@
+"""Tokens gathered along the sequence: `gather_rows(x, index)` is `x.index_select(2, index)` for
+(B, H, S, D) tensors whose last dimension is contiguous, at copy speed.
+
+A token order (masks/token_order.py, masks/natten_order.py) gathers q, k and v into the order and
+the output and gradients back. torch's index_select moves one element per thread: on an H200 it
+took 3x a copy of the same bytes, and a DiNAT forward spent more in its gathers than in its
+attention (`python -m tools.token_order_cost`; docs/performance.md, section 12). Here each program
+moves whole rows of D elements, at a copy's speed. The output takes the layout of `like` (the
+caller's tensor, (B, H, S, D) or a (B, S, H, D) view), or is contiguous.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS = 32  # rows a program moves: 8 KB of bf16 at D = 128
+
+
+@triton.jit
+def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, seq_len, heads, sx_b, sx_h, sx_s, so_b, so_h, so_s,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    bh = tl.program_id(1)
+    b, h = bh // heads, bh % heads
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    in_rows = rows < seq_len
+    source = tl.load(index_ptr + rows, mask=in_rows, other=0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    keep = in_rows[:, None] & (cols[None, :] < D)
+    src = x_ptr + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + source[:, None] * sx_s + cols[None, :]
+    dst = out_ptr + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + rows.to(tl.int64)[:, None] * so_s + cols[None, :]
+    tl.store(dst, tl.load(src, mask=keep), mask=keep)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """x.index_select(2, index) (x: (B, H, S, D), index: int64 [S'] of rows of x), in `like`'s
+    layout (strides) where given, else contiguous. Off a GPU (without the interpreter), or for a
+    last dimension that is not contiguous, it is index_select itself."""
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if (not x.is_cuda and not interpreting) or x.dim() != 4 or x.stride(-1) != 1 or x.numel() == 0:
+        out = x.index_select(2, index)
+        return out if like is None or out.stride() == like.stride() else torch.empty_like(like).copy_(out)
+    b, h, _, d = x.shape
+    shape = (b, h, index.numel(), d)
+    out = torch.empty_like(like) if like is not None and like.shape == shape else x.new_empty(shape)
+    grid = (triton.cdiv(index.numel(), ROWS), b * h)
+    _gather_rows_kernel[grid](x, index, out, index.numel(), h, x.stride(0), x.stride(1), x.stride(2),
+                              out.stride(0), out.stride(1), out.stride(2), D=d, BLOCK_D=triton.next_power_of_2(d),
+                              ROWS=ROWS, num_warps=4)
+    return out

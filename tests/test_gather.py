@@ -1,0 +1,42 @@
+"""The row gather of the token orders (kernels/common/gather.py) is index_select along the
+sequence, in the caller's layout (CPU, interpreter)."""
+
+import pytest
+import torch
+
+from flexmask.kernels.common.gather import ROWS, gather_rows
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("d", [64, 72], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_rows_is_index_select(layout, d, dtype):
+    b, h, s = 2, 3, 2 * ROWS + 5  # a ragged last block of rows
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(b, s, h, d, generator=g).to(dtype).transpose(1, 2) if layout == "bshd" else \
+        torch.randn(b, h, s, d, generator=g).to(dtype)
+    order = torch.randperm(s, generator=g)
+    got = gather_rows(x, order, like=x)
+    assert torch.equal(got, x.index_select(2, order)) and got.stride() == x.stride()
+    assert gather_rows(x, order).is_contiguous()
+    part = order[: s // 2]  # fewer rows than x holds: contiguous, whatever `like`
+    assert torch.equal(gather_rows(x, part, like=x), x.index_select(2, part))
+
+
+def test_gather_rows_takes_index_select_where_the_kernel_does_not_apply():
+    lse = torch.randn(2, 3, 17)
+    order = torch.randperm(17)
+    assert torch.equal(gather_rows(lse, order), lse.index_select(2, order))  # 3-D (the LSE)
+    x = torch.randn(1, 2, 8, 9).transpose(2, 3)  # (1, 2, 9, 8), last dimension not contiguous
+    order = torch.randperm(9)
+    assert torch.equal(gather_rows(x, order, like=x), x.index_select(2, order))
+
+
+def test_token_order_cost_tool_needs_a_gpu(capsys):
+    """The tool that times the gathers (tools/token_order_cost.py) says so off a GPU."""
+    from tools import token_order_cost
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the tool would measure")
+    assert token_order_cost.main([]) == 1
+    assert "needs a GPU" in capsys.readouterr().out
