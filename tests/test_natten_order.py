@@ -76,9 +76,9 @@ def test_subimage_mask_is_natten_in_its_order(shape):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:2])) + f"-d{s[3]}-t{s[4]}")
 def test_to_dense_is_the_natten_rule(shape):
-    """to_dense (and the reference's mask) is NATTEN's rule, through the sub-image order where the
-    tokens' own order needs more runs than a column holds; fewer queries are the last tokens, more
-    queries' first rows (negative positions) attend nothing."""
+    """to_dense (and the reference's mask) is NATTEN's rule, also where the tokens' own order needs
+    more runs than a column holds (its runs taken as many as they are); fewer queries are the last
+    tokens, more queries' first rows (negative positions) attend nothing; such a natten draws."""
     spec = _natten(shape)
     n = shape[0] * shape[1] * shape[4]
     want = dense_natten(*shape)
@@ -86,6 +86,9 @@ def test_to_dense_is_the_natten_rule(shape):
     assert torch.equal(spec.to_dense(n - 5, n), want[5:])
     assert torch.equal(spec.to_dense(n + 3, n), torch.cat([torch.zeros(3, n, dtype=torch.bool), want]))
     assert torch.equal(reference.dense_mask(spec, n, n)[0, 0], want)
+    rows = spec.show(n, n, max_size=n).splitlines()
+    assert rows == ["".join("#" if a else "." for a in row) for row in want.tolist()]
+    assert "no picture" not in str(spec)
 
 
 def test_compile_keeps_the_own_order_where_it_fits():

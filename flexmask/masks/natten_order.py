@@ -119,13 +119,9 @@ def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, tor
     return (specs.column_runs(s[None, None], e[None, None]), *subimage_order(p, device))
 
 
-def dense(mask, q_len: int, kv_len: int) -> torch.Tensor:
-    """Boolean [1, 1, q_len, kv_len] (True = attend) of a dilated natten, on the CPU, through its
-    sub-image order (for to_dense and the reference where the tokens' own order needs more runs
-    than a column holds): query row i sits at position i + kv_len - q_len, and a row at a negative
-    position attends nothing. O(q_len x kv_len): tests and pictures only."""
-    spec, order, inverse = reordered(mask, kv_len, "cpu")
-    full = spec.to_dense(kv_len, kv_len)[inverse][:, inverse]  # the tokens' own order
-    position = torch.arange(q_len) + kv_len - q_len
-    rows = full[position.clamp(min=0)] & (position >= 0)[:, None]
-    return rows[None, None]
+
+def own_runs(mask, q_len: int, kv_len: int) -> torch.Tensor:
+    """The masked runs [1, 1, kv_len, 2K] of a dilated natten in the tokens' own order, as many a
+    column as it needs (past the most a table holds), on the CPU: for to_dense and pictures."""
+    runs = natten_runs(mask.params(), _Geometry(q_len, kv_len, torch.device("cpu")))
+    return runs.flatten(-2)

@@ -67,7 +67,7 @@ def natten(height: int, width: int, kernel, dilation=1, *, frames: int = 1, time
     each), where it needs the runs of the same kernel undilated; where its own order needs more
     than 16 (each attending column of dilated columns is a run of its own: a 3 x 3 kernel with
     dilation (1, 2) needs 17 on a 30 x 30 image), that order is its only one: flexmask.attention
-    takes it, without ALiBi, and to_dense draws through it.
+    takes it, without ALiBi (to_dense and show draw its own runs, as many as they are).
     """
     h = _check_int("height", height, 1)
     w = _check_int("width", width, 1)

@@ -102,16 +102,9 @@ class Mask:
         return build_intervals(self, q_len, kv_len, device)
 
     def to_dense(self, q_len: int, kv_len: int) -> torch.Tensor:
-        from . import natten_order
         from .intervals import intervals_to_dense
-        from .run_bounds import TooManyRuns
 
-        try:
-            dense = intervals_to_dense(self.intervals(q_len, kv_len, "cpu"), q_len)
-        except TooManyRuns:  # a dilated natten past the runs of its own order: through its sub-image order
-            if not natten_order.is_dilated_natten(self):
-                raise
-            dense = natten_order.dense(self, q_len, kv_len)
+        dense = intervals_to_dense(self._intervals_to_draw(q_len, kv_len), q_len)
         if dense.shape[0] == 1 and dense.shape[1] == 1:
             return dense[0, 0]
         return dense
@@ -123,6 +116,19 @@ class Mask:
         counts = unmasked_count(self.intervals(q_len, kv_len, "cpu"), q_len)
         return float(counts.double().mean()) / max(1, q_len * kv_len)
 
+    def _intervals_to_draw(self, q_len: int, kv_len: int) -> torch.Tensor:
+        """`intervals` on the CPU, or for a dilated natten past the runs a table holds (which runs
+        in its sub-image order: natten_order.py) its runs in the tokens' own order, all of them."""
+        from . import natten_order
+        from .run_bounds import TooManyRuns
+
+        try:
+            return self.intervals(q_len, kv_len, "cpu")
+        except TooManyRuns:
+            if not natten_order.is_dilated_natten(self):
+                raise
+            return natten_order.own_runs(self, q_len, kv_len)
+
     def show(self, q_len: int, kv_len: int, max_size: int = 64, *, batch: int = 0, head: int = 0) -> str:
         """ASCII picture; larger masks are drawn in cells of several rows/columns:
         ``#`` all attend, ``.`` none, ``+`` some. A mask per batch row or head draws the one of
@@ -130,7 +136,7 @@ class Mask:
         from .intervals import picture
 
         max_size = _check_int("max_size", max_size, 1)  # the cells per side of the picture
-        iv = self.intervals(q_len, kv_len, "cpu")
+        iv = self._intervals_to_draw(q_len, kv_len)
         picked = []
         for name, i, n in (("batch", batch, iv.shape[0]), ("head", head, iv.shape[1])):
             i = _check_int(name, i)
