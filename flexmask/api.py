@@ -22,7 +22,7 @@ from .kernels.decode.split_kv import decode_forward, decode_fwd, decode_step, ma
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
 from .masks import natten_order, specs, token_order
-from .masks.run_bounds import TooManyRuns
+from .masks.run_bounds import MAX_RUNS_LIMIT, TooManyRuns
 from .masks.compiled_cache import (CompiledCache, Unkeyable, built_in_graph, spec_from_key, structural_key,
                                    tensor_versions, traceable_key)
 from .masks.compiler import CompiledMask, compile_spec
@@ -282,7 +282,7 @@ def _table_args(cm: CompiledMask) -> tuple:
     if cm.in_token_order:
         raise ValueError(
             f"mask: {cm.source!r} has tables in its sub-image token order only (a key column needs more than "
-            f"16 masked runs in the tokens' own order): flexmask.attention takes that order for self-attention "
+            f"{MAX_RUNS_LIMIT} masked runs in the tokens' own order): flexmask.attention takes that order for self-attention "
             f"without alibi_slopes (ALiBi's distances are the tokens' own positions), and no other path can use it"
         )
     return (
@@ -538,8 +538,9 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
     # global tokens first (masks/token_order.py): under torch.compile for a CompiledMask (its gathers
     # are traced); a spec written in the compiled region goes by key, and its op takes the order
     ordered = isinstance(mask, CompiledMask) or (mask is not None and not compiling)
-    if ordered and sq == sk and alibi_slopes is None:  # (compile_mask sets an order from MIN_TOKENS tokens,
-        # or for a dilated natten that fits no column in its own order)
+    # (compile_mask sets an order from MIN_TOKENS tokens, or at any length for a dilated natten whose
+    # columns do not fit in its own order)
+    if ordered and sq == sk and alibi_slopes is None:
         resolved = _resolve_mask(mask, sq, sk, q.device)
         reordered = getattr(resolved, "token_order", None)
         if reordered is not None:

@@ -26,7 +26,7 @@ def dense_mask(mask, q_len: int, kv_len: int, device=None) -> torch.Tensor | Non
     if isinstance(mask, CompiledMask):
         return intervals_to_dense(mask.intervals.to(device), q_len)
     if isinstance(mask, Mask) and natten_order.is_dilated_natten(mask) and natten_order.natural_may_not_fit(mask):
-        return mask.to_dense(q_len, kv_len).view(1, 1, q_len, kv_len).to(device)  # (through its order if need be)
+        return mask.to_dense(q_len, kv_len).view(1, 1, q_len, kv_len).to(device)  # (its runs, however many)
     if isinstance(mask, Mask):
         return intervals_to_dense(mask.intervals(q_len, kv_len, device), q_len)
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..api import compile_mask
 from ..masks import specs
 from ..masks.compiler import CompiledMask
+from ..masks.run_bounds import MAX_RUNS_LIMIT
 from .layout import Layout, resolve_layout
 
 
@@ -102,7 +103,7 @@ def _global_intervals(mask, seq_len: int, device) -> torch.Tensor:
             )
         if mask.in_token_order:
             raise ValueError(f"mask: {mask.source!r} was compiled in its sub-image token order only (a key column "
-                             f"needs more than 16 masked runs in the tokens' own order), which context parallel "
+                             f"needs more than {MAX_RUNS_LIMIT} masked runs in the tokens' own order), which context parallel "
                              f"attention cannot take")
         return mask.intervals.to(device)
     if not isinstance(mask, specs.Mask):

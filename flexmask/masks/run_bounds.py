@@ -35,6 +35,7 @@ class TooManyRuns(ValueError):
     """A mask's column needs more masked runs than a column holds (compile_mask catches it where
     another token order fits: natten_order.py)."""
 
+
 T, B, M = "T", "B", "M"
 L, U, X = "L", "U", "X"
 ALL_L = "L*"  # exactly rows [0, r_j): the causal triangle, which holds every L interval
