@@ -84,10 +84,16 @@ def test_mask_mod_speed_compile_and_status_rows(tmp_path):
             mask_row("natten2d_k9", "flex", 16384, 1.5, 1.5, 2.0),
             mask_row("natten2d_k9", "flex_flash", 16384, status="error: CuteDSL template failed"),
             mask_row("natten2d_k13", "flexmask", 16384, status="needs 20 runs > 16"),
-            mask_row("natten2d_k13", "flex", 16384, 1, 1, 4.0)]
+            mask_row("natten2d_k13", "flex", 16384, 1, 1, 4.0),
+            mask_row("dinat2d_k7_d2", "flexmask", 16384, 1, 1, 2.0),
+            mask_row("dinat2d_k7_d2", "flexmask_mod", 16384,
+                     status="error: ValueError: masks.from_mask_mod(f): key column 1 has 17 masked runs"),
+            mask_row("dinat2d_k7_d2", "flex", 16384, 2, 2, 3.0)]
     out = targets.check(write(tmp_path / "mask_mod.csv", mask_mod.COLUMNS, rows), "41")
     assert "natten2d_k9 16K: compile from_mask_mod / create_block_mask 1.50" in out
-    assert "flexmask / flex fwd+bwd: 1 of 1 met, 1.50-1.50" in out
+    assert "flexmask / flex fwd+bwd: 2 of 2 met, 1.50-2.00" in out
+    assert ("compile from_mask_mod / create_block_mask: no figure for 1: dinat2d_k7_d2 16K (from_mask_mod: key "
+            "column 1 has 17 masked runs)") in out
     assert "flexmask: no figure for 1: natten2d_k13 16K (needs 20 runs > 16)" in out
     assert "flexmask / flex_flash fwd+bwd: no figure for 1: natten2d_k9 16K" in out
 

@@ -200,6 +200,9 @@ def check_mask_mod(rows: list[dict]) -> list[str]:
                                 bound, where)
         cells = mask_mod.latest_run(runs, ("flexmask_mod",))
         block_mask = mask_mod.block_mask_row(cells)
+        failed = (cells.get("flexmask_mod") or {}).get("status", "ok")
+        if not failed.startswith(("ok", "max |out")):  # (DiNAT: more runs than a column holds) the reason, short
+            where = f"{where} (from_mask_mod: {failed.rsplit(': ', 1)[-1]})"
         checks.at_most("compile from_mask_mod / create_block_mask",
                        _ratio(_number(cells.get("flexmask_mod"), "compile_ms"), _number(block_mask, "compile_ms")),
                        1.0, where)
