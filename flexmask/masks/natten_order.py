@@ -27,15 +27,9 @@ import torch
 from . import specs
 from .geometry import _Geometry, to_device
 from .run_bounds import MAX_RUNS_LIMIT, max_runs
-from .run_builders import natten_runs
+from .run_builders import is_dilated_natten, natten_runs
 
-
-def is_dilated_natten(mask) -> bool:
-    """Whether `mask` is one `natten` spec with a dilation above 1 on some axis."""
-    if getattr(mask, "kind", None) != "natten":
-        return False
-    p = mask.params()
-    return max(p["dilation"]) > 1 or p["time_dilation"] > 1
+__all__ = ["is_dilated_natten", "natural_may_not_fit", "subimage_order", "reordered"]
 
 
 def natural_may_not_fit(mask) -> bool:
@@ -117,11 +111,3 @@ def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, tor
     s = torch.where(runs[..., 0] == 0, 0, runs[..., 0] + start)
     e = torch.where(runs[..., 1] == length, seq_len, runs[..., 1] + start)
     return (specs.column_runs(s[None, None], e[None, None]), *subimage_order(p, device))
-
-
-
-def own_runs(mask, q_len: int, kv_len: int) -> torch.Tensor:
-    """The masked runs [1, 1, kv_len, 2K] of a dilated natten in the tokens' own order, as many a
-    column as it needs (past the most a table holds), on the CPU: for to_dense and pictures."""
-    runs = natten_runs(mask.params(), _Geometry(q_len, kv_len, torch.device("cpu")))
-    return runs.flatten(-2)

@@ -104,6 +104,21 @@ def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
     return runs.view(1, 1, tokens, -1, 2)
 
 
+def is_dilated_natten(mask) -> bool:
+    """Whether `mask` is one `natten` spec with a dilation above 1 on some axis (compiled in its
+    sub-image order: natten_order.py)."""
+    if getattr(mask, "kind", None) != "natten":
+        return False
+    p = mask.params()
+    return max(p["dilation"]) > 1 or p["time_dilation"] > 1
+
+
+def natten_own_runs(mask, q_len: int, kv_len: int) -> torch.Tensor:
+    """The masked runs [1, 1, kv_len, 2K] of a natten in the tokens' own order, as many a column as
+    it needs (past the most a table holds: a dilated one), on the CPU: for to_dense and pictures."""
+    return natten_runs(mask.params(), _Geometry(q_len, kv_len, torch.device("cpu"))).flatten(-2)
+
+
 def sliding_tile_runs(p: dict, g: _Geometry) -> torch.Tensor:
     """Masked runs [1, 1, kv_len, K, 2] of `sliding_tile`: NATTEN's clamped windows on the grid of
     tiles (a tile's box), each attending tile's tokens one run (tiles in row-major order, tokens

@@ -119,15 +119,15 @@ class Mask:
     def _intervals_to_draw(self, q_len: int, kv_len: int) -> torch.Tensor:
         """`intervals` on the CPU, or for a dilated natten past the runs a table holds (which runs
         in its sub-image order: natten_order.py) its runs in the tokens' own order, all of them."""
-        from . import natten_order
         from .run_bounds import TooManyRuns
+        from .run_builders import is_dilated_natten, natten_own_runs
 
         try:
             return self.intervals(q_len, kv_len, "cpu")
         except TooManyRuns:
-            if not natten_order.is_dilated_natten(self):
+            if not is_dilated_natten(self):
                 raise
-            return natten_order.own_runs(self, q_len, kv_len)
+            return natten_own_runs(self, q_len, kv_len)
 
     def show(self, q_len: int, kv_len: int, max_size: int = 64, *, batch: int = 0, head: int = 0) -> str:
         """ASCII picture; larger masks are drawn in cells of several rows/columns:
