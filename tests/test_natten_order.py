@@ -89,6 +89,7 @@ def test_to_dense_is_the_natten_rule(shape):
     rows = spec.show(n, n, max_size=n).splitlines()
     assert rows == ["".join("#" if a else "." for a in row) for row in want.tolist()]
     assert "no picture" not in str(spec)
+    assert spec.density(n, n) == pytest.approx(want.double().mean().item())
 
 
 def test_compile_keeps_the_own_order_where_it_fits():

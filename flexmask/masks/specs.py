@@ -113,12 +113,13 @@ class Mask:
         """Fraction of (query, key) pairs that attend, averaged over batch rows and heads."""
         from .intervals import unmasked_count
 
-        counts = unmasked_count(self.intervals(q_len, kv_len, "cpu"), q_len)
+        counts = unmasked_count(self._intervals_to_draw(q_len, kv_len), q_len)
         return float(counts.double().mean()) / max(1, q_len * kv_len)
 
     def _intervals_to_draw(self, q_len: int, kv_len: int) -> torch.Tensor:
         """`intervals` on the CPU, or for a dilated natten past the runs a table holds (which runs
-        in its sub-image order: natten_order.py) its runs in the tokens' own order, all of them."""
+        in its sub-image order: natten_order.py) its runs in the tokens' own order, all of them:
+        what to_dense, density and show read."""
         from .run_bounds import TooManyRuns
         from .run_builders import is_dilated_natten, natten_own_runs
 
