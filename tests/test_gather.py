@@ -40,3 +40,21 @@ def test_token_order_cost_tool_needs_a_gpu(capsys):
         pytest.skip("a GPU is here: the tool would measure")
     assert token_order_cost.main([]) == 1
     assert "needs a GPU" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gather_rows_on_the_gpu_through_the_kept_launch():
+    """On a GPU the first launch of a shape goes through Triton and later ones through the kept
+    launch (launcher.FastLaunch): each equals index_select, for fresh tensors, orders and layouts."""
+    from flexmask.kernels.common import gather
+
+    for step in range(4):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        s = 4096 + 16 * (step % 2)
+        x = torch.randn(2, 3, s, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+        if step >= 2:
+            x = torch.randn(2, s, 3, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
+        order = torch.randperm(s, device="cuda", generator=g)
+        assert torch.equal(gather_rows(x, order, like=x), x.index_select(2, order)), step
+    assert gather._GATHER_LAUNCH.triton_launches < 4  # later launches of a shape took the kept one
