@@ -31,7 +31,7 @@ group() {  # group NAME CARD PYTEST-ARGS...  ("others" holds test_distributed: i
 }
 others=(tests/test_decode.py tests/test_decode_fused.py tests/test_varlen.py tests/test_readme.py
         tests/test_train_smoke.py tests/test_transformers_integration.py tests/test_cuda_graph.py
-        tests/test_no_sync.py tests/test_compiler.py tests/test_distributed.py)
+        tests/test_no_sync.py tests/test_compiler.py tests/test_distributed.py tests/test_gather.py)
 # the forward's schedules apart from the rest: together they need more than 400 s on one GPU
 tests hopper tests/test_gpu_hopper.py -k "not (schedules or tc_bias or column_bias)"
 tests hopper_schedules tests/test_gpu_hopper.py -k "schedules or tc_bias or column_bias"
