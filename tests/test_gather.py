@@ -58,3 +58,16 @@ def test_gather_rows_on_the_gpu_through_the_kept_launch():
         order = torch.randperm(s, device="cuda", generator=g)
         assert torch.equal(gather_rows(x, order, like=x), x.index_select(2, order)), step
     assert gather._GATHER_LAUNCH.triton_launches < 4  # later launches of a shape took the kept one
+
+
+def test_gather_rows_past_the_grid_takes_index_select(monkeypatch):
+    """B x H past the grid's second axis: index_select, in the caller's layout, no launch."""
+    from flexmask.kernels.common import gather
+
+    monkeypatch.setattr(gather, "MAX_GRID_Y", 5)
+    x = torch.randn(2, 9, 3, 16).transpose(1, 2)  # (2, 3, 9, 16): 6 (batch, head) pairs
+    order = torch.randperm(9)
+    launches = gather._GATHER_LAUNCH.triton_launches
+    got = gather_rows(x, order, like=x)
+    assert torch.equal(got, x.index_select(2, order)) and got.stride() == x.stride()
+    assert gather._GATHER_LAUNCH.triton_launches == launches

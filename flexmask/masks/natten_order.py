@@ -15,8 +15,17 @@ the tokens' own order needs more runs than a column holds, else beside the natur
 they visit fewer tiles (from token_order.MIN_TOKENS tokens, as for global tokens);
 `flexmask.attention` gathers q, k and v into the order and the output, LSE and gradients back.
 
-    natten(4, 4, 3, dilation=(1, 2)) in the sub-image order: tokens 0 2 4 6 8 10 12 14 (even
-    columns) form one 4 x 2 sub-image, the odd columns the other; each is plain 3 x 1 NATTEN
+    natten(4, 6, 3, dilation=(1, 2)), 24 tokens    in the sub-image order: the even columns'
+                                                    tokens 0 2 4 ... 22 first (a 4 x 3 image),
+        #.#.#.#.#.#.#.#.#.......                    then the odd ones', each plain 3 x 3 NATTEN
+        .#.#.#.#.#.#.#.#.#......                    #########...............
+        (rows 2-11 as rows 0-1)                     (rows 1-5 as row 0)
+        ......#.#.#.#.#.#.#.#.#.                    ...#########............
+        .......#.#.#.#.#.#.#.#.#                    (rows 7-11 as row 6)
+        (rows 14-23 as rows 12-13)                  ............#########...
+                                                    (rows 13-17 as row 12)
+                                                    ...............#########
+                                                    (rows 19-23 as row 18)
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import triton.language as tl
 from .launcher import FastLaunch
 
 ROWS = 32  # rows a program moves: 8 KB of bf16 at D = 128
+MAX_GRID_Y = 65535  # a CUDA grid's second axis, which holds (batch, head)
 
 
 @triton.jit
@@ -39,12 +40,12 @@ def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, seq_len, heads, sx_b, sx_h, s
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     """x.index_select(2, index) (x: (B, H, S, D), index: int64 [S'] of rows of x), in `like`'s
-    layout (strides) where given, else contiguous. Off a GPU (without the interpreter), or for a
-    last dimension that is not contiguous, it is index_select itself."""
+    layout (strides) where given, else contiguous. Off a GPU (without the interpreter), for a last
+    dimension that is not contiguous, or past the grid's second axis (B x H), it is index_select."""
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    if (not x.is_cuda and not interpreting) or x.dim() != 4 or x.stride(-1) != 1 or x.numel() == 0:
-        out = x.index_select(2, index)
-        return out if like is None or out.stride() == like.stride() else torch.empty_like(like).copy_(out)
+    if ((not x.is_cuda and not interpreting) or x.dim() != 4 or x.stride(-1) != 1 or x.numel() == 0
+            or x.shape[0] * x.shape[1] > MAX_GRID_Y):
+        return _index_select(x, index, like)
     b, h, _, d = x.shape
     shape = (b, h, index.numel(), d)
     out = torch.empty_like(like) if like is not None and like.shape == shape else x.new_empty(shape)
@@ -52,6 +53,13 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, like: torch.Tensor | None 
     _GATHER_LAUNCH(grid, x, index, out, index.numel(), h, x.stride(0), x.stride(1), x.stride(2), out.stride(0),
                    out.stride(1), out.stride(2), D=d, BLOCK_D=triton.next_power_of_2(d), ROWS=ROWS, num_warps=4)
     return out
+
+
+def _index_select(x: torch.Tensor, index: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
+    out = x.index_select(2, index)
+    if like is None or like.shape != out.shape or out.stride() == like.stride():
+        return out
+    return torch.empty_like(like).copy_(out)
 
 
 # launched without Triton's per-call binding (launcher.py): a call of a few thousand tokens gathers
