@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .kernels.common.gather import _index_select, gather_rows
+from .kernels.common.gather import gather_rows, index_select_rows
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.dispatch import attention_backward, attention_forward
 from .masks.compiler import retiled
@@ -217,7 +217,7 @@ def _gathered(x: Tensor, index: Tensor) -> Tensor:
     """x.index_select(2, index): by the row gather kernel in eager mode (torch's moves an element a
     thread, 3x a copy's time), by index_select where torch.compile traces it (Inductor's own)."""
     if torch.compiler.is_compiling():  # in x's layout too, as in eager mode (a (B, S, H, D) view stays one)
-        return _index_select(x, index, like=x)
+        return index_select_rows(x, index, like=x)
     return gather_rows(x, index, like=x)
 
 

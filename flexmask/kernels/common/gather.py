@@ -45,7 +45,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, like: torch.Tensor | None 
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if ((not x.is_cuda and not interpreting) or x.dim() != 4 or x.stride(-1) != 1 or x.numel() == 0
             or x.shape[0] * x.shape[1] > MAX_GRID_Y):
-        return _index_select(x, index, like)
+        return index_select_rows(x, index, like)
     b, h, _, d = x.shape
     shape = (b, h, index.numel(), d)
     out = torch.empty_like(like) if like is not None and like.shape == shape else x.new_empty(shape)
@@ -55,7 +55,9 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, like: torch.Tensor | None 
     return out
 
 
-def _index_select(x: torch.Tensor, index: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
+def index_select_rows(x: torch.Tensor, index: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """x.index_select(2, index) in `like`'s layout where the shapes match: the gather where the
+    kernel does not apply, and where torch.compile traces one (Inductor compiles it itself)."""
     out = x.index_select(2, index)
     if like is None or like.shape != out.shape or out.stride() == like.stride():
         return out
