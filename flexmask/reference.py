@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from .masks import natten_order
 from .masks.compiler import CompiledMask
 from .masks.intervals import intervals_to_dense
+from .masks.run_bounds import TooManyRuns
 from .masks.specs import Mask
 
 
@@ -25,10 +25,11 @@ def dense_mask(mask, q_len: int, kv_len: int, device=None) -> torch.Tensor | Non
         mask = mask.source
     if isinstance(mask, CompiledMask):
         return intervals_to_dense(mask.intervals.to(device), q_len)
-    if isinstance(mask, Mask) and natten_order.is_dilated_natten(mask) and natten_order.natural_may_not_fit(mask):
-        return mask.to_dense(q_len, kv_len).view(1, 1, q_len, kv_len).to(device)  # (its runs, however many)
     if isinstance(mask, Mask):
-        return intervals_to_dense(mask.intervals(q_len, kv_len, device), q_len)
+        try:
+            return intervals_to_dense(mask.intervals(q_len, kv_len, device), q_len)
+        except TooManyRuns:  # a dilated natten past a table's runs: to_dense takes all of its own (else raises)
+            return mask.to_dense(q_len, kv_len).view(1, 1, q_len, kv_len).to(device)
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         while mask.dim() < 4:
             mask = mask.unsqueeze(0)

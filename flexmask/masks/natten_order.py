@@ -36,7 +36,7 @@ import torch
 from . import specs
 from .geometry import _Geometry, to_device
 from .run_bounds import MAX_RUNS_LIMIT, max_runs
-from .run_builders import is_dilated_natten, natten_runs
+from .run_builders import is_dilated_natten, natten_runs, natten_tokens
 
 __all__ = ["is_dilated_natten", "natural_may_not_fit", "subimage_order", "reordered"]
 
@@ -68,11 +68,12 @@ def _groups(p: dict) -> tuple[np.ndarray, np.ndarray]:
     return shapes, first
 
 
-def subimage_order(p: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+def subimage_order(p: dict, device, groups: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, inverse), int64 [tokens] on `device`: order[i] is the token at reordered index i;
-    inverse[order[i]] = i. Made on the host (numpy, O(tokens)) and uploaded once."""
+    inverse[order[i]] = i. Made on the host (numpy, O(tokens)) and uploaded once (`groups`:
+    `_groups(p)`, where made already)."""
     (t, td), (h, dr), (w, dc) = _axes(p)
-    shapes, first = _groups(p)
+    shapes, first = _groups(p) if groups is None else groups
     ft, fr, fc = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
     group = ((ft % td) * dr + fr % dr) * dc + fc % dc
     grid_h, grid_w = shapes[group, 1], shapes[group, 2]
@@ -90,10 +91,7 @@ def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, tor
     and after its sub-image and plain NATTEN's runs inside it; the sub-images of one shape share
     those runs (at most 2 x 2 x 2 shapes), computed once."""
     p = mask.params()
-    tokens = p["frames"] * p["height"] * p["width"]
-    if seq_len != tokens:
-        raise ValueError(f"natten over frames={p['frames']} x height={p['height']} x width={p['width']} = {tokens} "
-                         f"tokens needs kv_len={tokens}, got kv_len={seq_len}")
+    natten_tokens(p, seq_len)
     device = torch.device(device)
     shapes, first = _groups(p)
     distinct, shape_of = np.unique(shapes, axis=0, return_inverse=True)
@@ -119,4 +117,4 @@ def reordered(mask, seq_len: int, device) -> tuple[specs.Mask, torch.Tensor, tor
     # local row 0 opens the rows before the sub-image, its end closes the rows after it; both are masked
     s = torch.where(runs[..., 0] == 0, 0, runs[..., 0] + start)
     e = torch.where(runs[..., 1] == length, seq_len, runs[..., 1] + start)
-    return (specs.column_runs(s[None, None], e[None, None]), *subimage_order(p, device))
+    return (specs.column_runs(s[None, None], e[None, None]), *subimage_order(p, device, (shapes, first)))

@@ -76,13 +76,20 @@ def _uploaded(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
     return out
 
 
+def natten_tokens(p: dict, kv_len: int) -> int:
+    """The tokens of a natten's image or video, which kv_len must equal (a ValueError naming it)."""
+    frames, height, width = p["frames"], p["height"], p["width"]
+    tokens = frames * height * width
+    if kv_len != tokens:
+        raise ValueError(f"natten over frames={frames} x height={height} x width={width} = {tokens} tokens needs "
+                         f"kv_len={tokens}, got kv_len={kv_len}")
+    return tokens
+
+
 def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
     """Masked runs [1, 1, kv_len, K, 2] of `natten` (tokens in row-major (frame, row, column) order)."""
     frames, height, width = p["frames"], p["height"], p["width"]
-    tokens = frames * height * width
-    if g.kv_len != tokens:
-        raise ValueError(f"natten over frames={frames} x height={height} x width={width} = {tokens} tokens needs "
-                         f"kv_len={tokens}, got kv_len={g.kv_len}")
+    tokens = natten_tokens(p, g.kv_len)
     # each axis on the host (a few thousand entries: on a GPU, dozens of launches), copied once
     t_c, t_ok = _axis_attenders(frames, p["time_kernel"], p["time_dilation"])  # [T, At]
     i_c, i_ok = _axis_attenders(height, p["kernel"][0], p["dilation"][0])  # [H, Ai]

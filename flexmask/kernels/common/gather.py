@@ -11,8 +11,6 @@ caller's tensor, (B, H, S, D) or a (B, S, H, D) view), or is contiguous.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -42,8 +40,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, like: torch.Tensor | None 
     """x.index_select(2, index) (x: (B, H, S, D), index: int64 [S'] of rows of x), in `like`'s
     layout (strides) where given, else contiguous. Off a GPU (without the interpreter), for a last
     dimension that is not contiguous, or past the grid's second axis (B x H), it is index_select."""
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    if ((not x.is_cuda and not interpreting) or x.dim() != 4 or x.stride(-1) != 1 or x.numel() == 0
+    if ((not x.is_cuda and not _INTERPRETED) or x.dim() != 4 or x.stride(-1) != 1 or x.numel() == 0
             or x.shape[0] * x.shape[1] > MAX_GRID_Y):
         return index_select_rows(x, index, like)
     b, h, _, d = x.shape
@@ -64,6 +61,8 @@ def index_select_rows(x: torch.Tensor, index: torch.Tensor, like: torch.Tensor |
     return torch.empty_like(like).copy_(out)
 
 
+# the interpreter (TRITON_INTERPRET=1 when triton was imported) runs the kernel on CPU tensors
+_INTERPRETED = type(_gather_rows_kernel).__name__ == "InterpretedFunction"
 # launched without Triton's per-call binding (launcher.py): a call of a few thousand tokens gathers
 # four to eight times, each Triton launch ~10-25 us of Python
 _GATHER_LAUNCH = FastLaunch(_gather_rows_kernel)
