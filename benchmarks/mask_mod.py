@@ -19,8 +19,9 @@ token counts, one shape for each of the sizes 32K and 128K):
                     batch 2; the issue's image) and a 256 x 512 image (128K tokens).
   natten2d_k13      the issue's kernel, 13 x 13, on the same images. A key row near the border is
                     attended by k + k // 2 = 19 query rows, so its columns need 20 masked runs, more
-                    than the 16 a column holds: flexmask and flexmask_mod record the status
-                    "needs 20 runs > 16" (the ValueError they raise), FlexAttention is measured.
+                    than the 16 a column holds: the builder runs as two pieces, the query rows up to
+                    the key's image row and past it (masks/natten_pieces.py), merged by their LSEs;
+                    flexmask_mod records the status "needs 20 runs > 16" (its ValueError).
   dinat2d_k7_d2     dilated NATTEN (DiNAT): kernel 7 x 7 dilated 2 x 2 on the natten2d_k9 images. In
                     row-major order a key needs up to 10 x 10 + 1 = 101 masked runs (each attending
                     column a run): flexmask_mod records "needs ... > 16"; the builder compiles it in
@@ -576,8 +577,8 @@ def write_table(rows: Sequence[dict], full: str | None) -> None:
 
 
 def plan(families: Sequence[str], sizes: Sequence[str]):
-    """(family, size) in the order measured: the fitting families size by size, then the
-    kernel-13 rows (status rows for flexmask; FlexAttention measured)."""
+    """(family, size) in the order measured: the other families size by size, then the
+    kernel-13 rows (in two pieces for flexmask, a status row for flexmask_mod)."""
     late = [f for f in families if f == "natten2d_k13"]
     for size in sizes:
         for family in families:

@@ -21,7 +21,8 @@ from .kernels.decode import steps as decode_steps
 from .kernels.decode.split_kv import decode_forward, decode_fwd, decode_step, mask_view
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
-from .masks import natten_order, specs, token_order
+from .lse_merge import MergeByLse
+from .masks import natten_order, natten_pieces, specs, token_order
 from .masks.run_bounds import MAX_RUNS_LIMIT, TooManyRuns
 from .masks.compiled_cache import (CompiledCache, Unkeyable, built_in_graph, spec_from_key, structural_key,
                                    tensor_versions, traceable_key)
@@ -66,6 +67,8 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
             raise ValueError(f"{name} must be a power of two in [16, 256], got {value!r}")
     if natten_order.is_dilated_natten(mask):
         return _compiled_dilated_natten(mask, q_len, kv_len, device, block_m, block_n)
+    if natten_pieces.needs_pieces(mask):
+        return _compiled_in_pieces(mask, q_len, kv_len, device, block_m, block_n)
     compiled = compile_spec(mask, q_len, kv_len, device, block_m, block_n)  # no host sync on a GPU
     if q_len != kv_len or q_len < token_order.MIN_TOKENS:
         return compiled
@@ -121,6 +124,19 @@ def _compiled_dilated_natten(mask, q_len: int, kv_len: int, device: torch.device
     if token_order.fewer_tiles(tables, natural):
         natural.token_order = (tables, order, inverse)
     return natural
+
+
+def _compiled_in_pieces(mask, q_len: int, kv_len: int, device: torch.device, block_m: int,
+                       block_n: int) -> CompiledMask:
+    """A natten past the runs a column holds, as the CompiledMasks of its two pieces
+    (masks/natten_pieces.py), which flexmask.attention runs and merges."""
+    try:
+        parts = tuple(compile_mask(p, q_len, kv_len, device=device, block_m=block_m, block_n=block_n)
+                      for p in natten_pieces.pieces(mask))
+    except TooManyRuns as err:
+        raise TooManyRuns(f"{mask!r} needs more masked runs a column than a column holds, in each of its two "
+                          f"pieces too (query rows up to the key's image row, and past it): {err}") from None
+    return dataclasses.replace(parts[0], source=mask, token_order=None, pieces=parts)
 
 
 def _check_mask_at_length_zero(mask, q_len: int, kv_len: int, device: torch.device, batch: int, hq: int,
@@ -279,6 +295,12 @@ def _cache_rows_hint(mask, mask_batch: int) -> str:
 
 def _table_args(cm: CompiledMask) -> tuple:
     """What the custom op takes from a CompiledMask: its tables, then (batch, heads, tile, tiles visited)."""
+    if cm.pieces is not None:
+        raise ValueError(
+            f"mask: {cm.source!r} is compiled as {len(cm.pieces)} pieces (a key column needs more than "
+            f"{MAX_RUNS_LIMIT} masked runs; masks/natten_pieces.py): flexmask.attention runs each and merges them, and "
+            f"no other path can use them"
+        )
     if cm.in_token_order:
         raise ValueError(
             f"mask: {cm.source!r} has tables in its sub-image token order only (a key column needs more than "
@@ -534,6 +556,14 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
         sinks = sinks.contiguous()
     terms = _terms(softcap, alibi_slopes, sinks)
 
+    parts = _pieces(mask)
+    if parts is not None:  # a mask as disjoint pieces (masks/natten_pieces.py): each one, then merged
+        results = [attention(q, k, v, part, scale=scale, return_lse=True, deterministic=deterministic,
+                             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks if i == 0 else None)
+                   for i, part in enumerate(parts)]
+        out, lse = MergeByLse.apply(*(r[0] for r in results), *(r[1] for r in results))
+        return (out, lse) if return_lse else out
+
     resolved = None
     # global tokens first (masks/token_order.py): under torch.compile for a CompiledMask (its gathers
     # are traced); a spec written in the compiled region goes by key, and its op takes the order
@@ -610,6 +640,17 @@ def chunk_attention(q, k, v, cm: CompiledMask, scale: float, softcap: float, ali
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     return attention_eager(q, k, v, *tables, float(scale), int(torch.are_deterministic_algorithms_enabled()),
                            softcap=softcap, alibi_slopes=alibi_slopes, alibi_shift=int(alibi_shift))
+
+
+def _pieces(mask) -> tuple | None:
+    """The disjoint pieces whose union is `mask`, which flexmask.attention runs apart and merges
+    (a natten past the runs a column holds: masks/natten_pieces.py), or None: a CompiledMask's
+    compiled pieces, or a spec's own (under torch.compile too, each then an op by key)."""
+    if isinstance(mask, CompiledMask):
+        return mask.pieces
+    if getattr(mask, "kind", None) == "natten" and natten_pieces.needs_pieces(mask):
+        return natten_pieces.pieces(mask)
+    return None
 
 
 def _step_mask_key(mask):

@@ -21,14 +21,14 @@ def dense_mask(mask, q_len: int, kv_len: int, device=None) -> torch.Tensor | Non
     boolean tensor."""
     if mask is None:
         return None
-    if isinstance(mask, CompiledMask) and mask.in_token_order:  # its tables are in another order
-        mask = mask.source
+    if isinstance(mask, CompiledMask) and (mask.in_token_order or mask.pieces is not None):
+        mask = mask.source  # its tables are in another order, or hold one piece of the mask
     if isinstance(mask, CompiledMask):
         return intervals_to_dense(mask.intervals.to(device), q_len)
     if isinstance(mask, Mask):
         try:
             return intervals_to_dense(mask.intervals(q_len, kv_len, device), q_len)
-        except TooManyRuns:  # a dilated natten past a table's runs: to_dense takes all of its own (else raises)
+        except TooManyRuns:  # a natten past a table's runs: to_dense takes all of its own (else raises)
             return mask.to_dense(q_len, kv_len).view(1, 1, q_len, kv_len).to(device)
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         while mask.dim() < 4:

@@ -186,3 +186,26 @@ def test_dilated_natten_in_its_subimage_order(shape, head_dim):
     low = _reference(q, k, v, mask, do, torch.bfloat16)
     _check_training(q, k, v, cm, do, ref, low, "compiled ")
     _check_training(q, k, v, mask, do, ref, low, "spec ")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("shape", [(32, 32, 13), (40, 29, (11, 9))], ids=["32x32-k13", "40x29-k11x9"])
+def test_natten_past_a_columns_runs_in_two_pieces(shape, head_dim):
+    """NATTEN 13 x 13 needs 20 runs a column: the CUDA compile takes its two pieces (the same
+    tile classes as the CPU's, the union's), and flexmask.attention's output and gradients on the
+    Hopper path, the two merged, match the dense reference, GQA, as spec and CompiledMask."""
+    h, w, kernel = shape
+    mask, s = masks.natten(h, w, kernel), h * w
+    torch.manual_seed(s + head_dim)
+    q, k, v = (torch.randn(1, n, s, head_dim, device="cuda", dtype=torch.bfloat16) for n in (4, 2, 2))
+    do = torch.randn(1, 4, s, head_dim, device="cuda", dtype=torch.bfloat16)
+    cm = flexmask.compile_mask(mask, s, s, device="cuda")
+    assert cm.pieces is not None and all(p.runs > 2 for p in cm.pieces)
+    cpu = flexmask.compile_mask(mask, s, s, device="cpu", block_m=cm.block_m, block_n=cm.block_n)
+    assert torch.equal(cm.tile_classes().cpu(), cpu.tile_classes())
+    for piece, on_cpu in zip(cm.pieces, cpu.pieces):
+        assert torch.equal(piece.tile_classes().cpu(), on_cpu.tile_classes())
+    ref = _reference(q, k, v, mask, do, torch.float32)
+    low = _reference(q, k, v, mask, do, torch.bfloat16)
+    _check_training(q, k, v, cm, do, ref, low, "compiled ")
+    _check_training(q, k, v, mask, do, ref, low, "spec ")

@@ -12,7 +12,7 @@ from ..masks import specs
 from ..masks.compiler import CompiledMask
 from .exchange import post_grad_exchange, post_kv_exchange, wait
 from .layout import Layout, group_info, resolve_layout
-from .merge import merge, merge_backward
+from ..lse_merge import merge, merge_backward
 from .plan import Item, RankPlan, rank_plan
 
 

@@ -101,6 +101,9 @@ def _global_intervals(mask, seq_len: int, device) -> torch.Tensor:
                 f"mask was compiled for (q_len, kv_len)=({mask.q_len}, {mask.kv_len}); context parallel "
                 f"attention needs the global ({seq_len}, {seq_len})"
             )
+        if mask.pieces is not None:
+            raise ValueError(f"mask: {mask.source!r} was compiled as {len(mask.pieces)} pieces (a key column needs more "
+                             f"than {MAX_RUNS_LIMIT} masked runs), which context parallel attention cannot take")
         if mask.in_token_order:
             raise ValueError(f"mask: {mask.source!r} was compiled in its sub-image token order only (a key column "
                              f"needs more than {MAX_RUNS_LIMIT} masked runs in the tokens' own order), which context parallel "

@@ -89,6 +89,10 @@ class CompiledMask:
     # need more runs than a column holds in the tokens' own order: masks/natten_order.py):
     # flexmask.attention takes that order, and nothing may read them as the tokens' own
     in_token_order: bool = False
+    # the CompiledMasks of the disjoint pieces whose union is the mask (a natten past the runs a
+    # column holds: masks/natten_pieces.py); flexmask.attention runs each and merges them, and the
+    # tables above are the first piece's, which nothing may read as the mask's
+    pieces: tuple | None = None
 
     @property
     def batch(self) -> int:
@@ -122,6 +126,9 @@ class CompiledMask:
 
     def tile_classes(self) -> torch.Tensor:
         """int8 [Bm, Hm, NQB, NKB] of SKIP/PARTIAL/FULL (exact). O(tiles): for tests and plots."""
+        if self.pieces is not None:  # the union's classes, from the mask's own runs (all of them)
+            own = self.source._intervals_to_draw(self.q_len, self.kv_len).to(self.device)
+            return build_tables(own, self.q_len, self.kv_len, self.block_m, self.block_n).tile_classes()
         nq, nk = self.num_q_blocks, self.num_kv_blocks
         n_segments = self.batch * self.heads * nk
         out = torch.zeros(n_segments, nq, dtype=torch.int8, device=self.device)
@@ -138,10 +145,16 @@ class CompiledMask:
 
     def summary(self) -> dict:
         """Tile counts per class (summed over mask rows) and the table memory in bytes."""
+        total = self.batch * self.heads * self.num_q_blocks * self.num_kv_blocks
+        if self.pieces is not None:  # the union's tiles; the memory of every piece's tables
+            classes = self.tile_classes()
+            full, partial = int((classes == FULL).sum()), int((classes == PARTIAL).sum())
+            bytes_ = sum(p.summary()["table_bytes"] for p in self.pieces)
+            return {"tiles": total, "full": full, "partial": partial, "skip": total - full - partial,
+                    "table_bytes": bytes_}
         t = self.tiles_listed()
         full = int((self.bwd_exact[:t] == FULL).sum())
         partial = t - full
-        total = self.batch * self.heads * self.num_q_blocks * self.num_kv_blocks
         tensors = [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
         if self.token_order is not None:  # the reordered tables and the order are the mask's memory too
             tables, order, inverse = self.token_order

@@ -106,6 +106,11 @@ def natten_runs(p: dict, g: _Geometry) -> torch.Tensor:
     start = base + j_s[None, None, :, None, None, :]
     end = base + j_e[None, None, :, None, None, :]
     ok = t_ok[:, None, None, :, None, None] & i_ok[None, :, None, None, :, None] & j_ok[None, None, :, None, None, :]
+    side = p.get("query_rows")  # a piece of a natten past a column's runs (natten_pieces.py)
+    if side is not None:
+        key_row = torch.arange(height, device=g.device)[None, :, None, None, None, None]
+        query_row = i_c[None, :, None, None, :, None]
+        ok = ok & ((query_row <= key_row) if side == "up_to_key" else (query_row > key_row))
     start, end, ok = (x.reshape(tokens, -1) for x in torch.broadcast_tensors(start, end, ok))
     runs = complement(start - g.offset, end - g.offset, g.q_len, ok)
     return runs.view(1, 1, tokens, -1, 2)

@@ -117,16 +117,16 @@ class Mask:
         return float(counts.double().mean()) / max(1, q_len * kv_len)
 
     def _intervals_to_draw(self, q_len: int, kv_len: int) -> torch.Tensor:
-        """`intervals` on the CPU, or for a dilated natten past the runs a table holds (which runs
-        in its sub-image order: natten_order.py) its runs in the tokens' own order, all of them:
-        what to_dense, density and show read."""
+        """`intervals` on the CPU, or for a natten past the runs a table holds (which runs in its
+        sub-image order where dilated, natten_order.py, else in two pieces, natten_pieces.py) its
+        runs in the tokens' own order, all of them: what to_dense, density and show read."""
         from .run_bounds import TooManyRuns
-        from .run_builders import is_dilated_natten, natten_own_runs
+        from .run_builders import natten_own_runs
 
         try:
             return self.intervals(q_len, kv_len, "cpu")
         except TooManyRuns:
-            if not is_dilated_natten(self):
+            if self.kind != "natten":
                 raise
             return natten_own_runs(self, q_len, kv_len)
 
