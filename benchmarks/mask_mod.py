@@ -559,7 +559,8 @@ def table(rows: Sequence[dict]) -> str:
               "brought as a function runs at the builder's speed); each ratio, and a line's three compile times, "
               "compare rows of one run (the latest that has them). Compile: per call on a fresh mask, on the GPU "
               "(median); mask MB: the CompiledMask's tables, FlexAttention's BlockMask. NATTEN 13 x 13 (the issue's "
-              "kernel) needs 20 masked runs in the columns near a border, more than the 16 a column holds; the video "
+              "kernel) needs 20 masked runs in the columns near a border, more than the 16 a column holds: the builder "
+              "runs it as two pieces merged by their LSEs (masks/natten_pieces.py), from_mask_mod cannot; the video "
               "window is 2 x 3 x 3 because 3 x 3 x 3 needs 17 runs (benchmarks/mask_mod.py says how each "
               "shape was chosen). DiNAT's `mask_mod` needs over 16 runs a column in the tokens' own order, so only "
               "the builder, compiled in its sub-image order, runs it. Runs:", *run_notes(used)]

@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .autograd import _backward_impl, _forward_impl, _terms, attention_eager, attention_fwd, op_outputs, reorder
+from .autograd import (_backward_impl, _forward_impl, _terms, attention_eager, attention_fwd, attention_in_pieces,
+                       op_outputs, reorder)
 from .kernels.common.gather import gather_rows
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.common.tiles import default_tile, is_valid_tile
@@ -558,10 +559,18 @@ def attention(q, k, v, mask=None, *, scale: float | None = None, return_lse: boo
 
     parts = _pieces(mask)
     if parts is not None:  # a mask as disjoint pieces (masks/natten_pieces.py): each one, then merged
-        results = [attention(q, k, v, part, scale=scale, return_lse=True, deterministic=deterministic,
-                             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks if i == 0 else None)
-                   for i, part in enumerate(parts)]
-        out, lse = MergeByLse.apply(*(r[0] for r in results), *(r[1] for r in results))
+        if compiling:  # each piece an op (by key for a spec), merged by a traced autograd function
+            results = [attention(q, k, v, part, scale=scale, return_lse=True, deterministic=deterministic,
+                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks if i == 0 else None)
+                       for i, part in enumerate(parts)]
+            out, lse = MergeByLse.apply(*(r[0] for r in results), *(r[1] for r in results))
+        else:
+            tables = [_table_args(_resolve_mask(part, sq, sk, q.device)) for part in parts]
+            for piece in tables:
+                _check_mask_heads(piece[7], piece[8], batch, hq, hkv, mask)
+            q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+            out, lse = attention_in_pieces(q, k, v, tables, (float(scale), int(deterministic)), softcap=softcap,
+                                           alibi_slopes=alibi_slopes, sinks=sinks)
         return (out, lse) if return_lse else out
 
     resolved = None

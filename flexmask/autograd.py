@@ -18,7 +18,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .kernels.common import merge_two
 from .kernels.common.gather import gather_rows, index_select_rows
+from .lse_merge import merge
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.dispatch import attention_backward, attention_forward
 from .masks.compiler import retiled
@@ -197,6 +199,63 @@ def attention_eager(q, k, v, *args, softcap: float = 0.0, alibi_slopes=None, sin
                                     or (sinks is not None and sinks.requires_grad)):
         return _EagerAttention.apply(q, k, v, sinks, args[:7], args[7:], softcap, alibi_slopes, alibi_shift)
     return _forward_impl(q, k, v, *args, softcap, alibi_slopes, sinks, alibi_shift)
+
+
+class _PiecesAttention(torch.autograd.Function):
+    """Attention over a mask given as disjoint pieces (masks/natten_pieces.py), each with its own
+    tables: each piece's forward, the two merged by their LSEs (kernels/common/merge_two.py). The
+    backward runs each piece's backward with the merged output and LSE, since the whole mask's
+    softmax on a piece's pairs is exp(s - lse), the same D = rowsum(dO * O) - dlse, and sums the
+    gradients: no merge to differentiate. The sinks go with the first piece (its LSE holds the
+    sink once; its backward gives their gradient)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, pieces, consts, softcap, alibi_slopes):
+        parts = [_forward_impl(q, k, v, *tables, *consts, softcap, alibi_slopes, sinks if i == 0 else None)
+                 for i, tables in enumerate(pieces)]
+        out, lse = merge_pieces(parts)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.pieces, ctx.consts, ctx.softcap, ctx.alibi_slopes = pieces, consts, softcap, alibi_slopes
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, sinks = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        if dlse is not None:
+            dlse = dlse.contiguous()
+        dq, dk, dv, dsinks = None, None, None, None
+        for i, tables in enumerate(ctx.pieces):
+            gq, gk, gv, gs = _backward_impl(do, dlse, q, k, v, o, lse, *tables, *ctx.consts, ctx.softcap,
+                                            ctx.alibi_slopes, sinks if i == 0 else None)
+            if dq is None:
+                dq, dk, dv, dsinks = gq, gk, gv, gs
+            else:
+                dq.add_(gq), dk.add_(gk), dv.add_(gv)
+        return dq, dk, dv, dsinks, None, None, None, None
+
+
+def merge_pieces(parts: list) -> tuple[Tensor, Tensor]:
+    """(out, lse) of disjoint pieces' (out_i, lse_i): the one-pass kernel for two, else torch."""
+    (out_a, lse_a), rest = parts[0], parts[1:]
+    if len(rest) == 1 and merge_two.applies(out_a, rest[0][0]):
+        return merge_two.merge_two(out_a, lse_a, *rest[0])
+    out, lse, _ = merge([p[0] for p in parts], [p[1] for p in parts])
+    return out, lse
+
+
+def attention_in_pieces(q, k, v, pieces: list, consts: tuple, softcap: float = 0.0, alibi_slopes=None,
+                        sinks=None) -> tuple[Tensor, Tensor]:
+    """(out, lse) over the union of disjoint pieces, each given by attention_fwd's table arguments
+    (`pieces`: one 12-tuple each), eager calls only (under torch.compile api.py merges the pieces'
+    ops with lse_merge.MergeByLse)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
+        return _PiecesAttention.apply(q, k, v, sinks, pieces, consts, softcap, alibi_slopes)
+    return merge_pieces([_forward_impl(q, k, v, *tables, *consts, softcap, alibi_slopes, sinks if i == 0 else None)
+                         for i, tables in enumerate(pieces)])
 
 
 class _Reorder(torch.autograd.Function):

@@ -162,7 +162,8 @@ def test_attention_in_pieces_with_alibi_and_fewer_queries():
 
 def test_torch_compile_takes_the_pieces():
     """A natten past 16 runs written in a torch.compile(fullgraph=True) layer, and its CompiledMask
-    passed in: outputs, LSE and gradients equal eager's bitwise."""
+    passed in: each piece an op, merged by lse_merge.MergeByLse (eager merges with merge_two and
+    sums the pieces' backwards): outputs, LSE and gradients against the float64 reference."""
     spec_args, n = SHAPES[0], 112
     cm = flexmask.compile_mask(_natten(spec_args), n, n, device="cpu")
 
@@ -174,16 +175,23 @@ def test_torch_compile_takes_the_pieces():
 
     q, k, v = make_qkv(1, 4, 2, n, n, 16, torch.float32, seed=9, layout="bshd", requires_grad=True)
     do = random_do(1, 4, n, 16, torch.float32, seed=9)
+
+    def grads(out, lse, *inputs):
+        return torch.autograd.grad((out * do.to(out.dtype)).sum() + lse.sum(), inputs)
+
+    qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref = reference.attention(qr, kr, vr, _natten(spec_args))
+    ref = (*ref, *grads(*ref, qr, kr, vr))
+    ql, kl, vl = (t.detach().requires_grad_(True) for t in (q, k, v))
+    lowp = reference.attention(ql, kl, vl, _natten(spec_args), dtype=torch.float32)
+    lowp = (*lowp, *grads(*lowp, ql, kl, vl))
     for fn in (layer, layer_cm):
         torch._dynamo.reset()
-        results = []
-        for f in (torch.compile(fn, fullgraph=True, backend="aot_eager"), fn):
-            out, lse = f(q, k, v)
-            results.append((out, lse, *torch.autograd.grad((out * do).sum() + lse.sum(), (q, k, v))))
-        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), *results):
-            assert torch.equal(got, want), name
-    ref, _ = reference.attention(q.double(), k.double(), v.double(), _natten(spec_args))
-    assert (results[0][0].double() - ref).abs().max() < 1e-4
+        out, lse = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+        got = (out, lse, *grads(out, lse, q, k, v))
+        assert out.stride() == q.stride()
+        for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+            assert_close_to_reference(got[i], ref[i], lowp[i], default_floor(torch.float32, gradient=i >= 2), name)
 
 
 def test_merge_of_rows_that_see_nothing():
@@ -202,3 +210,28 @@ def test_merge_of_rows_that_see_nothing():
     grads = torch.autograd.grad(out.sum() + lse[torch.isfinite(lse)].sum(), (*outs, *lses))
     assert not any(torch.isnan(g).any() for g in grads)
     assert all(torch.equal(g[0, 0, 1], torch.zeros_like(g[0, 0, 1])) for g in grads)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_merge_two_is_the_merge(layout):
+    """The one-pass kernel (interpreter) against lse_merge.merge: outputs in the partials' layout,
+    rows that one piece or none attends, bf16."""
+    from flexmask.kernels.common.merge_two import applies, merge_two
+    from flexmask.lse_merge import merge
+
+    gen = torch.Generator().manual_seed(4)
+    outs = make_qkv(2, 3, 3, 37, 37, 24, torch.bfloat16, seed=4, layout=layout)[:2]
+    lses = [torch.randn(2, 3, 37, generator=gen) * 4 for _ in range(2)]
+    lses[0][:, :, :5] = float("-inf")  # only piece b
+    lses[1][:, :, 3:8] = float("-inf")  # only piece a, and rows 3-4 neither
+    with torch.no_grad():
+        for o, lse in zip(outs, lses):
+            o.masked_fill_(torch.isinf(lse)[..., None], 0)
+    assert applies(*outs)
+    out, lse = merge_two(outs[0], lses[0], outs[1], lses[1])
+    want_out, want_lse, _ = merge(list(outs), lses)
+    assert out.stride() == outs[0].stride() and out.dtype == torch.bfloat16
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and not torch.isnan(out).any()
+    assert torch.allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert (out.float() - want_out.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * want_out.float().abs().max()
+    assert torch.equal(out[:, :, 3:5], torch.zeros_like(out[:, :, 3:5]))

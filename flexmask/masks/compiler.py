@@ -126,9 +126,10 @@ class CompiledMask:
 
     def tile_classes(self) -> torch.Tensor:
         """int8 [Bm, Hm, NQB, NKB] of SKIP/PARTIAL/FULL (exact). O(tiles): for tests and plots."""
-        if self.pieces is not None:  # the union's classes, from the mask's own runs (all of them)
-            own = self.source._intervals_to_draw(self.q_len, self.kv_len).to(self.device)
-            return build_tables(own, self.q_len, self.kv_len, self.block_m, self.block_n).tile_classes()
+        if self.pieces is not None:  # the union's classes, from the mask's own runs (all of them: on
+            own = self.source._intervals_to_draw(self.q_len, self.kv_len)  # the CPU, whose build takes any count)
+            union = build_tables(own, self.q_len, self.kv_len, self.block_m, self.block_n)
+            return union.tile_classes().to(self.device)
         nq, nk = self.num_q_blocks, self.num_kv_blocks
         n_segments = self.batch * self.heads * nk
         out = torch.zeros(n_segments, nq, dtype=torch.int8, device=self.device)

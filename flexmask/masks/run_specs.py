@@ -61,8 +61,10 @@ def natten(height: int, width: int, kernel, dilation=1, *, frames: int = 1, time
     axis a key is held by up to kernel + kernel // 2 windows (all of a sub-grid of at most 2 kernel
     - 1 coordinates). A column holds at most 16 masked runs: a 2-D kernel up to 10 without
     dilation fits an image of at most 15 or at least 2 x kernel rows (kernel 9 on 16 or 17 rows
-    needs 18); video windows of several frames fit only small grids (a ValueError names the
-    column). A dilated natten in self-attention is compiled in its sub-image order
+    needs 18). Past that an undilated natten is compiled as two pieces, the query rows up to the
+    key's image row and past it (masks/natten_pieces.py: a 2-D kernel up to 15 fits any image),
+    which flexmask.attention runs and merges by their LSEs; video windows of several frames fit
+    only small grids (a ValueError names the column). A dilated natten in self-attention is compiled in its sub-image order
     (masks/natten_order.py: the tokens of each interleaved sub-image together, plain NATTEN on
     each), where it needs the runs of the same kernel undilated; where its own order needs more
     than 16 (each attending column of dilated columns is a run of its own: a 3 x 3 kernel with
