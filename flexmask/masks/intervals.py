@@ -767,7 +767,8 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
                 changes, count, compiled = _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top[..., :width],
                                                                  q_len, n, (rows, rows_compiled), compiled, together,
                                                                  eager_first=k0 == 0 and not checked,
-                                                                 check_on_failure=k0 == 0 and checked, take=take)
+                                                                 check_on_failure=k0 == 0 and checked, take=take,
+                                                                 kv_place=(k0, kv_len))
                 if not on_device:
                     first, most = _first_changed_chunks(changes, count, 2 * max_runs)
                     slots[where, k0:k1], changed[where, k0:k1] = first[:, :k1 - k0], count[:, :k1 - k0]
@@ -791,7 +792,8 @@ def _mask_mod_runs(m, g: _Geometry) -> torch.Tensor:
 
 
 def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top, q_len: int, n: int, rows: tuple, compiled,
-                          together: bool, eager_first: bool, check_on_failure: bool = False, take=None):
+                          together: bool, eager_first: bool, check_on_failure: bool = False, take=None,
+                          kv_place: tuple = (0, 0)):
     """The first pass over a block of columns, every block of rows (`rows`: the eager and the
     compiled block's; their q_idx slices of `q_all`, an int32 arange a block past q_len whose rows
     from q_len on are the last row again): the change words, [n, cols, chunks] int32
@@ -804,7 +806,8 @@ def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top, q_len: int, n: i
     each column's chunks in order. With `take`, each block of rows' masked words go to take(words
     [n, chunks, cols], first chunk, end chunk, the block above's last words [n, 1, cols], `top`
     (zeros) above the first block) as they come, and neither change words nor counts are made
-    (None, None)."""
+    (None, None). `kv_place`: (the block's first column, kv_len), where the compiled pass makes its
+    indices (`_CompiledWords`)."""
     chunk = MASK_MOD_CHUNK_ROWS
     n_chunks, cols = -(-q_len // chunk), kv_idx.numel()
     changes = count = None
@@ -823,7 +826,7 @@ def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top, q_len: int, n: i
             c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[1]) // chunk)
             q_idx = q_all[q0:q0 + rows[1]]  # rows past the last chunk: dropped
             try:
-                words = compiled(fn, b_idx, h_idx, q_idx, kv_idx, together)
+                words = compiled(fn, b_idx, h_idx, q_idx, kv_idx, together, (q0, q_len), kv_place)
             except Exception as err:  # noqa: BLE001 (the compiler failed; the function runs eagerly)
                 if check_on_failure:  # the function's own error first: this block eagerly, the compile kept
                     eager_first, check_on_failure = True, False
@@ -1044,20 +1047,65 @@ def _compiled_key(fn):
 def _compiled_words(fn, device=None):
     """`_masked_words` under torch.compile for the mask_mod `fn` (one graph per block shape,
     as FlexAttention's compiled `create_block_mask` compiles its function), or None where the
-    compiler failed on its code before. Each mask_mod code gets its own copy of
-    `_masked_words`, so that other functions are new compiles, not recompiles of one code
-    object, which Dynamo bounds. Past that bound (a closure over Python ints that change every
-    call) Dynamo runs the copy eagerly: right, in blocks that size. On CUDA the predicate is kept
-    inside the word sums and their kernel tuned (`_WORD_KERNEL_OPTIONS`)."""
+    compiler failed on its code before: a `_CompiledWords`. Each mask_mod code gets its own
+    copies of `_masked_words` and `_masked_words_at`, so that other functions are new compiles,
+    not recompiles of one code object, which Dynamo bounds. Past that bound (a closure over
+    Python ints that change every call) Dynamo runs the copy eagerly: right, in blocks that size.
+    On CUDA the predicate is kept inside the word sums and their kernel tuned
+    (`_WORD_KERNEL_OPTIONS`)."""
     key = _compiled_key(fn)
     if key not in _COMPILED:
         while len(_COMPILED) >= _COMPILED_KEPT:
             _COMPILED.pop(next(iter(_COMPILED)))
-        own = types.FunctionType(_masked_words.__code__.replace(), _masked_words.__globals__, "_masked_words")
         cuda = device is not None and torch.device(device).type == "cuda"
         options = _WORD_KERNEL_OPTIONS if cuda else None
-        _COMPILED[key] = torch.compile(own, fullgraph=True, dynamic=False, options=options)
+
+        def compiled(code, name, dynamic):
+            own = types.FunctionType(code.__code__.replace(), code.__globals__, name)
+            return torch.compile(own, fullgraph=True, dynamic=dynamic, options=options)
+
+        # the indexed pass takes its block's place as sizes marked dynamic: not a compile a block
+        _COMPILED[key] = _CompiledWords(compiled(_masked_words, "_masked_words", False),
+                                        compiled(_masked_words_at, "_masked_words_at", None))
     return _COMPILED[key]
+
+
+def _masked_words_at(fn, b_idx, h_idx, q_block, kv_block, rows: int, cols: int, device, together: bool):
+    """`_masked_words` of the block of `rows` rows from row (len(q_block) - 2) x rows and `cols`
+    columns from column (len(kv_block) - 2) x cols, its q_idx and kv_idx made here as aranges:
+    traced, they are index expressions, which Inductor folds through the mask_mod's integer
+    arithmetic (divisions, remainders, clamps) and simplifies with the ranges it knows, so that a
+    term of the row or of the column is computed once per chunk or column, not once per pair, as
+    in create_block_mask's own kernel (indices loaded from a tensor are opaque values: every
+    floor division then tests signs, per pair). The offsets arrive as the lengths of two CPU
+    tensors marked dynamic (the + 2 keeps them off the sizes 0 and 1, which Dynamo specialises):
+    one graph for every block."""
+    q0 = (q_block.shape[0] - 2) * rows
+    k0 = (kv_block.shape[0] - 2) * cols
+    q_idx = torch.arange(q0, q0 + rows, dtype=torch.int32, device=device)
+    kv_idx = torch.arange(k0, k0 + cols, dtype=torch.int32, device=device)
+    q_in, kv_in = (q_idx.view(1, -1, 1), kv_idx.view(1, 1, -1)) if together else (q_idx.view(-1, 1), kv_idx.view(1, -1))
+    return ~_packed_words(_mask_mod_block(fn, b_idx, h_idx, q_in, kv_in, device))  # (as _masked_words)
+
+
+class _CompiledWords:
+    """The compiled first pass of one mask_mod code: a block wholly inside the mask by its
+    indices made in the graph (`_masked_words_at`), the last blocks (whose indices past the ends
+    are clamped) by the indices given (`_masked_words`)."""
+
+    def __init__(self, given, indexed):
+        self.given, self.indexed = given, indexed
+
+    def __call__(self, fn, b_idx, h_idx, q_idx, kv_idx, together: bool, q_place: tuple, kv_place: tuple):
+        """q_place, kv_place: (the block's first row, q_len), (its first column, kv_len)."""
+        (q0, q_len), (k0, kv_len) = q_place, kv_place
+        rows, cols = q_idx.numel(), kv_idx.numel()
+        if q0 % rows or k0 % cols or q0 + rows > q_len or k0 + cols > kv_len:
+            return self.given(fn, b_idx, h_idx, q_idx, kv_idx, together)
+        q_block, kv_block = torch.empty(q0 // rows + 2), torch.empty(k0 // cols + 2)
+        torch._dynamo.mark_dynamic(q_block, 0)
+        torch._dynamo.mark_dynamic(kv_block, 0)
+        return self.indexed(fn, b_idx, h_idx, q_block, kv_block, rows, cols, kv_idx.device, together)
 
 
 # Inductor stores a pointwise result that has more than 30 operations and more than one user
