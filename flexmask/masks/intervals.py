@@ -1066,7 +1066,7 @@ def _compiled_words(fn, device=None):
 
         # the indexed pass takes its block's place as sizes marked dynamic: not a compile a block
         _COMPILED[key] = _CompiledWords(compiled(_masked_words, "_masked_words", False),
-                                        compiled(_masked_words_at, "_masked_words_at", None))
+                                        compiled(_masked_words_at, "_masked_words_at", False))
     return _COMPILED[key]
 
 
