@@ -235,3 +235,23 @@ def test_merge_two_is_the_merge(layout):
     assert torch.allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
     assert (out.float() - want_out.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * want_out.float().abs().max()
     assert torch.equal(out[:, :, 3:5], torch.zeros_like(out[:, :, 3:5]))
+
+
+def test_pieces_without_gradients_and_the_torch_merge(monkeypatch):
+    """Without autograd the pieces' forwards are merged directly; where merge_two does not apply
+    (off a GPU without the interpreter) torch's merge gives the same output and LSE."""
+    from flexmask import autograd
+    from flexmask.kernels.common import merge_two
+
+    spec = _natten(SHAPES[0])
+    q, k, v = make_qkv(1, 2, 2, 112, 112, 16, torch.float32, seed=11, layout="bshd", requires_grad=True)
+    out, lse = flexmask.attention(q, k, v, mask=spec, return_lse=True)
+    with torch.no_grad():
+        plain, plain_lse = flexmask.attention(q, k, v, mask=spec, return_lse=True)
+    assert torch.equal(plain, out) and torch.equal(plain_lse, lse) and plain.stride() == q.stride()
+    monkeypatch.setattr(merge_two, "applies", lambda a, b: False)
+    with torch.no_grad():
+        other, other_lse = flexmask.attention(q, k, v, mask=spec, return_lse=True)
+    assert other.stride() == q.stride()
+    assert torch.allclose(other, out, atol=1e-6) and torch.allclose(other_lse, lse, atol=1e-6)
+    assert autograd.merge_two is merge_two
