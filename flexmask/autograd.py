@@ -149,12 +149,15 @@ def _setup_context(ctx, inputs, output):
     ctx.softcap = inputs[17]
 
 
+def _incoming(do, dlse, o):
+    """The gradients a backward receives, as the kernels take them: zeros for an unused output
+    (only the LSE was used), dlse contiguous."""
+    return (torch.zeros_like(o) if do is None else do), (None if dlse is None else dlse.contiguous())
+
+
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, alibi_slopes, sinks, *tables = ctx.saved_tensors
-    if do is None:  # only the LSE was used
-        do = torch.zeros_like(o)
-    if dlse is not None:
-        dlse = dlse.contiguous()
+    do, dlse = _incoming(do, dlse, o)
     # d lse / d s is the softmax itself, so the backward folds dlse into D = rowsum(dO * O) - dlse
     dq, dk, dv, dsinks = attention_bwd(do, dlse, q, k, v, o, lse, *tables, *ctx.consts, ctx.softcap, alibi_slopes,
                                        sinks)
@@ -180,10 +183,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, sinks = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(o)
-        if dlse is not None:
-            dlse = dlse.contiguous()
+        do, dlse = _incoming(do, dlse, o)
         dq, dk, dv, dsinks = _backward_impl(do, dlse, q, k, v, o, lse, *ctx.tables, *ctx.consts, ctx.softcap,
                                             ctx.alibi_slopes, sinks, ctx.alibi_shift)
         return dq, dk, dv, dsinks, None, None, None, None, None
@@ -222,10 +222,7 @@ class _PiecesAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, sinks = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(o)
-        if dlse is not None:
-            dlse = dlse.contiguous()
+        do, dlse = _incoming(do, dlse, o)
         dq, dk, dv, dsinks = None, None, None, None
         for i, tables in enumerate(ctx.pieces):
             gq, gk, gv, gs = _backward_impl(do, dlse, q, k, v, o, lse, *tables, *ctx.consts, ctx.softcap,
