@@ -299,8 +299,8 @@ def _table_args(cm: CompiledMask) -> tuple:
     if cm.pieces is not None:
         raise ValueError(
             f"mask: {cm.source!r} is compiled as {len(cm.pieces)} pieces (a key column needs more than "
-            f"{MAX_RUNS_LIMIT} masked runs; masks/natten_pieces.py): flexmask.attention runs each and merges them, and "
-            f"no other path can use them"
+            f"{MAX_RUNS_LIMIT} masked runs; masks/natten_pieces.py): flexmask.attention runs each and merges "
+            f"them, and no other path can use them"
         )
     if cm.in_token_order:
         raise ValueError(

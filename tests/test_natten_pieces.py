@@ -233,7 +233,8 @@ def test_merge_two_is_the_merge(layout):
     assert out.stride() == outs[0].stride() and out.dtype == torch.bfloat16
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)) and not torch.isnan(out).any()
     assert torch.allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
-    assert (out.float() - want_out.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * want_out.float().abs().max()
+    bf16_eps = torch.finfo(torch.bfloat16).eps
+    assert (out.float() - want_out.float()).abs().max() <= 2 * bf16_eps * want_out.float().abs().max()
     assert torch.equal(out[:, :, 3:5], torch.zeros_like(out[:, :, 3:5]))
 
 

@@ -22,8 +22,8 @@ merged by their log-sum-exps (`flexmask.lse_merge`), as context parallel merges 
 
 On an image whose width is a multiple of a tile's query rows, the pieces share no tile: the work is
 the mask's own. A video's pieces keep all the attending frames: one whose frames times rows pass
-the runs in a piece too raises TooManyRuns. `compile_mask` compiles both for a natten whose bound passes the most runs a column
-holds; `flexmask.attention` runs each and merges them.
+the runs in a piece too raises TooManyRuns. `compile_mask` compiles both for a natten whose bound
+passes the most runs a column holds; `flexmask.attention` runs each and merges them.
 """
 
 from __future__ import annotations
