@@ -256,3 +256,13 @@ def test_pieces_without_gradients_and_the_torch_merge(monkeypatch):
     assert other.stride() == q.stride()
     assert torch.allclose(other, out, atol=1e-6) and torch.allclose(other_lse, lse, atol=1e-6)
     assert autograd.merge_two is merge_two
+
+
+def test_pieces_cost_tool_needs_a_gpu(capsys):
+    """The tool that times the pieces and their merge (tools/pieces_cost.py) says so off a GPU."""
+    from tools import pieces_cost
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the tool would measure")
+    assert pieces_cost.main([]) == 1
+    assert "needs a GPU" in capsys.readouterr().out
