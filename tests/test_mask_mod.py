@@ -658,6 +658,25 @@ def test_compiled_first_pass_failure_warns_once(monkeypatch, forced_compiled_pas
         assert torch.equal(again, got)
 
 
+def test_indexed_pass_failure_falls_back_to_the_given_indices(forced_compiled_pass):
+    """Where the compiled pass on indices made in the graph fails and the one on given indices does
+    not, a RuntimeWarning, the tables right, and that code's blocks take the given indices from then
+    on (no eager fallback: the compiled pass stays)."""
+    fn, batch, heads = MODS["document"](29, 53)
+    want = dense_of_mod(fn, 29, 53, batch, heads)
+    masks.from_mask_mod(fn, batch=batch, heads=heads).to_dense(29, 53)  # the code compiled and checked
+    compiled = intervals_module._COMPILED[fn.__code__]
+    assert compiled.indexed is not None
+
+    def broken(*args):
+        raise RuntimeError("codegen failed")
+    compiled.indexed = broken
+    with pytest.warns(RuntimeWarning, match="indices made in the graph failed .RuntimeError: codegen failed"):
+        got = masks.from_mask_mod(fn, batch=batch, heads=heads).to_dense(29, 53)
+    assert torch.equal(got, want[0, 0] if got.dim() == 2 else want)
+    assert compiled.indexed is None and intervals_module._COMPILED[fn.__code__] is compiled
+
+
 def test_small_blocks_join_runs(monkeypatch):
     """With tiny blocks, runs that span many row and column blocks are still single runs."""
     monkeypatch.setattr(intervals_module, "MASK_MOD_BLOCK_ELEMENTS", 12)

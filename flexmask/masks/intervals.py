@@ -1097,15 +1097,25 @@ class _CompiledWords:
         self.given, self.indexed = given, indexed
 
     def __call__(self, fn, b_idx, h_idx, q_idx, kv_idx, together: bool, q_place: tuple, kv_place: tuple):
-        """q_place, kv_place: (the block's first row, q_len), (its first column, kv_len)."""
+        """q_place, kv_place: (the block's first row, q_len), (its first column, kv_len). Where the
+        indexed graph fails and the given one does not, a RuntimeWarning, and this code's blocks
+        take the given indices from then on."""
         (q0, q_len), (k0, kv_len) = q_place, kv_place
         rows, cols = q_idx.numel(), kv_idx.numel()
-        if q0 % rows or k0 % cols or q0 + rows > q_len or k0 + cols > kv_len:
+        if self.indexed is None or q0 % rows or k0 % cols or q0 + rows > q_len or k0 + cols > kv_len:
             return self.given(fn, b_idx, h_idx, q_idx, kv_idx, together)
         q_block, kv_block = torch.empty(q0 // rows + 2), torch.empty(k0 // cols + 2)
         torch._dynamo.mark_dynamic(q_block, 0)
         torch._dynamo.mark_dynamic(kv_block, 0)
-        return self.indexed(fn, b_idx, h_idx, q_block, kv_block, rows, cols, kv_idx.device, together)
+        try:
+            return self.indexed(fn, b_idx, h_idx, q_block, kv_block, rows, cols, kv_idx.device, together)
+        except Exception as err:  # noqa: BLE001 (the given indices next: their failure is the pass's)
+            words = self.given(fn, b_idx, h_idx, q_idx, kv_idx, together)
+            warnings.warn(f"from_mask_mod: the compiled pass on indices made in the graph failed "
+                          f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}); this "
+                          f"mask_mod's blocks take their indices given", RuntimeWarning, stacklevel=4)
+            self.indexed = None
+            return words
 
 
 # Inductor stores a pointwise result that has more than 30 operations and more than one user
