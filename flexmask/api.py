@@ -657,7 +657,7 @@ def _pieces(mask) -> tuple | None:
     compiled pieces, or a spec's own (under torch.compile too, each then an op by key)."""
     if isinstance(mask, CompiledMask):
         return mask.pieces
-    if getattr(mask, "kind", None) == "natten" and natten_pieces.needs_pieces(mask):
+    if getattr(mask, "kind", None) == "natten":
         return natten_pieces.pieces(mask)
     return None
 

@@ -133,36 +133,46 @@ def test_order_beside_the_own_tables_from_min_tokens(monkeypatch):
     assert cm.in_token_order and compiled == ["column_runs"]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=["image", "video"])
-def test_attention_in_the_subimage_order(shape, dtype):
-    """Output, LSE and the gradients of q, k, v and the sinks of a natten whose own order does not
-    fit, against the float64 reference in the caller's order: GQA, (B, S, H, D) views, softcap,
-    sinks; the spec and its CompiledMask alike."""
-    spec = _natten(shape)
-    n = shape[0] * shape[1] * shape[4]
+def check_training_with_terms(spec, cm, n: int, dtype, seed: int, lse_gradient: bool = False) -> None:
+    """Output, LSE and the gradients of q, k, v and the sinks of `spec` and of its CompiledMask `cm`
+    (n tokens) against the float64 reference, in the caller's layout: GQA, (B, S, H, D) views,
+    softcap, sinks, and with `lse_gradient` a gradient through the LSE too."""
     b, hq, hkv, d = 2, 4, 2, 32
-    q, k, v = make_qkv(b, hq, hkv, n, n, d, dtype, seed=5, layout="bshd", requires_grad=True)
+    q, k, v = make_qkv(b, hq, hkv, n, n, d, dtype, seed=seed, layout="bshd", requires_grad=True)
     sinks = torch.randn(hq, requires_grad=True)
-    do = random_do(b, hq, n, d, dtype, seed=5)
-    cm = flexmask.compile_mask(spec, n, n, device="cpu")
-    assert cm.in_token_order
+    do = random_do(b, hq, n, d, dtype, seed=seed)
+    dlse = torch.randn(b, hq, n, generator=torch.Generator().manual_seed(seed + 1)) if lse_gradient else None
+
+    def loss(out, lse):
+        return (out * do.to(out.dtype)).sum() + (0 if dlse is None else (lse * dlse.to(lse.dtype)).sum())
 
     def run(mask):
         out, lse = flexmask.attention(q, k, v, mask=mask, return_lse=True, sinks=sinks, softcap=20.0)
-        return (out, lse, *torch.autograd.grad((out * do).sum(), (q, k, v, sinks)))
+        return (out, lse, *torch.autograd.grad(loss(out, lse), (q, k, v, sinks)))
 
     def ref(dt):
         qr, kr, vr = (t.detach().to(dt).requires_grad_(True) for t in (q, k, v))
         sr = sinks.detach().to(dt if dt == torch.float64 else torch.float32).requires_grad_(True)
         out, lse = reference.attention(qr, kr, vr, spec, dtype=dt, sinks=sr, softcap=20.0)
-        return (out.detach(), lse.detach(), *torch.autograd.grad((out * do.to(dt)).sum(), (qr, kr, vr, sr)))
+        return (out.detach(), lse.detach(), *torch.autograd.grad(loss(out, lse), (qr, kr, vr, sr)))
 
     ref64, lowp = ref(torch.float64), ref(dtype)
     for got in (run(spec), run(cm)):
+        assert got[0].stride() == q.stride()
         for i, name in enumerate(("out", "lse", "dq", "dk", "dv", "dsinks")):
             floor = default_floor(dtype if i < 5 else torch.float32, gradient=i >= 2)
             assert_close_to_reference(got[i], ref64[i], lowp[i], floor, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=["image", "video"])
+def test_attention_in_the_subimage_order(shape, dtype):
+    """A natten whose own order does not fit, in the caller's order (check_training_with_terms)."""
+    spec = _natten(shape)
+    n = shape[0] * shape[1] * shape[4]
+    cm = flexmask.compile_mask(spec, n, n, device="cpu")
+    assert cm.in_token_order
+    check_training_with_terms(spec, cm, n, dtype, seed=5)
 
 
 def test_torch_compile_takes_the_subimage_order():

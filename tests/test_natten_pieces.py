@@ -17,7 +17,7 @@ from flexmask.masks.run_bounds import MAX_RUNS_LIMIT, TooManyRuns, max_runs
 from conftest import assert_close_to_reference, default_floor, make_qkv
 from test_backward import random_do
 from test_compiler import brute_force_classes
-from test_natten_order import dense_natten
+from test_natten_order import check_training_with_terms, dense_natten
 
 # (height, width, kernel, frames, time_kernel): past 16 runs in the tokens' own order. A key in
 # an image of 16 or 17 rows with a 9-row kernel is attended by every row (17 or 18 runs); a wider
@@ -77,6 +77,7 @@ def test_pieces_with_fewer_queries_than_keys():
 
 def test_masks_that_fit_take_no_pieces():
     assert not natten_pieces.needs_pieces(masks.natten(16, 16, 5))
+    assert natten_pieces.pieces(masks.natten(16, 16, 5)) is None
     assert not natten_pieces.needs_pieces(masks.natten(16, 6, (9, 3), dilation=(1, 2)))  # its sub-image order
     assert not natten_pieces.needs_pieces(masks.causal())
     assert not natten_pieces.needs_pieces(masks.natten(16, 5, (9, 3)) & masks.causal())
@@ -113,34 +114,13 @@ def test_paths_that_cannot_take_pieces_say_so():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=["image", "video"])
 def test_attention_in_pieces(shape, dtype):
-    """Output, LSE and the gradients of q, k, v and the sinks against the float64 reference: GQA,
-    (B, S, H, D) views, softcap, sinks, an LSE gradient; the spec and its CompiledMask alike."""
+    """Output, LSE and every gradient, an LSE gradient included, against the float64 reference
+    (test_natten_order.check_training_with_terms): the spec and its CompiledMask alike."""
     spec = _natten(shape)
     n = shape[0] * shape[1] * shape[3]
-    b, hq, hkv, d = 2, 4, 2, 32
-    q, k, v = make_qkv(b, hq, hkv, n, n, d, dtype, seed=7, layout="bshd", requires_grad=True)
-    sinks = torch.randn(hq, requires_grad=True)
-    do = random_do(b, hq, n, d, dtype, seed=7)
-    dlse = torch.randn(b, hq, n, generator=torch.Generator().manual_seed(8))
     cm = flexmask.compile_mask(spec, n, n, device="cpu")
-
-    def run(mask):
-        out, lse = flexmask.attention(q, k, v, mask=mask, return_lse=True, sinks=sinks, softcap=20.0)
-        return (out, lse, *torch.autograd.grad((out * do).sum() + (lse * dlse).sum(), (q, k, v, sinks)))
-
-    def ref(dt):
-        qr, kr, vr = (t.detach().to(dt).requires_grad_(True) for t in (q, k, v))
-        sr = sinks.detach().to(dt if dt == torch.float64 else torch.float32).requires_grad_(True)
-        out, lse = reference.attention(qr, kr, vr, spec, dtype=dt, sinks=sr, softcap=20.0)
-        loss = (out * do.to(dt)).sum() + (lse * dlse.to(lse.dtype)).sum()
-        return (out.detach(), lse.detach(), *torch.autograd.grad(loss, (qr, kr, vr, sr)))
-
-    ref64, lowp = ref(torch.float64), ref(dtype)
-    for got in (run(spec), run(cm)):
-        assert got[0].stride() == q.stride()
-        for i, name in enumerate(("out", "lse", "dq", "dk", "dv", "dsinks")):
-            floor = default_floor(dtype if i < 5 else torch.float32, gradient=i >= 2)
-            assert_close_to_reference(got[i], ref64[i], lowp[i], floor, name)
+    assert cm.pieces is not None
+    check_training_with_terms(spec, cm, n, dtype, seed=7, lse_gradient=True)
 
 
 def test_attention_in_pieces_with_alibi_and_fewer_queries():

@@ -43,11 +43,13 @@ def needs_pieces(mask) -> bool:
     return "query_rows" not in mask.params() and max_runs(mask) > MAX_RUNS_LIMIT
 
 
-def pieces(mask: Mask) -> tuple[Mask, Mask]:
-    """The two natten specs whose union is `mask` (needs_pieces(mask)), kept on the spec so that
-    every call finds the same two (and their compiled tables)."""
+def pieces(mask: Mask) -> tuple[Mask, Mask] | None:
+    """The two natten specs whose union is `mask`, or None where it needs none (`needs_pieces`):
+    the answer kept on the spec, so that every call finds the same two (and their compiled
+    tables) without asking the bound again."""
     found = mask.__dict__.get("_pieces")
     if found is None:
-        found = tuple(_Simple("natten", **mask.params(), query_rows=side) for side in SIDES)
+        found = (tuple(_Simple("natten", **mask.params(), query_rows=side) for side in SIDES)
+                 if needs_pieces(mask) else ())
         mask.__dict__["_pieces"] = found
-    return found
+    return found or None
