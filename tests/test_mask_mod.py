@@ -521,9 +521,9 @@ def test_compiled_first_pass_is_shared_by_closures_of_one_code(forced_compiled_p
 def test_next_compile_meets_no_new_variant_of_the_placing_kernels(monkeypatch, forced_compiled_pass):
     """A mask_mod's second compile at one shape launches change_runs' kernels with arguments that
     Triton specialises (an int: whether it is 1, whether a multiple of 16) as the first compile did:
-    its blocks differ (the first compile's eager first chunk, then 16 chunks compiled from row 4;
-    the next one's 17 chunks from row 0), and a new variant is a JIT compile of ~0.6 s each on a
-    GPU (it was most of a 16K NATTEN mask's second compile)."""
+    its blocks could differ (the first compile checks the function on an eager first chunk), and
+    a new variant is a JIT compile of ~0.6 s each on a GPU (it was most of a 16K NATTEN mask's
+    second compile)."""
     monkeypatch.setattr(intervals_module, "MASK_MOD_RUNS_KERNEL", True)
     monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 1 << 16)  # one compiled block
     keys = []
@@ -550,6 +550,28 @@ def test_next_compile_meets_no_new_variant_of_the_placing_kernels(monkeypatch, f
     assert intervals_module._compiled_key(window) in intervals_module._CHECKED  # the second took no eager block
     assert keys[1] <= keys[0], keys[1] - keys[0]
     assert torch.equal(masks.from_mask_mod(window).to_dense(68, 24), dense_of_mod(window, 68, 24)[0, 0])
+
+
+def test_first_compile_builds_every_graph_the_next_one_takes(monkeypatch, forced_compiled_pass):
+    """The first compile of a mask_mod checks the function on an eager first block, then lays its
+    compiled blocks from row 0 as a later compile does, so a later compile of the same shape meets
+    no new graph (laid after the eager block, the one compiled block of every row took the given
+    indices, and the next compile's block, inside the mask, compiled its indexed graph: 4.9 s of
+    a 16K NATTEN mask's second compile on an H200)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(intervals_module, "MASK_MOD_COMPILED_BLOCK_ELEMENTS", 1 << 16)  # one block of rows
+
+    def window(b, h, q, kv):
+        return (kv <= q) & (q - kv < 5)
+    graphs = []
+    for _ in range(2):
+        got = masks.from_mask_mod(window).to_dense(68, 24)
+        assert torch.equal(got, dense_of_mod(window, 68, 24)[0, 0])
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and graphs[1] == graphs[0], graphs
 
 
 def test_checked_code_skips_the_eager_block_and_still_raises_its_own_errors(monkeypatch, forced_compiled_pass):

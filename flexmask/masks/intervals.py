@@ -799,8 +799,8 @@ def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top, q_len: int, n: i
     from q_len on are the last row again): the change words, [n, cols, chunks] int32
     (`_chunk_changes`), how many chunks of each column hold a change, [n, cols] int32, and the
     compiled pass, None once the compiler failed (the rest runs
-    eagerly). The first block runs eagerly with `eager_first`, which checks what the function
-    returns; with `check_on_failure` (a code checked on an earlier mask) a failed compiled block is
+    eagerly). With `eager_first` the first block runs eagerly, which checks what the function
+    returns (compiled, that check's words are dropped and the compiled blocks start at row 0); with `check_on_failure` (a code checked on an earlier mask) a failed compiled block is
     run eagerly first, so that the function's own error, if it has one, is the one raised, before
     the compiler is given up. Columns, not chunks, lead the words: `_first_changed_chunks` reads
     each column's chunks in order. With `take`, each block of rows' masked words go to take(words
@@ -816,6 +816,12 @@ def _column_block_changes(fn, b_idx, h_idx, kv_idx, q_all, top, q_len: int, n: i
         count = torch.zeros((n, cols), dtype=torch.int32, device=kv_idx.device)
     above = top  # above the first row: attended
     q0 = 0
+    if compiled is not None and eager_first and q_len:
+        # the check alone, its words dropped: the compiled blocks still start at row 0, so that this
+        # first compile builds the graphs a later one's blocks take (laid from row rows[0] on, they took
+        # the given indices where the next compile's blocks make theirs: a compile in the next call)
+        _masked_words(fn, b_idx, h_idx, q_all[:min(n_chunks, rows[0] // chunk) * chunk], kv_idx, together)
+        eager_first = False
     while q0 < q_len:
         if compiled is None or eager_first:  # the eager pass checks the function on its first block
             c0, c1 = q0 // chunk, min(n_chunks, (q0 + rows[0]) // chunk)
