@@ -562,3 +562,16 @@ def test_normalize_runs_is_the_union(k_in):
                 got |= (rows >= lo) & (rows < hi)
             assert torch.equal(got, want), (i, j, ivs[i, j].tolist(), kept)
             assert all(a[1] < b[0] for a, b in zip(kept, kept[1:])), kept  # sorted, apart: one run each
+
+
+def test_runs_cost_tool_needs_a_gpu_and_a_k_run_cap(capsys):
+    """The tool that times the kernels with fewer runs read (tools/runs_cost.py) says so off a GPU,
+    and refuses a cap below the k-run kernels' smallest NUM_RUNS before anything runs."""
+    from tools import runs_cost
+
+    with pytest.raises(SystemExit, match="--cap must be at least 3"):
+        runs_cost.main(["--cap", "2"])
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the tool would measure")
+    assert runs_cost.main([]) == 1
+    assert "needs a GPU" in capsys.readouterr().out
