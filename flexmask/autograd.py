@@ -24,6 +24,7 @@ from .lse_merge import merge
 from .kernels.common.score_terms import ScoreTerms
 from .kernels.dispatch import attention_backward, attention_forward
 from .masks.compiler import retiled
+from .masks.tile_words import tile_words
 
 
 class _Tables(SimpleNamespace):
@@ -32,6 +33,10 @@ class _Tables(SimpleNamespace):
     def retiled(self, block_m: int, block_n: int):
         """The mask's tables at another tile, kept with its intervals tensor (masks.compiler.retiled)."""
         return retiled(self, block_m, block_n)
+
+    def tile_words(self):
+        """The row words of the mask's PARTIAL tiles, kept with its intervals tensor (masks.tile_words)."""
+        return tile_words(self)
 
 
 def _tables(intervals, fwd_offsets, fwd_num_full, fwd_blocks, bwd_offsets, bwd_num_full, bwd_blocks,

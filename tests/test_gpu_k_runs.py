@@ -152,15 +152,18 @@ def _switched_case(name: str, head_dim: int):
     return q, k, v, do, cm, _reference(q, k, v, cm, do, torch.float32), _reference(q, k, v, cm, do, torch.bfloat16)
 
 
-@pytest.mark.parametrize("step", [0, 4], ids=lambda n: f"loop{n}" if n else "unrolled")
+@pytest.mark.parametrize("step", [8, 0, 4], ids=lambda n: f"loop{n}" if n else "unrolled")
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("name", ["natten_32x32_k7", "natten_video_8x16x16", "dilated_per_head", "per_batch_mod"])
 def test_k_runs_forward_runs_loop_switched(monkeypatch, name, head_dim, step):
-    """The Hopper forward of k-run masks with the runs' reading other than the default's 8 an
-    iteration (configs.HOPPER_FORWARD_RUNS_LOOP; test_k_runs_forward_backward runs the default):
-    unrolled, or 4 an iteration, against the dense reference."""
+    """The Hopper forward of k-run masks folding the runs into the row words (the path where the
+    tiles' words are not read: configs.HOPPER_FORWARD_TILE_WORDS off, as inside a CUDA graph's
+    capture of a mask not used before), 8 an iteration (configs.HOPPER_FORWARD_RUNS_LOOP), unrolled,
+    or 4 an iteration, against the dense reference (test_k_runs_forward_backward runs the default,
+    the tiles' words)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper forward needs an sm_90 GPU")
+    monkeypatch.setattr(forward_configs, "HOPPER_FORWARD_TILE_WORDS", False)
     monkeypatch.setattr(forward_configs, "HOPPER_FORWARD_RUNS_LOOP", {head_dim: step} if step else {})
     q, k, v, _, cm, ref, low = _switched_case(name, head_dim)
     out, _ = dispatch.attention_forward(q, k, v, cm, head_dim ** -0.5, kernel="hopper")

@@ -15,7 +15,9 @@ and the largest difference between the two outputs. Switches:
   PARTIAL tile against items with up to two (configs.HOPPER_FORWARD_FULL_REST_PARTIALS 1 / 2).
 - `runs_loop_4`, `runs_loop_8` (D = 128 and 64, heads 16/16, benchmarks.mask_mod's k-run masks at 16K-32K):
   a column's runs unrolled in a PARTIAL tile against read in a loop, 4 or 8 runs an iteration
-  (configs.HOPPER_FORWARD_RUNS_LOOP).
+  (configs.HOPPER_FORWARD_RUNS_LOOP; both sides fold the runs: the tiles' words off);
+- `tile_words` (the same masks and head dims): a PARTIAL tile's runs folded into its row words (8 an
+  iteration) against the words read from the mask's table (configs.HOPPER_FORWARD_TILE_WORDS).
 
     PYTHONPATH=$PWD python3 -m tools.forward_ab --switch block_m
 """
@@ -49,17 +51,23 @@ SWITCHES = {  # name: (head dims, heads, (S, batch) cases, the two sides' labels
     # k-run masks (benchmarks.mask_mod's, at their own shapes: no cases), runs unrolled against a loop
     "runs_loop_4": ((128, 64), ((16, 16),), None, ("runs unrolled", "4 runs an iteration")),
     "runs_loop_8": ((128, 64), ((16, 16),), None, ("runs unrolled", "8 runs an iteration")),
+    "tile_words": ((128, 64), ((16, 16),), None, ("runs folded", "tile words")),
 }
 
 
 def _run(switch: str, side: int, q, k, v, cm, mask_map):
-    if switch.startswith("runs_loop"):
-        kept, step = configs.HOPPER_FORWARD_RUNS_LOOP, int(switch.rsplit("_", 1)[1])
-        configs.HOPPER_FORWARD_RUNS_LOOP = {64: step, 128: step} if side else {}
+    if switch.startswith("runs_loop") or switch == "tile_words":
+        kept = configs.HOPPER_FORWARD_RUNS_LOOP, configs.HOPPER_FORWARD_TILE_WORDS
+        if switch == "tile_words":
+            configs.HOPPER_FORWARD_TILE_WORDS = bool(side)
+        else:
+            step = int(switch.rsplit("_", 1)[1])
+            configs.HOPPER_FORWARD_RUNS_LOOP = {64: step, 128: step} if side else {}
+            configs.HOPPER_FORWARD_TILE_WORDS = False
         try:
             return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map)
         finally:
-            configs.HOPPER_FORWARD_RUNS_LOOP = kept
+            configs.HOPPER_FORWARD_RUNS_LOOP, configs.HOPPER_FORWARD_TILE_WORDS = kept
     if switch == "block_m":
         return forward_hopper.attention_forward_hopper(q, k, v, cm, 0.125, mask_map, block_m=(128, 192)[side])
     if switch == "pingpong":

@@ -79,7 +79,10 @@ def _score_terms(terms: str | None, tensor) -> tuple[dict, dict]:
 
 def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bool = False,
                     column_bias: bool | None = None, tc_bias: bool | None = None, terms: str | None = None,
-                    runs: int = 2, block_m: int | None = None, runs_loop: int | None = None):
+                    runs: int = 2, block_m: int | None = None, runs_loop: int | None = None,
+                    tile_words: bool | None = None):
+    """The Hopper forward; `tile_words`: a k-run mask's PARTIAL tiles read their row words from a
+    table (default: configs', as launched)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.forward import hopper as fh
 
@@ -89,7 +92,8 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
     kd, _ = fh._descriptor(k, fh.HOPPER_BLOCK)
     i32 = torch.empty(8, dtype=torch.int32)
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, o_desc=qd, LSE=torch.empty(8), INTV=i32, WORK=i32, COUNTER=i32,
-                FWD_OFFSETS=i32, FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, O_X_B=4, O_X_H=1, O_C_H=0,
+                FWD_OFFSETS=i32, FWD_NUM_FULL=i32, FWD_BLOCKS=i32, FWD_BASE=i32, n_items=1000, O_X_B=4, O_X_H=1,
+                O_C_H=0,
                 Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
                 Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5)  # as launched
     term_args, term_consts = _score_terms(terms, torch.empty(8))
@@ -109,7 +113,9 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
                   FULL_REST=forward_configs.hopper_forward_full_rest(head_dim, block_m),
                   FULL_REST_PARTIALS=forward_configs.HOPPER_FORWARD_FULL_REST_PARTIALS,
                   RUNS_LOOP=(forward_configs.hopper_forward_runs_loop(head_dim, runs) if runs_loop is None
-                             else runs_loop if runs > 2 else 0), num_warps=4)
+                             else runs_loop if runs > 2 else 0),
+                  TILE_WORDS=(forward_configs.hopper_forward_tile_words(runs) if tile_words is None
+                              else bool(tile_words) and runs > 2), num_warps=4)
     if runs > 2:
         consts.update(COLUMN_BIAS=False, TC_BIAS=False)
     maxnreg = 168 if block_m == 128 else 128  # as attention_forward_hopper launches it

@@ -1,8 +1,10 @@
 """What reading a k-run mask's runs costs the Hopper kernels, on a GPU: NATTEN k x k on the
 mask_mod benchmark's images, the forward and the forward + backward of `flexmask.attention` with
 the tables' own NUM_RUNS and again with NUM_RUNS capped (the same k-run code, folding fewer runs
-into each PARTIAL tile's row words: wrong outputs, kept for the timing only). The difference
-bounds what a table of each PARTIAL tile's row words, read in place of the runs, could save.
+into each PARTIAL tile's row words: wrong outputs, kept for the timing only), the forward's
+tile words off on both sides (configs.HOPPER_FORWARD_TILE_WORDS). The difference bounds what a
+table of each PARTIAL tile's row words, read in place of the runs (masks/tile_words.py, the
+forward's since), can save.
 
     python -m tools.runs_cost [--sizes 16K,128K] [--kernels 9,13] [--cap 4]
 
@@ -35,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     import flexmask
     from flexmask import masks
     from flexmask.kernels.backward import hopper as backward, hopper_dq
-    from flexmask.kernels.forward import hopper as forward
+    from flexmask.kernels.forward import configs as forward_configs, hopper as forward
 
-    own = forward.kernel_runs
+    own, own_words = forward.kernel_runs, forward_configs.HOPPER_FORWARD_TILE_WORDS
 
     def capped(tables):
         runs = own(tables)
@@ -58,10 +60,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, runs in (("own runs", own), (f"runs capped at {args.cap}", capped)):
                 for module in (forward, backward, hopper_dq):
                     module.kernel_runs = runs
+                forward_configs.HOPPER_FORWARD_TILE_WORDS = False
                 try:
                     fwd = bench(lambda: flexmask.attention(q, k, v, mask=cm))
                     both = bench(lambda: torch.autograd.grad(flexmask.attention(*leaves, mask=cm), leaves, do))
                 finally:
+                    forward_configs.HOPPER_FORWARD_TILE_WORDS = own_words
                     for module in (forward, backward, hopper_dq):
                         module.kernel_runs = own
                 row.append(f"{name} fwd {fwd:.3f} fwd+bwd {both:.3f}")

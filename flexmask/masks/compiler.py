@@ -45,6 +45,7 @@ from ..kernels.common.masking import note_all_full
 from .compiler_kernels import build_tables_device
 from .device_plan import device_plan
 from .intervals import build_intervals
+from .tile_words import tile_words
 from . import token_order
 
 SKIP, PARTIAL, FULL = 0, 1, 2
@@ -123,6 +124,11 @@ class CompiledMask:
         """The same mask's tables at another tile (the Hopper forward at D = 64 walks 192-row
         q-blocks of a mask compiled at 128 x 128): `retiled(self, ...)`."""
         return retiled(self, block_m, block_n, on_device)
+
+    def tile_words(self):
+        """The row words of the PARTIAL tiles of these k-run tables, built once (masks/tile_words.py),
+        or None inside a CUDA graph's capture where they were not built before."""
+        return tile_words(self)
 
     def tile_classes(self) -> torch.Tensor:
         """int8 [Bm, Hm, NQB, NKB] of SKIP/PARTIAL/FULL (exact). O(tiles): for tests and plots."""

@@ -189,3 +189,14 @@ def hopper_forward_runs_loop(head_dim: int, runs: int) -> int:
     """Runs a loop iteration folds in the Hopper forward's PARTIAL tiles of a k-run mask
     (HOPPER_FORWARD_RUNS_LOOP), 0 where they are unrolled (and for two intervals)."""
     return HOPPER_FORWARD_RUNS_LOOP.get(head_dim, 0) if runs > 2 else 0
+
+
+# A k-run mask's PARTIAL tiles read their row words from a table built once per mask
+# (masks/tile_words.py: block_m / 32 words a column) instead of folding each column's runs a tile
+# (18-22% of a NATTEN training step: `python -m tools.runs_cost`). False: the runs, as before.
+HOPPER_FORWARD_TILE_WORDS = True
+
+
+def hopper_forward_tile_words(runs: int) -> bool:
+    """Whether the Hopper forward reads a k-run mask's tile words (HOPPER_FORWARD_TILE_WORDS)."""
+    return runs > 2 and HOPPER_FORWARD_TILE_WORDS

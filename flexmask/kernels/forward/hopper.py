@@ -96,7 +96,7 @@ def _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i):
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-    WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
     NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
@@ -155,7 +155,7 @@ def _row_bits(start, end, base):
 
 @gluon.jit
 def _column_intervals(INTV, row, n, Sk, BLOCK_N: gl.constexpr, num_warps: gl.constexpr, pred,
-                      NUM_RUNS: gl.constexpr = 2):
+                      NUM_RUNS: gl.constexpr = 2, word_tile=0, WORD_ROWS: gl.constexpr = 0):
     """The four interval ends (LTS, LTE, UTS, UTE) of the BLOCK_N columns of kv-block n, one
     column per thread. The loads are predicated on `pred`, so a walk can issue them before it
     waits for its matrix product and use them only if the tile turns out PARTIAL: their
@@ -164,8 +164,17 @@ def _column_intervals(INTV, row, n, Sk, BLOCK_N: gl.constexpr, num_warps: gl.con
 
     With k runs per column (NUM_RUNS > 2, the planar [2 * NUM_RUNS, Sk] pairs of
     common/masking.py) the runs do not fit in registers beside the tile: this returns where
-    they are (the columns' pointers, which to read, Sk) and `_row_words` reads them."""
+    they are (the columns' pointers, which to read, Sk) and `_row_words` reads them.
+
+    With WORD_ROWS (the tables' rows a tile, a k-run mask whose PARTIAL tiles' row words were
+    built: masks/tile_words.py) INTV holds those words and `word_tile` is this tile's index among
+    them: this returns the columns' pointers to their first word, which to read, the all-true
+    third and the words' stride, and `_row_words` reads a word per 32 rows."""
     c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    if WORD_ROWS > 0:
+        c = gl.arange(0, BLOCK_N, layout=c_layout)
+        p_words = INTV + word_tile.to(gl.int64) * (WORD_ROWS // 32 * BLOCK_N) + c
+        return p_words, (c >= 0) & pred, c >= 0, BLOCK_N
     o_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=c_layout)
     in_k = (o_n < Sk) & pred
     p_intv = INTV + row.to(gl.int64) * (2 * NUM_RUNS) * Sk + o_n
@@ -189,24 +198,32 @@ def _interval_ends(p_intv, in_k, Sk):
 
 @gluon.jit
 def _row_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.constexpr = 2,
-               LOOP: gl.constexpr = False):
+               LOOP: gl.constexpr = False, WORD_ROWS: gl.constexpr = 0):
     """[2, BLOCK_N] words of masked rows: bit r of word (j, c) is row row0 + j * HALF + r of
     column c (HALF <= 32), from `_run_words`."""
-    w0, w1 = _run_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS, LOOP)
+    w0, w1 = _run_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS, LOOP, WORD_ROWS)
     return gl.permute(gl.join(w0, w1), [1, 0])
 
 
 @gluon.jit
 def _run_words(lts, lte, uts, ute, row0, HALF: gl.constexpr, NUM_RUNS: gl.constexpr = 2,
-               LOOP: gl.constexpr = False):
+               LOOP: gl.constexpr = False, WORD_ROWS: gl.constexpr = 0):
     """(w0, w1), the words of masked rows of each column (or key) of the arguments' layout: bit r
     of w0 is row row0 + r, of w1 row row0 + HALF + r. With k runs (NUM_RUNS > 2) the arguments are
     `_column_intervals`' (pointers, which to read, -, Sk) and the runs are read here, one run at a
     time, each folded into the words at once: two words a column stay live, not 2 * NUM_RUNS ends;
     unrolled, or with LOOP a loop at run time that folds LOOP runs an iteration (offline, the
     backward's 16 runs spilled 1.2-1.6 KB a thread unrolled, ~0.1 KB as a loop). A column past Sk
-    reads as one run over every row."""
-    if NUM_RUNS == 2:
+    reads as one run over every row. With WORD_ROWS the arguments are `_column_intervals`' pointers
+    to the tile's words (tile rows WORD_ROWS, HALF 32): the two words of rows row0 .. row0 + 63
+    are loaded, nothing folded."""
+    if WORD_ROWS > 0:
+        gl.static_assert(HALF == 32, "a tile's words hold 32 rows each")
+        p_words, in_k, stride = lts, lte, ute
+        first = (row0 % WORD_ROWS) // 32
+        w0 = gl.load(p_words + first * stride, mask=in_k, other=0)
+        w1 = gl.load(p_words + (first + 1) * stride, mask=in_k, other=0)
+    elif NUM_RUNS == 2:
         w0 = _row_bits(lts, lte, row0) | _row_bits(uts, ute, row0)
         w1 = _row_bits(lts, lte, row0 + HALF) | _row_bits(uts, ute, row0 + HALF)
     else:
@@ -369,12 +386,12 @@ def _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx
 def _tile_softmax(s, WAIT: gl.constexpr, s_idx, k_empty, lts, lte, uts, ute, is_partial, n, row0, m_i, l_i, qk_scale,
                   tanh_scale, softcap2, slope2, alibi_shift, COLUMN_BIAS: gl.constexpr, SOFTCAP: gl.constexpr,
                   HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, s_layout: gl.constexpr, ROWS: gl.constexpr,
-                  BLOCK_N: gl.constexpr, RUNS_LOOP: gl.constexpr = 0):
+                  BLOCK_N: gl.constexpr, RUNS_LOOP: gl.constexpr = 0, WORD_ROWS: gl.constexpr = 0):
     """A tested tile from its issued S = Q K^T ([ROWS, BLOCK_N]): the row words and column bias
     (while the product runs), the wait for S (WAIT products left in flight), the K stage released,
     the score terms and the masked softmax step. Returns (P, m_i, l_i, alpha)."""
     TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI
-    words = _row_words(lts, lte, uts, ute, row0, ROWS // 2, NUM_RUNS, RUNS_LOOP)  # while the products run
+    words = _row_words(lts, lte, uts, ute, row0, ROWS // 2, NUM_RUNS, RUNS_LOOP, WORD_ROWS)  # while the products run
     bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
     s = warpgroup_mma_wait(WAIT, deps=(s,))
     mbarrier.arrive(k_empty.index(s_idx), count=1)
@@ -390,7 +407,8 @@ def _tested_step(i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs
                  prev_phase, p_prev, acc, m_i, l_i, row0, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                  WG: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_F32: gl.constexpr,
                  COLUMN_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, RUNS_LOOP: gl.constexpr = 0):
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, RUNS_LOOP: gl.constexpr = 0,
+                 word_base=0, WORD_ROWS: gl.constexpr = 0):
     """Walk step i of the one loop: the tile read from the table and tested, its column intervals
     and row words (while the products run) where it is PARTIAL, the masked softmax, O rescaled.
     Returns (O, P carried, stage, phase, m_i, l_i)."""
@@ -398,12 +416,13 @@ def _tested_step(i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs
     ROWS: gl.constexpr = q_view.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[2]
     n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i)
-    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, 4, is_partial, NUM_RUNS)
+    lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, 4, is_partial, NUM_RUNS, word_base + i,
+                                           WORD_ROWS)
     s, acc, s_idx = _issue_products(q_view, k_bufs, v_bufs, k_ready, v_ready, kv_count, prev_idx, prev_phase, p_prev,
                                     acc, WG, STAGES, PINGPONG, P_F32, s_layout, p_layout)
     p, m_i, l_i, alpha = _tile_softmax(s, 1, s_idx, k_empty, lts, lte, uts, ute, is_partial, n, row0, m_i, l_i,
                                        qk_scale, tanh_scale, softcap2, slope2, alibi_shift, COLUMN_BIAS, SOFTCAP,
-                                       HAS_ALIBI, NUM_RUNS, s_layout, ROWS, BLOCK_N, RUNS_LOOP)
+                                       HAS_ALIBI, NUM_RUNS, s_layout, ROWS, BLOCK_N, RUNS_LOOP, WORD_ROWS)
     acc, p_prev, prev_idx, prev_phase = _end_step(acc, alpha, p, v_empty, prev_idx, s_idx, kv_count, STAGES, P_F32,
                                                   q_view.dtype, o_layout, p_layout)
     return acc, p_prev, prev_idx, prev_phase, m_i, l_i
@@ -612,7 +631,7 @@ def _term_scores(s, row0, col0, qk_scale, tanh_scale, softcap2, slope2, shift,
 @gluon.jit
 def _consumer(
     WG: gl.constexpr, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
-    LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
     O_X_B, O_X_H, O_C_H,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
@@ -620,7 +639,7 @@ def _consumer(
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
     NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, FULL_REST: gl.constexpr,
-    FULL_REST_PARTIALS: gl.constexpr, RUNS_LOOP: gl.constexpr,
+    FULL_REST_PARTIALS: gl.constexpr, RUNS_LOOP: gl.constexpr, TILE_WORDS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * WG_ROWS, (WG + 1) * WG_ROWS) of each q-block (two
     warpgroups of a 128-row block, three of a 192-row one). The warpgroups share the K/V stages
@@ -643,6 +662,8 @@ def _consumer(
 
     HALF: gl.constexpr = ROWS // 2
     P_F32: gl.constexpr = SPLIT_LOOPS  # how P is carried to the next step (_p_carried)
+    # a k-run mask's PARTIAL tiles read their row words from a table (masks/tile_words.py; INTV holds it)
+    WORD_ROWS: gl.constexpr = BLOCK_M if TILE_WORDS else 0
     TERMS: gl.constexpr = SOFTCAP or HAS_ALIBI  # S through _term_scores before the mask
     ones_smem, bias_bufs = tc_bufs
     if TC_BIAS:
@@ -657,6 +678,9 @@ def _consumer(
         b, h, m, seg = _decode_item(entry, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE)
         row = seg // NQB
         row0 = m * BLOCK_M + WG * ROWS
+        word_base = 0  # the index of this q-block's first PARTIAL tile among the tiles' words
+        if TILE_WORDS:
+            word_base = gl.load(FWD_BASE + seg)
         o_m = row0 + gl.arange(0, ROWS, layout=row_layout)
         if HAS_SINKS:  # the sink: a first key of logit sinks[h] and value 0 (common/score_terms.py)
             m_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout) + gl.load(SINKS + h) * 1.4426950408889634
@@ -675,7 +699,8 @@ def _consumer(
         if n_tiles > 0:
             # tile 0: S = Q K^T, softmax
             n, is_partial = _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, 0)
-            lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial, NUM_RUNS)
+            lts, lte, uts, ute = _column_intervals(INTV, row, n, Sk, BLOCK_N, num_warps, is_partial, NUM_RUNS,
+                                                   word_base, WORD_ROWS)
             s_idx = kv_count % STAGES
             mbarrier.wait(k_ready.index(s_idx), (kv_count // STAGES) & 1)
             k_t = k_bufs.index(s_idx).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
@@ -685,7 +710,8 @@ def _consumer(
             _pass_turn(WG, PINGPONG)
             p, m_i, l_i, alpha = _tile_softmax(s0, 0, s_idx, k_empty, lts, lte, uts, ute, is_partial, n, row0, m_i, l_i,
                                                qk_scale, tanh_scale, softcap2, slope2, alibi_shift, COLUMN_BIAS,
-                                               SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, ROWS, BLOCK_N, RUNS_LOOP)
+                                               SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, ROWS, BLOCK_N, RUNS_LOOP,
+                                               WORD_ROWS)
             p_prev = _p_carried(p, dtype, p_layout, P_F32)
             prev_idx = s_idx
             prev_phase = (kv_count // STAGES) & 1
@@ -696,7 +722,8 @@ def _consumer(
                 # docs/performance.md, section 4.4). The intervals are loaded one tile ahead
                 n_partial = t_hi - t_mid
                 n_next = gl.load(FWD_BLOCKS + t_mid + 1, mask=n_partial > 1, other=0)
-                lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, n_partial > 1, NUM_RUNS)
+                lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, n_partial > 1, NUM_RUNS,
+                                                       word_base + 1, WORD_ROWS)
                 if TC_BIAS:  # tile 1's column bias into B (tile parity 1), for its product
                     bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
                     _store_bias_row(bias, bias_bufs.index(WG * 2 + 1), BLOCK_N)
@@ -710,11 +737,12 @@ def _consumer(
                                                     s_layout, p_layout, ones_smem.index(WG),
                                                     bias_bufs.index(WG * 2 + i % 2), TC_BIAS)
                     # while the products run: this tile's row words, the next one's intervals
-                    words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS, RUNS_LOOP)
+                    words = _row_words(lts, lte, uts, ute, row0, HALF, NUM_RUNS, RUNS_LOOP, WORD_ROWS)
                     bias, mixed = _column_bias(lts, lte, uts, ute, row0, ROWS, NUM_RUNS)
                     has_next = i + 1 < n_partial
                     n_next = gl.load(FWD_BLOCKS + t_mid + i + 1, mask=has_next, other=0)
-                    lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, has_next, NUM_RUNS)
+                    lts, lte, uts, ute = _column_intervals(INTV, row, n_next, Sk, BLOCK_N, num_warps, has_next, NUM_RUNS,
+                                                           word_base + i + 1, WORD_ROWS)
                     s = warpgroup_mma_wait(1, deps=(s,))
                     mbarrier.arrive(k_empty.index(s_idx), count=1)
                     if TERMS:
@@ -749,7 +777,7 @@ def _consumer(
                             1, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs, v_bufs, bars, kv_count,
                             prev_idx, prev_phase, p_prev, acc, m_i, l_i, row0, qk_scale, tanh_scale, softcap2, slope2,
                             alibi_shift, WG, STAGES, PINGPONG, P_F32, COLUMN_BIAS, SOFTCAP, HAS_ALIBI, NUM_RUNS,
-                            s_layout, o_layout, p_layout, RUNS_LOOP)
+                            s_layout, o_layout, p_layout, RUNS_LOOP, word_base, WORD_ROWS)
                         kv_count += 1
                         first_full = 2
                 for i in range(first_full, n_tiles):
@@ -764,7 +792,7 @@ def _consumer(
                         i, FWD_BLOCKS, t_lo, t_mid, t_hi, INTV, row, Sk, q_view, k_bufs, v_bufs, bars, kv_count,
                         prev_idx, prev_phase, p_prev, acc, m_i, l_i, row0, qk_scale, tanh_scale, softcap2, slope2,
                         alibi_shift, WG, STAGES, PINGPONG, P_F32, COLUMN_BIAS, SOFTCAP, HAS_ALIBI, NUM_RUNS,
-                        s_layout, o_layout, p_layout, RUNS_LOOP)
+                        s_layout, o_layout, p_layout, RUNS_LOOP, word_base, WORD_ROWS)
                     kv_count += 1
             if EARLY_Q:  # every S = Q K^T has been waited for: the next item's Q may load during the last O += P V
                 mbarrier.arrive(q_empty.index(q_idx), count=1)
@@ -804,7 +832,7 @@ def _consumer(
 @gluon.jit
 def _forward_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
-    INTV, WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    INTV, WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
     O_X_B, O_X_H, O_C_H,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
@@ -814,7 +842,8 @@ def _forward_hopper_kernel(
     Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, COLUMN_BIAS: gl.constexpr, SPLIT_LOOPS: gl.constexpr,
     TC_BIAS: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_SINKS: gl.constexpr,
     NUM_RUNS: gl.constexpr, EARLY_Q: gl.constexpr, FULL_REST: gl.constexpr,
-    FULL_REST_PARTIALS: gl.constexpr, RUNS_LOOP: gl.constexpr, num_warps: gl.constexpr,
+    FULL_REST_PARTIALS: gl.constexpr, RUNS_LOOP: gl.constexpr, TILE_WORDS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS  # consumer warpgroups: 2 (128 rows) or 3 (192)
@@ -851,31 +880,31 @@ def _forward_hopper_kernel(
     if NUM_WG == 3:  # a 192-row block (D = 64): three consumers of 160 registers
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
-                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS, RUNS_LOOP)),
+                         FULL_REST_PARTIALS, RUNS_LOOP, TILE_WORDS)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
-                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS, RUNS_LOOP)),
+                         FULL_REST_PARTIALS, RUNS_LOOP, TILE_WORDS)),
             (_consumer, (2, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
-                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS, RUNS_LOOP)),
+                         FULL_REST_PARTIALS, RUNS_LOOP, TILE_WORDS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                          Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                          BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
@@ -883,23 +912,23 @@ def _forward_hopper_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
-                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS, RUNS_LOOP)),
+                         FULL_REST_PARTIALS, RUNS_LOOP, TILE_WORDS)),
             (_consumer, (1, q_smem, k_bufs, v_bufs, bars, tc_bufs, o_desc, o_smem,
-                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         LSE, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
                          O_X_B, O_X_H, O_C_H,
                          Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale,
                          tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift, SINKS,
                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, Q_BUFS, PINGPONG, COLUMN_BIAS, SPLIT_LOOPS,
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
-                         FULL_REST_PARTIALS, RUNS_LOOP)),
+                         FULL_REST_PARTIALS, RUNS_LOOP, TILE_WORDS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                          Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                          BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
@@ -1171,10 +1200,13 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
     mb, mdiv, mh = mask_map
     score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, lse)
     runs = kernel_runs(tables)
+    # a k-run mask's PARTIAL tiles: their row words (masks/tile_words.py) in place of the runs, where built
+    words = tables.tile_words() if configs.hopper_forward_tile_words(runs) else None
     _FORWARD_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, o_desc, lse,
-        tables.kernel_intervals, work, scheduler.counters(q.device), tables.fwd_offsets, tables.fwd_num_full,
-        tables.fwd_blocks, n_items,
+        tables.kernel_intervals if words is None else words.words, work, scheduler.counters(q.device),
+        tables.fwd_offsets, tables.fwd_num_full, tables.fwd_blocks,
+        tables.fwd_offsets if words is None else words.fwd_base, n_items,
         oxb, oxh, och,
         sq, sk, tables.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
@@ -1185,7 +1217,7 @@ def attention_forward_hopper(q, k, v, cm, scale: float, mask_map: tuple[int, int
         RUNS_LOOP=configs.hopper_forward_runs_loop(d, runs),
         EARLY_Q=configs.HOPPER_FORWARD_EARLY_Q and block_m == HOPPER_BLOCK,  # at 192 rows it spills 12 / 40 B
         FULL_REST=configs.hopper_forward_full_rest(d, block_m),
-        FULL_REST_PARTIALS=configs.HOPPER_FORWARD_FULL_REST_PARTIALS,
+        FULL_REST_PARTIALS=configs.HOPPER_FORWARD_FULL_REST_PARTIALS, TILE_WORDS=words is not None,
         # the launch's registers a thread (64K a CTA): 12 warps at 168; 16 at 128 (three consumers; Triton
         # rounds the partitions to whole warpgroups), which setmaxnreg then moves to the consumers
         num_warps=4, maxnreg=168 if block_m == HOPPER_BLOCK else 128,
