@@ -280,11 +280,15 @@ cases += [("backward", d, dq, lambda d=d, dq=dq: oc._hopper_backward(2, d, dq)) 
 cases += [("backward_split", d, True, lambda d=d: oc._hopper_backward(2, d, True, split=True)) for d in (128, 64)]
 cases += [("backward_pieces", d, True, lambda d=d: oc._hopper_backward(2, d, True, pieces=True)) for d in (128, 64)]
 cases += [("dq", d, None, lambda d=d: oc._hopper_dq(2, d)) for d in (128, 64)]
-cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16, runs_loop=0)) for d in (128, 64)]
+cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16, runs_loop=0, tile_words=False))
+          for d in (128, 64)]
 cases += [("dq_k_runs", 128, 16, lambda: oc._hopper_dq(2, 128, runs=16))]
 cases += [("backward_k_runs", d, 16, lambda d=d: oc._hopper_backward(2, d, True, runs=16, runs_loop=False))
           for d in (128, 64)]
-cases += [("forward_k_runs_loop", d, 8, lambda d=d: oc._hopper_forward(d, 2, runs=16, runs_loop=8)) for d in (128, 64)]
+cases += [("forward_k_runs_loop", d, 8, lambda d=d: oc._hopper_forward(d, 2, runs=16, runs_loop=8, tile_words=False))
+          for d in (128, 64)]
+cases += [("forward_k_runs_words", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16, tile_words=True))
+          for d in (128, 64)]
 cases += [("backward_k_runs_loop", d, step,
            lambda d=d, step=step: oc._hopper_backward(2, d, True, runs=16, runs_loop=step))
           for d in (128, 64) for step in (1, 8)]
@@ -308,10 +312,11 @@ def test_hopper_kernels_compile_for_sm90():
     three with 16 runs per column (k-run masks) compile too; they spill some (section 12). The
     backward with its runs read in a loop (its default), a run or eight an iteration, spills at most
     a tenth of what it spills with them unrolled at D = 128, and at most half at D = 64; the forward
-    with 8 runs an iteration (its default too) no more than unrolled."""
+    folding 8 runs an iteration no more than unrolled, and reading its tiles' words (its default)
+    nothing at D = 64."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
-    assert len(results) == 24, results
+    assert len(results) == 26, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["variant"] == "192 rows":  # two values stored at entry, under the launch's 128 registers
@@ -332,6 +337,8 @@ def test_hopper_kernels_compile_for_sm90():
     forward_unrolled = {r["d"]: spills(r) for r in results if r["name"] == "forward_k_runs"}
     for r in (r for r in results if r["name"] == "forward_k_runs_loop"):  # the forward's loop (its default)
         assert spills(r) <= forward_unrolled[r["d"]], (r, forward_unrolled)
+    for r in (r for r in results if r["name"] == "forward_k_runs_words" and r["d"] == 64):
+        assert spills(r) == 0, r
     # a split item adds its dK/dV into the group's fp32 sums by bulk reductions (8 boxes at D = 128,
     # 4 at 64, in each of the two consumer warpgroups), no per-element atomics: the same atomics as
     # the whole-group kernel (the scheduler's)
