@@ -140,3 +140,18 @@ def check_words_built(tables) -> int:
     """The bytes of `tables`' words, checked against the dense mask."""
     check_words(tables, masks.from_mask_mod(stripes).to_dense(1000, 200).reshape(1, 1000, 200))
     return tile_words(tables).words.numel() * 4
+
+
+def test_the_custom_ops_view_of_the_tables_gets_the_same_words():
+    """Under torch.compile the kernels see the op's view of the tables (autograd._Tables, rebuilt
+    from the op's tensor arguments): its words are the CompiledMask's."""
+    from flexmask.autograd import _tables
+
+    mask, sq, sk = CASES["strided per head"]()
+    cm = compile_spec(mask, sq, sk, torch.device("cpu"), 32, 32)
+    view = _tables(cm.kernel_intervals.clone(), cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, cm.bwd_offsets,
+                   cm.bwd_num_full, cm.bwd_blocks, cm.batch, cm.heads, cm.block_m, cm.block_n, cm.num_tiles_visited,
+                   sq, sk)
+    a, b = cm.tile_words(), view.tile_words()
+    assert a is not b  # kept per intervals tensor: the view's is a clone
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
