@@ -127,7 +127,7 @@ class CompiledMask:
 
     def tile_words(self):
         """The row words of the PARTIAL tiles of these k-run tables, built once (masks/tile_words.py),
-        or None inside a CUDA graph's capture where they were not built before."""
+        or None where none are built (past their memory bound; a CUDA graph's capture)."""
         return tile_words(self)
 
     def tile_classes(self) -> torch.Tensor:
