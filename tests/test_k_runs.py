@@ -566,11 +566,16 @@ def test_normalize_runs_is_the_union(k_in):
 
 def test_runs_cost_tool_needs_a_gpu_and_a_k_run_cap(capsys):
     """The tool that times the kernels with fewer runs read (tools/runs_cost.py) says so off a GPU,
-    and refuses a cap below the k-run kernels' smallest NUM_RUNS before anything runs."""
+    and refuses a cap below the k-run kernels' smallest NUM_RUNS and sizes or kernels it has no
+    shape for (tools/gpu_probe.chosen) before anything runs."""
     from tools import runs_cost
 
     with pytest.raises(SystemExit, match="--cap must be at least 3"):
         runs_cost.main(["--cap", "2"])
+    with pytest.raises(SystemExit, match=r"--sizes: unknown \['1M'\]"):
+        runs_cost.main(["--sizes", "16K,1M"])
+    with pytest.raises(SystemExit, match=r"--kernels: unknown \['7'\]"):
+        runs_cost.main(["--kernels", "7,13"])
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the tool would measure")
     assert runs_cost.main([]) == 1

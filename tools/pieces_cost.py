@@ -15,6 +15,8 @@ import argparse
 
 import torch
 
+from tools.gpu_probe import bench, chosen, header
+
 IMAGES = {"16K": (128, 128, 2), "128K": (256, 512, 1)}  # height, width, batch (benchmarks/mask_mod.py)
 KERNEL = 13
 
@@ -25,25 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     args = p.parse_args(argv)
+    sizes = chosen("--sizes", args.sizes, IMAGES)
     if not torch.cuda.is_available():
         print("pieces_cost needs a GPU")
         return 1
-    import triton
-
     import flexmask
     from flexmask import masks
     from flexmask.kernels.common.merge_two import merge_two
     from flexmask.lse_merge import merge
 
-    sizes = args.sizes.split(",")
-    unknown = [s for s in sizes if s not in IMAGES]
-    if unknown:
-        raise SystemExit(f"--sizes: unknown {unknown}; known {sorted(IMAGES)}")
-
-    def bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
-
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(header())
     for size in sizes:
         height, width, batch = IMAGES[size]
         s = height * width

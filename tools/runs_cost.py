@@ -18,6 +18,7 @@ import argparse
 
 import torch
 
+from tools.gpu_probe import bench, chosen, header
 from tools.pieces_cost import IMAGES
 
 
@@ -29,11 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cap < 3:
         raise SystemExit(f"--cap must be at least 3 (the k-run kernels' code), got {args.cap}")
+    sizes = chosen("--sizes", args.sizes, IMAGES)
+    kernels = [int(k) for k in chosen("--kernels", args.kernels, ("9", "11", "13", "15"))]
     if not torch.cuda.is_available():
         print("runs_cost needs a GPU")
         return 1
-    import triton
-
     import flexmask
     from flexmask import masks
     from flexmask.kernels.backward import hopper as backward, hopper_dq
@@ -45,16 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         runs = own(tables)
         return min(runs, args.cap) if runs > 2 else runs
 
-    def bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
-
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    for size in args.sizes.split(","):
+    print(header())
+    for size in sizes:
         height, width, batch = IMAGES[size]
         s = height * width
         q, k, v, do = (torch.randn(batch, 16, s, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        for kernel in map(int, args.kernels.split(",")):
+        for kernel in kernels:
             cm = flexmask.compile_mask(masks.natten(height, width, kernel), s, s, device="cuda")
             row = []
             for name, runs in (("own runs", own), (f"runs capped at {args.cap}", capped)):

@@ -15,6 +15,8 @@ import argparse
 
 import torch
 
+from tools.gpu_probe import bench, chosen, header
+
 
 def _masks():
     from flexmask import masks
@@ -38,21 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("token_order_cost needs a GPU")
         return 1
-    import triton
-
     import flexmask
     from flexmask.kernels.common.gather import gather_rows
 
     known = _masks()
-    names = args.masks.split(",")
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"--masks: unknown {unknown}; known {sorted(known)}")
-
-    def bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
-
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    names = chosen("--masks", args.masks, known)
+    print(header())
     for name in names:
         mask, s = known[name]
         shape = (args.batch, args.heads, s, args.head_dim)
