@@ -117,10 +117,10 @@ def _build(tables) -> TileWords | None:
         _words_kernel[(rows * nqb,)](words, tables.kernel_intervals, tables.fwd_offsets, tables.fwd_num_full,
                                     tables.fwd_blocks, fwd_base, kv_len, nqb, NUM_RUNS=two_runs // 2,
                                     BLOCK_M=tables.block_m, BLOCK_N=tables.block_n)
-    return TileWords(words, fwd_base, _backward_words(tables, fwd_base, nqb, nkb))
+    return TileWords(words, fwd_base, _backward_words(tables, nqb, nkb))
 
 
-def _backward_words(tables, fwd_base: torch.Tensor, nqb: int, nkb: int) -> torch.Tensor:
+def _backward_words(tables, nqb: int, nkb: int) -> torch.Tensor:
     """bwd_word: each backward entry's index among the forward lists' PARTIAL entries. The
     forward's PARTIAL entries, in their order, have increasing keys (mask row, q-block, kv-block),
     so a backward entry's index is where its key falls among them."""
