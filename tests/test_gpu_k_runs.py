@@ -124,17 +124,20 @@ def test_k_runs_decode(name, head_dim):
     assert ran, "no decode shape held k runs"
 
 
-@pytest.mark.parametrize("head_dim, step", [(128, 0), (128, 1), (64, 0), (64, 4)],
-                         ids=["D128-unrolled", "D128-loop1", "D64-unrolled", "D64-loop4"])
+@pytest.mark.parametrize("head_dim, step", [(128, 8), (64, 8), (128, 0), (128, 1), (64, 0), (64, 4)],
+                         ids=["D128-loop8", "D64-loop8", "D128-unrolled", "D128-loop1", "D64-unrolled", "D64-loop4"])
 @pytest.mark.parametrize("name", ["natten_32x32_k7", "natten_video_8x16x16", "sliding_tile_video", "dilated_per_head",
                                   "per_batch_mod"])
 def test_k_runs_backward_runs_loop_switched(monkeypatch, name, head_dim, step):
-    """The Hopper backward of k-run masks with configs.HOPPER_BACKWARD_RUNS_LOOP other than its
-    default (eight an iteration, test_k_runs_forward_backward's): a column's runs unrolled in 64-row
-    steps at D = 128 and 64, read one an iteration at D = 128 and four at D = 64 (in 128-row steps),
-    deterministic and not, against the dense reference."""
+    """The Hopper backward and dQ pass of k-run masks folding the runs into each PARTIAL step's row
+    words (the tiles' words off: configs.HOPPER_BACKWARD_TILE_WORDS, as where none are built), with
+    configs.HOPPER_BACKWARD_RUNS_LOOP's default (eight an iteration) and others: a column's runs
+    unrolled in 64-row steps at D = 128 and 64, read one an iteration at D = 128 and four at D = 64
+    (in 128-row steps), deterministic and not, against the dense reference
+    (test_k_runs_forward_backward runs the default, the tiles' words)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper backward needs an sm_90 GPU")
+    monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_TILE_WORDS", False)
     monkeypatch.setattr(backward_configs, "HOPPER_BACKWARD_RUNS_LOOP", {head_dim: step} if step else {})
     q, k, v, do, cm, ref, low = _switched_case(name, head_dim)
     _check_training(q, k, v, cm, do, ref, low, f"runs loop {step}, ")

@@ -282,16 +282,20 @@ cases += [("backward_pieces", d, True, lambda d=d: oc._hopper_backward(2, d, Tru
 cases += [("dq", d, None, lambda d=d: oc._hopper_dq(2, d)) for d in (128, 64)]
 cases += [("forward_k_runs", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16, runs_loop=0, tile_words=False))
           for d in (128, 64)]
-cases += [("dq_k_runs", 128, 16, lambda: oc._hopper_dq(2, 128, runs=16))]
-cases += [("backward_k_runs", d, 16, lambda d=d: oc._hopper_backward(2, d, True, runs=16, runs_loop=False))
+cases += [("dq_k_runs", 128, 16, lambda: oc._hopper_dq(2, 128, runs=16, tile_words=False))]
+cases += [("backward_k_runs", d, 16, lambda d=d: oc._hopper_backward(2, d, True, runs=16, runs_loop=False,
+                                                                      tile_words=False))
           for d in (128, 64)]
 cases += [("forward_k_runs_loop", d, 8, lambda d=d: oc._hopper_forward(d, 2, runs=16, runs_loop=8, tile_words=False))
           for d in (128, 64)]
 cases += [("forward_k_runs_words", d, 16, lambda d=d: oc._hopper_forward(d, 2, runs=16, tile_words=True))
           for d in (128, 64)]
 cases += [("backward_k_runs_loop", d, step,
-           lambda d=d, step=step: oc._hopper_backward(2, d, True, runs=16, runs_loop=step))
+           lambda d=d, step=step: oc._hopper_backward(2, d, True, runs=16, runs_loop=step, tile_words=False))
           for d in (128, 64) for step in (1, 8)]
+cases += [("backward_k_runs_words", d, 16, lambda d=d: oc._hopper_backward(2, d, True, runs=16, tile_words=True))
+          for d in (128, 64)]
+cases += [("dq_k_runs_words", d, 16, lambda d=d: oc._hopper_dq(2, d, runs=16, tile_words=True)) for d in (128, 64)]
 for name, d, variant, build in cases:
     kernel = build()
     ptx = kernel.asm["ptx"]
@@ -313,10 +317,11 @@ def test_hopper_kernels_compile_for_sm90():
     backward with its runs read in a loop (its default), a run or eight an iteration, spills at most
     a tenth of what it spills with them unrolled at D = 128, and at most half at D = 64; the forward
     folding 8 runs an iteration no more than unrolled, and reading its tiles' words (its default)
-    nothing at D = 64."""
+    nothing at D = 64; the backward reading its tiles' words (its default) no more than folding 8
+    runs an iteration, nothing at D = 128, and the dQ pass nothing with them."""
     pytest.importorskip("triton.experimental.gluon")
     results = compile_for_sm90(_COMPILE_ALL, timeout=1200)
-    assert len(results) == 26, results
+    assert len(results) == 30, results
     for r in results:
         assert r["shared"] <= HOPPER_SHARED_BYTES, r
         if r["variant"] == "192 rows":  # two values stored at entry, under the launch's 128 registers
@@ -338,6 +343,11 @@ def test_hopper_kernels_compile_for_sm90():
     for r in (r for r in results if r["name"] == "forward_k_runs_loop"):  # the forward's loop (its default)
         assert spills(r) <= forward_unrolled[r["d"]], (r, forward_unrolled)
     for r in (r for r in results if r["name"] == "forward_k_runs_words" and r["d"] == 64):
+        assert spills(r) == 0, r
+    loop8 = {r["d"]: spills(r) for r in results if r["name"] == "backward_k_runs_loop" and r["variant"] == 8}
+    for r in (r for r in results if r["name"] == "backward_k_runs_words"):
+        assert spills(r) <= loop8[r["d"]] and (r["d"] == 64 or spills(r) == 0), (r, loop8)
+    for r in (r for r in results if r["name"] == "dq_k_runs_words"):
         assert spills(r) == 0, r
     # a split item adds its dK/dV into the group's fp32 sums by bulk reductions (8 boxes at D = 128,
     # 4 at 64, in each of the two consumer warpgroups), no per-element atomics: the same atomics as

@@ -20,7 +20,9 @@ Switches:
   heads, its shapes) instead of FA4's masks; `runs_loop_step`: the loop, a run an iteration against
   four, on the same masks; `runs_loop_4`: unrolled against four an iteration; `runs_loop_8`: four
   an iteration against eight; `runs_loop_unrolled_8`: unrolled against eight; `runs_loop_16`: eight
-  against sixteen.
+  against sixteen (each with the tiles' words off: the runs folded on both sides).
+- `tile_words`: configs.HOPPER_BACKWARD_TILE_WORDS, the same masks' PARTIAL steps folding the runs
+  (8 an iteration) against reading their tiles' words (masks/tile_words.py).
 
 `--alibi` adds ALiBi (slopes 2^(-8 h / Hq), as in the paper) to forward and backward. `--short`
 times S = 512, 1K and 2K at 16K tokens a batch (per_call's shapes, where an item's fixed cost shows)
@@ -59,6 +61,7 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
                              ({}, {64: 8, 128: 8})),
     "runs_loop_16": ("HOPPER_BACKWARD_RUNS_LOOP", ("8 runs an iteration", "16 runs an iteration"),
                      ({64: 8, 128: 8}, {64: 16, 128: 16})),
+    "tile_words": ("HOPPER_BACKWARD_TILE_WORDS", ("runs folded", "tile words"), (False, True)),
 }
 CASES = ((8192, 4), (32768, 1))  # (S, batch)
 SHORT_CASES = ((512, 32), (1024, 16), (2048, 8))
@@ -79,10 +82,12 @@ def main(argv=None) -> int:
     attribute, labels, values = SWITCHES[args.switch]
     if isinstance(attribute, str):  # one attribute, or several set together
         attribute, values = (attribute,), tuple((value,) for value in values)
+    if args.switch.startswith("runs_loop"):  # the runs folded on both sides: the tiles' words off
+        attribute, values = (*attribute, "HOPPER_BACKWARD_TILE_WORDS"), tuple((*value, False) for value in values)
     kept = tuple(getattr(configs, name) for name in attribute)
     d = args.head_dim
     scale = d ** -0.5
-    if args.switch.startswith("runs_loop"):
+    if args.switch.startswith("runs_loop") or args.switch == "tile_words":
         shapes = [(None, None, 16, 16, family) for family in K_RUN_FAMILIES]
     else:
         shapes = [(S, B, hq, hkv, family) for S, B in (SHORT_CASES if args.short else LONG_CASES if args.long else CASES)

@@ -125,7 +125,7 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
                      runs: int = 2, split: bool = False, dkv_tma: bool | None = None, early_v: bool | None = None,
-                     pieces: bool = False, runs_loop: int | None = None):
+                     pieces: bool = False, runs_loop: int | None = None, tile_words: bool | None = None):
     """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
     `dkv_tma`, `early_v`, `runs_loop` (runs a loop iteration folds, 0: unrolled): the kernel's
     switches (default: configs', as launched); `pieces`: walks cut into pieces of
@@ -156,7 +156,8 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, sums_desc=sums, stats_desc=stats_desc,
                 dk_desc=dkv_desc, dv_desc=dkv_desc, STATS=torch.empty(8),
                 DK=dkv, DV=dkv,
-                INTV=i32, WORK=i32, COUNTER=i32, BWD_OFFSETS=i32, BWD_NUM_FULL=i32, BWD_BLOCKS=i32, n_items=1000,
+                INTV=i32, WORK=i32, COUNTER=i32, BWD_OFFSETS=i32, BWD_NUM_FULL=i32, BWD_BLOCKS=i32, BWD_WORD=i32,
+                n_items=1000,
                 PIECES=3, stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
                 Sq=1000, Sk=1000, NKB=7, HQ=4, B_HKV=4, ITEM_HEADS=4 if split else 2, HEADS_PER_ITEM=1 if split else 2,
                 GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1, MASK_H_STRIDE=0,
@@ -165,7 +166,9 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, **term_consts, NUM_RUNS=runs,
                   KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=early_v,
                   num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0,
-                  RUNS_LOOP=runs_loop)
+                  RUNS_LOOP=runs_loop,
+                  TILE_WORDS=(bc.hopper_backward_tile_words(runs) if tile_words is None else bool(tile_words) and runs > 2)
+                  and not keys_on_rows)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 
@@ -188,9 +191,11 @@ def _dq_wait_block(head_dim: int, terms: str | None) -> bool:
 
 
 def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs: int = 2,
-               wait_block: bool | None = None):
+               wait_block: bool | None = None, tile_words: bool | None = None):
     """The deterministic path's Hopper dQ pass (backward/hopper_dq.py); `wait_block`: the wait for
-    dP in a block of its own (None: configs.hopper_dq_wait_block's rule, as dq_hopper launches it)."""
+    dP in a block of its own (None: configs.hopper_dq_wait_block's rule, as dq_hopper launches it);
+    `tile_words`: a k-run mask's PARTIAL tiles read their row words from a table (None: configs')."""
+    from flexmask.kernels.backward import configs as bc
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import hopper_dq as bq
     from flexmask.kernels.forward import hopper as fh
@@ -201,7 +206,8 @@ def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs:
     kd, _ = fh._descriptor(k, fh.HOPPER_BLOCK)
     i32 = torch.empty(8, dtype=torch.int32)
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, DQ=q, STATS=torch.empty(8), INTV=i32, WORK=i32,
-                FWD_OFFSETS=i32, FWD_NUM_FULL=i32, FWD_BLOCKS=i32, n_items=1000, stride_dqb=7, stride_dqh=7,
+                FWD_OFFSETS=i32, FWD_NUM_FULL=i32, FWD_BLOCKS=i32, FWD_BASE=i32, n_items=1000, stride_dqb=7,
+                stride_dqh=7,
                 stride_dqm=7, Sq=1000, Sk=1000, NQB=7, HQ=4, GROUP=2, MASK_B_STRIDE=0, MASK_H_DIV=1,
                 MASK_H_STRIDE=0, Q_X_B=4, Q_X_H=1, Q_C_H=0, KV_X_B=2, KV_X_H=1, KV_C_H=0, qk_scale=0.5,
                 sm_scale=0.3)  # as launched
@@ -210,7 +216,9 @@ def _hopper_dq(stages: int, head_dim: int = 128, terms: str | None = None, runs:
     if wait_block is None:
         wait_block = _dq_wait_block(head_dim, terms)
     consts = dict(BLOCK_M=128, BLOCK_N=128, HEAD_DIM=head_dim, STAGES=stages, **term_consts, NUM_RUNS=runs,
-                  DQ_WAIT_BLOCK=wait_block, num_warps=4)
+                  DQ_WAIT_BLOCK=wait_block,
+                  TILE_WORDS=bc.hopper_backward_tile_words(runs) if tile_words is None else bool(tile_words) and runs > 2,
+                  num_warps=4)
     return compile_offline(bq._dq_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

@@ -237,3 +237,13 @@ def backward_uses_tma(head_dim: int, dtype: torch.dtype, device, tiles_per_progr
 # under-fill the q-block grid, but the split path is not measured there, so they keep the
 # q-block grid. Under the CPU interpreter there is nothing to fill; the split path is taken
 # for Sq <= CPU_DECODE_MAX_Q (decode steps), so that the CPU tests cover it while the q-block
+
+
+# A k-run mask's PARTIAL steps read their tile's row words from the mask's table (masks/tile_words.py)
+# instead of folding the runs (HOPPER_BACKWARD_RUNS_LOOP) at every step. False: the runs, as before.
+HOPPER_BACKWARD_TILE_WORDS = True
+
+
+def hopper_backward_tile_words(runs: int) -> bool:
+    """Whether the Hopper backward reads a k-run mask's tile words (HOPPER_BACKWARD_TILE_WORDS)."""
+    return runs > 2 and HOPPER_BACKWARD_TILE_WORDS

@@ -146,23 +146,37 @@ def _step_start(BWD_BLOCKS, t_lo, i, n_steps, Q_STEP: gl.constexpr):
 
 @gluon.jit
 def _step_words(lts, lte, uts, ute, start_m, Q_STEP: gl.constexpr, NUM_RUNS: gl.constexpr,
-                RUNS_LOOP: gl.constexpr = 0):
+                RUNS_LOOP: gl.constexpr = 0, WORD_ROWS: gl.constexpr = 0):
     """[Q_STEP // 32, ROWS] words of masked rows of a step (forward_hopper._row_words, 64 rows a
     call), in the order _apply_row_words reads them. A 128-row step of k runs read in a loop
     (RUNS_LOOP runs an iteration) folds each run into its four words at once: two loops would
-    read every run twice (unrolled, the two calls' loads are one)."""
-    if Q_STEP == 128 and NUM_RUNS > 2 and RUNS_LOOP:
+    read every run twice (unrolled, the two calls' loads are one). With WORD_ROWS the arguments
+    point at the step's tile's words (`_tile_words_at`): loaded, nothing folded."""
+    if Q_STEP == 128 and NUM_RUNS > 2 and RUNS_LOOP and WORD_ROWS == 0:
         w0, w1, w2, w3 = _loop_words4(lts, lte, ute, start_m, NUM_RUNS, RUNS_LOOP)
         words = gl.permute(gl.join(w0, w1), [1, 0])
         more = gl.permute(gl.join(w2, w3), [1, 0])
     else:
-        words = _row_words(lts, lte, uts, ute, start_m, 32, NUM_RUNS, RUNS_LOOP)  # [2, ROWS]
+        words = _row_words(lts, lte, uts, ute, start_m, 32, NUM_RUNS, RUNS_LOOP, WORD_ROWS)  # [2, ROWS]
         if Q_STEP == 128:
-            more = _row_words(lts, lte, uts, ute, start_m + 64, 32, NUM_RUNS, RUNS_LOOP)
+            more = _row_words(lts, lte, uts, ute, start_m + 64, 32, NUM_RUNS, RUNS_LOOP, WORD_ROWS)
     if Q_STEP == 128:
         both = gl.permute(gl.join(words, more), [2, 0, 1])  # [2 halves, 2, ROWS]
         words = gl.reshape(both, [4, both.shape[2]])
     return words
+
+
+@gluon.jit
+def _tile_words_at(WORDS, word_tile, WG: gl.constexpr, ROWS: gl.constexpr, TILE: gl.constexpr,
+                   num_warps: gl.constexpr, pred):
+    """forward_hopper._column_intervals' words form for this warpgroup's ROWS keys of a TILE x TILE
+    table tile whose words are entry `word_tile` of masks/tile_words.py's table: the keys' pointers
+    to their first word, which to read (`pred`: the tile is PARTIAL), the all-true third, the
+    words' stride."""
+    c_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    c = gl.arange(0, ROWS, layout=c_layout)
+    p_words = WORDS + word_tile.to(gl.int64) * (TILE // 32 * TILE) + WG * ROWS + c
+    return p_words, (c >= 0) & pred, c >= 0, TILE
 
 
 @gluon.jit
@@ -277,7 +291,7 @@ def _store_rows(dk_desc, dv_desc, dq_lo_smem, dq_hi_smem, dk, dv, x, row0, col0,
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
-    WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
+    WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
     NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     STAGES: gl.constexpr, Q_STEP: gl.constexpr, KEYS_ON_ROWS: gl.constexpr, EARLY_V: gl.constexpr,
@@ -361,7 +375,7 @@ def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds
                          n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift, lts, lte, uts, ute, t, t_mid, step,
                          v_empty, release_v, EARLY_V: gl.constexpr, WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                          NUM_RUNS: gl.constexpr, s_layout: gl.constexpr, WG: gl.constexpr,
-                         RUNS_LOOP: gl.constexpr = 0):
+                         RUNS_LOOP: gl.constexpr = 0, WORD_ROWS: gl.constexpr = 0):
     """One step of a consumer with queries on the rows of S: S = Q K^T and dP = dO V^T
     [Q_STEP, ROWS], P and dS through shared memory into dV += P^T dO and dK += dS^T Q; dS also
     handed to the dQ products (ds_ready). `lse2`, `delta`: the step's rows' statistics, loaded by
@@ -372,7 +386,7 @@ def _query_rows_products(k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds
     zeros_s = gl.zeros([Q_STEP, ROWS], gl.float32, layout=s_layout)
     qk = warpgroup_mma(q_view, k_t, zeros_s, use_acc=False, is_async=True)
     dp = warpgroup_mma(do_view, v_t, zeros_s, use_acc=False, is_async=True)
-    words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS, RUNS_LOOP)  # while the products run
+    words = _step_words(lts, lte, uts, ute, start_m, Q_STEP, NUM_RUNS, RUNS_LOOP, WORD_ROWS)  # while the products run
     qk = warpgroup_mma_wait(1, deps=(qk,))
     if SOFTCAP or HAS_ALIBI:  # every step, FULL ones too: the scores in log2 units, then the mask
         qk, th = _term_scores(qk, start_m, n * KV_BLOCK + WG * ROWS, qk_scale, tanh_scale, softcap2,
@@ -484,7 +498,7 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
 def _consumer(
     WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc,
     sums_desc, dk_desc, dv_desc, bars,
-    STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
+    STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     KV_X_B, KV_X_H, KV_C_H, qk_scale,
@@ -492,7 +506,7 @@ def _consumer(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
     KEYS_ON_ROWS: gl.constexpr, DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, PIECE_TILES: gl.constexpr,
-    RUNS_LOOP: gl.constexpr,
+    RUNS_LOOP: gl.constexpr, TILE_WORDS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
@@ -527,6 +541,8 @@ def _consumer(
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)  # P^T, dS^T as A
     dq_col = WG * DQ_N if SPLIT_DQ else 0
 
+    # a k-run mask's PARTIAL steps read their tile's row words from a table (TILE_WORDS; INTV holds it)
+    WORD_ROWS: gl.constexpr = KV_BLOCK if TILE_WORDS else 0
     step = 0
     item_count = 0
     # the producer loaded the item and its first head's walk (work list -> offsets) ahead, and
@@ -570,6 +586,9 @@ def _consumer(
             for i in range(n_steps):
                 t = t_lo + i // STEPS
                 start_next = _step_start(BWD_BLOCKS, t_lo, i + 1, n_steps, Q_STEP)  # the next step's, loaded now
+                if TILE_WORDS:  # this step's tile's words (masks/tile_words.py; INTV holds them)
+                    word_tile = gl.load(BWD_WORD + t, mask=t >= t_mid, other=0)
+                    lts, lte, uts, ute = _tile_words_at(INTV, word_tile, WG, ROWS, KV_BLOCK, num_warps, t >= t_mid)
                 if not KEYS_ON_ROWS:  # (with keys on the rows they come by TMA with Q and dO)
                     o_m = start_m + gl.arange(0, Q_STEP, layout=query_layout)
                     lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
@@ -601,7 +620,7 @@ def _consumer(
                         k_t, v_t, q_view, do_view, ds_cols, p_cols, ds_free, ds_ready, dv, dk, lse2, delta, start_m,
                         n, qk_scale, tanh_scale, softcap2, slope2, alibi_shift,
                         lts, lte, uts, ute, t, t_mid, step, v_empty, release_v, EARLY_V,
-                        WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG, RUNS_LOOP)
+                        WITH_DQ, SOFTCAP, HAS_ALIBI, NUM_RUNS, s_layout, WG, RUNS_LOOP, WORD_ROWS)
                 # with keys on the rows (dQ split by columns) the Q/dO stage is released beside ds_free,
                 # after the dQ products
                 LATE_RELEASE: gl.constexpr = KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
@@ -662,7 +681,7 @@ def _consumer(
 @gluon.jit
 def _backward_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, dk_desc, dv_desc, STATS, DK, DV,
-    INTV, WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
+    INTV, WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
@@ -671,7 +690,7 @@ def _backward_hopper_kernel(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
     DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, num_warps: gl.constexpr, PIECE_TILES: gl.constexpr = 0,
-    RUNS_LOOP: gl.constexpr = 0,
+    RUNS_LOOP: gl.constexpr = 0, TILE_WORDS: gl.constexpr = False,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -722,22 +741,22 @@ def _backward_hopper_kernel(
     gl.warp_specialize([
         (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
                      dk_desc, dv_desc, bars,
-                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
+                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP)),
+                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
                      dk_desc, dv_desc, bars,
-                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
+                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP)),
+                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
-                     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
+                     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                      STAGES, Q_STEP, KEYS_ON_ROWS, EARLY_V, PIECE_TILES)),
@@ -944,9 +963,13 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         sums = torch.zeros(2, batch, hkv, sk, d, dtype=torch.float32, device=q.device)
         dk, dv = sums.unbind(0)
         sums_desc = tma_descriptor(sums, (2 * batch * hkv, sk, d), (sk * d, d, 1), (1, KV_ROWS // 2, 32))
+    # a k-run mask's PARTIAL steps: their tiles' row words (masks/tile_words.py) in place of the runs, where built
+    words = (cm.tile_words() if configs.hopper_backward_tile_words(runs) and not keys_on_rows
+             and cm.block_m == cm.block_n == KV_ROWS else None)
     _BACKWARD_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, dk_desc, dv_desc, stats, dk, dv,
-        cm.kernel_intervals, work, scheduler.counters(q.device), cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, n_items,
+        cm.kernel_intervals if words is None else words.words, work, scheduler.counters(q.device),
+        cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, cm.bwd_blocks if words is None else words.bwd_word, n_items,
         pieces, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, cm.num_kv_blocks, hq, batch * hkv, item_heads, hq // item_heads, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
@@ -954,7 +977,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         HEAD_DIM=d, STAGES=stages, WITH_DQ=with_dq, SPLIT_GROUP=split, SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"],
         NUM_RUNS=runs, KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
         num_warps=4, maxnreg=168,
-        PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0, RUNS_LOOP=runs_loop,
+        PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0, RUNS_LOOP=runs_loop, TILE_WORDS=words is not None,
     )
     if sums_needed:
         dk_out.copy_(dk)

@@ -31,12 +31,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs
-from .hopper import LOG2E, _like_q
+from .hopper import LOG2E, _like_q, _tile_words_at
 from ..common.launcher import FastLaunch
 from ..common.masking import kernel_runs
 from ..common.score_terms import gluon_kernel_args
 from ..forward.hopper import (
-    CONSUMER_REGS, HOPPER_BLOCK, PRODUCER_REGS, _descriptor, _masked_scores, _num_sms, _term_scores, _tile_of,
+    CONSUMER_REGS, HOPPER_BLOCK, PRODUCER_REGS, _apply_row_words, _descriptor, _masked_scores, _num_sms, _row_words,
+    _term_scores, _tile_of,
     _walk_bounds, _work_item, work_list,
 )
 
@@ -44,7 +45,7 @@ from ..forward.hopper import (
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_bufs, v_bufs, bars,
-    WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
     NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -82,16 +83,18 @@ def _producer(
 @gluon.jit
 def _consumer(
     WG: gl.constexpr, q_smem, do_smem, k_bufs, v_bufs, bars,
-    DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
     stride_dqb, stride_dqh, stride_dqm,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, DQ_WAIT_BLOCK: gl.constexpr,
+    TILE_WORDS: gl.constexpr,
 ):
     """One consumer warpgroup: rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of each q-block.
     SOFTCAP, HAS_ALIBI: the score terms (module docstring). DQ_WAIT_BLOCK: the wait for dP in a
-    block of its own (configs.hopper_dq_wait_block)."""
+    block of its own (configs.hopper_dq_wait_block). TILE_WORDS: a k-run mask's PARTIAL tiles read
+    their row words from a table (masks/tile_words.py; INTV holds it)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     dtype: gl.constexpr = q_smem.dtype
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -116,6 +119,9 @@ def _consumer(
         row = seg // NQB
         row0 = m * BLOCK_M + WG * ROWS
         o_m = row0 + gl.arange(0, ROWS, layout=row_layout)
+        word_base = 0  # the index of this q-block's first PARTIAL tile among the tiles' words
+        if TILE_WORDS:
+            word_base = gl.load(FWD_BASE + seg)
         p_stats = STATS + (b * HQ + h).to(gl.int64) * 2 * Sq
         lse2 = gl.load(p_stats + o_m, mask=o_m < Sq, other=float("inf"))  # rows past Sq: P = 0
         delta = gl.load(p_stats + Sq + o_m, mask=o_m < Sq, other=0.0)
@@ -143,13 +149,15 @@ def _consumer(
                     qk, th = _term_scores(qk, row0, n * BLOCK_N + half * HALF, qk_scale, tanh_scale, softcap2, slope2,
                                           alibi_shift, ROWS, HALF, s_layout, SOFTCAP, HAS_ALIBI)
                     if is_partial:  # -inf where masked or past Sk
-                        qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps, NUM_RUNS)
+                        qk = _partial_scores(qk, INTV, row, 2 * n + half, Sk, row0, word_base + i, half, HALF, ROWS,
+                                             BLOCK_M, num_warps, NUM_RUNS, TILE_WORDS)
                     p = gl.exp2(qk - gl.expand_dims(lse2, 1))
                     if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2
                         p = p * (1.0 - th * th)
                 else:
                     if is_partial:  # -inf where masked or past Sk
-                        qk = _masked_scores(qk, INTV, row, 2 * n + half, Sk, row0, HALF, ROWS, num_warps, NUM_RUNS)
+                        qk = _partial_scores(qk, INTV, row, 2 * n + half, Sk, row0, word_base + i, half, HALF, ROWS,
+                                             BLOCK_M, num_warps, NUM_RUNS, TILE_WORDS)
                     p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))
                 if DQ_WAIT_BLOCK:
                     # the wait for dP in a basic block of its own, which ptxas leaves below P's
@@ -181,9 +189,22 @@ def _consumer(
 
 
 @gluon.jit
+def _partial_scores(qk, INTV, row, n_half, Sk, row0, word_tile, HALF_IDX: gl.constexpr, HALF: gl.constexpr,
+                    ROWS: gl.constexpr, TILE: gl.constexpr, num_warps: gl.constexpr, NUM_RUNS: gl.constexpr,
+                    TILE_WORDS: gl.constexpr):
+    """-inf where a PARTIAL tile's half masks its elements or they lie past Sk: from the tile's
+    words (TILE_WORDS, entry `word_tile` of the table in INTV) or from the column intervals."""
+    if TILE_WORDS:
+        lts, lte, uts, ute = _tile_words_at(INTV, word_tile, HALF_IDX, HALF, TILE, num_warps, True)
+        return _apply_row_words(qk, _row_words(lts, lte, uts, ute, row0, ROWS // 2, NUM_RUNS, 0, TILE), ROWS, HALF)
+    else:
+        return _masked_scores(qk, INTV, row, n_half, Sk, row0, HALF, ROWS, num_warps, NUM_RUNS)
+
+
+@gluon.jit
 def _dq_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, DQ, STATS,
-    INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+    INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
     stride_dqb, stride_dqh, stride_dqm,
     Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
@@ -191,7 +212,7 @@ def _dq_hopper_kernel(
     tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, DQ_WAIT_BLOCK: gl.constexpr,
-    num_warps: gl.constexpr,
+    TILE_WORDS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)  # [2, 1, BLOCK_M / 2, HEAD_DIM]
@@ -217,19 +238,21 @@ def _dq_hopper_kernel(
 
     gl.warp_specialize([
         (_consumer, (0, q_smem, do_smem, k_bufs, v_bufs, bars,
-                     DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
                      stride_dqb, stride_dqh, stride_dqm,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS, DQ_WAIT_BLOCK)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS, DQ_WAIT_BLOCK,
+                     TILE_WORDS)),
         (_consumer, (1, q_smem, do_smem, k_bufs, v_bufs, bars,
-                     DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     DQ, STATS, INTV, WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
                      stride_dqb, stride_dqh, stride_dqm,
                      Sq, Sk, NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE, qk_scale, sm_scale,
                      tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
-                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS, DQ_WAIT_BLOCK)),
+                     BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS, DQ_WAIT_BLOCK,
+                     TILE_WORDS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_bufs, v_bufs, bars,
-                     WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
+                     WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                      BLOCK_M, BLOCK_N, STAGES)),
@@ -255,16 +278,21 @@ def dq_hopper(q, k, v, do, stats, dq, cm, scale: float, mask_map: tuple[int, int
     grid = (min(n_items, _num_sms(q.device.index or 0)),)
     mb, mdiv, mh = mask_map
     score_args, score_flags = gluon_kernel_args(terms, scale, sq, sk, stats)
+    runs = kernel_runs(cm)
+    # a k-run mask's PARTIAL tiles: their row words (masks/tile_words.py) in place of the runs, where built
+    words = (cm.tile_words() if configs.hopper_backward_tile_words(runs) and cm.block_m == cm.block_n == HOPPER_BLOCK
+             else None)
     _DQ_HOPPER_LAUNCH(grid,
         q_desc, k_desc, v_desc, do_desc, dq, stats,
-        cm.kernel_intervals, work, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks, n_items,
+        cm.kernel_intervals if words is None else words.words, work, cm.fwd_offsets, cm.fwd_num_full, cm.fwd_blocks,
+        cm.fwd_offsets if words is None else words.fwd_base, n_items,
         dq.stride(0), dq.stride(1), dq.stride(2),
         sq, sk, cm.num_q_blocks, hq, hq // hkv, mb, mdiv, mh,
         qxb, qxh, qch, kxb, kxh, kch,
         scale * LOG2E, scale, *score_args[:5],  # the sinks are in the LSE
         BLOCK_M=HOPPER_BLOCK, BLOCK_N=HOPPER_BLOCK, HEAD_DIM=d, STAGES=stages,
-        SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"], NUM_RUNS=kernel_runs(cm),
-        DQ_WAIT_BLOCK=bool(wait_block), num_warps=4, maxnreg=168,
+        SOFTCAP=score_flags["SOFTCAP"], HAS_ALIBI=score_flags["HAS_ALIBI"], NUM_RUNS=runs,
+        DQ_WAIT_BLOCK=bool(wait_block), TILE_WORDS=words is not None, num_warps=4, maxnreg=168,
     )
 
 
