@@ -103,9 +103,11 @@ STA_BOX = (2, 3, 3)
 
 def _window(q, kv, n: int, k: int):
     """Whether coordinate kv lies in q's window on an axis of n coordinates: k of them from
-    clamp(q - k // 2, 0, n - k) (NATTEN's window, dilation 1; STA's box of tiles)."""
-    start = (q - k // 2).clamp(0, n - k)
-    return (kv >= start) & (kv < start + k)
+    clamp(q - k // 2, 0, n - k) (NATTEN's window, dilation 1; STA's box of tiles). Written with
+    comparisons only (kv >= clamp(x, 0, c) iff kv >= x or kv >= c, for kv >= 0): FlexAttention's
+    FLASH backend (CuteDSL, torch 2.11) has no `maximum` to lower a clamp with."""
+    first = q - k // 2
+    return ((kv >= first) | (kv >= n - k)) & ((kv < first + k) | (kv < k))
 
 
 def _dilated_window(q, kv, n: int, k: int, d: int):
