@@ -104,19 +104,21 @@ STA_BOX = (2, 3, 3)
 def _window(q, kv, n: int, k: int):
     """Whether coordinate kv lies in q's window on an axis of n coordinates: k of them from
     clamp(q - k // 2, 0, n - k) (NATTEN's window, dilation 1; STA's box of tiles). Written with
-    comparisons only (kv >= clamp(x, 0, c) iff kv >= x or kv >= c, for kv >= 0): FlexAttention's
-    FLASH backend (CuteDSL, torch 2.11) has no `maximum` to lower a clamp with."""
+    comparisons only (for 0 <= kv < n: kv >= clamp(x, 0, c) iff kv >= x or kv >= c, and
+    kv < clamp(x, 0, c) + k iff kv < x + k or kv < k, with c = n - k): FlexAttention's FLASH
+    backend (CuteDSL, torch 2.11) has no `maximum` to lower a clamp with."""
     first = q - k // 2
     return ((kv >= first) | (kv >= n - k)) & ((kv < first + k) | (kv < k))
 
 
 def _dilated_window(q, kv, n: int, k: int, d: int):
     """`_window` dilated by d (NATTEN's dilation): q and kv in the same of the d interleaved
-    sub-grids, and kv's sub-index in q's window on that sub-grid of m = ceil((n - q % d) / d)."""
-    residue, sub = q % d, q // d
+    sub-grids, and kv's sub-index in q's window on that sub-grid of m = ceil((n - q % d) / d),
+    with comparisons only as `_window` (a kv of q's sub-grid has a sub-index below m)."""
+    residue, sub, kv_sub = q % d, q // d, kv // d
     m = (n - residue + d - 1) // d
-    start = torch.minimum((sub - k // 2).clamp(min=0), m - k)
-    return (kv % d == residue) & (kv // d >= start) & (kv // d < start + k)
+    first = sub - k // 2
+    return (kv % d == residue) & ((kv_sub >= first) | (kv_sub >= m - k)) & ((kv_sub < first + k) | (kv_sub < k))
 
 
 def dinat_mask_mod(height: int, width: int, kernel: int, dilation: int) -> Callable:
