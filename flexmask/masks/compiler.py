@@ -95,6 +95,15 @@ class CompiledMask:
     # tables above are the first piece's, which nothing may read as the mask's
     pieces: tuple | None = None
 
+    def __post_init__(self):
+        # one copy of the runs: `intervals` becomes the planar kernel_intervals seen in its
+        # [Bm, Hm, kv_len, W] order (a k-run mask's runs are most of its memory: 16 runs a column
+        # at 128K keys and 16 heads take 268 MB a copy)
+        bm, hm, kv_len, width = self.intervals.shape
+        planar = self.kernel_intervals
+        if planar.shape == (bm * hm, width, kv_len) and planar.is_contiguous() and planar.device == self.intervals.device:
+            self.intervals = planar.view(bm, hm, width, kv_len).transpose(-1, -2)
+
     @property
     def batch(self) -> int:
         return self.intervals.shape[0]
@@ -166,7 +175,8 @@ class CompiledMask:
         if self.token_order is not None:  # the reordered tables and the order are the mask's memory too
             tables, order, inverse = self.token_order
             tensors += [v for v in vars(tables).values() if isinstance(v, torch.Tensor)] + [order, inverse]
-            tensors = list({id(x): x for x in tensors}.values())  # (in_token_order: the same tables)
+        # each tensor once (in_token_order: the same tables), `intervals` with the planar tensor it views
+        tensors = list({(x.untyped_storage().data_ptr(), x.storage_offset(), x.numel()): x for x in tensors}.values())
         return {
             "tiles": total,
             "full": full,
