@@ -1087,3 +1087,16 @@ def test_retiled_k_runs():
     classes = tiles.tile_classes()
     assert torch.equal(classes, brute_force_classes(dense_from_intervals(cm.intervals, sq), 192, 128))
     check_lists(tiles, classes)
+
+
+@pytest.mark.parametrize("make", [lambda: masks.natten(16, 16, 5), lambda: masks.causal()], ids=["k_runs", "two"])
+def test_runs_are_kept_once(make):
+    """A CompiledMask's `intervals` is a view of its planar `kernel_intervals` (one copy of the
+    runs), also after dataclasses.replace, and its table_bytes count that copy once."""
+    import dataclasses
+
+    cm = flexmask.compile_mask(make(), 256, 256, device="cpu")
+    assert cm.intervals.untyped_storage().data_ptr() == cm.kernel_intervals.untyped_storage().data_ptr()
+    assert dataclasses.replace(cm, source=None).intervals is cm.intervals
+    tensors = [v for k, v in vars(cm).items() if isinstance(v, torch.Tensor) and k != "intervals"]
+    assert cm.summary()["table_bytes"] == sum(t.numel() * t.element_size() for t in tensors)

@@ -101,7 +101,9 @@ class CompiledMask:
         # at 128K keys and 16 heads take 268 MB a copy)
         bm, hm, kv_len, width = self.intervals.shape
         planar = self.kernel_intervals
-        if planar.shape == (bm * hm, width, kv_len) and planar.is_contiguous() and planar.device == self.intervals.device:
+        if planar.device != self.intervals.device or planar.data_ptr() == self.intervals.data_ptr():
+            return  # (a view already: dataclasses.replace keeps it)
+        if planar.shape == (bm * hm, width, kv_len) and planar.is_contiguous():
             self.intervals = planar.view(bm, hm, width, kv_len).transpose(-1, -2)
 
     @property
