@@ -385,3 +385,23 @@ def test_run_bound_holds_for_every_pair(sq, sk):
                 assert got <= bound, f"{mask!r}: {got} runs in a column, bound {bound}"
                 safe += bound <= 2
     assert safe > 1000  # most compositions are proven to fit
+
+
+def test_tile_words_read_the_device_once(monkeypatch):
+    """A k-run mask's tile words (masks/tile_words.py) are sized by one read: the PARTIAL tiles and
+    the lists' entries together (the kernel launch itself reads nothing)."""
+    import flexmask
+    from flexmask.masks import tile_words
+
+    cm = flexmask.compile_mask(masks.natten(16, 16, 5), 256, 256, device=_device(), block_m=64, block_n=64)
+    monkeypatch.setattr(tile_words, "_words_kernel", _NoLaunch())
+    with SyncRecorder(monkeypatch) as rec:
+        words = tile_words._build(cm)
+    assert words is not None and len(rec.events) == 1, rec.events
+
+
+class _NoLaunch:
+    """A Triton kernel's stand-in: its launches do nothing (the interpreter copies to the host)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None

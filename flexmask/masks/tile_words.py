@@ -81,7 +81,7 @@ _KEPT = WeakIdKeyDictionary()  # kernel_intervals -> {(block_m, block_n): TileWo
 def tile_words(tables) -> TileWords | None:
     """The row words of every PARTIAL tile of `tables` (a k-run CompiledMask: runs > 2, or the
     custom op's view of one), built on first use and kept as long as its `kernel_intervals` tensor
-    lives (one launch and a few torch operations, two host reads: the lists' sizes). None where
+    lives (one launch and a few torch operations, one host read: the lists' sizes). None where
     they would take too much memory (MAX_WORDS_BYTES) and inside a CUDA graph's capture where they
     were not built before (the reads cannot be captured): the kernels then fold the runs. block_m
     must be a multiple of 32."""
@@ -107,7 +107,10 @@ def _build(tables) -> TileWords | None:
     partial = offsets[1:] - offsets[:-1] - num_full
     ends = torch.cumsum(partial, 0)
     fwd_base = (ends - partial).to(torch.int32)
-    n_partial = int(ends[-1]) if ends.numel() else 0  # (a host read: the table's size)
+    # one host read: the PARTIAL tiles (the words' size) and the lists' entries (exact for k runs, which
+    # are counted)
+    n_partial, total = torch.stack([ends[-1] if ends.numel() else ends.new_zeros(()),
+                                    tables.bwd_offsets[-1].long()]).tolist()
     words_bytes = n_partial * tables.block_m // 8 * tables.block_n
     runs_bytes = tables.kernel_intervals.numel() * tables.kernel_intervals.element_size()
     if words_bytes > max(MAX_WORDS_BYTES, 2 * runs_bytes):
@@ -117,22 +120,24 @@ def _build(tables) -> TileWords | None:
         _words_kernel[(rows * nqb,)](words, tables.kernel_intervals, tables.fwd_offsets, tables.fwd_num_full,
                                     tables.fwd_blocks, fwd_base, kv_len, nqb, NUM_RUNS=two_runs // 2,
                                     BLOCK_M=tables.block_m, BLOCK_N=tables.block_n)
-    return TileWords(words, fwd_base, _backward_words(tables, nqb, nkb))
+    return TileWords(words, fwd_base, _backward_words(tables, offsets, num_full, n_partial, total, nqb, nkb))
 
 
-def _backward_words(tables, nqb: int, nkb: int) -> torch.Tensor:
-    """bwd_word: each backward entry's index among the forward lists' PARTIAL entries. The
+def _backward_words(tables, f_off: torch.Tensor, f_full: torch.Tensor, n_partial: int, total: int, nqb: int,
+                    nkb: int) -> torch.Tensor:
+    """bwd_word: each backward entry's index among the forward lists' PARTIAL entries (f_off,
+    f_full: the forward offsets and FULL counts, int64; n_partial, total: the PARTIAL and all
+    entries). The
     forward's PARTIAL entries, in their order, have increasing keys (mask row, q-block, kv-block),
     so a backward entry's index is where its key falls among them."""
     dev = tables.fwd_offsets.device
-    total = int(tables.bwd_offsets[-1])  # (exact for k runs, which are counted)
     if total == 0:
         return torch.full((1,), -1, dtype=torch.int32, device=dev)
-    f_off, f_full = tables.fwd_offsets.long(), tables.fwd_num_full.long()
     f_counts = f_off[1:] - f_off[:-1]
     f_seg = torch.repeat_interleave(torch.arange(f_counts.numel(), device=dev), f_counts, output_size=total)
     f_is_partial = torch.arange(total, device=dev) >= (f_off[:-1] + f_full)[f_seg]
-    f_keys = (f_seg * nkb + tables.fwd_blocks[:total].long())[f_is_partial]
+    partial_at = torch.nonzero_static(f_is_partial, size=n_partial).squeeze(1)  # (its size known: no sync)
+    f_keys = (f_seg * nkb + tables.fwd_blocks[:total].long())[partial_at]
     b_off, b_full = tables.bwd_offsets.long(), tables.bwd_num_full.long()
     b_counts = b_off[1:] - b_off[:-1]
     b_seg = torch.repeat_interleave(torch.arange(b_counts.numel(), device=dev), b_counts, output_size=total)
