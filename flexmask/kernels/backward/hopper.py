@@ -291,7 +291,7 @@ def _store_rows(dk_desc, dv_desc, dq_lo_smem, dq_hi_smem, dk, dv, x, row0, col0,
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
-    WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
+    WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
     NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     STAGES: gl.constexpr, Q_STEP: gl.constexpr, KEYS_ON_ROWS: gl.constexpr, EARLY_V: gl.constexpr,
@@ -756,7 +756,7 @@ def _backward_hopper_kernel(
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
                      DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
-                     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
+                     WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                      STAGES, Q_STEP, KEYS_ON_ROWS, EARLY_V, PIECE_TILES)),

@@ -45,7 +45,7 @@ from ..forward.hopper import (
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_bufs, v_bufs, bars,
-    WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
+    WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -252,7 +252,7 @@ def _dq_hopper_kernel(
                      BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, HAS_ALIBI, NUM_RUNS, DQ_WAIT_BLOCK,
                      TILE_WORDS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_bufs, v_bufs, bars,
-                     WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
+                     WORK, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                      NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                      BLOCK_M, BLOCK_N, STAGES)),

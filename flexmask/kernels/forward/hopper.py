@@ -96,7 +96,7 @@ def _tile_of(FWD_BLOCKS, t_lo, t_mid, t_hi, i):
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-    WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
+    WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
     NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
@@ -904,7 +904,7 @@ def _forward_hopper_kernel(
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
                          FULL_REST_PARTIALS, RUNS_LOOP, TILE_WORDS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
+                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                          Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                          BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
@@ -928,7 +928,7 @@ def _forward_hopper_kernel(
                          TC_BIAS, SOFTCAP, HAS_ALIBI, HAS_SINKS, NUM_RUNS, EARLY_Q, FULL_REST,
                          FULL_REST_PARTIALS, RUNS_LOOP, TILE_WORDS)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, bars,
-                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, FWD_BASE, n_items,
+                         WORK, COUNTER, FWD_OFFSETS, FWD_NUM_FULL, FWD_BLOCKS, n_items,
                          NQB, HQ, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                          Q_X_B, Q_X_H, Q_C_H, KV_X_B, KV_X_H, KV_C_H,
                          BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
