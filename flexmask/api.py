@@ -23,11 +23,11 @@ from .kernels.decode.split_kv import decode_forward, decode_fwd, decode_step, ma
 from .kernels.dispatch import split_kv_plan
 from .kernels.forward.portable import _forward_kernel
 from .lse_merge import MergeByLse
-from .masks import natten_order, natten_pieces, specs, token_order
+from .masks import natten_order, natten_pieces, specs, token_order, token_order_kernels
 from .masks.run_bounds import MAX_RUNS_LIMIT, TooManyRuns
 from .masks.compiled_cache import (CompiledCache, Unkeyable, built_in_graph, spec_from_key, structural_key,
                                    tensor_versions, traceable_key)
-from .masks.compiler import CompiledMask, compile_spec
+from .masks.compiler import CompiledMask, compile_canonical, compile_spec
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -77,17 +77,41 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
     # `x | global_tokens(P)`, or those found in the runs of a from_mask_mod or k-run mask (whose
     # compile read its runs on the host already), where the new order visits fewer tiles or fewer
     # PARTIAL ones, and no more
-    found = token_order.reordered(mask, q_len, device)
+    found = _global_tokens_first(mask, compiled, device, block_m, block_n)
+    if found is not None and token_order.fewer_tiles(found[0], compiled):
+        compiled.token_order = found
+    return compiled
+
+
+def _global_tokens_first(mask, compiled: CompiledMask, device: torch.device, block_m: int,
+                         block_n: int) -> tuple | None:
+    """(tables, order, inverse) of a self-attention mask with its global tokens first
+    (masks/token_order.py), or None where it has none to move. A mask_mod's runs are searched on a
+    GPU by the kernels of masks/token_order_kernels.py (three launches and one host read, the
+    moved runs compiled as they come where they fit two a column), elsewhere by torch ops."""
+    seq_len = compiled.q_len
+    found = token_order.reordered(mask, seq_len, device)
     from_function = token_order.holds_mask_mod(mask)
     if found is None and (compiled.runs > 2 or from_function) and compiled.free_columns is not False:
-        found = token_order.reordered_runs(compiled.intervals, q_len, merge=from_function,
+        if from_function and _order_on_device(compiled.intervals):
+            front = token_order_kernels.front_runs(compiled.intervals, seq_len)
+            if front is None:
+                return None
+            if front.intervals is not None:
+                tables = compile_canonical(front.intervals, seq_len, seq_len, block_m, block_n)
+                return tables, front.order, front.inverse
+        found = token_order.reordered_runs(compiled.intervals, seq_len, merge=from_function,
                                            free=compiled.free_columns)
-    if found is not None:
-        spec, order, inverse = found
-        tables = compile_spec(spec, q_len, kv_len, device, block_m, block_n)
-        if token_order.fewer_tiles(tables, compiled):
-            compiled.token_order = (tables, order, inverse)
-    return compiled
+    if found is None:
+        return None
+    spec, order, inverse = found
+    return compile_spec(spec, seq_len, seq_len, device, block_m, block_n), order, inverse
+
+
+def _order_on_device(intervals: torch.Tensor) -> bool:
+    """Whether a mask_mod's global tokens are found by the Triton kernels (on a GPU; the CPU tests
+    take them under the interpreter by patching this)."""
+    return intervals.is_cuda
 
 
 def _compiled_dilated_natten(mask, q_len: int, kv_len: int, device: torch.device, block_m: int,

@@ -802,8 +802,9 @@ def test_classify_kernel_compiles_for_sm90():
     done = subprocess.run([sys.executable, "-m", "tools.offline_compile", "compiler"], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("classify ", "shift_to_cache", "random_eviction "))]
-    assert len(lines) == 9, done.stdout
+    lines = [ln for ln in done.stdout.splitlines()
+             if ln.startswith(("classify ", "shift_to_cache", "random_eviction ", "token_order "))]
+    assert len(lines) == 12, done.stdout
     assert all("0 bytes spill stores" in ln for ln in lines), lines
 
 

@@ -258,19 +258,24 @@ def test_global_tokens_are_found_in_one_read(monkeypatch):
         assert found == positions and len(rec.events) == reads, (listed, found, rec.events)
 
 
-def test_global_token_mask_mod_compile_reads_the_device_four_times(monkeypatch):
+@pytest.mark.parametrize("kernels", [True, False], ids=["order kernels", "order by torch ops"])
+def test_global_token_mask_mod_compile_reads_the_device_four_times(monkeypatch, kernels):
     """compile_mask of a from_mask_mod with global tokens reads the device four times: the natural
     runs' count, and the tables' counts with whether a column is free (a mask without one skips the
     detection), the global tokens found in its runs with the moved runs' most a column (one read:
     the reordered runs, merged into two a column, compile without a count; it was a fifth), and
-    `fewer_tiles`."""
+    `fewer_tiles`. The same with the order found by the kernels of masks/token_order_kernels.py
+    (a GPU's path) and by torch ops."""
     import functools
 
     import flexmask
     from flexmask import api
+    from flexmask.masks.compiler import compile_canonical
 
     monkeypatch.setattr(intervals, "MASK_MOD_RUNS_KERNEL", True)
     monkeypatch.setattr(api, "compile_spec", functools.partial(compile_spec, on_device=True))
+    monkeypatch.setattr(api, "compile_canonical", functools.partial(compile_canonical, on_device=True))
+    monkeypatch.setattr(api, "_order_on_device", lambda iv: kernels)
     positions = [3, 700, 1401, 2047, 2990]
     glob = torch.zeros(3001, dtype=torch.bool, device=_device())
     glob[positions] = True

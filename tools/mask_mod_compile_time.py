@@ -22,8 +22,9 @@ same masks written with flexmask's builders (`masks.natten`, `masks.dilated_slid
 more compile of each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
 compile's time goes between the compiled pass, the eager operations and the host syncs.
 `--phases` times the steps of `compile_mask` apart (medians of the repeats): the natural tables
-(`compile_spec`), the global tokens' order (token_order.reordered for a builder, `reordered_runs` of
-the natural runs for a mask_mod), the reordered tables and `fewer_tiles`.
+(`compile_spec`), the global tokens' order (token_order.reordered for a builder; for a mask_mod on
+a GPU the kernels' `front_runs` of the natural runs, elsewhere `reordered_runs`), the reordered
+tables and `fewer_tiles`.
 `--count-ops` counts, per step of compile_mask, the torch operators and Triton launches of one
 compile along the GPU's code path (the compiler's Triton kernels, here under the interpreter:
 TRITON_INTERPRET=1 on the CPU): where the GPU's host time goes when the mask is small, each eager
@@ -183,22 +184,35 @@ def main(argv=None) -> int:
 
 def phases(make, seq_len: int, device, repeats: int) -> str:
     """Median ms of each step of compile_mask(make(), seq_len, seq_len) on `device`: the natural
-    tables, the global tokens' order, the reordered tables and their comparison."""
-    from flexmask.masks import token_order
-    from flexmask.masks.compiler import compile_spec
+    tables, the global tokens' order (on a GPU a mask_mod's by the kernels of
+    masks/token_order_kernels.py, as compile_mask finds it), the reordered tables and their
+    comparison."""
+    from flexmask.masks import token_order, token_order_kernels
+    from flexmask.masks.compiler import compile_canonical, compile_spec
 
     mask = make()
     natural = compile_spec(mask, seq_len, seq_len, device, 128, 128)
+    kernels = device.type == "cuda" and token_order.holds_mask_mod(mask)
 
     def order():
-        return token_order.reordered(mask, seq_len, device) or token_order.reordered_runs(natural.intervals, seq_len)
+        found = token_order.reordered(mask, seq_len, device)
+        if found is None and kernels:
+            front = token_order_kernels.front_runs(natural.intervals, seq_len)
+            if front is None or front.intervals is not None:
+                return front
+        return found or token_order.reordered_runs(natural.intervals, seq_len)
     found = order()
     if found is None:
         return "no global tokens to move"
-    tables = compile_spec(found[0], seq_len, seq_len, device, 128, 128)
+    if isinstance(found, token_order_kernels.FrontRuns):
+        def reordered_tables():
+            return compile_canonical(found.intervals, seq_len, seq_len, 128, 128)
+    else:
+        def reordered_tables():
+            return compile_spec(found[0], seq_len, seq_len, device, 128, 128)
+    tables = reordered_tables()
     steps = {"natural tables": lambda: compile_spec(make(), seq_len, seq_len, device, 128, 128), "order": order,
-             "reordered tables": lambda: compile_spec(found[0], seq_len, seq_len, device, 128, 128),
-             "fewer_tiles": lambda: token_order.fewer_tiles(tables, natural)}
+             "reordered tables": reordered_tables, "fewer_tiles": lambda: token_order.fewer_tiles(tables, natural)}
     return ", ".join(f"{step} {statistics.median(_timed(fn, repeats + 1, device)[1:]) * 1e3:.3f}"
                      for step, fn in steps.items()) + " ms"
 
@@ -218,7 +232,7 @@ def count_ops(make, seq_len: int, first_pass: str = "auto") -> str:
     from triton.runtime.interpreter import InterpretedFunction
 
     from flexmask import api
-    from flexmask.masks import token_order
+    from flexmask.masks import token_order, token_order_kernels
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--count-ops runs the GPU's kernels under the interpreter: set TRITON_INTERPRET=1")
@@ -238,6 +252,9 @@ def count_ops(make, seq_len: int, first_pass: str = "auto") -> str:
             mock.patch.object(intervals, "MASK_MOD_RUNS_KERNEL", True), \
             mock.patch.object(intervals, "_compile_scan", scan), \
             mock.patch.object(api, "compile_spec", marked("tables", api.compile_spec, on_device=True)), \
+            mock.patch.object(api, "compile_canonical", marked("tables", api.compile_canonical, on_device=True)), \
+            mock.patch.object(api, "_order_on_device", lambda intervals: True), \
+            mock.patch.object(token_order_kernels, "front_runs", marked("order", token_order_kernels.front_runs)), \
             mock.patch.object(token_order, "reordered", marked("order", token_order.reordered)), \
             mock.patch.object(token_order, "reordered_runs", marked("order", token_order.reordered_runs)), \
             mock.patch.object(token_order, "fewer_tiles", marked("fewer_tiles", token_order.fewer_tiles)):

@@ -5,7 +5,7 @@ overflows before any device time is spent.
     python -m tools.offline_compile            # the Hopper forward, D=64 and 128
     python -m tools.offline_compile backward   # the Hopper backward, D=128 and 64 (and dK/dV only; the dQ pass)
     python -m tools.offline_compile compiler   # the mask compiler's classify kernel (four families), shift kernel,
-                                                    # random_eviction kernels
+                                                    # random_eviction kernels, the token order kernels
     python -m tools.offline_compile portable   # the portable forward with 2 and 16 runs per column, D=64 and 128
     python -m tools.offline_compile k_runs     # every portable kernel a 16-run mask launches (forward, two-pass
                                                     # and fused backward), D=64 and 128
@@ -426,6 +426,22 @@ def _eviction(kernel: str):
     return compile_offline(ek._eviction_merge_kernel, args, consts, dict(num_warps=4))
 
 
+def _token_order(kernel: str):
+    """The global tokens' order kernels (masks/token_order_kernels.py), at 16 runs a column."""
+    from flexmask.masks import token_order_kernels as tok
+
+    t32, t64 = torch.empty(16, dtype=torch.int32), torch.empty(16, dtype=torch.int64)
+    strides = dict(s_row=32000, s_slot=1000, s_col=1)
+    if kernel == "cover":
+        args = dict(IV=t32, COVER=t32, USED=t32, S=1000, **strides)
+        return compile_offline(tok._cover_kernel, args, dict(RUNS=16, BLOCK=tok.BLOCK), dict(num_warps=4))
+    if kernel == "rank":
+        args = dict(COVER=t32, USED=t32, BEFORE=t32, HEADER=t32, S=1000)
+        return compile_offline(tok._rank_kernel, args, dict(BLOCK=tok.RANK_BLOCK), dict(num_warps=8))
+    args = dict(IV=t32, BEFORE=t32, CANON=t32, ORDER=t64, INVERSE=t64, HEADER=t32, S=1000, **strides)
+    return compile_offline(tok._move_kernel, args, dict(RUNS=16, BLOCK=tok.BLOCK), dict(num_warps=4))
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -444,6 +460,8 @@ def main(argv=None) -> int:
         print(report("shift_to_cache", _shift()), flush=True)
         for kernel in ("keys", "merge", "final"):
             print(report(f"random_eviction {kernel}", _eviction(kernel)), flush=True)
+        for kernel in ("cover", "rank", "move"):
+            print(report(f"token_order {kernel}", _token_order(kernel)), flush=True)
         return 0
     if what == "digest":
         for d in (64, 128):

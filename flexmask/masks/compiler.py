@@ -275,9 +275,31 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
     plan = device_plan(mask, q_len, kv_len, device, block_m, block_n)  # kept on the mask where it may be
     if plan.intervals is not None and plan.intervals.shape[-1] > 4:  # k runs per column: counted (one host sync)
         return build_tables(plan.intervals, q_len, kv_len, block_m, block_n, source=mask, on_device=True)
-    rows = plan.shape[0] * plan.shape[1]
+    return _bounded_tables(mask, q_len, kv_len, block_m, block_n, plan.shape, plan.tiles_per_row,
+                           intervals=plan.intervals, family=plan.family, device=device, pair=plan.pair)
+
+
+def compile_canonical(intervals: torch.Tensor, q_len: int, kv_len: int, block_m: int, block_n: int,
+                      on_device: bool | None = None) -> CompiledMask:
+    """The tables of canonical intervals int32 [Bm, Hm, kv_len, 4] (contiguous) made on the device,
+    without a spec (the global tokens' order: masks/token_order_kernels.py): on a GPU (or with
+    on_device=True) as `compile_spec` builds a mask given as tensors, with no host sync where
+    every tile fits MAX_UNCOUNTED_LIST_BYTES of lists; else by torch ops. `source` is None."""
+    if not (intervals.is_cuda if on_device is None else on_device):
+        return build_tables(intervals, q_len, kv_len, block_m, block_n, on_device=False)
+    every_tile = _cdiv(q_len, block_m) * _cdiv(kv_len, block_n)
+    return _bounded_tables(None, q_len, kv_len, block_m, block_n, tuple(intervals.shape[:2]), every_tile,
+                           intervals=intervals, device=intervals.device)
+
+
+def _bounded_tables(mask, q_len: int, kv_len: int, block_m: int, block_n: int, shape: tuple, tiles_per_row: int,
+                    **kernel_args) -> CompiledMask:
+    """The device tables of `mask` (None: intervals alone) whose rows visit at most `tiles_per_row`
+    tiles each, with lists of that many entries (or counted first where every tile would take more
+    than MAX_UNCOUNTED_LIST_BYTES)."""
+    rows = shape[0] * shape[1]
     n_qb, n_kb = _cdiv(q_len, block_m), _cdiv(kv_len, block_n)
-    per_row = min(n_qb * n_kb, plan.tiles_per_row)
+    per_row = min(n_qb * n_kb, tiles_per_row)
     capacity = rows * per_row
     if capacity >= 2**31:
         raise ValueError(
@@ -286,10 +308,10 @@ def compile_spec(mask, q_len: int, kv_len: int, device: torch.device, block_m: i
         )
     # a mask known only as tensors is bounded by every tile: where that would reserve more than
     # MAX_UNCOUNTED_LIST_BYTES of lists, count the tiles first instead (one host sync)
-    if per_row == n_qb * n_kb and mask.kind != "full" and capacity * _LIST_BYTES_PER_TILE > MAX_UNCOUNTED_LIST_BYTES:
+    full = mask is not None and mask.kind == "full"
+    if per_row == n_qb * n_kb and not full and capacity * _LIST_BYTES_PER_TILE > MAX_UNCOUNTED_LIST_BYTES:
         capacity = None
-    tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, capacity, intervals=plan.intervals,
-                                 family=plan.family, shape=plan.shape, device=device, pair=plan.pair)
+    tables = build_tables_device(q_len, kv_len, block_m, block_n, rows, capacity, shape=shape, **kernel_args)
     visited = tables.pop("counted")[0] if capacity is None else capacity
     return CompiledMask(q_len=q_len, kv_len=kv_len, block_m=block_m, block_n=block_n, num_tiles_visited=visited,
                         source=mask, **tables)
