@@ -45,8 +45,9 @@ MASK_MODS = {  # name: (mask_mod, heads)
     "in-front": (_global([0, 1, 2], _window(40)), None),
     "too-many": (_global(list(range(300, 600)), _window(2)), None),  # 300 of 1024: past a quarter
     "none": (_window(40), None),
-    # rows in stripes of 50 of every 100 attend every key: ~10 runs a column with the global rows out
-    "more-runs": (_global([97, 194, 291], lambda b, h, q, kv: (q % 100 < 50) | ((q - kv).abs() < 3)), None),
+    # rows in stripes of 200 of every 400 attend every key: 3 runs a column at 1024 tokens with the
+    # global rows out, 11 at 4096
+    "more-runs": (_global([97, 194, 291], lambda b, h, q, kv: (q % 400 < 200) | ((q - kv).abs() < 3)), None),
 }
 
 
