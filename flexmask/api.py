@@ -86,20 +86,23 @@ def compile_mask(mask, q_len: int, kv_len: int, device=None, *, block_m: int | N
 def _global_tokens_first(mask, compiled: CompiledMask, device: torch.device, block_m: int,
                          block_n: int) -> tuple | None:
     """(tables, order, inverse) of a self-attention mask with its global tokens first
-    (masks/token_order.py), or None where it has none to move. A mask_mod's runs are searched on a
-    GPU by the kernels of masks/token_order_kernels.py (three launches and one host read, the
-    moved runs compiled as they come where they fit two a column), elsewhere by torch ops."""
+    (masks/token_order.py), or None where it has none to move. On a GPU the tokens of a spec
+    `x | global_tokens(P)` and of a mask_mod are found in the compiled runs by the kernels of
+    masks/token_order_kernels.py (three launches and one host read), and the moved runs compile as
+    they come where they fit two a column; where they do not, and off a GPU, by torch ops."""
     seq_len = compiled.q_len
-    found = token_order.reordered(mask, seq_len, device)
     from_function = token_order.holds_mask_mod(mask)
-    if found is None and (compiled.runs > 2 or from_function) and compiled.free_columns is not False:
-        if from_function and _order_on_device(compiled.intervals):
-            front = token_order_kernels.front_runs(compiled.intervals, seq_len)
-            if front is None:
-                return None
-            if front.intervals is not None:
-                tables = compile_canonical(front.intervals, seq_len, seq_len, block_m, block_n)
-                return tables, front.order, front.inverse
+    named = token_order.global_positions(mask) is not None
+    searched = compiled.free_columns is not False
+    if (named or from_function) and searched and _order_on_device(compiled.intervals):
+        front = token_order_kernels.front_runs(compiled.intervals, seq_len, any_count=named)
+        if front is None:
+            return None
+        if front.intervals is not None:
+            tables = compile_canonical(front.intervals, seq_len, seq_len, block_m, block_n)
+            return tables, front.order, front.inverse
+    found = token_order.reordered(mask, seq_len, device)
+    if found is None and (compiled.runs > 2 or from_function) and searched:
         found = token_order.reordered_runs(compiled.intervals, seq_len, merge=from_function,
                                            free=compiled.free_columns)
     if found is None:
@@ -109,8 +112,8 @@ def _global_tokens_first(mask, compiled: CompiledMask, device: torch.device, blo
 
 
 def _order_on_device(intervals: torch.Tensor) -> bool:
-    """Whether a mask_mod's global tokens are found by the Triton kernels (on a GPU; the CPU tests
-    take them under the interpreter by patching this)."""
+    """Whether global tokens are found by the Triton kernels (on a GPU; the CPU tests take them
+    under the interpreter by patching this)."""
     return intervals.is_cuda
 
 

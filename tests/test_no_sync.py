@@ -291,6 +291,29 @@ def test_global_token_mask_mod_compile_reads_the_device_four_times(monkeypatch, 
     assert len(rec.events) == 4, rec.events
 
 
+def test_named_global_tokens_compile_reads_the_device_three_times(monkeypatch):
+    """A spec `x | global_tokens(P)` whose tokens the kernels move (a GPU's path) reads the device
+    three times: the tables' counts with the free-column flag, the kernels' header, and
+    `fewer_tiles`. (Here on the CPU a fourth: the count of the composed runs, which on a GPU is
+    read from a CPU tensor, host data.)"""
+    import functools
+
+    import flexmask
+    from flexmask import api
+    from flexmask.masks.compiler import compile_canonical
+
+    monkeypatch.setattr(api, "compile_spec", functools.partial(compile_spec, on_device=True))
+    monkeypatch.setattr(api, "compile_canonical", functools.partial(compile_canonical, on_device=True))
+    monkeypatch.setattr(api, "_order_on_device", lambda iv: True)
+    mask = masks.sliding_window(40, 0) | masks.global_tokens([3, 700, 1401, 2047, 2990])
+    if _device().type == "cuda":
+        flexmask.compile_mask(mask, 3001, 3001, device=_device())
+    with SyncRecorder(monkeypatch) as rec:
+        cm = flexmask.compile_mask(mask, 3001, 3001, device=_device())
+    assert cm.token_order is not None and cm.token_order[0].runs == 2
+    assert len(rec.events) == (3 if _device().type == "cuda" else 4), rec.events
+
+
 def test_mask_mod_without_free_columns_compiles_in_two_reads(monkeypatch):
     """A k-run mask_mod with no free column (a window of 3 keys on each side and its diagonal
     neighbours' every third key: no column every query attends) compiles in two reads: its runs'

@@ -100,15 +100,22 @@ def test_bad_runs_are_a_value_error():
         token_order_kernels.front_runs(torch.zeros(1, 1, 32, 4, dtype=torch.int32), 64)
 
 
-@pytest.mark.parametrize("name", ["window", "per-head", "more-runs"])
+SPECS = {  # builders' masks that name their global tokens: found by the kernels on a GPU too
+    "spec-window": lambda: masks.sliding_window(40) | masks.global_tokens([5, 300, 301, 640, 1023]),
+    # 300 of 1024 tokens: past the quarter a search of the runs stops at, moved since they are named
+    "spec-many": lambda: masks.sliding_window(8) | masks.global_tokens(list(range(100, 400))),
+}
+
+
+@pytest.mark.parametrize("name", ["window", "per-head", "more-runs", *SPECS])
 def test_compile_mask_takes_the_kernels_order(name, monkeypatch):
     """compile_mask with the kernels' path (on a GPU; here under the interpreter) keeps the same
     reordered tables as the torch path, and attention with them matches the reference in the
     forward and the backward (GQA)."""
     monkeypatch.setattr(token_order, "MIN_TOKENS", 256)
-    mod, heads = MASK_MODS[name]
+    mod, heads = MASK_MODS.get(name, (None, None))
     s = 1024
-    mask = masks.from_mask_mod(mod, heads=heads, max_runs=16)
+    mask = SPECS[name]() if name in SPECS else masks.from_mask_mod(mod, heads=heads, max_runs=16)
     torch_path = flexmask.compile_mask(mask, s, s, device="cpu")
     called = []
     monkeypatch.setattr(api, "_order_on_device", lambda iv: called.append(1) or True)
@@ -152,12 +159,12 @@ def test_compile_canonical_equals_the_spec_compile():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["window", "per-head", "causal", "more-runs"])
+@pytest.mark.parametrize("name", ["window", "per-head", "causal", "more-runs", "spec-window"])
 def test_front_runs_on_the_gpu(name):
     """On the GPU: the kernels against the torch path, and compile_mask's reordered tables."""
     s = 4096
-    mod, heads = MASK_MODS[name]
-    mask = masks.from_mask_mod(mod, heads=heads, max_runs=16)
+    mod, heads = MASK_MODS.get(name, (None, None))
+    mask = SPECS[name]() if name in SPECS else masks.from_mask_mod(mod, heads=heads, max_runs=16)
     cm = flexmask.compile_mask(mask, s, s, device="cuda")
     runs = cm.intervals
     front = token_order_kernels.front_runs(runs, s)

@@ -22,8 +22,8 @@ same masks written with flexmask's builders (`masks.natten`, `masks.dilated_slid
 more compile of each mask under torch.profiler and prints its operators by time (the device's on a GPU): where a
 compile's time goes between the compiled pass, the eager operations and the host syncs.
 `--phases` times the steps of `compile_mask` apart (medians of the repeats): the natural tables
-(`compile_spec`), the global tokens' order (token_order.reordered for a builder; for a mask_mod on
-a GPU the kernels' `front_runs` of the natural runs, elsewhere `reordered_runs`), the reordered
+(`compile_spec`), the global tokens' order (on a GPU the kernels' `front_runs` of the natural runs;
+elsewhere token_order.reordered for a builder, `reordered_runs` for a mask_mod), the reordered
 tables and `fewer_tiles`.
 `--count-ops` counts, per step of compile_mask, the torch operators and Triton launches of one
 compile along the GPU's code path (the compiler's Triton kernels, here under the interpreter:
@@ -192,15 +192,15 @@ def phases(make, seq_len: int, device, repeats: int) -> str:
 
     mask = make()
     natural = compile_spec(mask, seq_len, seq_len, device, 128, 128)
-    kernels = device.type == "cuda" and token_order.holds_mask_mod(mask)
+    named = token_order.global_positions(mask) is not None
+    kernels = device.type == "cuda" and (named or token_order.holds_mask_mod(mask))
 
     def order():
-        found = token_order.reordered(mask, seq_len, device)
-        if found is None and kernels:
-            front = token_order_kernels.front_runs(natural.intervals, seq_len)
+        if kernels:
+            front = token_order_kernels.front_runs(natural.intervals, seq_len, any_count=named)
             if front is None or front.intervals is not None:
                 return front
-        return found or token_order.reordered_runs(natural.intervals, seq_len)
+        return token_order.reordered(mask, seq_len, device) or token_order.reordered_runs(natural.intervals, seq_len)
     found = order()
     if found is None:
         return "no global tokens to move"

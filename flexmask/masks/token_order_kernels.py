@@ -38,7 +38,7 @@ from ..kernels.common.launcher import FastLaunch
 
 BLOCK = 1024  # columns a program of the cover and move kernels takes
 RANK_BLOCK = 4096  # rows the rank kernel's one program takes a step
-HEADER = 3  # G, the most merged runs a column holds, the first token that is not global
+HEADER_WORDS = 3  # G, the most merged runs a column holds, the first token that is not global
 
 
 @triton.jit
@@ -142,16 +142,18 @@ class FrontRuns(NamedTuple):
     inverse: torch.Tensor  # int64 [S]: the new index of each token
 
 
-def front_runs(intervals: torch.Tensor, seq_len: int) -> FrontRuns | None:
+def front_runs(intervals: torch.Tensor, seq_len: int, any_count: bool = False) -> FrontRuns | None:
     """`intervals` ([B, H, seq_len, 2K] runs of a self-attention mask, canonical or k runs, any
     strides: CompiledMask.intervals views its planar tables) with the global tokens moved to the
-    front, or None where there is none, they are in front already or they are more than a quarter
-    of the tokens (`token_order.reordered_runs`' rule). Three launches and one host read."""
+    front, or None where there is none, they are in front already or, unless `any_count` (a spec
+    that names its global tokens, which `token_order.reordered` moves however many), they are more
+    than a quarter of the tokens (`token_order.reordered_runs`' rule). Three launches and one host
+    read."""
     b, h, s, width = intervals.shape
     if s != seq_len or width % 2 or s == 0:
         raise ValueError(f"intervals must be [B, H, seq_len={seq_len}, 2K] runs, got shape {tuple(intervals.shape)}")
     device = intervals.device
-    scratch = torch.zeros(2 * s + 1 + HEADER, dtype=torch.int32, device=device)  # cover, used, header
+    scratch = torch.zeros(2 * s + 1 + HEADER_WORDS, dtype=torch.int32, device=device)  # cover, used, header
     cover, used, header = scratch[:s + 1], scratch[s + 1:2 * s + 1], scratch[2 * s + 1:]
     before = torch.empty(s + 1, dtype=torch.int32, device=device)
     canon = torch.empty(b, h, s, 4, dtype=torch.int32, device=device)
@@ -167,6 +169,6 @@ def front_runs(intervals: torch.Tensor, seq_len: int) -> FrontRuns | None:
     _MOVE(grid, intervals, before, canon, order[0], order[1], header, s, *strides, RUNS=runs, BLOCK=BLOCK,
           num_warps=4)
     g, most, first_other = header.tolist()  # the one host read
-    if g == 0 or g > s // 4 or first_other >= g:
+    if g == 0 or (g > s // 4 and not any_count) or first_other >= g:
         return None
     return FrontRuns(canon if most <= 2 else None, order[0], order[1])
