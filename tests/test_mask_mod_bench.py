@@ -251,6 +251,26 @@ def test_compile_time_tool_times_the_steps_of_compile_mask(capsys):
         assert all(float(ms) > 0 for _, ms in steps), line
 
 
+def test_compile_time_tool_times_the_order_both_ways(capsys, monkeypatch):
+    """tools.mask_mod_compile_time --order-ab times compile_mask with the global tokens found by the
+    kernels (here under the interpreter: the rule that picks them patched on) and by torch ops, for
+    the mask_mod and the builder, and leaves the rule as it found it."""
+    from flexmask import api
+    from tools import mask_mod_compile_time as tool
+
+    def on(intervals):
+        return True
+    monkeypatch.setattr(api, "_order_on_device", on)
+    assert tool.main(["--seq-len", "2048", "--masks", "global14_window1024", "--order-ab", "--builders",
+                      "--compile-mask", "--repeats", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " compile_mask, " in line]
+    assert [line.split("compile_mask, ")[1].split(":")[0] for line in lines] == ["from_mask_mod", "builder"]
+    for line in lines:
+        ways = [part.rsplit(" ", 1) for part in line.split(": ", 1)[1].removesuffix(" ms (median)").split(", ")]
+        assert [way for way, _ in ways] == ["kernels", "torch ops"] and all(float(ms) > 0 for _, ms in ways), line
+    assert api._order_on_device is on
+
+
 def test_compile_time_tool_counts_the_gpu_paths_operators(capsys):
     """tools.mask_mod_compile_time --count-ops counts each step's operators and Triton launches along
     the GPU's path: causal's builder is its two compile kernels and a few views, the global tokens

@@ -8,7 +8,7 @@ none.
                                                           [--first-pass eager|compiled] [--profile]
                                                           [--inductor-options JSON] [--masks a,b]
                                                           [--compile-mask] [--block-mask] [--builders]
-                                                          [--phases]
+                                                          [--phases] [--order-ab]
 
 On a GPU, `--first-pass eager` keeps the first pass of the scan eager at every size (the default
 compiles it for large masks: intervals.MASK_MOD_COMPILE_PAIRS); `--first-pass compiled` takes the
@@ -25,6 +25,8 @@ compile's time goes between the compiled pass, the eager operations and the host
 (`compile_spec`), the global tokens' order (on a GPU the kernels' `front_runs` of the natural runs;
 elsewhere token_order.reordered for a builder, `reordered_runs` for a mask_mod), the reordered
 tables and `fewer_tiles`.
+`--order-ab` times compile_mask with the global tokens found by the kernels of
+masks/token_order_kernels.py (a GPU's path) and by torch ops, interleaved.
 `--count-ops` counts, per step of compile_mask, the torch operators and Triton launches of one
 compile along the GPU's code path (the compiler's Triton kernels, here under the interpreter:
 TRITON_INTERPRET=1 on the CPU): where the GPU's host time goes when the mask is small, each eager
@@ -115,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--builders", action="store_true",
                     help="also time the same masks written with flexmask's builders")
     ap.add_argument("--phases", action="store_true", help="time compile_mask's steps apart (global tokens)")
+    ap.add_argument("--order-ab", action="store_true",
+                    help="time compile_mask with the global tokens found by the kernels and by torch ops (GPU)")
     ap.add_argument("--count-ops", action="store_true",
                     help="count each step's torch operators and Triton launches on the GPU's path (TRITON_INTERPRET=1)")
     ap.add_argument("--compiled-block-log2", type=int, default=None,
@@ -177,9 +181,30 @@ def main(argv=None) -> int:
             if args.count_ops:
                 print(f"{name:20s} S={args.seq_len} operators of compile_mask, {source}: "
                       f"{count_ops(make, args.seq_len, args.first_pass)}")
+            if args.order_ab:
+                print(f"{name:20s} S={args.seq_len} {args.device} compile_mask, {source}: "
+                      f"{order_ab(make, args.seq_len, device, args.repeats)}")
         if args.profile:
             print(profiled(build, device))
     return 0
+
+
+def order_ab(make, seq_len: int, device, repeats: int) -> str:
+    """Median ms of compile_mask(make(), seq_len, seq_len) with the global tokens found and moved
+    by the kernels of masks/token_order_kernels.py and by torch ops, the two interleaved."""
+    from flexmask import api
+
+    ways = {"kernels": api._order_on_device, "torch ops": lambda intervals: False}
+    times = {way: [] for way in ways}
+    try:
+        for i in range(repeats + 1):
+            for way, rule in ways.items():
+                api._order_on_device = rule
+                times[way] += _timed(lambda: flexmask.compile_mask(make(), seq_len, seq_len, device=device), 1,
+                                     device)[i == 0:]  # the first of each: warm-up
+    finally:
+        api._order_on_device = ways["kernels"]
+    return ", ".join(f"{way} {statistics.median(t) * 1e3:.3f}" for way, t in times.items()) + " ms (median)"
 
 
 def phases(make, seq_len: int, device, repeats: int) -> str:
