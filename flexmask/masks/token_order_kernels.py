@@ -1,9 +1,9 @@
 """The global tokens of compiled runs moved to the front on the device: three launches and one host
 read where `token_order.reordered_runs` takes ~90 torch operators.
 
-A compile of a mask_mod with global tokens is host-bound: 14 global tokens beside a 1024-key window
-at 32K spend 2.8 ms on the GPU and ~8 ms on the host, most of it in the operators that find the
-tokens and move the runs (docs/performance.md, section 12). Here:
+A compile of a mask_mod with global tokens was host-bound: 14 global tokens beside a 1024-key
+window at 32K took 8.0 ms, 2.8 of them on the GPU, with ~160 of its ~230 operators finding the
+tokens and moving the runs (docs/performance.md, section 12). Here:
 
   _cover_kernel  every live run of every column, batch row and head adds +1 at its start and -1
                  at its end of a difference array over the rows (atomics), and marks its column;
