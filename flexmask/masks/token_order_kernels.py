@@ -43,8 +43,8 @@ HEADER_WORDS = 3  # G, the most merged runs a column holds, the first token that
 
 @triton.jit
 def _cover_kernel(IV, COVER, USED, S, s_row, s_slot, s_col, RUNS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < S
     base = IV + row.to(tl.int64) * s_row + cols.to(tl.int64) * s_col
     used = tl.zeros([BLOCK], dtype=tl.int1)
@@ -87,8 +87,8 @@ def _rank_kernel(COVER, USED, BEFORE, HEADER, S, BLOCK: tl.constexpr):
 @triton.jit
 def _move_kernel(IV, BEFORE, CANON, ORDER, INVERSE, HEADER, S, s_row, s_slot, s_col, RUNS: tl.constexpr,
                  BLOCK: tl.constexpr):
-    row = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < S
     g_total = tl.load(BEFORE + S)
     before = tl.load(BEFORE + cols, mask=inside, other=0)
@@ -163,7 +163,7 @@ def front_runs(intervals: torch.Tensor, seq_len: int, any_count: bool = False) -
     if b > 1 and h > 1 and intervals.stride(0) != h * intervals.stride(1):
         intervals = intervals.contiguous()
     strides = (intervals.stride(1) if h > 1 else intervals.stride(0), intervals.stride(3), intervals.stride(2))
-    grid = (triton.cdiv(s, BLOCK), b * h)
+    grid = (b * h, triton.cdiv(s, BLOCK))  # (batch row x head on the axis of 2^31 - 1 programs)
     _COVER(grid, intervals, cover, used, s, *strides, RUNS=runs, BLOCK=BLOCK, num_warps=4)
     _RANK((1,), cover, used, before, header, s, BLOCK=RANK_BLOCK, num_warps=8)
     _MOVE(grid, intervals, before, canon, order[0], order[1], header, s, *strides, RUNS=runs, BLOCK=BLOCK,
