@@ -93,7 +93,7 @@ def _global_tokens_first(mask, compiled: CompiledMask, device: torch.device, blo
     seq_len = compiled.q_len
     from_function = token_order.holds_mask_mod(mask)
     named = token_order.global_positions(mask) is not None
-    searched = compiled.free_columns is not False
+    searched, more_runs = compiled.free_columns is not False, False
     if (named or from_function) and searched and _order_on_device(compiled.intervals):
         front = token_order_kernels.front_runs(compiled.intervals, seq_len, any_count=named)
         if front is None:
@@ -101,10 +101,11 @@ def _global_tokens_first(mask, compiled: CompiledMask, device: torch.device, blo
         if front.intervals is not None:
             tables = compile_canonical(front.intervals, seq_len, seq_len, block_m, block_n)
             return tables, front.order, front.inverse
+        more_runs = True  # the tokens exist and their moved runs need k slots: no merge, no free-column read
     found = token_order.reordered(mask, seq_len, device)
     if found is None and (compiled.runs > 2 or from_function) and searched:
-        found = token_order.reordered_runs(compiled.intervals, seq_len, merge=from_function,
-                                           free=compiled.free_columns)
+        found = token_order.reordered_runs(compiled.intervals, seq_len, merge=from_function and not more_runs,
+                                           free=True if more_runs else compiled.free_columns)
     if found is None:
         return None
     spec, order, inverse = found
