@@ -125,12 +125,10 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
                      runs: int = 2, split: bool = False, dkv_tma: bool | None = None, early_v: bool | None = None,
-                     pieces: bool = False, runs_loop: int | None = None, tile_words: bool | None = None,
-                     dq_first: bool | None = None):
+                     pieces: bool = False, runs_loop: int | None = None, tile_words: bool | None = None):
     """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
     `dkv_tma`, `early_v`, `runs_loop` (runs a loop iteration folds, 0: unrolled): the kernel's
-    switches (default: configs', as launched); `dq_first`: dQ before dK (configs' rule by default);
-    `pieces`: walks cut into pieces of
+    switches (default: configs', as launched); `pieces`: walks cut into pieces of
     configs.PIECE_TILES tiles, dK/dV added into fp32 sums."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import configs as bc
@@ -170,9 +168,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
                   num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0,
                   RUNS_LOOP=runs_loop,
                   TILE_WORDS=(bc.hopper_backward_tile_words(runs) if tile_words is None else bool(tile_words) and runs > 2)
-                  and not keys_on_rows,
-                  DQ_FIRST=bc.hopper_backward_dq_first(head_dim, keys_on_rows, with_dq) if dq_first is None
-                  else dq_first and keys_on_rows and with_dq and head_dim == 128)
+                  and not keys_on_rows)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

@@ -149,18 +149,6 @@ def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: 
     return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not softcap and runs <= 2
             and sq > 0 and sq % 4 == 0)
 
-# With keys on the rows at D = 128 (dQ split by columns), the step's products in FA4's SM90 order:
-# dV, dQ (once both halves of dS are in shared memory), dK, with dQ staged for its reduction while dK
-# runs (backward/hopper.py, _keys_on_rows_dq_first), instead of dV and dK waited for before dQ.
-HOPPER_BACKWARD_DQ_FIRST = True
-
-
-def hopper_backward_dq_first(head_dim: int, keys_on_rows: bool, with_dq: bool) -> bool:
-    """Whether the Hopper backward issues dQ before dK (HOPPER_BACKWARD_DQ_FIRST): with keys on the
-    rows and dQ, at D = 128, where each warpgroup takes half of dQ's columns every step."""
-    return HOPPER_BACKWARD_DQ_FIRST and keys_on_rows and with_dq and head_dim == 128
-
-
 # The Hopper backward's dK and dV out by TMA stores staged in the dQ buffers (hopper._store_rows),
 # where the copy engine can write them in K's layout, rather than by per-element stores.
 HOPPER_BACKWARD_DKV_TMA = True

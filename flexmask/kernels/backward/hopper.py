@@ -441,15 +441,16 @@ def _mask_key_rows(st, w0, w1):
 
 
 @gluon.jit
-def _keys_on_rows_gradients(k_rows, v_rows, q_view, do_view, stats, qk_scale, lts, lte, uts, ute, start_m, partial,
-                            key0, tanh_scale, softcap2, slope2, alibi_shift, v_empty, release_v, EARLY_V: gl.constexpr,
-                            SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, st_layout: gl.constexpr):
-    """A step's S^T = K Q^T and dP^T = V dO^T [ROWS, Q_STEP] with keys on the rows (FA4's SM90
-    layout), waited for, and P^T and dS^T from them. A query's LSE and delta are per column here (16
-    registers a thread each): `stats` holds them in shared memory (loaded with Q and dO), read where
-    used. lts, lte, uts, ute: the interval ends of this warpgroup's keys in the rows' slice of S^T
-    (_key_intervals), so that a PARTIAL step's words move through no shared memory. Returns
-    (P^T, dS^T), both in the inputs' dtype."""
+def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
+                           lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
+                           v_empty, release_v, EARLY_V: gl.constexpr, WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                           st_layout: gl.constexpr, a_layout: gl.constexpr):
+    """One step with keys on the rows (FA4's SM90 layout): S^T = K Q^T and dP^T = V dO^T [ROWS,
+    Q_STEP]; P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers, and dS goes to shared
+    memory once, for the dQ products. A query's LSE and delta are per column here (16 registers a
+    thread each): `stats` holds them in shared memory (loaded with Q and dO), read where used.
+    lts, lte, uts, ute: the interval ends of this warpgroup's keys in the rows' slice of S^T
+    (_key_intervals), so that a PARTIAL step's words move through no shared memory."""
     Q_STEP: gl.constexpr = q_view.shape[0]
     ROWS: gl.constexpr = k_rows.shape[0]
     dtype: gl.constexpr = q_view.dtype
@@ -481,21 +482,7 @@ def _keys_on_rows_gradients(k_rows, v_rows, q_view, do_view, stats, qk_scale, lt
         dst = (pt * (1.0 - th * th) * (dpt - delta)).to(dtype)
     else:
         dst = (pt * (dpt - delta)).to(dtype)  # [ROWS, Q_STEP]
-    return pt.to(dtype), dst
-
-
-@gluon.jit
-def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds_ready, dv, dk, stats, qk_scale,
-                           lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2, alibi_shift,
-                           v_empty, release_v, EARLY_V: gl.constexpr, WITH_DQ: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                           st_layout: gl.constexpr, a_layout: gl.constexpr):
-    """One step with keys on the rows: P^T and dS^T (`_keys_on_rows_gradients`) feed dV += P^T dO
-    and dK += dS^T Q from registers, and dS goes to shared memory once, for the dQ products.
-    Returns (dV, dK), waited for."""
-    pt, dst = _keys_on_rows_gradients(k_rows, v_rows, q_view, do_view, stats, qk_scale, lts, lte, uts, ute, start_m,
-                                      partial, key0, tanh_scale, softcap2, slope2, alibi_shift, v_empty, release_v,
-                                      EARLY_V, SOFTCAP, HAS_ALIBI, st_layout)
-    dv = warpgroup_mma(gl.convert_layout(pt, a_layout), do_view, dv, is_async=True)  # P^T dO
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_view, dv, is_async=True)  # P^T dO
     # dS to shared memory (query-major, the dQ products' A), once the other warpgroup has read the last one
     if WITH_DQ:
         mbarrier.wait(ds_free, (step & 1) ^ 1)
@@ -505,52 +492,6 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
         mbarrier.arrive(ds_ready, count=1)
     dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_view, dk, is_async=True)  # dS^T Q
     return warpgroup_mma_wait(0, deps=(dv, dk))
-
-
-@gluon.jit
-def _keys_on_rows_dq_first(k_rows, v_rows, q_view, do_view, ds_all, ds_cols, k_cols, ds_free, ds_ready, dv, dk, stats,
-                           qk_scale, lts, lte, uts, ute, start_m, partial, step, key0, tanh_scale, softcap2, slope2,
-                           alibi_shift, v_empty, release_v, EARLY_V: gl.constexpr, SOFTCAP: gl.constexpr,
-                           HAS_ALIBI: gl.constexpr, st_layout: gl.constexpr, a_layout: gl.constexpr,
-                           dq_layout: gl.constexpr):
-    """One step with keys on the rows, its products in FA4's SM90 order: dV += P^T dO, then (both
-    halves of dS in shared memory) dQ[:, cols] = dS K[:, cols] before dK += dS^T Q, so that dK runs
-    on the tensor cores while the caller stages dQ for its reduction. Returns (dV, dK, dQ part)
-    with dV and dQ waited for and dK still in flight."""
-    Q_STEP: gl.constexpr = q_view.shape[0]
-    DQ_N: gl.constexpr = k_cols.shape[1]
-    pt, dst = _keys_on_rows_gradients(k_rows, v_rows, q_view, do_view, stats, qk_scale, lts, lte, uts, ute, start_m,
-                                      partial, key0, tanh_scale, softcap2, slope2, alibi_shift, v_empty, release_v,
-                                      EARLY_V, SOFTCAP, HAS_ALIBI, st_layout)
-    dv = warpgroup_mma(gl.convert_layout(pt, a_layout), do_view, dv, is_async=True)  # P^T dO
-    mbarrier.wait(ds_free, (step & 1) ^ 1)
-    ds_cols.permute((1, 0)).store(dst)
-    fence_async_shared()
-    mbarrier.arrive(ds_ready, count=1)
-    mbarrier.wait(ds_ready, step & 1)
-    dq = warpgroup_mma(ds_all, k_cols, gl.zeros([Q_STEP, DQ_N], gl.float32, layout=dq_layout), use_acc=False,
-                       is_async=True)
-    dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_view, dk, is_async=True)  # dS^T Q
-    dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
-    return dv, dk, dq
-
-
-@gluon.jit
-def _reduce_dq(dq, dq_lo_smem, dq_hi_smem, dq_desc, bh, start_m, dq_col, WG: gl.constexpr):
-    """A warpgroup's dQ part [Q_STEP, DQ_N] added into the fp32 dQ sums at (bh, start_m, dq_col):
-    staged in its two boxes of DQ_N / 2 columns, then two TMA bulk reductions."""
-    Q_STEP: gl.constexpr = dq.shape[0]
-    BOX: gl.constexpr = dq.shape[1] // 2
-    dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
-    tma.store_wait(0)  # the previous reductions have read the buffers
-    box_lo = dq_lo_smem.index(WG)
-    box_hi = dq_hi_smem.index(WG)
-    box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
-    box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
-    fence_async_shared()
-    # rows past Sq fall outside the descriptor and are dropped
-    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], box_lo)
-    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], box_hi)
 
 
 @gluon.jit
@@ -565,7 +506,7 @@ def _consumer(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
     KEYS_ON_ROWS: gl.constexpr, DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, PIECE_TILES: gl.constexpr,
-    RUNS_LOOP: gl.constexpr, TILE_WORDS: gl.constexpr, DQ_FIRST: gl.constexpr,
+    RUNS_LOOP: gl.constexpr, TILE_WORDS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
@@ -575,8 +516,7 @@ def _consumer(
     of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring). DKV_TMA: dK and dV
     out by TMA stores (`_store_rows`), not per element. EARLY_V: V released after the walk's last
     dP (v_empty), so that the next item's V loads while the last step's dK, dQ and the epilogue run;
-    K after its last dQ. DQ_FIRST (keys on the rows, D = 128, with dQ): the products in FA4's order,
-    dQ before dK, its reduction staged while dK runs (`_keys_on_rows_dq_first`)."""
+    K after its last dQ."""
     kv_ready, kv_empty, v_ready, v_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
@@ -669,22 +609,7 @@ def _consumer(
                 q_view = q_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
                 do_view = do_bufs.index(s).reshape([Q_STEP, HEAD_DIM])
                 release_v = (g == HEADS_PER_ITEM - 1) & (i == n_steps - 1)  # (read with EARLY_V)
-                if DQ_FIRST:  # dQ's reduction staged while dK runs
-                    if SPLIT_DQ:
-                        k_cols = k_all.slice(WG * DQ_N, DQ_N, dim=1)  # [KV_BLOCK, DQ_N]: B of this warpgroup's dQ columns
-                    else:
-                        k_cols = k_all
-                    dv, dk, dq = _keys_on_rows_dq_first(
-                        k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
-                        ds_all, ds_cols, k_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale,
-                        lts, lte, uts, ute, start_m, t >= t_mid, step, n * KV_BLOCK + WG * ROWS, tanh_scale, softcap2,
-                        slope2, alibi_shift, v_empty, release_v, EARLY_V, SOFTCAP, HAS_ALIBI, st_layout, a_layout,
-                        dq_layout)
-                    mbarrier.arrive(ds_free, count=1)
-                    _reduce_dq(dq, dq_lo_smem, dq_hi_smem, dq_desc, bh, start_m, dq_col, WG)
-                    dk = warpgroup_mma_wait(0, deps=(dk,))
-                    mbarrier.arrive(q_empty.index(s), count=1)  # dV read dO, dK Q
-                elif KEYS_ON_ROWS:
+                if KEYS_ON_ROWS:
                     dv, dk = _keys_on_rows_products(
                         k_all.slice(WG * ROWS, ROWS, dim=0), v_all.slice(WG * ROWS, ROWS, dim=0), q_view, do_view,
                         ds_cols, ds_free, ds_ready, dv, dk, stats_bufs.index(s), qk_scale, lts, lte, uts, ute, start_m,
@@ -699,9 +624,9 @@ def _consumer(
                 # with keys on the rows (dQ split by columns) the Q/dO stage is released beside ds_free,
                 # after the dQ products
                 LATE_RELEASE: gl.constexpr = KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
-                if not LATE_RELEASE and not DQ_FIRST:
+                if not LATE_RELEASE:
                     mbarrier.arrive(q_empty.index(s), count=1)
-                if WITH_DQ and (SPLIT_DQ or step % 2 == WG) and not DQ_FIRST:
+                if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
                     # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
                     mbarrier.wait(ds_ready, step & 1)
                     if SPLIT_DQ:
@@ -714,7 +639,17 @@ def _consumer(
                     mbarrier.arrive(ds_free, count=1)
                     if LATE_RELEASE:  # beside ds_free (each arrive takes a warpgroup barrier)
                         mbarrier.arrive(q_empty.index(s), count=1)
-                    _reduce_dq(dq, dq_lo_smem, dq_hi_smem, dq_desc, bh, start_m, dq_col, WG)
+                    # two boxes of BOX columns
+                    dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
+                    tma.store_wait(0)  # the previous reductions have read the buffers
+                    box_lo = dq_lo_smem.index(WG)
+                    box_hi = dq_hi_smem.index(WG)
+                    box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
+                    box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
+                    fence_async_shared()
+                    # rows past Sq fall outside the descriptor and are dropped
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], box_lo)
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], box_hi)
                 step += 1
                 start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
@@ -755,7 +690,7 @@ def _backward_hopper_kernel(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
     DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, num_warps: gl.constexpr, PIECE_TILES: gl.constexpr = 0,
-    RUNS_LOOP: gl.constexpr = 0, TILE_WORDS: gl.constexpr = False, DQ_FIRST: gl.constexpr = False,
+    RUNS_LOOP: gl.constexpr = 0, TILE_WORDS: gl.constexpr = False,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -811,7 +746,7 @@ def _backward_hopper_kernel(
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS, DQ_FIRST)),
+                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
                      dk_desc, dv_desc, bars,
                      STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
@@ -819,7 +754,7 @@ def _backward_hopper_kernel(
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS, DQ_FIRST)),
+                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -1043,7 +978,6 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         NUM_RUNS=runs, KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
         num_warps=4, maxnreg=168,
         PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0, RUNS_LOOP=runs_loop, TILE_WORDS=words is not None,
-        DQ_FIRST=configs.hopper_backward_dq_first(d, keys_on_rows, with_dq),
     )
     if sums_needed:
         dk_out.copy_(dk)
