@@ -85,8 +85,7 @@ KV_ROWS = 128  # kv rows per work item (the table's tile), 64 per consumer warpg
 KV_BLOCK = gl.constexpr(KV_ROWS)
 # timing probe, wrong outputs by design (tools.backward_probe): 1 no softmax gradient (P = S, dS = dP),
 # 2 no dQ reduction, 3 no dQ product, 4 no dQ and no cross-warpgroup dS sync, 5 = 1 + 2, 6 dQ staged in shared
-# memory but not reduced, 7 dQ reduced from shared memory not written, 8 the dQ product alone (no staging, no
-# reduction); 2, 5 and 7 lose the dQ product too (its result unused)
+# memory but not reduced, 7 dQ reduced from shared memory not written
 import os as _os
 PROBE = gl.constexpr(int(_os.environ.get("FLEXMASK_BACKWARD_PROBE", "0")))
 
@@ -658,11 +657,7 @@ def _consumer(
                     mbarrier.arrive(ds_free, count=1)
                     if LATE_RELEASE:  # beside ds_free (each arrive takes a warpgroup barrier)
                         mbarrier.arrive(q_empty.index(s), count=1)
-                    if PROBE == 8:  # the product kept (a store no step takes), no staging, no reduction
-                        if start_m < 0:
-                            dq_lo_smem.index(WG).reshape([Q_STEP, BOX]).store(
-                                gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))[0])
-                    elif PROBE != 2 and PROBE != 5:
+                    if PROBE != 2 and PROBE != 5:
                         # two boxes of BOX columns
                         dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
                         tma.store_wait(0)  # the previous reductions have read the buffers
