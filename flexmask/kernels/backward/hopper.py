@@ -84,8 +84,7 @@ CONSUMER_REGS = gl.constexpr(240)
 KV_ROWS = 128  # kv rows per work item (the table's tile), 64 per consumer warpgroup
 KV_BLOCK = gl.constexpr(KV_ROWS)
 # timing probe, wrong outputs by design (tools.backward_probe): 1 no softmax gradient (P = S, dS = dP),
-# 2 no dQ reduction, 3 no dQ product, 4 no dQ and no cross-warpgroup dS sync, 5 = 1 + 2, 6 dQ staged in shared
-# memory but not reduced, 7 dQ reduced from shared memory not written
+# 2 no dQ reduction, 3 no dQ product, 4 no dQ and no cross-warpgroup dS sync, 5 = 1 + 2
 import os as _os
 PROBE = gl.constexpr(int(_os.environ.get("FLEXMASK_BACKWARD_PROBE", "0")))
 
@@ -663,16 +662,12 @@ def _consumer(
                         tma.store_wait(0)  # the previous reductions have read the buffers
                         box_lo = dq_lo_smem.index(WG)
                         box_hi = dq_hi_smem.index(WG)
-                        if PROBE != 7:
-                            box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
-                            box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
-                        else:
-                            pass
+                        box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
+                        box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
                         fence_async_shared()
                         # rows past Sq fall outside the descriptor and are dropped
-                        if PROBE != 6:
-                            _tma_reduce_add(dq_desc, [bh, start_m, dq_col], box_lo)
-                            _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], box_hi)
+                        _tma_reduce_add(dq_desc, [bh, start_m, dq_col], box_lo)
+                        _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], box_hi)
                 step += 1
                 start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
