@@ -83,10 +83,6 @@ PRODUCER_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
 KV_ROWS = 128  # kv rows per work item (the table's tile), 64 per consumer warpgroup
 KV_BLOCK = gl.constexpr(KV_ROWS)
-# timing probe, wrong outputs by design (tools.backward_probe): 1 no softmax gradient (P = S, dS = dP),
-# 2 no dQ reduction, 3 no dQ product, 4 no dQ and no cross-warpgroup dS sync, 5 = 1 + 2
-import os as _os
-PROBE = gl.constexpr(int(_os.environ.get("FLEXMASK_BACKWARD_PROBE", "0")))
 
 
 def q_rows(head_dim: int, terms: bool = False, runs: int = 2, runs_loop: int = 0) -> int:
@@ -471,35 +467,28 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
         # the distance |i + shift - j| of query i = start_m + c and key j = key0 + r
         st, th = _term_scores(st, key0 - alibi_shift, start_m + alibi_shift, qk_scale, tanh_scale, softcap2, slope2,
                               alibi_shift, ROWS, Q_STEP, st_layout, SOFTCAP, HAS_ALIBI)
-    if PROBE == 1 or PROBE == 5:
-        pt = st
-        dpt = warpgroup_mma_wait(0, deps=(dpt,))
-        if EARLY_V:
-            mbarrier.arrive(v_empty, count=1, pred=release_v)
-        dst = dpt.to(dtype)
+    if partial:  # PARTIAL tile: -inf where masked or past Sk; the keys' two words, a few integer operations
+        w0, w1 = _run_words(lts, lte, uts, ute, start_m, 32)
+        st = _mask_key_rows(st, w0, w1)
+    if SOFTCAP or HAS_ALIBI:
+        pt = gl.exp2(st - lse2)  # [ROWS, Q_STEP]
     else:
-        if partial:  # PARTIAL tile: -inf where masked or past Sk; the keys' two words, a few integer operations
-            w0, w1 = _run_words(lts, lte, uts, ute, start_m, 32)
-            st = _mask_key_rows(st, w0, w1)
-        if SOFTCAP or HAS_ALIBI:
-            pt = gl.exp2(st - lse2)  # [ROWS, Q_STEP]
-        else:
-            pt = gl.exp2(st * qk_scale - lse2)  # [ROWS, Q_STEP]
-        delta = stats.slice(1, 1, dim=0).load(st_layout)
-        dpt = warpgroup_mma_wait(0, deps=(dpt,))
-        if EARLY_V:  # the walk's last read of V is done: the next item's V may load
-            mbarrier.arrive(v_empty, count=1, pred=release_v)
-        if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2
-            dst = (pt * (1.0 - th * th) * (dpt - delta)).to(dtype)
-        else:
-            dst = (pt * (dpt - delta)).to(dtype)  # [ROWS, Q_STEP]
+        pt = gl.exp2(st * qk_scale - lse2)  # [ROWS, Q_STEP]
+    delta = stats.slice(1, 1, dim=0).load(st_layout)
+    dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    if EARLY_V:  # the walk's last read of V is done: the next item's V may load
+        mbarrier.arrive(v_empty, count=1, pred=release_v)
+    if SOFTCAP:  # dS gains the softcap's derivative 1 - tanh^2
+        dst = (pt * (1.0 - th * th) * (dpt - delta)).to(dtype)
+    else:
+        dst = (pt * (dpt - delta)).to(dtype)  # [ROWS, Q_STEP]
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_view, dv, is_async=True)  # P^T dO
     # dS to shared memory (query-major, the dQ products' A), once the other warpgroup has read the last one
-    if WITH_DQ and PROBE != 4:
+    if WITH_DQ:
         mbarrier.wait(ds_free, (step & 1) ^ 1)
     ds_cols.permute((1, 0)).store(dst)
     fence_async_shared()
-    if WITH_DQ and PROBE != 4:
+    if WITH_DQ:
         mbarrier.arrive(ds_ready, count=1)
     dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_view, dk, is_async=True)  # dS^T Q
     return warpgroup_mma_wait(0, deps=(dv, dk))
@@ -637,13 +626,7 @@ def _consumer(
                 LATE_RELEASE: gl.constexpr = KEYS_ON_ROWS and WITH_DQ and SPLIT_DQ
                 if not LATE_RELEASE:
                     mbarrier.arrive(q_empty.index(s), count=1)
-                if WITH_DQ and (PROBE == 3 or PROBE == 4):
-                    if PROBE == 3:
-                        mbarrier.wait(ds_ready, step & 1)
-                        mbarrier.arrive(ds_free, count=1)
-                    if LATE_RELEASE:
-                        mbarrier.arrive(q_empty.index(s), count=1)
-                elif WITH_DQ and (SPLIT_DQ or step % 2 == WG):
+                if WITH_DQ and (SPLIT_DQ or step % 2 == WG):
                     # dQ[:, cols] = dS K[:, cols] over the whole kv-block: both warpgroups' dS
                     mbarrier.wait(ds_ready, step & 1)
                     if SPLIT_DQ:
@@ -656,18 +639,17 @@ def _consumer(
                     mbarrier.arrive(ds_free, count=1)
                     if LATE_RELEASE:  # beside ds_free (each arrive takes a warpgroup barrier)
                         mbarrier.arrive(q_empty.index(s), count=1)
-                    if PROBE != 2 and PROBE != 5:
-                        # two boxes of BOX columns
-                        dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
-                        tma.store_wait(0)  # the previous reductions have read the buffers
-                        box_lo = dq_lo_smem.index(WG)
-                        box_hi = dq_hi_smem.index(WG)
-                        box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
-                        box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
-                        fence_async_shared()
-                        # rows past Sq fall outside the descriptor and are dropped
-                        _tma_reduce_add(dq_desc, [bh, start_m, dq_col], box_lo)
-                        _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], box_hi)
+                    # two boxes of BOX columns
+                    dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
+                    tma.store_wait(0)  # the previous reductions have read the buffers
+                    box_lo = dq_lo_smem.index(WG)
+                    box_hi = dq_hi_smem.index(WG)
+                    box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
+                    box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
+                    fence_async_shared()
+                    # rows past Sq fall outside the descriptor and are dropped
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], box_lo)
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], box_hi)
                 step += 1
                 start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
