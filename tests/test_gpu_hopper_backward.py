@@ -191,46 +191,6 @@ def test_walk_pieces(family, b, hq, hkv, sq, sk, d, order, monkeypatch):
     _check(family, b, hq, hkv, sq, sk, torch.bfloat16, "bhsd", seed=sq, d=d)
 
 
-@pytest.mark.parametrize(
-    "family,b,hq,hkv,sq,sk,layout",
-    [
-        ("causal", 2, 4, 2, 1000, 1000, "bhsd"),
-        ("sliding_window", 1, 4, 4, 776, 1999, "bshd"),  # Sq < Sk; PARTIAL steps
-        ("document", 1, 8, 2, 2052, 2052, "bhsd"),  # split GQA groups: dK/dV into fp32 sums
-        ("full", 1, 2, 2, 4100, 4100, "bhsd"),  # long walks; a last step past Sq (its rows skipped)
-        ("prefix_lm", 2, 2, 1, 1300, 700, "bhsd"),  # Sq > Sk
-    ],
-)
-def test_dq_by_vector_reductions(family, b, hq, hkv, sq, sk, layout, monkeypatch):
-    """Keys on the rows at D = 128: each step's dQ part added into the fp32 sums from registers
-    (configs.HOPPER_BACKWARD_DQ_RED) and through shared memory by TMA reductions both match the
-    reference; dK and dV, which neither touches, are bitwise equal between the two."""
-    if not _hopper():
-        pytest.skip("needs a Hopper GPU")
-    from flexmask.kernels.backward import configs, hopper
-
-    d = 128
-    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=sq, layout=layout))
-    do = torch.randn_like(q)
-    mask = make_mask(family, sq, sk, batch=b, heads=hq, seed=sq)
-    cm = compile_mask(mask, sq, sk, device="cuda")
-    assert configs.hopper_backward_keys_on_rows(d, 64, False, sq)
-    got = {}
-    for red in (False, True):
-        monkeypatch.setattr(configs, "HOPPER_BACKWARD_DQ_RED", red)
-        assert configs.hopper_backward_dq_red(d, True, True) is red
-        got[red] = _grads(q, k, v, do, cm, d ** -0.5, "hopper")
-    ref64 = reference_grads(q, k, v, mask, do)[2:]
-    low = reference_grads(q, k, v, mask, do, dtype=torch.bfloat16)[2:]
-    floor = default_floor(torch.bfloat16, gradient=True)
-    for red, grads in got.items():
-        for name, g, r, l in zip(("dq", "dk", "dv"), grads, ref64, low):
-            assert_close_to_reference(g, r, l, floor, f"{name} (vector reductions: {red})")
-    if not hopper.splits_group(hq, hkv, sq):  # whole groups: each item sums its own rows in walk order
-        for name, a, c in zip(("dk", "dv"), got[False][1:], got[True][1:]):
-            assert torch.equal(a, c), f"{name}: differs between the two ways of adding dQ"
-
-
 def test_default_items_of_two_heads():
     """The defaults at head dim 64 in a GQA group of 8 from SPLIT_GROUP_MIN_ROWS rows: split items
     of two query heads each (configs.SPLIT_GROUP_HEADS = "auto"), matching the reference."""

@@ -11,8 +11,6 @@ Switches:
 
 - `dkv_tma`: configs.HOPPER_BACKWARD_DKV_TMA, dK and dV out by element stores against TMA stores.
 - `early_v`: configs.HOPPER_BACKWARD_EARLY_V_HEAD_DIMS, V released with K against after the walk's last dP.
-- `dq_red`: configs.HOPPER_BACKWARD_DQ_RED, a keys-on-rows step's dQ part staged in shared memory
-  for TMA reductions against added from registers by `red.global.v2.f32.add`.
 - `pieces`: whole walks against walks cut into pieces (configs.HOPPER_BACKWARD_PIECES), the latter on
   for every mask (PIECE_MIN_SHARE 0), not only where the mean walk is long; with `--long`.
 
@@ -52,7 +50,6 @@ SWITCHES = {  # name: (configs attribute, the two sides' labels, their values)
     "keys_on_rows": ("HOPPER_BACKWARD_KEYS_ON_ROWS", ("query rows", "key rows"), (False, True)),
     "dkv_tma": ("HOPPER_BACKWARD_DKV_TMA", ("element stores", "TMA stores"), (False, True)),
     "early_v": ("HOPPER_BACKWARD_EARLY_V_HEAD_DIMS", ("V with K", "V early"), (frozenset(), frozenset({64, 128}))),
-    "dq_red": ("HOPPER_BACKWARD_DQ_RED", ("TMA reductions", "vector reductions"), (False, True)),
     "pieces": (("HOPPER_BACKWARD_PIECES", "PIECE_MIN_SHARE"), ("whole walks", "pieces"), ((False, 0.75), (True, 0.0))),
     "runs_loop": ("HOPPER_BACKWARD_RUNS_LOOP", ("runs unrolled", "runs in a loop"), ({}, {64: 1, 128: 1})),
     "runs_loop_step": ("HOPPER_BACKWARD_RUNS_LOOP", ("a run an iteration", "4 runs an iteration"),

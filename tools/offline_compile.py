@@ -125,12 +125,10 @@ def _hopper_forward(head_dim: int, stages: int, q_buffers: int = 1, pingpong: bo
 
 def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, terms: str | None = None,
                      runs: int = 2, split: bool = False, dkv_tma: bool | None = None, early_v: bool | None = None,
-                     pieces: bool = False, runs_loop: int | None = None, tile_words: bool | None = None,
-                     dq_red: bool | None = None):
+                     pieces: bool = False, runs_loop: int | None = None, tile_words: bool | None = None):
     """The Hopper backward; `split`: items of one query head, dK/dV added into fp32 sums;
     `dkv_tma`, `early_v`, `runs_loop` (runs a loop iteration folds, 0: unrolled): the kernel's
-    switches (default: configs', as launched); `dq_red`: dQ added from registers (configs' rule by
-    default); `pieces`: walks cut into pieces of
+    switches (default: configs', as launched); `pieces`: walks cut into pieces of
     configs.PIECE_TILES tiles, dK/dV added into fp32 sums."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from flexmask.kernels.backward import configs as bc
@@ -157,7 +155,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
     dkv_desc = fh._descriptor(k, bh.KV_ROWS // 2, 64)[0] if dkv_tma else dqd
     args = dict(q_desc=qd, k_desc=kd, v_desc=kd, do_desc=qd, dq_desc=dqd, sums_desc=sums, stats_desc=stats_desc,
                 dk_desc=dkv_desc, dv_desc=dkv_desc, STATS=torch.empty(8),
-                DK=dkv, DV=dkv, DQ_ACC=torch.empty(8),
+                DK=dkv, DV=dkv,
                 INTV=i32, WORK=i32, COUNTER=i32, BWD_OFFSETS=i32, BWD_NUM_FULL=i32, BWD_BLOCKS=i32, BWD_WORD=i32,
                 n_items=1000,
                 PIECES=3, stride_dkb=7, stride_dkh=7, stride_dkn=7, stride_dvb=7, stride_dvh=7, stride_dvn=7,
@@ -170,9 +168,7 @@ def _hopper_backward(stages: int, head_dim: int = 128, with_dq: bool = True, ter
                   num_warps=4, PIECE_TILES=bc.PIECE_TILES if pieces else 0,
                   RUNS_LOOP=runs_loop,
                   TILE_WORDS=(bc.hopper_backward_tile_words(runs) if tile_words is None else bool(tile_words) and runs > 2)
-                  and not keys_on_rows,
-                  DQ_RED=bc.hopper_backward_dq_red(head_dim, keys_on_rows, with_dq) if dq_red is None
-                  else dq_red and keys_on_rows and with_dq and head_dim == 128)
+                  and not keys_on_rows)
     return compile_offline(bh._backward_hopper_kernel, args, consts, {"num_warps": 4, "maxnreg": 168},
                            source_cls=GluonASTSource)
 

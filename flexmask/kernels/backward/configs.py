@@ -149,19 +149,6 @@ def hopper_backward_keys_on_rows(head_dim: int, q_step: int, softcap: bool, sq: 
     return (HOPPER_BACKWARD_KEYS_ON_ROWS and head_dim == 128 and q_step == 64 and not softcap and runs <= 2
             and sq > 0 and sq % 4 == 0)
 
-# With keys on the rows at D = 128 (dQ split by columns), each step's dQ part added into the fp32 sums
-# from registers by `red.global.v2.f32.add` (backward/hopper.py, _red_dq) instead of staged in shared
-# memory for two TMA bulk reductions: the staging's stores and the reductions' reads of them are 64 KB
-# of shared-memory traffic a step.
-HOPPER_BACKWARD_DQ_RED = True
-
-
-def hopper_backward_dq_red(head_dim: int, keys_on_rows: bool, with_dq: bool) -> bool:
-    """Whether the Hopper backward adds dQ by vector reductions from registers (HOPPER_BACKWARD_DQ_RED):
-    with keys on the rows and dQ, at D = 128, where each warpgroup takes half of dQ's columns."""
-    return HOPPER_BACKWARD_DQ_RED and keys_on_rows and with_dq and head_dim == 128
-
-
 # The Hopper backward's dK and dV out by TMA stores staged in the dQ buffers (hopper._store_rows),
 # where the copy engine can write them in K's layout, rather than by per-element stores.
 HOPPER_BACKWARD_DKV_TMA = True

@@ -495,44 +495,10 @@ def _keys_on_rows_products(k_rows, v_rows, q_view, do_view, ds_cols, ds_free, ds
 
 
 @gluon.jit
-def _stage_and_reduce_dq(dq, dq_lo_smem, dq_hi_smem, dq_desc, bh, start_m, dq_col, WG: gl.constexpr):
-    """A warpgroup's dQ part [Q_STEP, DQ_N] added into the fp32 dQ sums at (bh, start_m, dq_col):
-    staged in its two boxes of DQ_N / 2 columns, then two TMA bulk reductions."""
-    Q_STEP: gl.constexpr = dq.shape[0]
-    BOX: gl.constexpr = dq.shape[1] // 2
-    dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
-    tma.store_wait(0)  # the previous reductions have read the buffers
-    box_lo = dq_lo_smem.index(WG)
-    box_hi = dq_hi_smem.index(WG)
-    box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
-    box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
-    fence_async_shared()
-    # rows past Sq fall outside the descriptor and are dropped
-    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], box_lo)
-    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], box_hi)
-
-
-@gluon.jit
-def _red_dq(dq, DQ_ACC, bh, start_m, dq_col, Sq, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
-    """A warpgroup's dQ part [Q_STEP, DQ_N] added into the fp32 dQ sums [B * Hq, Sq, HEAD_DIM] at
-    (bh, start_m, dq_col) straight from the wgmma accumulator: a thread's two adjacent columns of a
-    row (consecutive registers of the layout) in one `red.global.v2.f32.add`; rows past Sq skipped."""
-    Q_STEP: gl.constexpr = dq.shape[0]
-    DQ_N: gl.constexpr = dq.shape[1]
-    rows = start_m + gl.arange(0, Q_STEP, layout=gl.SliceLayout(1, layout))
-    cols = dq_col + gl.arange(0, DQ_N, layout=gl.SliceLayout(0, layout))
-    ptrs = (DQ_ACC + bh.to(gl.int64) * Sq * HEAD_DIM) + (gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(cols, 0))
-    keep = (gl.expand_dims(rows, 1) < Sq).to(gl.int32) + gl.expand_dims(cols * 0, 0)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.global.v2.f32.add [$2], {$6, $7}; mov.b32 $0, 0; mov.b32 $1, 0; }",
-        "=r,=r,l,l,r,r,f,f", [ptrs.to(gl.int64, bitcast=True), keep, dq], dtype=gl.int32, is_pure=False, pack=2)
-
-
-@gluon.jit
 def _consumer(
     WG: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc,
     sums_desc, dk_desc, dv_desc, bars,
-    STATS, DK, DV, DQ_ACC, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
+    STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
     KV_X_B, KV_X_H, KV_C_H, qk_scale,
@@ -540,7 +506,7 @@ def _consumer(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, Q_STEP: gl.constexpr,
     KEYS_ON_ROWS: gl.constexpr, DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, PIECE_TILES: gl.constexpr,
-    RUNS_LOOP: gl.constexpr, TILE_WORDS: gl.constexpr, DQ_RED: gl.constexpr,
+    RUNS_LOOP: gl.constexpr, TILE_WORDS: gl.constexpr,
 ):
     """One consumer warpgroup: kv rows [WG * 64, WG * 64 + 64) of each work item's kv-block.
     KEYS_ON_ROWS: S^T = K Q^T and dP^T = V dO^T, so that P^T and dS^T feed dV and dK from
@@ -550,8 +516,7 @@ def _consumer(
     of their GQA group. SOFTCAP, HAS_ALIBI: the score terms (module docstring). DKV_TMA: dK and dV
     out by TMA stores (`_store_rows`), not per element. EARLY_V: V released after the walk's last
     dP (v_empty), so that the next item's V loads while the last step's dK, dQ and the epilogue run;
-    K after its last dQ. DQ_RED: each step's dQ part added into the fp32 sums (DQ_ACC) from registers by
-    vector reductions (`_red_dq`), not staged in shared memory for TMA reductions."""
+    K after its last dQ."""
     kv_ready, kv_empty, v_ready, v_empty, q_ready, q_empty, ds_ready, ds_free, item_slots, item_ready, item_empty = bars
     dtype: gl.constexpr = q_bufs.dtype
     ROWS: gl.constexpr = KV_BLOCK // 2
@@ -674,10 +639,17 @@ def _consumer(
                     mbarrier.arrive(ds_free, count=1)
                     if LATE_RELEASE:  # beside ds_free (each arrive takes a warpgroup barrier)
                         mbarrier.arrive(q_empty.index(s), count=1)
-                    if DQ_RED:
-                        _red_dq(dq, DQ_ACC, bh, start_m, dq_col, Sq, HEAD_DIM, dq_layout)
-                    else:
-                        _stage_and_reduce_dq(dq, dq_lo_smem, dq_hi_smem, dq_desc, bh, start_m, dq_col, WG)
+                    # two boxes of BOX columns
+                    dq_lo, dq_hi = gl.split(gl.permute(gl.reshape(dq, [Q_STEP, 2, BOX]), (0, 2, 1)))
+                    tma.store_wait(0)  # the previous reductions have read the buffers
+                    box_lo = dq_lo_smem.index(WG)
+                    box_hi = dq_hi_smem.index(WG)
+                    box_lo.reshape([Q_STEP, BOX]).store(dq_lo)
+                    box_hi.reshape([Q_STEP, BOX]).store(dq_hi)
+                    fence_async_shared()
+                    # rows past Sq fall outside the descriptor and are dropped
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col], box_lo)
+                    _tma_reduce_add(dq_desc, [bh, start_m, dq_col + BOX], box_hi)
                 step += 1
                 start_m = start_next
         mbarrier.arrive(kv_empty, count=1)
@@ -708,7 +680,7 @@ def _consumer(
 
 @gluon.jit
 def _backward_hopper_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, dk_desc, dv_desc, STATS, DK, DV, DQ_ACC,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, dk_desc, dv_desc, STATS, DK, DV,
     INTV, WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -718,7 +690,7 @@ def _backward_hopper_kernel(
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr, SPLIT_GROUP: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, NUM_RUNS: gl.constexpr, KEYS_ON_ROWS: gl.constexpr,
     DKV_TMA: gl.constexpr, EARLY_V: gl.constexpr, num_warps: gl.constexpr, PIECE_TILES: gl.constexpr = 0,
-    RUNS_LOOP: gl.constexpr = 0, TILE_WORDS: gl.constexpr = False, DQ_RED: gl.constexpr = False,
+    RUNS_LOOP: gl.constexpr = 0, TILE_WORDS: gl.constexpr = False,
 ):
     DQ_READERS: gl.constexpr = 2 if HEAD_DIM == 128 else 1  # see _consumer's SPLIT_DQ
     Q_STEP: gl.constexpr = q_desc.block_type.shape[1]  # query rows per step (q_rows)
@@ -769,20 +741,20 @@ def _backward_hopper_kernel(
     gl.warp_specialize([
         (_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
                      dk_desc, dv_desc, bars,
-                     STATS, DK, DV, DQ_ACC, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
+                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS, DQ_RED)),
+                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS)),
         (_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, p_smem, ds_smem, dq_lo_smem, dq_hi_smem, dq_desc, sums_desc,
                      dk_desc, dv_desc, bars,
-                     STATS, DK, DV, DQ_ACC, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
+                     STATS, DK, DV, INTV, WORK, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, BWD_WORD, n_items, PIECES,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                      Sq, Sk, NKB, HQ, B_HKV, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
                      KV_X_B, KV_X_H, KV_C_H, qk_scale, sm_scale, tanh_scale, softcap2, ALIBI, alibi_stride_b, alibi_shift,
                      HEAD_DIM, STAGES, WITH_DQ, SPLIT_GROUP, SOFTCAP, HAS_ALIBI, NUM_RUNS, Q_STEP, KEYS_ON_ROWS,
-                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS, DQ_RED)),
+                     DKV_TMA, EARLY_V, PIECE_TILES, RUNS_LOOP, TILE_WORDS)),
         (_producer, (q_desc, k_desc, v_desc, do_desc, stats_desc, k_smem, v_smem, q_bufs, do_bufs, stats_bufs, bars,
                      WORK, COUNTER, BWD_OFFSETS, BWD_NUM_FULL, BWD_BLOCKS, n_items, PIECES,
                      NKB, HQ, ITEM_HEADS, HEADS_PER_ITEM, GROUP, MASK_B_STRIDE, MASK_H_DIV, MASK_H_STRIDE,
@@ -995,7 +967,7 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
     words = (cm.tile_words() if configs.hopper_backward_tile_words(runs) and not keys_on_rows
              and cm.block_m == cm.block_n == KV_ROWS else None)
     _BACKWARD_HOPPER_LAUNCH(grid,
-        q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, dk_desc, dv_desc, stats, dk, dv, dq_acc,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, sums_desc, stats_desc, dk_desc, dv_desc, stats, dk, dv,
         cm.kernel_intervals if words is None else words.words, work, scheduler.counters(q.device),
         cm.bwd_offsets, cm.bwd_num_full, cm.bwd_blocks, cm.bwd_blocks if words is None else words.bwd_word, n_items,
         pieces, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
@@ -1006,7 +978,6 @@ def backward_hopper(q, k, v, do, stats, dq_acc, dk, dv, cm, scale: float, mask_m
         NUM_RUNS=runs, KEYS_ON_ROWS=keys_on_rows, DKV_TMA=dkv_tma, EARLY_V=configs.hopper_backward_early_v(d),
         num_warps=4, maxnreg=168,
         PIECE_TILES=configs.PIECE_TILES if pieces > 1 else 0, RUNS_LOOP=runs_loop, TILE_WORDS=words is not None,
-        DQ_RED=configs.hopper_backward_dq_red(d, keys_on_rows, with_dq),
     )
     if sums_needed:
         dk_out.copy_(dk)
