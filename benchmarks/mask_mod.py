@@ -327,17 +327,13 @@ def missing(provider: str) -> str | None:
     return None
 
 
-SLOW_BUILD_MS = 5000.0  # a build this slow is timed once: the call that built the mask
-
-
-def timed_build(make: Callable, build: Callable, budget_ms: float = 500.0, once_over_ms: float | None = None):
+def timed_build(make: Callable, build: Callable, budget_ms: float = 500.0):
     """(the result of `build(make())`, milliseconds per build). The first call warms (kernels
-    compiled on first use); then calls on objects made beforehand (fresh masks, so nothing a
-    build keeps on a mask helps the next), each timed by CUDA events: the median of 3-10 calls,
-    or of 1 where one takes longer than `budget_ms`. A first call of over `once_over_ms` is the
-    figure itself (flexmask's builders, whose warming is a few kernels compiled once: over
-    SLOW_BUILD_MS it is noise; never from_mask_mod's or FlexAttention's, whose first call on a
-    GPU runs torch.compile on the function)."""
+    compiled on first use: flexmask's builders launch the compiler's and the global-token order's
+    Triton kernels, whose first compile on a cold cache takes seconds; from_mask_mod and FlexAttention
+    run torch.compile on the function); then calls on objects made beforehand (fresh masks, so
+    nothing a build keeps on a mask helps the next), each timed by CUDA events: the median of 3-10
+    calls, or of 1 where one takes longer than `budget_ms`."""
 
     def timed(obj):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -348,9 +344,7 @@ def timed_build(make: Callable, build: Callable, budget_ms: float = 500.0, once_
         return out, start.elapsed_time(end)
 
     torch.cuda.synchronize()
-    result, first = timed(make())
-    if once_over_ms is not None and first > once_over_ms:
-        return result, first
+    result, _ = timed(make())
     _, probe = timed(make())
     n = 1 if probe > budget_ms else max(3, min(10, int(budget_ms / max(probe, 1e-3))))
     times = [probe] if n == 1 else [timed(obj)[1] for obj in [make() for _ in range(n)]]
@@ -379,7 +373,7 @@ def prepare(provider: str, case: Case, device) -> tuple[Callable, float, int]:
         def build(mask):
             return flexmask.compile_mask(mask, s, s, device=device)
 
-        cm, ms = timed_build(make, build, once_over_ms=SLOW_BUILD_MS if provider == "flexmask" else None)
+        cm, ms = timed_build(make, build)
         return (lambda q, k, v: flexmask.attention(q, k, v, mask=cm)), ms, cm.summary()["table_bytes"]
     from .providers import build_block_mask, compiled_flex_attention
 

@@ -291,3 +291,28 @@ def test_compile_time_tool_counts_the_gpu_paths_operators(capsys):
     assert steps[("global14_window1024", "from_mask_mod")]["order"][0] > 0
     # a mask_mod's runs are placed by change_runs' kernels, as on a GPU: launches beyond the tables' two
     assert steps[("causal", "from_mask_mod")]["tables (natural)"][1] > 2
+
+
+def test_timed_build_leaves_the_warming_call_out(monkeypatch):
+    """The first build compiles kernels (seconds on a cold cache, now that builders launch Triton
+    kernels too): it only warms, and the figure is the median of the calls after it."""
+    import itertools
+
+    elapsed = itertools.chain([6000.0, 2.0], itertools.cycle([3.0, 1.0, 2.0]))
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return next(elapsed)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    built = []
+    result, ms = bench.timed_build(lambda: len(built), lambda obj: built.append(obj) or obj)
+    assert ms == 2.0 and result == 0
+    assert len(built) == 2 + 10  # the warming call, the probe, then ten timed calls (the probe's 2 ms: 10 fit)
