@@ -192,6 +192,9 @@ def test_dv_must_equal_d():
     q, k, v = make_qkv(1, 2, 1, 20, 20, 16, torch.float32)
     with pytest.raises(ValueError, match=r"Dv must equal D.*Dv=8, D=16"):
         flexmask.attention(q, k, v[..., :8])
+    # k alone narrower: the message names k, not v (v agrees with q)
+    with pytest.raises(ValueError, match=r"k's head dim must equal q's.*q=16, k=8, v=16"):
+        flexmask.attention(q, k[..., :8], v)
 
 
 def test_uncalled_builder_and_dense_tensor_as_mask():
