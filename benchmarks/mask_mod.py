@@ -47,7 +47,7 @@ the attending pairs only; compile_ms, the mask's build on the GPU: flexmask `com
 flexmask_mod `compile_mask(from_mask_mod(f))`, flex and flex_flash the compiled
 `create_block_mask(f)` (the same function, timed again in each row), each the median of calls on fresh mask
 objects (CUDA events, after a warm call, which for from_mask_mod and create_block_mask on a GPU
-includes compiling the function; a builder's build of over 5 s is timed once); mask_bytes: the CompiledMask's tensors, or
+includes compiling the function, and for a builder the compiler's first Triton compiles); mask_bytes: the CompiledMask's tensors, or
 the BlockMask's.
 A provider that cannot be imported is left out with a one-line note; one that fails on a
 configuration gets its row with the error as status. Rows are written as they are measured: all
