@@ -239,9 +239,9 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError(f"q, k and v must be on one device, got q={device}, k={k.device}, v={v.device}")
     qs, ks, vs = q.shape, k.shape, v.shape
     if ks != vs:
-        if ks[:3] == vs[:3] and ks[3] == qs[3]:
-            raise ValueError(f"v's head dim Dv must equal D (the head dim of q and k), got Dv={vs[3]}, D={ks[3]}")
-        if ks[:3] == vs[:3]:  # v agrees with q: k is the odd one
+        if ks[:3] == vs[:3]:  # the head dims differ: name the one that disagrees with q
+            if ks[3] == qs[3]:
+                raise ValueError(f"v's head dim Dv must equal D (the head dim of q and k), got Dv={vs[3]}, D={ks[3]}")
             raise ValueError(f"k's head dim must equal q's (and v's), got q={qs[3]}, k={ks[3]}, v={vs[3]}")
         raise ValueError(f"k and v must have the same shape (B, Hkv, Sk, D), got k={tuple(ks)}, v={tuple(vs)}")
     if qs[0] != ks[0]:
